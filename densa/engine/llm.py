@@ -1,0 +1,126 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from densa.engine.args import EngineArgs
+from densa.engine.llm_engine import LLMEngine
+from densa.engine.output import RequestOutput
+from densa.sampling_params import SamplingParams
+from densa.worker.sampler import TokenLogprobs
+
+Prompt = str | list[int]
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    error: str | None = None
+
+
+class LLM:
+    """Batch generation in-process. Keyword arguments are `EngineArgs` fields."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine.from_args(EngineArgs(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (text, or token ids); results come back in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(params, len(prompt_list))
+        token_lists = [self._tokens(p) for p in prompt_list]
+        request_ids = [
+            self.engine.add_request(tokens, sp)
+            for tokens, sp in zip(token_lists, params_list, strict=True)
+        ]
+        finals = self._run_to_completion(set(request_ids), use_tqdm)
+        return [
+            self._result(finals[rid], tokens)
+            for rid, tokens in zip(request_ids, token_lists, strict=True)
+        ]
+
+    def chat(
+        self,
+        conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        params: SamplingParams | None = None,
+    ) -> list[GenerationResult]:
+        """One conversation (a list of messages) or several; the chat template is applied."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.tokenizer.encode_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params)
+
+    def _tokens(self, prompt: Prompt) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def _run_to_completion(self, request_ids: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        finals: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in request_ids}
+        progress = _progress(len(request_ids), use_tqdm)
+        while len(finals) < len(request_ids):
+            for out in self.engine.step():
+                logprobs[out.request_id].extend(out.new_logprobs)
+                if out.finished:
+                    out.new_logprobs = logprobs[out.request_id]
+                    finals[out.request_id] = out
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return finals
+
+    @staticmethod
+    def _result(out: RequestOutput, prompt_tokens: list[int]) -> GenerationResult:
+        return GenerationResult(
+            request_id=out.request_id,
+            prompt_token_ids=prompt_tokens,
+            text=out.text or "",
+            token_ids=out.token_ids or [],
+            finish_reason=out.finish_reason,
+            num_cached_tokens=out.num_cached_tokens,
+            logprobs=out.new_logprobs,
+            error=out.error,
+        )
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [list(prompts)]  # type: ignore[arg-type]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"{len(params)} SamplingParams for {count} prompts")
+    return list(params)
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req")

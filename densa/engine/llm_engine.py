@@ -1,0 +1,245 @@
+"""The engine: one loop of schedule -> execute -> update, plus request bookkeeping around it.
+
+Synchronous and single-threaded by design; `AsyncEngine` runs it on a background thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from densa.cache.kv_manager import KVCacheManager
+from densa.config import EngineConfig
+from densa.engine.args import EngineArgs, default_model_path
+from densa.engine.detokenizer import Detokenizer
+from densa.engine.output import RequestOutput
+from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.attention import AttentionBackend
+from densa.model.loader import load_model, resolve_model_dir
+from densa.model.tokenizer import Tokenizer
+from densa.request import Request, RequestStatus
+from densa.sampling_params import SamplingParams
+from densa.sched.scheduler import Scheduler
+from densa.utils.logging import get_logger
+from densa.utils.sizes import format_bytes
+from densa.worker.kv_cache import allocate_kv_caches, num_pages_for_budget, page_bytes
+from densa.worker.model_runner import ModelRunner
+from densa.worker.sampler import TokenLogprobs
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request: its scheduler record plus text and timing."""
+
+    request: Request
+    detokenizer: Detokenizer
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    first_token_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer,
+        runner: ModelRunner,
+        arch: ArchConfig,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.arch = arch
+        self.kv_manager = KVCacheManager(
+            config.cache.num_pages, config.cache.page_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self._tracked: dict[str, _Tracked] = {}
+        self._finished_outputs: list[RequestOutput] = []
+        self._ids = itertools.count()
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> LLMEngine:
+        model_path = args.model or default_model_path()
+        model_dir = resolve_model_dir(model_path)
+        arch = ArchConfig.from_dir(model_dir)
+        device = torch.device(args.device)
+        max_len = args.resolved_max_model_len(arch)
+        tokenizer = Tokenizer(model_dir, arch.eos_token_ids)
+        model = load_model(model_dir, arch, args.dtype, max_len, device)
+        kv_dtype = args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+        num_pages = _resolve_num_pages(args, arch, kv_dtype, max_len, device)
+        config = args.resolve(arch, model_path, num_pages)
+        kv_caches = allocate_kv_caches(arch, num_pages, args.page_size, kv_dtype, device)
+        backend = select_backend(args.attention_backend, device)
+        runner = ModelRunner(
+            model, kv_caches, args.page_size, backend, tokenizer.eos_token_ids, device, args.seed
+        )
+        logger.info(
+            "KV cache: %d pages x %d tokens (%s, %s), attention backend %s",
+            num_pages, args.page_size, kv_dtype,
+            format_bytes(num_pages * page_bytes(arch, args.page_size, kv_dtype)), backend.name,
+        )  # fmt: skip
+        return cls(config, tokenizer, runner, arch)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_scope: str = "",
+        session_id: str | None = None,
+    ) -> str:
+        """Queue a request. Raises ValueError (nothing changed) if it can never run."""
+        self._validate_prompt(prompt_token_ids)
+        request = Request(
+            request_id=request_id or self.new_request_id(),
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            cache_scope=cache_scope,
+            session_id=session_id,
+        )
+        self.scheduler.add_request(request)
+        self._tracked[request.request_id] = _Tracked(
+            request=request,
+            detokenizer=Detokenizer(
+                self.tokenizer,
+                request.prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+            ),
+        )
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self._finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._finished_outputs)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.scheduler.num_unfinished
+
+    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.arch.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        max_len = self.config.scheduler.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_token_ids)} tokens but this model's context is "
+                f"{max_len} tokens (prompt + at least one output token); shorten the prompt"
+            )
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return outputs for every request that progressed or ended."""
+        outputs, self._finished_outputs = self._finished_outputs, []
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        for request_id, reason in runner_out.failed.items():
+            self._finish(request_id, RequestStatus.FINISHED_ERROR, reason)
+        updated = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        now = time.monotonic()
+        for request in updated:
+            tracked = self._tracked.get(request.request_id)
+            if tracked is None:
+                continue
+            self._absorb_token(tracked, runner_out.logprobs.get(request.request_id), now)
+            outputs.append(self._output(tracked))
+        outputs.extend(self._finished_outputs)
+        self._finished_outputs = []
+        return outputs
+
+    def _absorb_token(self, tracked: _Tracked, logprobs: TokenLogprobs | None, now: float) -> None:
+        request = tracked.request
+        token_id = request.output_token_ids[-1]
+        tracked.first_token_time = tracked.first_token_time or now
+        tracked.pending_token_ids.append(token_id)
+        if logprobs is not None:
+            tracked.pending_logprobs.append(logprobs)
+        tracked.detokenizer.add_token(token_id)
+        if not request.is_finished and tracked.detokenizer.check_stop():
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
+        request = self.scheduler.finish_request(request_id, status, error)
+        tracked = self._tracked.get(request_id)
+        if request is None or tracked is None:
+            return
+        self._finished_outputs.append(self._output(tracked))
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        request = tracked.request
+        finished = request.is_finished
+        output = RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=tracked.pending_token_ids,
+            new_text=tracked.detokenizer.take_delta(finished),
+            new_logprobs=tracked.pending_logprobs,
+            finished=finished,
+            finish_reason=request.status.value if finished else None,
+            error=request.error,
+            error_code=_error_code(request.error),
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+        tracked.pending_token_ids, tracked.pending_logprobs = [], []
+        if finished:
+            output.text = tracked.detokenizer.text
+            output.token_ids = list(request.output_token_ids)
+            del self._tracked[request.request_id]
+        return output
+
+
+def _error_code(error: str | None) -> str | None:
+    if error is None:
+        return None
+    return error.split(":", 1)[0] if ":" in error else "engine_error"
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    from densa.model.attention import TorchAttentionBackend
+
+    if name in ("auto", "torch"):
+        return TorchAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
+def _resolve_num_pages(
+    args: EngineArgs, arch: ArchConfig, kv_dtype: str, max_len: int, device: torch.device
+) -> int:
+    budget = args.kv_budget()
+    if isinstance(budget, float):  # a fraction of what is free now that the weights are loaded
+        free = (
+            psutil.virtual_memory().available
+            if device.type == "cpu"
+            else torch.cuda.mem_get_info(device)[0]
+        )
+        budget = int(free * budget)
+    num_pages = num_pages_for_budget(arch, args.page_size, kv_dtype, budget)
+    needed = -(-max_len // args.page_size)
+    if num_pages < needed:
+        raise ModelLoadError(
+            f"the KV cache budget ({format_bytes(budget)}) holds {num_pages} pages but one "
+            f"{max_len}-token request needs {needed}; raise --kv-cache-memory or lower --max-model-len"
+        )
+    return num_pages

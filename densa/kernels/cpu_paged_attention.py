@@ -1,0 +1,405 @@
+"""Fast CPU paged attention: a fused Numba decode kernel and an SDPA-based prefill path.
+
+Cache layout, scales, page tables and GQA follow `paged_attention_ref` (see its module docstring).
+
+Threading: Numba's parallel kernels and torch both run OpenMP-style worker pools. See
+`_configure_numba_threading` for the choice made and why.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+__all__ = ["paged_attention", "paged_decode_attention", "paged_prefill_attention"]
+
+
+def _configure_numba_threading() -> None:
+    """Pick Numba's threading layer unless the user already chose one via the environment.
+
+    The default ("omp") loads the system libgomp next to torch's bundled copy, giving two
+    OpenMP pools whose idle workers spin-wait after each parallel region; on 2 cores, alternating
+    torch ops and Numba kernels then fight over the cores. "workqueue" is Numba's own pool whose
+    idle workers sleep, so it stays out of torch's way. (Decided by measurement; see the bench.)
+    """
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        numba.config.THREADING_LAYER = "workqueue"
+
+
+_configure_numba_threading()
+
+# All fast-math flags except nnan/ninf: the online softmax starts from a large negative sentinel
+# and we want inf/NaN in the cache to propagate visibly rather than be optimized into garbage.
+_FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+_NEG_BIG = np.float32(-1e30)  # "minus infinity" for the running max; exp(_NEG_BIG - x) == 0
+_BLOCK = 32  # tokens scored per online-softmax step (one rescale of the accumulator per block)
+_MIN_SPLIT_TOKENS = 256  # below this, splitting a sequence costs more than it balances
+_NO_SCALES = np.empty((0, 0, 0), dtype=np.float32)  # "no dynamic scales" placeholder
+
+# Raw element type handed to Numba per cache dtype, and the constant its widened value must be
+# multiplied by. bf16 goes in as int16 (not uint16) only so it gets a different specialization
+# than fp16.
+_RAW_VIEW: dict[torch.dtype, tuple[torch.dtype, float]] = {
+    torch.float32: (torch.float32, 1.0),
+    torch.bfloat16: (torch.int16, 1.0),
+    torch.float16: (torch.uint16, 1.0),
+    # e4m3 bits are re-packed into fp16 bits whose exponent bias is 8 larger, so the widened value
+    # is the true value / 256; the 256 is folded into the scales instead of paid per element.
+    torch.float8_e4m3fn: (torch.uint8, 256.0),
+}
+
+
+@intrinsic
+def _widen(typingctx, raw):
+    """Raw cache element -> float32, in registers (vectorizes; no lookup tables).
+
+    float32: identity. int16 (bf16 bits): shift into the high half of a 32-bit float.
+    uint16 (fp16 bits): hardware fp16 -> fp32 conversion. uint8 (e4m3fn bits): repack sign,
+    exponent and mantissa into fp16 bits (exact, subnormals included) and convert; the result
+    is the true value / 256. The e4m3 NaN code (0x7f/0xff) is not special-cased (reads as 480).
+    """
+    f32 = ir.FloatType()
+    i16 = ir.IntType(16)
+
+    def to_f32_from_half_bits(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), f32)
+
+    def codegen(context, builder, signature, args):
+        (x,) = args
+        if raw == types.float32:
+            return x
+        if raw == types.int16:
+            wide = builder.zext(x, ir.IntType(32))
+            return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), f32)
+        if raw == types.uint16:
+            return to_f32_from_half_bits(builder, x)
+        wide = builder.zext(x, i16)
+        sign = builder.shl(builder.and_(wide, ir.Constant(i16, 0x80)), ir.Constant(i16, 8))
+        magnitude = builder.shl(builder.and_(wide, ir.Constant(i16, 0x7F)), ir.Constant(i16, 7))
+        return to_f32_from_half_bits(builder, builder.or_(sign, magnitude))
+
+    if raw not in (types.float32, types.int16, types.uint16, types.uint8):
+        return None
+    return types.float32(raw), codegen
+
+
+@njit(fastmath=_FASTMATH, cache=True)
+def _attend_range(
+    q_group, k_cache, v_cache, page_row, kv_head, t0, t1, k_scales, v_scales, acc, m, l
+):
+    """Online-softmax attention of one GQA group over token positions [t0, t1) of one sequence.
+
+    q_group: [G, D] queries already multiplied by sm_scale and every static K factor.
+    k_cache/v_cache: raw [P, Hkv, S, D]; k_scales/v_scales: [P, Hkv, S] or empty (no dynamic).
+    Writes the unnormalized accumulator acc [G, D], running max m [G] and sum l [G].
+    """
+    group, head_dim = q_group.shape
+    page_size = k_cache.shape[2]
+    dyn_k = k_scales.shape[0] > 0
+    dyn_v = v_scales.shape[0] > 0
+    row = np.empty(head_dim, dtype=np.float32)
+    probs = np.empty((group, _BLOCK), dtype=np.float32)
+    acc[:] = 0.0
+    m[:] = _NEG_BIG
+    l[:] = 0.0
+    for b0 in range(t0, t1, _BLOCK):
+        n = min(_BLOCK, t1 - b0)
+        # Scores: each K row is widened once and dotted with every query head of the group.
+        for t in range(n):
+            page = page_row[(b0 + t) // page_size]
+            slot = (b0 + t) % page_size
+            for d in range(head_dim):
+                row[d] = _widen(k_cache[page, kv_head, slot, d])
+            tok_scale = k_scales[page, kv_head, slot] if dyn_k else np.float32(1.0)
+            for g in range(group):
+                s = np.float32(0.0)
+                for d in range(head_dim):
+                    s += q_group[g, d] * row[d]
+                probs[g, t] = s * tok_scale
+        # Online softmax: one accumulator rescale per block, not per token.
+        for g in range(group):
+            block_max = probs[g, 0]
+            for t in range(1, n):
+                block_max = max(block_max, probs[g, t])
+            new_m = max(m[g], block_max)
+            alpha = np.float32(math.exp(m[g] - new_m))
+            m[g] = new_m
+            total = l[g] * alpha
+            for d in range(head_dim):
+                acc[g, d] *= alpha
+            for t in range(n):
+                p = np.float32(math.exp(probs[g, t] - new_m))
+                probs[g, t] = p
+                total += p
+            l[g] = total
+        for t in range(n):
+            page = page_row[(b0 + t) // page_size]
+            slot = (b0 + t) % page_size
+            for d in range(head_dim):
+                row[d] = _widen(v_cache[page, kv_head, slot, d])
+            tok_scale = v_scales[page, kv_head, slot] if dyn_v else np.float32(1.0)
+            for g in range(group):
+                w = probs[g, t] * tok_scale
+                for d in range(head_dim):
+                    acc[g, d] += w * row[d]
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _decode_kernel(
+    query,
+    k_cache,
+    v_cache,
+    page_table,
+    seq_lens,
+    k_scales,
+    v_scales,
+    q_mult,
+    v_mult,
+    num_splits,
+    out,
+):
+    """Split-K ("flash-decoding") paged attention for one new token per sequence.
+
+    query/out: float32 [B, H, D]. Work items are (sequence, kv head, split); each split covers a
+    contiguous 1/num_splits share of the sequence, and a second pass merges the partial softmaxes.
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    num_items = batch * num_kv_heads * num_splits
+    part_acc = np.empty((num_items, group, head_dim), dtype=np.float32)
+    part_m = np.empty((num_items, group), dtype=np.float32)
+    part_l = np.empty((num_items, group), dtype=np.float32)
+    for item in prange(num_items):
+        b = item // (num_kv_heads * num_splits)
+        kv_head = (item // num_splits) % num_kv_heads
+        split = item % num_splits
+        seq_len = seq_lens[b]
+        chunk = (seq_len + num_splits - 1) // num_splits
+        t0 = min(split * chunk, seq_len)
+        t1 = min(t0 + chunk, seq_len)
+        q_group = np.empty((group, head_dim), dtype=np.float32)
+        for g in range(group):
+            for d in range(head_dim):
+                q_group[g, d] = query[b, kv_head * group + g, d] * q_mult
+        _attend_range(
+            q_group,
+            k_cache,
+            v_cache,
+            page_table[b],
+            kv_head,
+            t0,
+            t1,
+            k_scales,
+            v_scales,
+            part_acc[item],
+            part_m[item],
+            part_l[item],
+        )
+    for bh in prange(batch * num_heads):
+        b = bh // num_heads
+        h = bh % num_heads
+        first = (b * num_kv_heads + h // group) * num_splits
+        g = h % group
+        top = _NEG_BIG
+        for s in range(num_splits):
+            top = max(top, part_m[first + s, g])
+        total = np.float32(0.0)
+        for d in range(head_dim):
+            out[b, h, d] = 0.0
+        for s in range(num_splits):
+            w = np.float32(math.exp(part_m[first + s, g] - top))
+            total += w * part_l[first + s, g]
+            for d in range(head_dim):
+                out[b, h, d] += w * part_acc[first + s, g, d]
+        # An empty sequence (seq_len 0) has total 0: leave its output at zero rather than NaN.
+        inv = v_mult / total if total > 0 else np.float32(0.0)
+        for d in range(head_dim):
+            out[b, h, d] *= inv
+
+
+# ---- Python wrappers ---------------------------------------------------------------------------
+
+
+def _raw_cache(cache: torch.Tensor) -> tuple[np.ndarray, float]:
+    """Zero-copy numpy view of a cache in the element type `_widen` expects, plus its factor."""
+    if cache.dtype not in _RAW_VIEW:
+        raise TypeError(f"unsupported KV cache dtype {cache.dtype}")
+    if not cache.is_contiguous():
+        raise ValueError("KV cache must be contiguous")
+    raw_dtype, factor = _RAW_VIEW[cache.dtype]
+    return cache.view(raw_dtype).numpy(), factor
+
+
+def _split_scale(scale: torch.Tensor | None) -> tuple[np.ndarray, float]:
+    """(dynamic per-token scales [P, Hkv, S] or an empty array, static multiplier)."""
+    if scale is None:
+        return _NO_SCALES, 1.0
+    if scale.dim() == 0:
+        return _NO_SCALES, float(scale)
+    return scale.to(torch.float32).contiguous().numpy(), 1.0
+
+
+def _choose_num_splits(num_pairs: int, max_seq_len: int, num_threads: int) -> int:
+    """Splits per (sequence, kv head) so the work items balance across threads.
+
+    Only splits when there are too few (sequence, kv head) pairs to keep every thread busy and
+    each split still gets at least _MIN_SPLIT_TOKENS tokens.
+    """
+    max_splits = max(1, max_seq_len // _MIN_SPLIT_TOKENS)
+    if num_pairs >= 4 * num_threads or max_splits == 1:
+        return 1
+    best, best_waste = 1, math.inf
+    for splits in range(1, min(max_splits, 8 * num_threads) + 1):
+        items = num_pairs * splits
+        # Idle fraction of the slowest thread, plus a small per-split merge penalty.
+        waste = math.ceil(items / num_threads) * num_threads / items - 1 + 0.01 * splits
+        if waste < best_waste:
+            best, best_waste = splits, waste
+    return best
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention (one new token per sequence) with the fused Numba kernel.
+
+    query: float32 [B, H, D]; caches [P, Hkv, S, D]; page_table int32 [B, max_pages];
+    seq_lens int32 [B] (including the new token). out: optional float32 [B, H, D] to write into.
+    Returns float32 [B, H, D].
+    """
+    batch, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads or k_cache.shape[3] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError("query / cache shapes do not match")
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=torch.float32)
+    elif out.shape != query.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError("out must be a contiguous float32 tensor shaped like query")
+    if batch == 0:
+        return out
+    k_raw, k_factor = _raw_cache(k_cache)
+    v_raw, v_factor = _raw_cache(v_cache)
+    k_dyn, k_static = _split_scale(k_scale)
+    v_dyn, v_static = _split_scale(v_scale)
+    table = page_table.to(torch.int32).contiguous().numpy()
+    lens = seq_lens.to(torch.int32).contiguous().numpy()
+    max_seq_len = int(lens.max())
+    if max_seq_len > table.shape[1] * k_cache.shape[2]:
+        raise ValueError("seq_lens exceed the page table capacity")
+    num_splits = _choose_num_splits(batch * num_kv_heads, max_seq_len, numba.get_num_threads())
+    _decode_kernel(
+        query.to(torch.float32).contiguous().numpy(),
+        k_raw,
+        v_raw,
+        table,
+        lens,
+        k_dyn,
+        v_dyn,
+        np.float32(sm_scale * k_static * k_factor),
+        np.float32(v_static * v_factor),
+        num_splits,
+        out.numpy(),
+    )
+    return out
+
+
+def _gather_dense(
+    cache: torch.Tensor,
+    pages: torch.Tensor,
+    scale: torch.Tensor | None,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """Widened, scaled K or V of B sequences, padded to whole pages: float32 [B, Hkv, n*S, D].
+
+    pages: int64 [B, n]; valid: bool [B, 1, n*S, 1], True for positions < seq_len. Positions past
+    seq_len (stale or never-written slots, possibly NaN bit patterns) are zeroed, because SDPA's
+    mask does not stop NaN in masked K/V from poisoning the row (NaN * 0 = NaN).
+    """
+    num_pages, num_kv_heads, page_size, head_dim = cache.shape
+    batch, n = pages.shape
+    # One gather straight into [B, Hkv, n, S, D] order: index pages*Hkv + head of the
+    # [P*Hkv, S, D] view, so each head's pages come out contiguous without a permute copy.
+    heads = torch.arange(num_kv_heads).view(1, num_kv_heads, 1)
+    index = (pages.unsqueeze(1) * num_kv_heads + heads).reshape(-1)
+    blocks = cache.view(num_pages * num_kv_heads, page_size, head_dim)[index]
+    dense = blocks.to(torch.float32).view(batch, num_kv_heads, n * page_size, head_dim)
+    if scale is not None:
+        if scale.dim() == 0:
+            dense.mul_(scale.to(torch.float32))
+        else:
+            per_token = scale.reshape(num_pages * num_kv_heads, page_size)[index]
+            dense.mul_(per_token.to(torch.float32).view(batch, num_kv_heads, -1, 1))
+    return dense.masked_fill_(~valid, 0.0)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention for chunked prefill (any query_len >= 1), via one batched SDPA call.
+
+    query: float32 [total_q, H, D], sequence i owning query_lens[i] consecutive rows whose
+    absolute positions are seq_lens[i] - query_lens[i] + j. Returns float32 [total_q, H, D].
+    The B sequences are gathered, widened and padded to a common length; an explicit boolean
+    causal-with-offset mask hides padding and the future.
+    """
+    total_q, num_heads, head_dim = query.shape
+    batch = page_table.shape[0]
+    page_size = k_cache.shape[2]
+    seq_lens = seq_lens.to(torch.int64)
+    query_lens = query_lens.to(torch.int64)
+    max_q = int(query_lens.max())
+    num_pages = (int(seq_lens.max()) + page_size - 1) // page_size
+    pages = page_table[:, :num_pages].to(torch.int64)
+
+    key_pos = torch.arange(num_pages * page_size)
+    valid = (key_pos < seq_lens.view(batch, 1)).view(batch, 1, -1, 1)
+    k = _gather_dense(k_cache, pages, k_scale, valid)
+    v = _gather_dense(v_cache, pages, v_scale, valid)
+
+    # Row r of `query` is new token j of sequence seq[r]; padded slot (b, j) holds it.
+    seq = torch.repeat_interleave(torch.arange(batch), query_lens, output_size=total_q)
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    j = torch.arange(total_q) - starts[seq]
+    if total_q == batch * max_q:  # all chunks equally long: the padded layout is a free view
+        q = query.view(batch, max_q, num_heads, head_dim)
+    else:
+        q = query.new_zeros((batch, max_q, num_heads, head_dim))
+        q[seq, j] = query
+    # Padded query rows (j >= query_len) get positions >= seq_len; they attend to real keys, so
+    # no row is fully masked (which would produce NaN), and their output is dropped below.
+    q_pos = (seq_lens - query_lens).view(batch, 1) + torch.arange(max_q)
+    mask = key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)
+    mask = (mask & valid.view(batch, 1, -1)).unsqueeze(1)  # [B, 1, max_q, n*S]
+
+    out = F.scaled_dot_product_attention(
+        q.to(torch.float32).transpose(1, 2), k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True
+    )  # [B, H, max_q, D]
+    out = out.transpose(1, 2)
+    if total_q == batch * max_q:
+        return out.reshape(total_q, num_heads, head_dim)
+    return out[seq, j]

@@ -1,0 +1,1 @@
+"""L4: model families, layers, weight loading (HF directories and GGUF files), tokenizers, attention."""

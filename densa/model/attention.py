@@ -1,0 +1,172 @@
+"""Paged attention: where K/V pages live, what a step's attention needs to know, and the backends.
+
+A step's tokens are one flattened batch, decode tokens first:
+
+    rows:   [ d0 d1 ... d(nd-1) | p0 p0 p0 p1 p1 ... ]
+              one row per decode   prefill chunks, request by request
+              request (q_len 1)    (q_len >= 1, earlier context already in pages)
+
+Each group is attended as a batch padded to its longest query and context, so there is no Python
+loop over requests per layer. Backends implement the two groups; `paged_attention` stores the new
+K/V first (every layer writes before it reads) and dispatches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class LayerKVCache:
+    """One layer's pages. k, v: [num_pages, num_kv_heads, page_size, head_dim].
+
+    For FP8 caches, values are stored scaled: real = stored * scale, with scales either one per
+    layer (0-dim) or one per token and head ([num_pages, num_kv_heads, page_size]).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Requests attended together (all decodes, or all prefill chunks) over rows [start, end)."""
+
+    start: int
+    end: int
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
+    query_lens: torch.Tensor  # [B] int32
+    max_query_len: int
+    # Padded layout for the torch path, built once per step and shared by every layer:
+    valid: torch.Tensor  # [B * max_query_len] bool: which padded query slots are real rows
+    mask: torch.Tensor  # [B, 1, max_query_len, max_pages * page_size] bool, True = attend
+
+    @property
+    def num_seqs(self) -> int:
+        return self.page_table.shape[0]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_pages: torch.Tensor  # [T] int64: page receiving each new token's K/V
+    slot_offsets: torch.Tensor  # [T] int64: slot within that page
+    decode: AttentionGroup | None
+    prefill: AttentionGroup | None
+
+
+def build_group(
+    start: int,
+    page_tables: list[list[int]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    page_size: int,
+    device: torch.device,
+) -> AttentionGroup:
+    """Tensors for one group; page tables are padded with page 0 (masked out, never read as data)."""
+    num_seqs = len(page_tables)
+    max_pages = max(len(t) for t in page_tables)
+    table = torch.zeros(num_seqs, max_pages, dtype=torch.int32)
+    for i, pages in enumerate(page_tables):
+        table[i, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    seq_t = torch.tensor(seq_lens, dtype=torch.int32)
+    q_t = torch.tensor(query_lens, dtype=torch.int32)
+    max_q = max(query_lens)
+    q_idx = torch.arange(max_q)
+    valid = (q_idx[None, :] < q_t[:, None]).reshape(-1)
+    # Query j of sequence i sits at absolute position seq_len - q_len + j and sees keys <= it.
+    q_pos = (seq_t - q_t)[:, None] + q_idx[None, :]  # [B, max_q]
+    k_pos = torch.arange(max_pages * page_size)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_k]
+    return AttentionGroup(
+        start=start,
+        end=start + sum(query_lens),
+        page_table=table.to(device),
+        seq_lens=seq_t.to(device),
+        query_lens=q_t.to(device),
+        max_query_len=max_q,
+        valid=valid.to(device),
+        mask=mask.unsqueeze(1).to(device),
+    )
+
+
+class AttentionBackend(Protocol):
+    """Computes paged attention for one group. Reads the cache; mutates nothing but `out`."""
+
+    name: str
+
+    def store_kv(
+        self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        """Write this step's K/V ([T, KVH, D]) into their slots (quantizing if the cache is narrow)."""
+        ...
+
+    def attend(
+        self, q: torch.Tensor, cache: LayerKVCache, group: AttentionGroup, scale: float
+    ) -> torch.Tensor:
+        """q: [rows of the group, H, D] -> attention output, same shape, q's dtype."""
+        ...
+
+
+def paged_attention(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
+    backend.store_kv(cache, k, v, meta)
+    out = torch.empty_like(q)
+    for group in (meta.decode, meta.prefill):
+        if group is not None:
+            out[group.start : group.end] = backend.attend(
+                q[group.start : group.end], cache, group, scale
+            )
+    return out
+
+
+class TorchAttentionBackend:
+    """Portable reference path: gather pages into a padded batch, then SDPA with a causal mask."""
+
+    name = "torch"
+
+    def store_kv(
+        self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        cache.k[meta.slot_pages, :, meta.slot_offsets] = k.to(cache.k.dtype)
+        cache.v[meta.slot_pages, :, meta.slot_offsets] = v.to(cache.v.dtype)
+
+    def attend(
+        self, q: torch.Tensor, cache: LayerKVCache, group: AttentionGroup, scale: float
+    ) -> torch.Tensor:
+        num_seqs, max_q = group.num_seqs, group.max_query_len
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        q_pad = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
+        q_pad[group.valid] = q
+        q_pad = q_pad.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, D]
+        k = gather_pages(cache.k, group.page_table).to(q.dtype)  # [B, KVH, K, D]
+        v = gather_pages(cache.v, group.page_table).to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q_pad, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
+        )  # [B, H, Q, D]
+        return out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)[group.valid]
+
+
+def gather_pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """[num_pages, KVH, P, D] gathered by [B, max_pages] -> [B, KVH, max_pages * P, D]."""
+    pages = cache[page_table.long()]  # [B, max_pages, KVH, P, D]
+    num_seqs, max_pages, num_kv_heads, page_size, head_dim = pages.shape
+    return pages.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_pages * page_size, head_dim)

@@ -1,0 +1,109 @@
+"""Building blocks shared by model families: RMSNorm, rotary embeddings, the gated MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 whatever the compute dtype, as the reference implementation does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def forward_with_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): saves the separate residual add of a decoder layer."""
+        residual = x + residual
+        return self.forward(residual), residual
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE (the Hugging Face Llama layout), cos/sin precomputed for every position."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        arange = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
+        inv_freq = _scale_inv_freq(1.0 / (theta ** (arange / head_dim)), scaling)
+        positions = torch.arange(max_position, dtype=torch.float64, device=device)
+        freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim / 2]
+        # [max_position, head_dim] with the half repeated, matching rotate_half below. Plain
+        # attributes, not buffers: the model is built on the meta device and materialized empty,
+        # which would wipe buffers; these are computed, never loaded.
+        self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).float()
+        self.sin = torch.cat([freqs.sin(), freqs.sin()], -1).float()
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D], positions: [T] -> rotated q, k (same shapes)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise NotImplementedError(
+        f"rope scaling type {kind!r} is not supported (supported: linear, llama3)"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / low_freq_factor, old_len / high_freq_factor
+    smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    middle = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(middle, blended, out)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [T, intermediate]
+        return self.down_proj(F.silu(gate) * up)

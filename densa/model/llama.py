@@ -1,0 +1,185 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with q/k/v bias), written for paged KV.
+
+forward() takes one flattened batch of tokens from many requests ([T] ids and positions) and the
+step's attention metadata; there is no batch dimension and no padding in the dense layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from densa.model.arch import ArchConfig
+from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, paged_attention
+from densa.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        # q, k and v projections fused into one matmul: one weight read, one kernel launch.
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(backend, q, k, v, cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fold in the previous add.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ArchConfig, max_position: int, device: torch.device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device=device
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, cache, meta, backend)
+        hidden, _ = self.norm.forward_with_residual(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32. Called only on rows that sample."""
+        return self.lm_head(hidden).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Every parameter must arrive."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name, shard = _fused_target(hf_name)
+            if name.startswith("lm_head") and self.cfg.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            if name not in params:
+                raise KeyError(
+                    f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}"
+                )
+            self._copy_into(params[name], tensor, shard)
+            loaded.add(f"{name}#{shard}")
+        self._check_all_loaded(loaded)
+
+    def _copy_into(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
+        rows = self._shard_rows(shard, param.shape[0])
+        target = param.data[rows[0] : rows[1]]
+        if target.shape != tensor.shape:
+            raise ValueError(
+                f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+
+    def _shard_rows(self, shard: str | None, num_rows: int) -> tuple[int, int]:
+        q, kv, inter = self.cfg.q_size, self.cfg.kv_size, self.cfg.intermediate_size
+        offsets = {
+            None: (0, num_rows),
+            "q": (0, q),
+            "k": (q, q + kv),
+            "v": (q + kv, q + 2 * kv),
+            "gate": (0, inter),
+            "up": (inter, 2 * inter),
+        }
+        return offsets[shard]
+
+    def _check_all_loaded(self, loaded: set[str]) -> None:
+        expected = set()
+        for name, _ in self.named_parameters():
+            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+                expected |= {f"{name}#q", f"{name}#k", f"{name}#v"}
+            elif name.endswith("gate_up_proj.weight"):
+                expected |= {f"{name}#gate", f"{name}#up"}
+            else:
+                expected.add(f"{name}#None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def _fused_target(hf_name: str) -> tuple[str, str | None]:
+    """'model.layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 'k')."""
+    name = hf_name.removeprefix("model.")
+    parts = name.split(".")
+    for idx, part in enumerate(parts):
+        if part in _FUSED:
+            fused, shard = _FUSED[part]
+            parts[idx] = fused
+            return ".".join(parts), shard
+    return name, None

@@ -1,0 +1,100 @@
+"""L1: the state of one request as the scheduler and KV manager see it. Pure data, no torch."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from densa.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages
+    RUNNING = "running"  # holds pages, scheduled every step
+    PREEMPTED = "preempted"  # pages taken back; waits to recompute its tokens
+    FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context length
+    FINISHED_ABORTED = "abort"  # client went away or cancelled
+    FINISHED_ERROR = "error"  # the engine refused to continue it (e.g. a KV integrity violation)
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Token accounting (the scheduler schedules tokens, not phases):
+
+        all_token_ids:  [ prompt ............ | output ....... ]
+                        0            num_computed_tokens     num_tokens
+                        |<-- K/V in pages -->|<-- to compute -->|
+
+    A prefill chunk, a decode step and a recompute after preemption are all "compute the next
+    tokens past num_computed_tokens".
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    cache_scope: str = ""  # prefix-cache namespace (tenant); pages are shared only within a scope
+    session_id: str | None = None  # x-session-affinity
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    # Pages this request maps, in order, and the generation tag each page had when it was mapped.
+    # Invariant: len(page_ids) == len(page_tags); page_ids[i] holds positions [i*P, (i+1)*P).
+    page_ids: list[int] = field(default_factory=list)
+    page_tags: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def token_at(self, idx: int) -> int:
+        num_prompt = len(self.prompt_token_ids)
+        if idx < num_prompt:
+            return self.prompt_token_ids[idx]
+        return self.output_token_ids[idx - num_prompt]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]

@@ -1,0 +1,79 @@
+"""L1: how one request wants its tokens chosen and when it stops. Validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_STOP_STRINGS = 16  # a request may not make the engine scan for an unbounded number of strings
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None  # same seed + same prompt -> same tokens, whatever else is in the batch
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    repetition_penalty: float = (
+        1.0  # > 1 discourages any token seen in prompt or output (CTRL-style)
+    )
+    presence_penalty: float = 0.0  # OpenAI: flat penalty for tokens already generated
+    frequency_penalty: float = 0.0  # OpenAI: penalty proportional to the count in the output
+    logprobs: int | None = None  # top-N logprobs per generated token (0 = only the chosen token's)
+    min_tokens: int = 0  # EOS / stop token ids are masked until this many tokens are generated
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers; store tuples so the object stays hashable and immutable.
+        object.__setattr__(self, "stop", _as_tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(
+            0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}"
+        )
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.repetition_penalty > 0, "repetition_penalty must be > 0")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
+        _check(self.min_tokens >= 0, "min_tokens must be >= 0")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _as_tuple(value: object) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, (str, int)):
+        return (value,)
+    return tuple(value)  # type: ignore[call-overload]
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)

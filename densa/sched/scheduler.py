@@ -1,0 +1,199 @@
+"""Continuous batching: every step, decide which tokens of which requests to compute.
+
+Policy (first come, first served; never deadlocks, never starves):
+1. Running requests, oldest first, get their next tokens (1 for decode, a chunk for prefill) under the
+   per-step token budget. When the pool has no page for one, the newest running request is preempted
+   (pages freed, recomputed later) until it fits -- or it is itself the newest and waits.
+2. If nobody was preempted, waiting requests are admitted in arrival order (prefix hits first), each
+   with as large a prefill chunk as the budget leaves, while pages and sequence slots last. The queue
+   head is never skipped, so a large request cannot be starved by a stream of small ones.
+
+Since the pool always holds at least one max_model_len request (checked at start-up), the oldest
+request can always make progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from densa.cache.kv_manager import NO_HIT, KVCacheManager
+from densa.config import SchedulerConfig
+from densa.request import Request, RequestStatus
+from densa.sched.output import ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_step: list[str] = []
+        self._preempted_since_step: list[str] = []
+        self._new_page_tags: list[tuple[int, int]] = []
+        self.num_preemptions = 0  # lifetime total, for metrics
+
+    # ---- request lifecycle ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens; the context holds "
+                f"{self.config.max_model_len} including at least one output token"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_request(
+        self, request_id: str, status: RequestStatus, error: str | None = None
+    ) -> Request | None:
+        """End a request (abort, stop string, integrity error...). Frees its pages. Idempotent."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.error = error
+        self.kv.free(request)
+        self.kv.forget(request)
+        self._finished_since_step.append(request_id)
+        return request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        budget = self._schedule_running(budget, scheduled)
+        if not self._preempted_since_step:
+            self._schedule_waiting(budget, scheduled)
+        output = SchedulerOutput(
+            scheduled=scheduled,
+            new_page_tags=self._new_page_tags,
+            finished_request_ids=self._finished_since_step,
+            preempted_request_ids=self._preempted_since_step,
+        )
+        self._new_page_tags, self._finished_since_step, self._preempted_since_step = [], [], []
+        return output
+
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new):
+                break  # the request preempted itself: everything after it is gone too
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            idx += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
+        while True:
+            new_page_ids = self.kv.allocate_slots(request, num_new)
+            if new_page_ids is not None:
+                self._record_new_pages(new_page_ids)
+                return True
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit = self.kv.find_prefix(request) if request.num_computed_tokens == 0 else NO_HIT
+            num_hit_tokens = hit.num_tokens(self.kv.page_size)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            new_page_ids = self.kv.allocate_slots(request, num_new, hit)
+            if new_page_ids is None:
+                return  # no room for the queue head; later arrivals wait behind it
+            self._record_new_pages(new_page_ids)
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                self.kv.record_prefix_query(request, hit)
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        self._preempted_since_step.append(request.request_id)
+
+    def _record_new_pages(self, page_ids: Iterable[int]) -> None:
+        self._new_page_tags.extend((p, self.kv.pool.tag(p)) for p in page_ids)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.token_slice(start, start + num_new),
+            start_pos=start,
+            page_ids=list(request.page_ids),
+            page_tags=list(request.page_tags),
+            sample=start + num_new == request.num_tokens,
+            sampling_params=request.sampling_params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+        )
+
+    # ---- after the step ------------------------------------------------------------------------
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests that hit a stop.
+
+        Returns the requests that got a new token or finished this step.
+        """
+        updated = []
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished (e.g. aborted) after the step was scheduled
+            request.num_computed_tokens = item.end_pos
+            self.kv.cache_full_pages(request)
+            token_id = sampled_token_ids.get(item.request_id)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+            updated.append(request)
+        return updated
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,1 @@
+"""L0: small dependency-free helpers (sizes, ids, logging)."""

@@ -1,0 +1,1 @@
+"""L5: the model runner (batch preparation, KV tensors, forward, sampling)."""

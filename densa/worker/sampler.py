@@ -1,0 +1,178 @@
+"""Turn logits into tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+
+Every request that samples randomly draws from its own torch.Generator, so its tokens depend on its
+seed and its own logits only -- not on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from densa.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One row of the logits to sample from."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the N most likely tokens under the model, best first
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, default_seed: int = 0) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+        self._seed_source = torch.Generator().manual_seed(default_seed)
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
+        """logits: [N, V] float32, one row per entry of `rows`."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
+        logits = _apply_penalties(logits, rows)
+        logits = _apply_min_tokens(logits, rows)
+        token_ids = torch.argmax(logits, dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if random_rows:
+            token_ids[random_rows] = self._sample_random(
+                logits[random_rows], [rows[i] for i in random_rows]
+            )
+        chosen = token_ids.tolist()
+        return SampleResult(chosen, _logprobs(raw_logprobs, rows, chosen))
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        temperatures = torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)
+        logits = _filter_top_k(logits / temperatures, rows)
+        logits = _filter_top_p(logits, rows)
+        probs = torch.softmax(logits, dim=-1)
+        probs = _filter_min_p(probs, rows)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row uses its own RNG.
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows):
+            noise[i].exponential_(generator=self._generator(row))
+        return torch.argmax(probs / noise, dim=-1)
+
+    def _generator(self, row: SampleRequest) -> torch.Generator:
+        generator = self._generators.get(row.request_id)
+        if generator is None:
+            seed = row.params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+            generator = torch.Generator().manual_seed(seed)
+            self._generators[row.request_id] = generator
+        return generator
+
+
+def _wants_logprobs(rows: list[SampleRequest]) -> bool:
+    return any(r.params.logprobs is not None for r in rows)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not penalized:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for i in penalized:
+        params = rows[i].params
+        output_counts = torch.bincount(
+            torch.tensor(rows[i].output_token_ids, dtype=torch.long), minlength=vocab
+        )
+        row = logits[i]
+        if params.repetition_penalty != 1.0:
+            seen = output_counts > 0
+            seen[torch.tensor(rows[i].prompt_token_ids, dtype=torch.long)] = True
+            # CTRL-style: shrink positive logits, grow negative ones, for every token already seen.
+            penalized_row = torch.where(
+                row > 0, row / params.repetition_penalty, row * params.repetition_penalty
+            )
+            row = torch.where(seen[:vocab], penalized_row, row)
+        row = row - params.frequency_penalty * output_counts[:vocab].to(row.dtype)
+        row = row - params.presence_penalty * (output_counts[:vocab] > 0).to(row.dtype)
+        logits[i] = row
+    return logits
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    blocked = [(i, r) for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+    if not blocked:
+        return logits
+    logits = logits.clone()
+    for i, r in blocked:
+        stop_ids = set(r.params.stop_token_ids)
+        if not r.params.ignore_eos:
+            stop_ids |= set(r.eos_token_ids)
+        ids = [t for t in stop_ids if t < logits.shape[1]]
+        if ids:
+            logits[i, ids] = float("-inf")
+    return logits
+
+
+def _filter_top_k(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    if all(k == vocab for k in ks):
+        return logits
+    kth = torch.topk(logits, max(ks), dim=-1).values  # [N, max_k], descending
+    threshold = kth.gather(1, torch.tensor(ks).unsqueeze(1) - 1)  # [N, 1]: the k-th largest
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _filter_top_p(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    top_p = torch.tensor([r.params.top_p for r in rows]).unsqueeze(1)
+    if bool((top_p >= 1.0).all()):
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the tokens before it already reach top_p (so the first is always kept).
+    drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _filter_min_p(probs: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    min_p = torch.tensor([r.params.min_p for r in rows]).unsqueeze(1)
+    if bool((min_p <= 0.0).all()):
+        return probs
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _logprobs(
+    raw: torch.Tensor | None, rows: list[SampleRequest], chosen: list[int]
+) -> list[TokenLogprobs | None]:
+    if raw is None:
+        return [None] * len(rows)
+    results: list[TokenLogprobs | None] = []
+    for i, row in enumerate(rows):
+        num_top = row.params.logprobs
+        if num_top is None:
+            results.append(None)
+            continue
+        top = torch.topk(raw[i], num_top) if num_top > 0 else None
+        pairs = (
+            list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            if top is not None
+            else []
+        )
+        results.append(TokenLogprobs(chosen[i], float(raw[i, chosen[i]]), pairs))
+    return results
