@@ -39,6 +39,9 @@ class EngineArgs:
     weight_format: str = "auto"
     kv_cache_memory: str = str(DEFAULT_KV_FRACTION)  # bytes ("2GiB") or a fraction of free memory
     kv_cache_dtype: str = "auto"
+    num_kv_pages: int | None = (
+        None  # exact page count, overriding kv_cache_memory (tests, benchmarks)
+    )
     page_size: int = 16
     enable_prefix_caching: bool = True
     kv_integrity: bool = True
@@ -115,6 +118,12 @@ class EngineArgs:
             "--kv-cache-dtype",
             default="auto",
             choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+        )
+        g.add_argument(
+            "--num-kv-pages",
+            type=int,
+            default=None,
+            help="exact number of KV pages (overrides --kv-cache-memory)",
         )
         g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
         g.add_argument(

@@ -102,7 +102,7 @@ class LLMEngine:
         session_id: str | None = None,
     ) -> str:
         """Queue a request. Raises ValueError (nothing changed) if it can never run."""
-        self._validate_prompt(prompt_token_ids)
+        self.validate_request(prompt_token_ids, params)
         request = Request(
             request_id=request_id or self.new_request_id(),
             prompt_token_ids=list(prompt_token_ids),
@@ -134,7 +134,24 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
 
-    def _validate_prompt(self, prompt_token_ids: list[int]) -> None:
+    def check_invariants(self) -> None:
+        """Assert the page pool matches the requests' page tables (tests run this every step)."""
+        owners = {rid: req.page_ids for rid, req in self.scheduler.requests.items()}
+        self.kv_manager.pool.check_consistency(owners)
+        if not self.scheduler.has_unfinished:
+            assert self.kv_manager.num_free_pages == self.kv_manager.num_pages, (
+                "idle but pages in use"
+            )
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every request with an error (after an unexpected engine failure); frees all pages."""
+        for request_id in list(self.scheduler.requests):
+            self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
+        outputs, self._finished_outputs = self._finished_outputs, []
+        return outputs
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if the request can never run. Pure: safe to call from any thread."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.arch.vocab_size
@@ -147,12 +164,19 @@ class LLMEngine:
                 f"the prompt has {len(prompt_token_ids)} tokens but this model's context is "
                 f"{max_len} tokens (prompt + at least one output token); shorten the prompt"
             )
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}")
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return outputs for every request that progressed or ended."""
         outputs, self._finished_outputs = self._finished_outputs, []
         sched_out = self.scheduler.schedule()
+        for request_id in sched_out.finished_request_ids:
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:  # ended by the scheduler itself (e.g. outgrew the KV cache)
+                outputs.append(self._output(tracked))
         runner_out = self.runner.execute(sched_out)
         for request_id, reason in runner_out.failed.items():
             self._finish(request_id, RequestStatus.FINISHED_ERROR, reason)
@@ -227,7 +251,10 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
 def _resolve_num_pages(
     args: EngineArgs, arch: ArchConfig, kv_dtype: str, max_len: int, device: torch.device
 ) -> int:
-    budget = args.kv_budget()
+    if args.num_kv_pages is not None:
+        budget = args.num_kv_pages * page_bytes(arch, args.page_size, kv_dtype)
+    else:
+        budget = args.kv_budget()
     if isinstance(budget, float):  # a fraction of what is free now that the weights are loaded
         free = (
             psutil.virtual_memory().available

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["paged_attention", "paged_decode_attention", "paged_prefill_attention"]
@@ -40,7 +41,8 @@ _configure_numba_threading()
 # and we want inf/NaN in the cache to propagate visibly rather than be optimized into garbage.
 _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 _NEG_BIG = np.float32(-1e30)  # "minus infinity" for the running max; exp(_NEG_BIG - x) == 0
-_BLOCK = 32  # tokens scored per online-softmax step (one rescale of the accumulator per block)
+_BLOCK_TOKENS = 32  # tokens per online-softmax step (one accumulator rescale per block)
+_PREFETCH_PAGES = 2  # how many pages ahead to prefetch; hides DRAM latency at page jumps
 _MIN_SPLIT_TOKENS = 256  # below this, splitting a sequence costs more than it balances
 _NO_SCALES = np.empty((0, 0, 0), dtype=np.float32)  # "no dynamic scales" placeholder
 
@@ -57,6 +59,9 @@ _RAW_VIEW: dict[torch.dtype, tuple[torch.dtype, float]] = {
 }
 
 
+# ---- LLVM-level helpers --------------------------------------------------------------------------
+
+
 @intrinsic
 def _widen(typingctx, raw):
     """Raw cache element -> float32, in registers (vectorizes; no lookup tables).
@@ -69,7 +74,7 @@ def _widen(typingctx, raw):
     f32 = ir.FloatType()
     i16 = ir.IntType(16)
 
-    def to_f32_from_half_bits(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
+    def half_bits_to_f32(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
         return builder.fpext(builder.bitcast(bits, ir.HalfType()), f32)
 
     def codegen(context, builder, signature, args):
@@ -80,23 +85,93 @@ def _widen(typingctx, raw):
             wide = builder.zext(x, ir.IntType(32))
             return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), f32)
         if raw == types.uint16:
-            return to_f32_from_half_bits(builder, x)
+            return half_bits_to_f32(builder, x)
         wide = builder.zext(x, i16)
         sign = builder.shl(builder.and_(wide, ir.Constant(i16, 0x80)), ir.Constant(i16, 8))
         magnitude = builder.shl(builder.and_(wide, ir.Constant(i16, 0x7F)), ir.Constant(i16, 7))
-        return to_f32_from_half_bits(builder, builder.or_(sign, magnitude))
+        return half_bits_to_f32(builder, builder.or_(sign, magnitude))
 
     if raw not in (types.float32, types.int16, types.uint16, types.uint8):
         return None
     return types.float32(raw), codegen
 
 
+@intrinsic
+def _pow2(typingctx, exponent):
+    """2.0 ** exponent as float32, built from the exponent bits (exponent in [-126, 127])."""
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        biased = builder.add(builder.trunc(args[0], i32), ir.Constant(i32, 127))
+        return builder.bitcast(builder.shl(biased, ir.Constant(i32, 23)), ir.FloatType())
+
+    if not isinstance(exponent, types.Integer):
+        return None
+    return types.float32(exponent), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, array, index):
+    """Hint the CPU to pull the cache line holding array.flat[index] into cache."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        address = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+        # read access, high temporal locality, data cache
+        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    if not isinstance(array, types.Array) or not isinstance(index, types.Integer):
+        return None
+    return types.void(array, index), codegen
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.0)  # exp(-87) ~ 1.6e-38 still normal; anything below rounds to ~0
+
+
+@njit(fastmath=_FASTMATH, cache=True, inline="always")
+def _exp_neg(x):  # noqa: ANN001, ANN202
+    """exp(x) for x <= 0 in float32 (Cephes expf polynomial, ~1 ulp); unlike libm's expf it is
+    inlined and vectorizes across the softmax block."""
+    x = max(x, _EXP_MIN)
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HI - n * _LN2_LO
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    return (p * r * r + r + np.float32(1.0)) * _pow2(np.int32(n))
+
+
+# ---- decode kernel -----------------------------------------------------------------------------
+
+
+@njit(fastmath=_FASTMATH, cache=True)
+def _prefetch_page(cache, page, kv_head):  # noqa: ANN001, ANN202
+    """Prefetch one head's page block (page_size x head_dim, contiguous) line by line."""
+    block = cache.shape[2] * cache.shape[3]
+    base = (page * cache.shape[1] + kv_head) * block
+    step = 64 // cache.itemsize
+    for offset in range(0, block, step):
+        _prefetch(cache, base + offset)
+
+
 @njit(fastmath=_FASTMATH, cache=True)
 def _attend_range(
     q_group, k_cache, v_cache, page_row, kv_head, t0, t1, k_scales, v_scales, acc, m, l
-):
+):  # noqa: ANN001, ANN202, E501
     """Online-softmax attention of one GQA group over token positions [t0, t1) of one sequence.
 
+    t0 must be a multiple of the page size, so blocks always start at a page boundary.
     q_group: [G, D] queries already multiplied by sm_scale and every static K factor.
     k_cache/v_cache: raw [P, Hkv, S, D]; k_scales/v_scales: [P, Hkv, S] or empty (no dynamic).
     Writes the unnormalized accumulator acc [G, D], running max m [G] and sum l [G].
@@ -105,51 +180,54 @@ def _attend_range(
     page_size = k_cache.shape[2]
     dyn_k = k_scales.shape[0] > 0
     dyn_v = v_scales.shape[0] > 0
-    row = np.empty(head_dim, dtype=np.float32)
-    probs = np.empty((group, _BLOCK), dtype=np.float32)
+    # Whole pages per block, at least one page.
+    block = max(page_size, _BLOCK_TOKENS // page_size * page_size)
+    probs = np.empty((group, block), dtype=np.float32)
     acc[:] = 0.0
     m[:] = _NEG_BIG
     l[:] = 0.0
-    for b0 in range(t0, t1, _BLOCK):
-        n = min(_BLOCK, t1 - b0)
-        # Scores: each K row is widened once and dotted with every query head of the group.
-        for t in range(n):
-            page = page_row[(b0 + t) // page_size]
-            slot = (b0 + t) % page_size
-            for d in range(head_dim):
-                row[d] = _widen(k_cache[page, kv_head, slot, d])
-            tok_scale = k_scales[page, kv_head, slot] if dyn_k else np.float32(1.0)
-            for g in range(group):
-                s = np.float32(0.0)
-                for d in range(head_dim):
-                    s += q_group[g, d] * row[d]
-                probs[g, t] = s * tok_scale
+    last_page = (t1 + page_size - 1) // page_size
+    for b0 in range(t0, t1, block):
+        n = min(block, t1 - b0)
+        first = b0 // page_size
+        # Scores. K elements are widened inline per query head: cheaper than a store + reload.
+        for i in range(0, n, page_size):
+            page_index = first + i // page_size
+            if page_index + _PREFETCH_PAGES < last_page:
+                ahead = page_row[page_index + _PREFETCH_PAGES]
+                _prefetch_page(k_cache, ahead, kv_head)
+                _prefetch_page(v_cache, ahead, kv_head)
+            page = page_row[page_index]
+            for s in range(min(page_size, n - i)):
+                tok_scale = k_scales[page, kv_head, s] if dyn_k else np.float32(1.0)
+                for g in range(group):
+                    dot = np.float32(0.0)
+                    for d in range(head_dim):
+                        dot += q_group[g, d] * _widen(k_cache[page, kv_head, s, d])
+                    probs[g, i + s] = dot * tok_scale
         # Online softmax: one accumulator rescale per block, not per token.
         for g in range(group):
-            block_max = probs[g, 0]
-            for t in range(1, n):
-                block_max = max(block_max, probs[g, t])
-            new_m = max(m[g], block_max)
-            alpha = np.float32(math.exp(m[g] - new_m))
-            m[g] = new_m
-            total = l[g] * alpha
-            for d in range(head_dim):
-                acc[g, d] *= alpha
+            block_max = m[g]
             for t in range(n):
-                p = np.float32(math.exp(probs[g, t] - new_m))
+                block_max = max(block_max, probs[g, t])
+            alpha = _exp_neg(m[g] - block_max)
+            m[g] = block_max
+            total = np.float32(0.0)
+            for t in range(n):
+                p = _exp_neg(probs[g, t] - block_max)
                 probs[g, t] = p
                 total += p
-            l[g] = total
-        for t in range(n):
-            page = page_row[(b0 + t) // page_size]
-            slot = (b0 + t) % page_size
+            l[g] = l[g] * alpha + total
             for d in range(head_dim):
-                row[d] = _widen(v_cache[page, kv_head, slot, d])
-            tok_scale = v_scales[page, kv_head, slot] if dyn_v else np.float32(1.0)
-            for g in range(group):
-                w = probs[g, t] * tok_scale
-                for d in range(head_dim):
-                    acc[g, d] += w * row[d]
+                acc[g, d] *= alpha
+        for i in range(0, n, page_size):
+            page = page_row[first + i // page_size]
+            for s in range(min(page_size, n - i)):
+                tok_scale = v_scales[page, kv_head, s] if dyn_v else np.float32(1.0)
+                for g in range(group):
+                    w = probs[g, i + s] * tok_scale
+                    for d in range(head_dim):
+                        acc[g, d] += w * _widen(v_cache[page, kv_head, s, d])
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
@@ -165,14 +243,16 @@ def _decode_kernel(
     v_mult,
     num_splits,
     out,
-):
+):  # noqa: ANN001, ANN202, E501
     """Split-K ("flash-decoding") paged attention for one new token per sequence.
 
     query/out: float32 [B, H, D]. Work items are (sequence, kv head, split); each split covers a
-    contiguous 1/num_splits share of the sequence, and a second pass merges the partial softmaxes.
+    page-aligned 1/num_splits share of the sequence, and a second pass merges the partial
+    softmaxes (with num_splits == 1 that pass just normalizes).
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
+    page_size = k_cache.shape[2]
     group = num_heads // num_kv_heads
     num_items = batch * num_kv_heads * num_splits
     part_acc = np.empty((num_items, group, head_dim), dtype=np.float32)
@@ -183,9 +263,9 @@ def _decode_kernel(
         kv_head = (item // num_splits) % num_kv_heads
         split = item % num_splits
         seq_len = seq_lens[b]
-        chunk = (seq_len + num_splits - 1) // num_splits
-        t0 = min(split * chunk, seq_len)
-        t1 = min(t0 + chunk, seq_len)
+        pages_per_split = ((seq_len + page_size - 1) // page_size + num_splits - 1) // num_splits
+        t0 = min(split * pages_per_split * page_size, seq_len)
+        t1 = min(t0 + pages_per_split * page_size, seq_len)
         q_group = np.empty((group, head_dim), dtype=np.float32)
         for g in range(group):
             for d in range(head_dim):
@@ -216,7 +296,7 @@ def _decode_kernel(
         for d in range(head_dim):
             out[b, h, d] = 0.0
         for s in range(num_splits):
-            w = np.float32(math.exp(part_m[first + s, g] - top))
+            w = _exp_neg(part_m[first + s, g] - top)
             total += w * part_l[first + s, g]
             for d in range(head_dim):
                 out[b, h, d] += w * part_acc[first + s, g, d]

@@ -109,6 +109,14 @@ class Scheduler:
                 self._record_new_pages(new_page_ids)
                 return True
             victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                # Alone and still no room: it can never fit. Fail it rather than spin forever.
+                self.finish_request(
+                    request.request_id,
+                    RequestStatus.FINISHED_ERROR,
+                    "kv_cache_exhausted: the request outgrew the whole KV cache",
+                )
+                return False
             self._preempt(victim)
             if victim is request:
                 return False

@@ -1,0 +1,155 @@
+"""OpenAI-style errors: one exception type, its JSON body, and the handlers that install it.
+
+Every failure a client can cause becomes `{"error": {"message", "type", "param", "code"}}` with a 4xx
+status, so a bad request never takes the server down and never returns FastAPI's default 422 shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from densa.engine.output import RequestOutput
+from densa.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+# A status nginx made common for "the client closed the connection"; nobody reads the response.
+STATUS_CLIENT_CLOSED = 499
+# Error codes the engine reports that mean the request itself was bad, not the server.
+_CLIENT_ERROR_CODES = {"invalid_request"}
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """A failure to report to the client as an OpenAI error body with an HTTP status."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        error_type: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=error_type, param=param, code=code)
+        self.headers = headers
+
+    def to_response(self) -> JSONResponse:
+        body = ErrorResponse(error=self.info).model_dump()
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before the response was ready; its engine request is already aborted."""
+
+
+# ---- constructors for the common cases ----------------------------------------------------------
+def bad_request(message: str, code: str = "invalid_value", param: str | None = None) -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def model_not_found(model: str, served_model_name: str) -> APIError:
+    message = f"the model {model!r} does not exist; this server serves {served_model_name!r}"
+    return APIError(404, message, code="model_not_found", param="model")
+
+
+def overloaded(detail: str) -> APIError:
+    message = f"the server is overloaded ({detail}); retry after a short wait"
+    return APIError(
+        429, message, "rate_limit_exceeded", error_type="rate_limit_error", headers=_RETRY_SOON
+    )
+
+
+def shutting_down() -> APIError:
+    message = "the server is shutting down and accepts no new requests; retry on another replica"
+    return APIError(503, message, "server_shutting_down", error_type="server_error")
+
+
+_RETRY_SOON = {"Retry-After": "1"}
+
+
+def from_engine_output(output: RequestOutput) -> APIError:
+    """The error for a request the engine ended with finish_reason "error"."""
+    code = output.error_code or "engine_error"
+    message = output.error or "the engine failed this request"
+    if code in _CLIENT_ERROR_CODES:
+        return APIError(400, message, code=code)
+    return APIError(500, message, code=code, error_type="server_error")
+
+
+def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """Name the offending field in both `param` and the message (the first three problems)."""
+    errors = list(exc.errors())
+    problems = [f"{_param(e['loc'])}: {_message(e)}" if e["loc"] else _message(e) for e in errors]
+    first = errors[0] if errors else {"loc": (), "type": ""}
+    code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
+    message = "; ".join(problems[:3]) or "invalid request"
+    return bad_request(message, code=code, param=_param(first["loc"]) or None)
+
+
+def _param(loc: tuple[Any, ...] | list[Any]) -> str:
+    """("messages", 0, "role") -> "messages[0].role" (OpenAI's spelling of a nested field)."""
+    parts = [p for p in loc if p != "body"]  # FastAPI prefixes body fields with "body"
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _message(error: Any) -> str:
+    # A ValueError raised in a validator reads "Value error, <ours>"; the prefix adds nothing.
+    if error["type"] == "value_error" and "error" in error.get("ctx", {}):
+        return str(error["ctx"]["error"])
+    return str(error["msg"])
+
+
+# ---- handlers -------------------------------------------------------------------------------------
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _on_unexpected)
+
+
+async def _on_api_error(_: Request, exc: APIError) -> Response:
+    return exc.to_response()
+
+
+async def _on_client_disconnected(_: Request, __: Exception) -> Response:
+    return Response(status_code=STATUS_CLIENT_CLOSED)
+
+
+async def _on_validation_error(_: Request, exc: RequestValidationError) -> Response:
+    return from_validation_error(exc).to_response()
+
+
+async def _on_http_exception(_: Request, exc: StarletteHTTPException) -> Response:
+    # Unknown routes and wrong methods: same body shape as every other error.
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).to_response()
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+    message = "internal server error; the server logged the details"
+    return APIError(500, message, "internal_error", error_type="server_error").to_response()
