@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from densa.cache.integrity import IntegrityViolation, ViolationKind
 from densa.cache.page_pool import PagePool
 from densa.cache.prefix_index import BlockHash, PrefixIndex, hash_block
 from densa.request import Request
@@ -113,11 +114,32 @@ class KVCacheManager:
         request.page_tags.extend(self.pool.tags(new_page_ids))
         return new_page_ids
 
-    def free(self, request: Request) -> None:
-        """Release every page the request maps. Tail pages first, so they are evicted first."""
-        self.pool.free(reversed(request.page_ids))
+    def free(self, request: Request) -> list[IntegrityViolation]:
+        """Release every page the request maps, tail first (so tail pages are evicted first)."""
+        problems = self.release(request.request_id, request.page_ids[::-1], request.page_tags[::-1])
         request.page_ids.clear()
         request.page_tags.clear()
+        return problems
+
+    def release(
+        self, owner_id: str, page_ids: list[int], tags: list[int]
+    ) -> list[IntegrityViolation]:
+        """Drop one reference per (page, tag) -- only where the tag still matches.
+
+        A mismatch means the reference was already dropped (the page was released since, and
+        maybe reused) or never belonged to this page: releasing it would free someone else's page,
+        so it is refused and reported instead.
+        """
+        problems = []
+        for page_id, tag in zip(page_ids, tags, strict=True):
+            found = self.pool.tag(page_id)
+            if found == tag and self.pool.ref_count(page_id) > 0:
+                self.pool.free([page_id])
+                continue
+            wrong_page = self.pool.page_of_tag(tag) != page_id
+            kind = ViolationKind.BAD_MAPPING if wrong_page else ViolationKind.DOUBLE_FREE
+            problems.append(IntegrityViolation(owner_id, kind, page_id, tag, found))
+        return problems
 
     def forget(self, request: Request) -> None:
         """Drop per-request state once the request is finished (its pages must already be freed)."""

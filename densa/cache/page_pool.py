@@ -7,14 +7,21 @@ touches them. Every page is in exactly one of two states:
     free    ref_count == 0, in the free queue (oldest first = next to be reused). A free page may still
             hold a reusable prefix (it keeps its hash) until it is reallocated, which evicts the hash.
 
-Each (re)allocation increments the page's generation tag, so a stale mapping (page id + old tag) can
-always be told apart from the page's current owner. Reviving a cached free page for a prefix hit
-(`touch`) is not a reallocation: the content is unchanged, so the tag stays.
+Generation tags. A page's tag changes whenever its ownership ends or begins: on allocation and when
+its last reference is dropped. Anyone still holding an old (page, tag) pair is therefore stale the
+moment the page is released, not only once it is reused. Tags are unique across pages too:
+
+    tag = generation * num_pages + page_id
+
+so a tag names the page it was issued for (tag % num_pages). An expected tag issued for another page
+means a corrupt mapping; one issued for this page but older means a stale holder. Reviving a cached
+free page for a prefix hit (`touch`) keeps the tag: the content is unchanged and the new owner
+records the current tag.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
 
@@ -28,11 +35,13 @@ class PagePool:
             raise ValueError("the page pool needs at least one page")
         self.num_pages = num_pages
         self._ref_counts = [0] * num_pages
-        self._tags = [0] * num_pages
+        self._tags = list(range(num_pages))  # generation 0
         # Insertion order is eviction order: allocate() takes from the front.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
-        # Called with a page id when a free page that still held cached content is reallocated.
+        # Called with a page id when a free page is reallocated (its cached content is evicted).
         self._on_evict: Callable[[int], None] | None = None
+        # Tag changes not yet mirrored by the worker's device-side tag table.
+        self._tag_updates: list[tuple[int, int]] = []
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -52,8 +61,15 @@ class PagePool:
     def tags(self, page_ids: Iterable[int]) -> list[int]:
         return [self._tags[p] for p in page_ids]
 
+    def all_tags(self) -> list[int]:
+        return list(self._tags)
+
     def is_free(self, page_id: int) -> bool:
         return page_id in self._free
+
+    def page_of_tag(self, tag: int) -> int:
+        """The page a tag was issued for."""
+        return tag % self.num_pages
 
     # ---- mutations -----------------------------------------------------------------------------
     def set_evict_callback(self, callback: Callable[[int], None]) -> None:
@@ -69,7 +85,7 @@ class PagePool:
             if self._on_evict is not None:
                 self._on_evict(page_id)
             self._ref_counts[page_id] = 1
-            self._tags[page_id] += 1
+            self._bump_tag(page_id)
             page_ids.append(page_id)
         return page_ids
 
@@ -80,17 +96,30 @@ class PagePool:
         self._ref_counts[page_id] += 1
 
     def free(self, page_ids: Iterable[int]) -> None:
-        """Drop one reference from each page; pages reaching zero go to the back of the free queue."""
-        for page_id in page_ids:
-            if self._ref_counts[page_id] <= 0:
+        """Drop one reference from each page; pages reaching zero get a new tag and go to the back
+        of the free queue. A double free raises before anything changes."""
+        page_ids = list(page_ids)
+        for page_id, count in Counter(page_ids).items():
+            if self._ref_counts[page_id] < count:
                 raise PagePoolError(f"double free of KV page {page_id} (tag {self._tags[page_id]})")
+        for page_id in page_ids:
             self._ref_counts[page_id] -= 1
             if self._ref_counts[page_id] == 0:
+                self._bump_tag(page_id)
                 self._free[page_id] = None
 
     def move_to_front(self, page_id: int) -> None:
         """Make a free page the next one to be reused (its cached content is worth less)."""
         self._free.move_to_end(page_id, last=False)
+
+    def drain_tag_updates(self) -> list[tuple[int, int]]:
+        """(page, new tag) for every tag change since the last call, oldest first."""
+        updates, self._tag_updates = self._tag_updates, []
+        return updates
+
+    def _bump_tag(self, page_id: int) -> None:
+        self._tags[page_id] += self.num_pages
+        self._tag_updates.append((page_id, self._tags[page_id]))
 
     # ---- checks (tests run this after every engine step) ---------------------------------------
     def check_consistency(self, owners: dict[str, list[int]]) -> None:
@@ -113,3 +142,5 @@ class PagePool:
                 raise PagePoolError(
                     f"page {page_id}: ref_count {refs} but free={page_id in self._free}"
                 )
+            if self._tags[page_id] % self.num_pages != page_id:
+                raise PagePoolError(f"page {page_id}: tag {self._tags[page_id]} names another page")

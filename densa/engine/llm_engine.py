@@ -13,7 +13,8 @@ import psutil
 import torch
 
 from densa.cache.kv_manager import KVCacheManager
-from densa.config import EngineConfig
+from densa.cache.integrity import IntegrityStats
+from densa.config import CacheConfig, EngineConfig
 from densa.engine.args import EngineArgs, default_model_path
 from densa.engine.detokenizer import Detokenizer
 from densa.engine.output import RequestOutput
@@ -26,6 +27,7 @@ from densa.sampling_params import SamplingParams
 from densa.sched.scheduler import Scheduler
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
+from densa.worker.integrity import IntegrityChecker, NoopIntegrityChecker, TagTableChecker
 from densa.worker.kv_cache import allocate_kv_caches, num_pages_for_budget, page_bytes
 from densa.worker.model_runner import ModelRunner
 from densa.worker.sampler import TokenLogprobs
@@ -60,6 +62,7 @@ class LLMEngine:
             config.cache.num_pages, config.cache.page_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.integrity_stats = IntegrityStats()
         self._tracked: dict[str, _Tracked] = {}
         self._finished_outputs: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -80,7 +83,14 @@ class LLMEngine:
         kv_caches = allocate_kv_caches(arch, num_pages, args.page_size, kv_dtype, device)
         backend = select_backend(args.attention_backend, device)
         runner = ModelRunner(
-            model, kv_caches, args.page_size, backend, tokenizer.eos_token_ids, device, args.seed
+            model,
+            kv_caches,
+            args.page_size,
+            backend,
+            tokenizer.eos_token_ids,
+            device,
+            make_integrity_checker(config.cache, device),
+            args.seed,
         )
         logger.info(
             "KV cache: %d pages x %d tokens (%s, %s), attention backend %s",
@@ -126,6 +136,20 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         self._finish(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def land_kv_pages(
+        self, request_id: str, page_ids: list[int], expected_tags: list[int], payload: torch.Tensor
+    ) -> bool:
+        """Write copied K/V pages for a request (a transfer landing). A writer that no longer owns
+        a destination page is refused: nothing is written and the issuing request is aborted."""
+        # Releases since the last step have not reached the device tag table yet: sync it first.
+        self.runner.integrity.apply_tag_updates(self.kv_manager.pool.drain_tag_updates())
+        violation = self.runner.write_kv_pages(request_id, page_ids, expected_tags, payload)
+        if violation is None:
+            return True
+        self.integrity_stats.record(violation)
+        self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
+        return False
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._finished_outputs)
@@ -178,8 +202,9 @@ class LLMEngine:
             if tracked is not None:  # ended by the scheduler itself (e.g. outgrew the KV cache)
                 outputs.append(self._output(tracked))
         runner_out = self.runner.execute(sched_out)
-        for request_id, reason in runner_out.failed.items():
-            self._finish(request_id, RequestStatus.FINISHED_ERROR, reason)
+        for request_id, violation in runner_out.failed.items():
+            self.integrity_stats.record(violation)
+            self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
         now = time.monotonic()
         for request in updated:
@@ -190,7 +215,13 @@ class LLMEngine:
             outputs.append(self._output(tracked))
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
+        self._record_release_violations()
         return outputs
+
+    def _record_release_violations(self) -> None:
+        for violation in self.scheduler.release_violations:
+            self.integrity_stats.record(violation)
+        self.scheduler.release_violations.clear()
 
     def _absorb_token(self, tracked: _Tracked, logprobs: TokenLogprobs | None, now: float) -> None:
         request = tracked.request
@@ -238,6 +269,13 @@ def _error_code(error: str | None) -> str | None:
     if error is None:
         return None
     return error.split(":", 1)[0] if ":" in error else "engine_error"
+
+
+def make_integrity_checker(cache: CacheConfig, device: torch.device) -> IntegrityChecker:
+    if not cache.kv_integrity:
+        return NoopIntegrityChecker()
+    # A fresh pool's tags are page ids (generation 0); the pool reports every change after that.
+    return TagTableChecker(list(range(cache.num_pages)), cache.page_size, device)
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -129,12 +129,13 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
     backend.store_kv(cache, k, v, meta)
+    groups = [g for g in (meta.decode, meta.prefill) if g is not None]
+    if len(groups) == 1:  # the common case: all decodes or all prefill, no output copy needed
+        return backend.attend(q, cache, groups[0], scale)
     out = torch.empty_like(q)
-    for group in (meta.decode, meta.prefill):
-        if group is not None:
-            out[group.start : group.end] = backend.attend(
-                q[group.start : group.end], cache, group, scale
-            )
+    for group in groups:
+        rows = slice(group.start, group.end)
+        out[rows] = backend.attend(q[rows], cache, group, scale)
     return out
 
 

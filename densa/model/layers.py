@@ -53,12 +53,20 @@ class RotaryEmbedding(nn.Module):
         self.cos = torch.cat([freqs.cos(), freqs.cos()], -1).float()
         self.sin = torch.cat([freqs.sin(), freqs.sin()], -1).float()
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D], positions: [T] -> rotated q, k (same shapes)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        """cos, sin for a step's positions ([T] -> [T, 1, D] each); shared by every layer."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
+    @staticmethod
+    def apply(
+        q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, KVH, D] -> rotated q, k (same shapes)."""
+        cos, sin = cos_sin
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -15,9 +15,11 @@ from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, paged_attention
 from densa.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -31,11 +33,10 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.rotary = rotary
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: CosSin,
         hidden: torch.Tensor,
         cache: LayerKVCache,
         meta: AttentionMetadata,
@@ -46,22 +47,22 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(q, k, rope)
         out = paged_attention(backend, q, k, v, cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: CosSin,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         cache: LayerKVCache,
@@ -73,7 +74,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        hidden = self.self_attn(positions, hidden, cache, meta, backend)
+        hidden = self.self_attn(rope, hidden, cache, meta, backend)
         hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -83,10 +84,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device=device
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -102,9 +103,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions, hidden.dtype)
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, cache, meta, backend)
+            hidden, residual = layer(rope, hidden, residual, cache, meta, backend)
         hidden, _ = self.norm.forward_with_residual(hidden, residual)
         return hidden
 

@@ -38,9 +38,9 @@ class ScheduledRequest:
 @dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
-    # Pages handed to a new owner since the last step, with their new tags (the worker mirrors
-    # them into its device-side tag table before any read or write).
-    new_page_tags: list[tuple[int, int]]
+    # (page, tag) for every tag change since the last step -- pages allocated or released -- which
+    # the worker mirrors into its device-side tag table before any read or write.
+    tag_updates: list[tuple[int, int]]
     # Requests that ended or were preempted since the last step: the worker drops their state.
     finished_request_ids: list[str]
     preempted_request_ids: list[str]

@@ -15,8 +15,8 @@ request can always make progress.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 
+from densa.cache.integrity import IntegrityViolation
 from densa.cache.kv_manager import NO_HIT, KVCacheManager
 from densa.config import SchedulerConfig
 from densa.request import Request, RequestStatus
@@ -32,8 +32,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self._preempted_since_step: list[str] = []
-        self._new_page_tags: list[tuple[int, int]] = []
         self.num_preemptions = 0  # lifetime total, for metrics
+        # Pages a request failed to release cleanly (not its own any more); the engine drains these.
+        self.release_violations: list[IntegrityViolation] = []
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -61,7 +62,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.error = error
-        self.kv.free(request)
+        self.release_violations.extend(self.kv.free(request))
         self.kv.forget(request)
         self._finished_since_step.append(request_id)
         return request
@@ -83,11 +84,11 @@ class Scheduler:
             self._schedule_waiting(budget, scheduled)
         output = SchedulerOutput(
             scheduled=scheduled,
-            new_page_tags=self._new_page_tags,
+            tag_updates=self.kv.pool.drain_tag_updates(),
             finished_request_ids=self._finished_since_step,
             preempted_request_ids=self._preempted_since_step,
         )
-        self._new_page_tags, self._finished_since_step, self._preempted_since_step = [], [], []
+        self._finished_since_step, self._preempted_since_step = [], []
         return output
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
@@ -104,9 +105,7 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         while True:
-            new_page_ids = self.kv.allocate_slots(request, num_new)
-            if new_page_ids is not None:
-                self._record_new_pages(new_page_ids)
+            if self.kv.allocate_slots(request, num_new) is not None:
                 return True
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
@@ -127,10 +126,8 @@ class Scheduler:
             hit = self.kv.find_prefix(request) if request.num_computed_tokens == 0 else NO_HIT
             num_hit_tokens = hit.num_tokens(self.kv.page_size)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            new_page_ids = self.kv.allocate_slots(request, num_new, hit)
-            if new_page_ids is None:
+            if self.kv.allocate_slots(request, num_new, hit) is None:
                 return  # no room for the queue head; later arrivals wait behind it
-            self._record_new_pages(new_page_ids)
             self.waiting.popleft()
             if request.num_preemptions == 0:
                 self.kv.record_prefix_query(request, hit)
@@ -143,16 +140,13 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request)
+        self.release_violations.extend(self.kv.free(request))
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         self._preempted_since_step.append(request.request_id)
-
-    def _record_new_pages(self, page_ids: Iterable[int]) -> None:
-        self._new_page_tags.extend((p, self.kv.pool.tag(p)) for p in page_ids)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

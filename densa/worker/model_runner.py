@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from densa.cache.integrity import IntegrityViolation
 from densa.model.attention import (
     AttentionBackend,
     AttentionGroup,
@@ -19,6 +20,7 @@ from densa.model.attention import (
     build_group,
 )
 from densa.sched.output import ScheduledRequest, SchedulerOutput
+from densa.worker.integrity import IntegrityChecker
 from densa.worker.sampler import Sampler, SampleRequest, TokenLogprobs
 
 
@@ -26,8 +28,8 @@ from densa.worker.sampler import Sampler, SampleRequest, TokenLogprobs
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    # Requests the runner refused to compute (e.g. a KV integrity violation), with the reason.
-    failed: dict[str, str] = field(default_factory=dict)
+    # Requests the runner refused to compute: they touched a KV page they no longer own.
+    failed: dict[str, IntegrityViolation] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class ModelRunner:
         backend: AttentionBackend,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
+        integrity: IntegrityChecker,
         seed: int = 0,
     ) -> None:
         self.model = model
@@ -57,22 +60,27 @@ class ModelRunner:
         self.backend = backend
         self.eos_token_ids = eos_token_ids
         self.device = device
+        self.integrity = integrity
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         for request_id in step.finished_request_ids:
             self.sampler.forget(request_id)
-        if step.is_empty:
-            return RunnerOutput()
-        inputs = self.prepare_inputs(step.scheduled)
+        self.integrity.apply_tag_updates(step.tag_updates)
+        failed = self.integrity.check_step(step.scheduled)
+        scheduled = [s for s in step.scheduled if s.request_id not in failed]
+        output = RunnerOutput(failed=failed)
+        if not scheduled:
+            return output
+        inputs = self.prepare_inputs(scheduled)
         hidden = self.model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
         )
-        if not inputs.samplers:
-            return RunnerOutput()
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # type: ignore[operator]
-        return self._sample(logits, inputs.samplers)
+        if inputs.samplers:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])  # type: ignore[operator]
+            self._sample(logits, inputs.samplers, output)
+        return output
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         decodes = [s for s in scheduled if s.num_tokens == 1]
@@ -105,6 +113,29 @@ class ModelRunner:
             samplers=[item for item in order if item.sample],
         )
 
+    # ---- page copies (transfers, offload) -------------------------------------------------------
+    def read_kv_pages(self, page_ids: list[int]) -> torch.Tensor:
+        """K/V of whole pages, all layers: [num_layers, 2, len(page_ids), KVH, P, D]."""
+        index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack([c.k[index], c.v[index]]) for c in self.kv_caches])
+
+    def write_kv_pages(
+        self, request_id: str, page_ids: list[int], expected_tags: list[int], payload: torch.Tensor
+    ) -> IntegrityViolation | None:
+        """Land copied pages, but only if the writer still owns every destination page.
+
+        A late or aborted copy carries tags issued before its pages were released; it is dropped
+        whole and the violation returned, so it can never overwrite another request's pages.
+        """
+        violation = self.integrity.check_write(request_id, page_ids, expected_tags)
+        if violation is not None:
+            return violation
+        index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.k[index] = payload[layer, 0].to(cache.k.dtype)
+            cache.v[index] = payload[layer, 1].to(cache.v.dtype)
+        return None
+
     def _group(self, start: int, items: list[ScheduledRequest]) -> AttentionGroup | None:
         if not items:
             return None
@@ -118,7 +149,9 @@ class ModelRunner:
             device=self.device,
         )
 
-    def _sample(self, logits: torch.Tensor, samplers: list[ScheduledRequest]) -> RunnerOutput:
+    def _sample(
+        self, logits: torch.Tensor, samplers: list[ScheduledRequest], output: RunnerOutput
+    ) -> None:
         rows = [
             SampleRequest(
                 s.request_id,
@@ -130,11 +163,9 @@ class ModelRunner:
             for s in samplers
         ]
         result = self.sampler.sample(logits.cpu(), rows)
-        output = RunnerOutput()
         for item, token_id, logprobs in zip(
             samplers, result.token_ids, result.logprobs, strict=True
         ):
             output.sampled_token_ids[item.request_id] = token_id
             if logprobs is not None:
                 output.logprobs[item.request_id] = logprobs
-        return output

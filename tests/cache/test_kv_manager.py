@@ -26,7 +26,7 @@ def test_allocation_covers_exactly_the_tokens() -> None:
     kv = KVCacheManager(num_pages=8, page_size=4, enable_prefix_caching=False)
     req = make_request("a", list(range(10)))
     assert kv.allocate_slots(req, 10) == [0, 1, 2]
-    assert req.page_ids == [0, 1, 2] and req.page_tags == [1, 1, 1]
+    assert req.page_ids == [0, 1, 2] and req.page_tags == [8, 9, 10]
     req.num_computed_tokens = 10
     assert kv.allocate_slots(req, 2) == []  # 12 tokens still fit in 3 pages
     req.num_computed_tokens = 12

@@ -57,10 +57,10 @@ def test_pages_follow_the_tokens_exactly() -> None:
     scheduler.add_request(make_request("b", 3))
     out = scheduler.schedule()
     assert [(s.request_id, s.page_ids, s.page_tags) for s in out.scheduled] == [
-        ("a", [0, 1], [1, 1]),
-        ("b", [2], [1]),
+        ("a", [0, 1], [8, 9]),
+        ("b", [2], [10]),
     ]
-    assert out.new_page_tags == [(0, 1), (1, 1), (2, 1)]
+    assert out.tag_updates == [(0, 8), (1, 9), (2, 10)]
 
 
 def test_out_of_pages_preempts_the_newest_running_request() -> None:
