@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from densa.bench import add_bench_parser
 from densa.utils.logging import configure_logging
 
 Command = Callable[[argparse.Namespace], int]
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_serve(commands)
     _add_generate(commands)
+    add_bench_parser(commands)
     return parser
 
 
