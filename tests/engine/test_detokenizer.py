@@ -1,0 +1,61 @@
+"""Incremental detokenization equals decoding everything at once; stop strings cut exactly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from densa.engine.detokenizer import Detokenizer
+from densa.model.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello, world! This is a test of incremental decoding.",
+    "Unicode: héllo wörld — 你好，世界 🙂🚀 done",
+    "  leading spaces and\nnewlines\n\n  indented code():\n\treturn 1",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path) -> Tokenizer:
+    return Tokenizer(smollm2_dir)
+
+
+def stream(
+    tokenizer: Tokenizer, text: str, stop: tuple[str, ...] = (), include: bool = False
+) -> tuple[list[str], Detokenizer]:
+    prompt = tokenizer.encode("Prompt:")
+    detok = Detokenizer(tokenizer, prompt, stop, include, skip_special_tokens=True)
+    deltas = []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        detok.add_token(token)
+        if detok.check_stop():
+            break
+        deltas.append(detok.take_delta(finished=False))
+    deltas.append(detok.take_delta(finished=True))
+    return deltas, detok
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_equals_full_decode(tokenizer: Tokenizer, text: str) -> None:
+    deltas, detok = stream(tokenizer, text)
+    assert "".join(deltas) == text == detok.text
+    assert all("\ufffd" not in d for d in deltas)  # never a half character
+
+
+def test_stop_string_cuts_the_text_and_is_never_streamed(tokenizer: Tokenizer) -> None:
+    deltas, detok = stream(tokenizer, "The answer is 42. END of story", stop=("END",))
+    assert "".join(deltas) == "The answer is 42. "
+    assert detok.stopped
+    assert not any("E" in d for d in deltas)  # the prefix of the stop string was held back
+
+
+def test_stop_string_kept_when_asked(tokenizer: Tokenizer) -> None:
+    deltas, _ = stream(tokenizer, "one two three four", stop=("three", "four"), include=True)
+    assert "".join(deltas) == "one two three"
+
+
+def test_text_that_only_starts_like_a_stop_string_is_released(tokenizer: Tokenizer) -> None:
+    deltas, detok = stream(tokenizer, "an ENDLESS ENvelope", stop=("ENDX",))
+    assert not detok.stopped
+    assert "".join(deltas) == "an ENDLESS ENvelope"

@@ -1,0 +1,43 @@
+"""Run densa's model directly on one sequence (all positions), for logit comparisons with HF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from densa.model.arch import ArchConfig
+from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
+from densa.model.loader import load_model
+from densa.worker.kv_cache import allocate_kv_caches
+
+
+def densa_logits(
+    model_dir: Path, token_ids: list[int], dtype: str = "float32", page_size: int = 4
+) -> torch.Tensor:
+    """Logits [T, vocab] for every position of one prompt, through paged KV with shuffled pages."""
+    arch = ArchConfig.from_dir(model_dir)
+    cpu = torch.device("cpu")
+    model = load_model(model_dir, arch, dtype, 512, cpu)
+    num_pages = -(-len(token_ids) // page_size)
+    kv_dtype = dtype
+    caches = allocate_kv_caches(arch, num_pages * 2, page_size, kv_dtype, cpu)
+    pages = list(range(num_pages * 2 - 1, -1, -2))[:num_pages]  # non-contiguous, descending
+    positions = torch.arange(len(token_ids))
+    meta = AttentionMetadata(
+        slot_pages=torch.tensor([pages[p // page_size] for p in range(len(token_ids))]),
+        slot_offsets=positions % page_size,
+        decode=None,
+        prefill=build_group(0, [pages], [len(token_ids)], [len(token_ids)], page_size, cpu),
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(token_ids), positions, caches, meta, TorchAttentionBackend())
+        return model.compute_logits(hidden)  # type: ignore[operator]
+
+
+def hf_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([token_ids])).logits[0].float()

@@ -1,0 +1,136 @@
+"""GGUF reading: a GGUF written the way llama.cpp's converter writes it (Q/K rows permuted) converts
+back to exactly the original weights; bad files fail with a clear message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from densa.engine.args import default_model_path
+from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.gguf import convert_gguf
+from densa.model.loader import resolve_model_dir, safetensors_files
+
+from .helpers import densa_logits, hf_logits
+
+HF_TO_GGUF = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Q and K rows."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def copy_tokenizer_fields(writer, source: Path) -> None:  # type: ignore[no-untyped-def]
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(source)).fields
+    writer.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
+    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
+    writer.add_token_list(fields["tokenizer.ggml.tokens"].contents())
+    writer.add_token_types(fields["tokenizer.ggml.token_type"].contents())
+    writer.add_token_merges(fields["tokenizer.ggml.merges"].contents())
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(fields["tokenizer.chat_template"].contents())
+
+
+def write_gguf(hf_dir: Path, out_path: Path) -> None:
+    import gguf
+
+    arch = ArchConfig.from_dir(hf_dir)
+    weights = {k: v.numpy() for k, v in load_file(str(safetensors_files(hf_dir)[0])).items()}
+    writer = gguf.GGUFWriter(str(out_path), "llama")
+    writer.add_block_count(arch.num_layers)
+    writer.add_context_length(arch.max_position_embeddings)
+    writer.add_embedding_length(arch.hidden_size)
+    writer.add_feed_forward_length(arch.intermediate_size)
+    writer.add_head_count(arch.num_heads)
+    writer.add_head_count_kv(arch.num_kv_heads)
+    writer.add_rope_freq_base(arch.rope_theta)
+    writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
+    writer.add_vocab_size(arch.vocab_size)
+    copy_tokenizer_fields(writer, Path(default_model_path()))
+    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    writer.add_tensor("output.weight", weights["lm_head.weight"])
+    for layer in range(arch.num_layers):
+        for hf_name, gguf_name in HF_TO_GGUF.items():
+            tensor = weights[f"model.layers.{layer}.{hf_name}"]
+            if hf_name.startswith("self_attn.q_proj"):
+                tensor = llama_cpp_permute(tensor, arch.num_heads)
+            elif hf_name.startswith("self_attn.k_proj"):
+                tensor = llama_cpp_permute(tensor, arch.num_kv_heads)
+            writer.add_tensor(f"blk.{layer}.{gguf_name}", np.ascontiguousarray(tensor))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    write_gguf(tiny_model_dir, path)
+    return path
+
+
+def test_conversion_restores_the_original_weights(
+    tiny_gguf: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    convert_gguf(tiny_gguf, tmp_path)
+    original = load_file(str(safetensors_files(tiny_model_dir)[0]))
+    converted = load_file(str(tmp_path / "model.safetensors"))
+    assert set(converted) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(converted[name], tensor), name
+    arch = ArchConfig.from_dir(tmp_path)
+    assert (arch.num_heads, arch.num_kv_heads, arch.tie_word_embeddings) == (4, 2, False)
+
+
+def test_converted_gguf_runs_like_the_source_model(
+    tiny_gguf: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DENSA_CACHE_DIR", str(tmp_path))
+    model_dir = resolve_model_dir(str(tiny_gguf))
+    assert model_dir.is_relative_to(tmp_path)
+    assert resolve_model_dir(str(tiny_gguf)) == model_dir  # cached: converted once
+    tokens = [1, 520, 9531, 198, 27, 1256]
+    torch.testing.assert_close(densa_logits(model_dir, tokens), hf_logits(tiny_model_dir, tokens))
+
+
+def test_truncated_gguf_is_a_clear_error(tiny_gguf: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        convert_gguf(broken, tmp_path / "out")
+
+
+def test_missing_and_wrong_paths_are_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model_dir(str(tmp_path / "nope"))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="not a .gguf"):
+        resolve_model_dir(str(tmp_path / "weights.bin"))
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        ArchConfig.from_dir(tmp_path)
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        safetensors_files(tmp_path)

@@ -1,0 +1,60 @@
+"""Loader failures are explicit: truncated weights, mismatched checkpoints, models too big to fit."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from densa.engine.args import EngineArgs
+from densa.engine.llm_engine import LLMEngine
+from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.loader import check_fits, load_model
+
+
+def test_truncated_safetensors_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    arch = ArchConfig.from_dir(broken)
+    with pytest.raises(ModelLoadError, match="truncated or corrupt"):
+        load_model(broken, arch, "float32", 128, torch.device("cpu"))
+
+
+def test_checkpoint_that_does_not_match_its_config(tiny_model_dir: Path, tmp_path: Path) -> None:
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(tiny_model_dir, mismatched)
+    config = (
+        (mismatched / "config.json")
+        .read_text()
+        .replace('"num_hidden_layers": 2', '"num_hidden_layers": 3')
+    )
+    (mismatched / "config.json").write_text(config)
+    with pytest.raises(ModelLoadError, match="missing"):
+        load_model(mismatched, ArchConfig.from_dir(mismatched), "float32", 128, torch.device("cpu"))
+
+
+def test_model_larger_than_memory_is_refused_before_loading(tiny_model_dir: Path) -> None:
+    huge = replace(
+        ArchConfig.from_dir(tiny_model_dir),
+        hidden_size=65536,
+        intermediate_size=262144,
+        num_layers=200,
+    )
+    with pytest.raises(ModelLoadError, match="only .* is free"):
+        check_fits(huge, torch.float32, torch.device("cpu"))
+
+
+def test_kv_budget_too_small_for_one_request(tiny_model_dir: Path) -> None:
+    args = EngineArgs(model=str(tiny_model_dir), kv_cache_memory="4KiB", max_model_len=512)
+    with pytest.raises(ModelLoadError, match="raise --kv-cache-memory or lower --max-model-len"):
+        LLMEngine.from_args(args)
+
+
+def test_max_model_len_beyond_the_model_context(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="exceeds the model's context of 1024"):
+        LLMEngine.from_args(EngineArgs(model=str(tiny_model_dir), max_model_len=4096))

@@ -1,0 +1,99 @@
+"""Sampling semantics on hand-made logits: filters, seeds, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from densa.sampling_params import SamplingParams
+from densa.worker.sampler import SampleRequest, Sampler
+
+EOS = 3
+
+
+def row(
+    rid: str, prompt: list[int] | None = None, output: list[int] | None = None, **params: object
+) -> SampleRequest:
+    return SampleRequest(rid, SamplingParams(**params), prompt or [], output or [], (EOS,))  # type: ignore[arg-type]
+
+
+def draw(params: dict[str, object], logits: list[float], num: int, seed: int = 0) -> list[int]:
+    """`num` samples from one request (its own generator), one token per step."""
+    sampler = Sampler()
+    tensor = torch.tensor([logits])
+    return [
+        sampler.sample(tensor, [row("r", seed=seed, **params)]).token_ids[0] for _ in range(num)
+    ]
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.tensor([[0.1, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 0.0]])
+    result = Sampler().sample(logits, [row("a", temperature=0.0), row("b", temperature=0.0)])
+    assert result.token_ids == [1, 0]
+
+
+def test_temperature_one_follows_the_distribution() -> None:
+    probs = [0.5, 0.3, 0.15, 0.05]
+    samples = draw({"temperature": 1.0}, [math.log(p) for p in probs], 4000)
+    freqs = [samples.count(i) / len(samples) for i in range(4)]
+    for freq, prob in zip(freqs, probs, strict=True):
+        assert abs(freq - prob) < 0.03, (freqs, probs)
+
+
+def test_top_k_top_p_min_p_exclude_the_tail() -> None:
+    logits = [math.log(p) for p in (0.4, 0.3, 0.2, 0.1)]
+    assert set(draw({"top_k": 2}, logits, 300)) == {0, 1}
+    assert set(draw({"top_p": 0.65}, logits, 300)) == {0, 1}  # 0.4 < 0.65 -> keep the next too
+    assert set(draw({"top_p": 0.3}, logits, 100)) == {0}  # the top token is always kept
+    assert set(draw({"min_p": 0.6}, logits, 300)) == {0, 1}  # keep p >= 0.6 * 0.4
+    assert set(draw({"top_k": 1}, logits, 50)) == {0}
+
+
+def test_same_seed_same_tokens_whatever_the_batch() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    alone = Sampler()
+    solo = [alone.sample(logits[1:2], [row("x", seed=42)]).token_ids[0] for _ in range(20)]
+    batched = Sampler()
+    rows = [row("a", seed=1), row("x", seed=42), row("c")]
+    together = [batched.sample(logits, rows).token_ids[1] for _ in range(20)]
+    assert solo == together
+    assert len(set(solo)) > 1  # really random, not constant
+
+
+def test_repetition_presence_and_frequency_penalties() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    sampler = Sampler()
+    greedy = {"temperature": 0.0}
+    # Token 0 seen in the prompt: 2.0 / 2.5 = 0.8 < 1.0 -> token 2 wins.
+    assert sampler.sample(
+        logits, [row("r", prompt=[0], repetition_penalty=2.5, **greedy)]
+    ).token_ids == [2]
+    # Output [0, 0]: frequency 0.6 * 2 = 1.2 -> 0.8 < 1.0 -> token 2 wins.
+    assert sampler.sample(
+        logits, [row("f", output=[0, 0], frequency_penalty=0.6, **greedy)]
+    ).token_ids == [2]
+    # Presence is flat: 2.0 - 0.9 = 1.1 > 1.0 -> token 0 still wins.
+    assert sampler.sample(
+        logits, [row("p", output=[0, 0], presence_penalty=0.9, **greedy)]
+    ).token_ids == [0]
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    logits = torch.tensor([[0.0, 0.0, 1.0, 5.0]])
+    sampler = Sampler()
+    blocked = row("m", output=[], min_tokens=2, stop_token_ids=[2], temperature=0.0)
+    assert sampler.sample(logits, [blocked]).token_ids == [0]
+    allowed = row("n", output=[9, 9], min_tokens=2, temperature=0.0)
+    assert sampler.sample(logits, [allowed]).token_ids == [EOS]
+
+
+def test_logprobs_are_the_models_log_softmax() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    result = Sampler().sample(logits, [row("l", temperature=0.0, logprobs=2)])
+    expected = torch.log_softmax(logits[0], -1)
+    entry = result.logprobs[0]
+    assert entry is not None and entry.token_id == 1
+    assert math.isclose(entry.logprob, float(expected[1]), rel_tol=1e-6)
+    assert [t for t, _ in entry.top] == [1, 2]
+    assert math.isclose(entry.top[1][1], float(expected[2]), rel_tol=1e-6)
