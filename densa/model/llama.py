@@ -14,6 +14,7 @@ from torch import nn
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, paged_attention
 from densa.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from densa.model.linear import Linear
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -29,10 +30,10 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.scale = cfg.head_dim**-0.5
         # q, k and v projections fused into one matmul: one weight read, one kernel launch.
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
 
     def forward(
         self,
@@ -89,7 +90,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
