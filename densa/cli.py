@@ -46,6 +46,15 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger requests get 413"
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests may finish after SIGTERM before they are aborted",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serve)
 
@@ -54,7 +63,13 @@ def _serve(ns: argparse.Namespace) -> int:
     from densa.engine.args import EngineArgs
     from densa.serve.api_server import run_server
 
-    run_server(EngineArgs.from_cli(ns), host=ns.host, port=ns.port)
+    run_server(
+        EngineArgs.from_cli(ns),
+        host=ns.host,
+        port=ns.port,
+        max_body_bytes=ns.max_body_bytes,
+        drain_timeout=ns.drain_timeout,
+    )
     return 0
 
 

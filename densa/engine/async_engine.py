@@ -11,7 +11,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from densa.engine.llm_engine import LLMEngine
@@ -103,7 +103,7 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_scope: str = "",
         session_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield this request's outputs until the final one. Leaving early aborts the request."""
         request_id = request_id or self.engine.new_request_id()
         stream = self._open_stream(request_id, prompt_token_ids, params)

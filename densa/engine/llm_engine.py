@@ -35,6 +35,10 @@ from densa.worker.sampler import TokenLogprobs
 logger = get_logger(__name__)
 
 
+class PromptTooLong(ValueError):
+    """The prompt leaves no room for output in the model's context (HTTP: context_length_exceeded)."""
+
+
 @dataclass
 class _Tracked:
     """Engine-side state of one request: its scheduler record plus text and timing."""
@@ -184,7 +188,7 @@ class LLMEngine:
             raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
         max_len = self.config.scheduler.max_model_len
         if len(prompt_token_ids) >= max_len:
-            raise ValueError(
+            raise PromptTooLong(
                 f"the prompt has {len(prompt_token_ids)} tokens but this model's context is "
                 f"{max_len} tokens (prompt + at least one output token); shorten the prompt"
             )

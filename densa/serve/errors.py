@@ -1,11 +1,12 @@
 """OpenAI-style errors: one exception type, its JSON body, and the handlers that install it.
 
-Every failure a client can cause becomes `{"error": {"message", "type", "param", "code"}}` with a 4xx
-status, so a bad request never takes the server down and never returns FastAPI's default 422 shape.
+Every failure a client can cause becomes `{"error": {"message", "type", "param", "code"}}` with a
+4xx status, so a bad request never takes the server down and never gets FastAPI's default 422 shape.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -62,7 +63,7 @@ class ClientDisconnected(Exception):
     """The client went away before the response was ready; its engine request is already aborted."""
 
 
-# ---- constructors for the common cases ----------------------------------------------------------
+# ---- constructors for the common cases ---------------------------------------------------------
 def bad_request(message: str, code: str = "invalid_value", param: str | None = None) -> APIError:
     return APIError(400, message, code=code, param=param)
 
@@ -106,7 +107,7 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     return bad_request(message, code=code, param=_param(first["loc"]) or None)
 
 
-def _param(loc: tuple[Any, ...] | list[Any]) -> str:
+def _param(loc: Sequence[Any]) -> str:
     """("messages", 0, "role") -> "messages[0].role" (OpenAI's spelling of a nested field)."""
     parts = [p for p in loc if p != "body"]  # FastAPI prefixes body fields with "body"
     text = ""
@@ -122,7 +123,7 @@ def _message(error: Any) -> str:
     return str(error["msg"])
 
 
-# ---- handlers -------------------------------------------------------------------------------------
+# ---- handlers ------------------------------------------------------------------------------------
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _on_api_error)  # type: ignore[arg-type]
     app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
@@ -146,7 +147,8 @@ async def _on_validation_error(_: Request, exc: RequestValidationError) -> Respo
 async def _on_http_exception(_: Request, exc: StarletteHTTPException) -> Response:
     # Unknown routes and wrong methods: same body shape as every other error.
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).to_response()
+    headers = dict(exc.headers) if exc.headers else None
+    return APIError(exc.status_code, str(exc.detail), code=code, headers=headers).to_response()
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:

@@ -1,22 +1,28 @@
 """OpenAI API bodies (pydantic v2): requests validated field by field, responses and stream chunks.
 
 Requests ignore unknown fields (as OpenAI-compatible servers commonly do) but reject the known ones
-this server would otherwise silently ignore with a wrong result (tools, JSON mode, logit_bias).
+this server would otherwise silently ignore with a wrong result (tools, JSON mode, logit_bias, n).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from densa.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+from densa.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_DEFAULTS = SamplingParams()  # what an omitted (or null) sampling field means
+T = TypeVar("T")
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
 
 
 def _join_text_parts(value: Any) -> Any:
-    """Content may be a string or a list of {"type": "text", "text": ...} parts (joined by "\\n")."""
+    """Content is a string or a list of {"type": "text", "text": ...} parts (joined by "\\n")."""
     if not isinstance(value, list):
         return value
     texts = []
@@ -58,12 +64,14 @@ StopStrings = Annotated[
 ]
 Prompt = Annotated[str | list[int], BeforeValidator(_single_prompt)]
 Role = Literal["system", "user", "assistant", "tool", "developer"]
-FinishReason = Literal["stop", "length", "abort"]
+# "stop" | "length", or "abort" when the server drops a request it could not finish while draining.
+FinishReason = str
 
 
 # ---- requests -----------------------------------------------------------------------------------
 class _RequestBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict: JSON types must match (true is not 1, "0.5" is not 0.5); ints still pass as floats.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_RequestBody):
@@ -97,7 +105,7 @@ class ChatMessage(_RequestBody):
 
 
 class SamplingFields(_RequestBody):
-    """Fields shared by chat and completions. None means "the default" (clients send explicit nulls)."""
+    """Fields shared by chat and completions. None = the default (clients send explicit nulls)."""
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -140,6 +148,27 @@ class SamplingFields(_RequestBody):
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (naming the field) for what the field constraints cannot check."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_or(self.temperature, _DEFAULTS.temperature),
+            top_p=_or(self.top_p, _DEFAULTS.top_p),
+            top_k=_or(self.top_k, _DEFAULTS.top_k),
+            min_p=_or(self.min_p, _DEFAULTS.min_p),
+            seed=self.seed,
+            stop=tuple(self.stop),
+            stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            repetition_penalty=_or(self.repetition_penalty, _DEFAULTS.repetition_penalty),
+            presence_penalty=_or(self.presence_penalty, _DEFAULTS.presence_penalty),
+            frequency_penalty=_or(self.frequency_penalty, _DEFAULTS.frequency_penalty),
+            logprobs=logprobs,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
 
 class ChatCompletionRequest(SamplingFields):

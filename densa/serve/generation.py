@@ -1,0 +1,174 @@
+"""One HTTP request on the AsyncEngine: start it, then gather it whole or stream it as SSE.
+
+Starting waits for the first engine output, so that refusals (overload, shutdown, a prompt that can
+never run) still become proper HTTP statuses instead of an error inside a 200 stream. From then on,
+a client that goes away cancels the iteration, and leaving `AsyncEngine.generate` aborts the
+request, which frees its KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from densa.engine.async_engine import AsyncEngine, EngineOverloaded, EngineShuttingDown
+from densa.engine.output import RequestOutput
+from densa.sampling_params import SamplingParams
+from densa.serve.errors import (
+    ClientDisconnected,
+    ErrorResponse,
+    bad_request,
+    from_engine_output,
+    overloaded,
+    shutting_down,
+)
+from densa.serve.responses import Generation
+
+T = TypeVar("T")
+Outputs = AsyncGenerator[RequestOutput, None]
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """Everything `AsyncEngine.generate` needs for one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_scope: str = ""
+    session_id: str | None = None
+
+
+class StreamFormatter(Protocol):
+    """Turns engine outputs into stream chunks (see responses.ChatFormatter)."""
+
+    def stream_start(self) -> list[BaseModel]: ...
+
+    def stream_chunk(self, output: RequestOutput) -> BaseModel | None: ...
+
+    def usage_chunk(self, final: RequestOutput) -> BaseModel: ...
+
+
+async def start(
+    request: Request, engine: AsyncEngine, call: EngineCall
+) -> tuple[RequestOutput, Outputs]:
+    """Submit the request and wait for its first output; raise APIError if it is refused."""
+    outputs = engine.generate(
+        call.prompt_token_ids,
+        call.params,
+        request_id=call.request_id,
+        cache_scope=call.cache_scope,
+        session_id=call.session_id,
+    )
+    try:
+        first = await until_disconnected(request, anext(outputs))
+    except EngineOverloaded as exc:
+        raise overloaded(str(exc)) from exc
+    except EngineShuttingDown as exc:
+        raise shutting_down() from exc
+    except ValueError as exc:  # validate_request: a prompt that can never run
+        raise bad_request(str(exc)) from exc
+    if first.finish_reason == "error":
+        await outputs.aclose()
+        raise from_engine_output(first)
+    return first, outputs
+
+
+async def collect(first: RequestOutput, outputs: Outputs) -> Generation:
+    """Gather every output into one Generation; raise APIError if the engine failed the request."""
+    texts, logprobs, final = [first.new_text], list(first.new_logprobs), first
+    async with contextlib.aclosing(outputs):
+        async for output in outputs:
+            texts.append(output.new_text)
+            logprobs.extend(output.new_logprobs)
+            final = output
+    if final.finish_reason == "error":
+        raise from_engine_output(final)
+    return Generation("".join(texts), logprobs, final)
+
+
+async def sse_events(
+    first: RequestOutput, outputs: Outputs, formatter: StreamFormatter, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    """`data: {chunk}` events, then a usage chunk if asked for, then `data: [DONE]`.
+
+    An engine failure mid-stream sends `data: {"error": ...}` and ends the stream without [DONE]
+    (the status line is long gone), which the OpenAI clients raise as an error.
+    """
+    async with contextlib.aclosing(outputs):
+        for chunk in formatter.stream_start():
+            yield _event(chunk)
+        output = first
+        while True:
+            if output.finish_reason == "error":
+                yield _event(ErrorResponse(error=from_engine_output(output).info))
+                return
+            body = formatter.stream_chunk(output)
+            if body is not None:
+                yield _event(body)
+            if output.finished:
+                break
+            output = await anext(outputs)
+        if include_usage:
+            yield _event(formatter.usage_chunk(output))
+        yield "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that closes its event generator however the response ends.
+
+    Starlette cancels the stream when the client disconnects; if that lands while the generator is
+    parked at a `yield`, nothing would close it until garbage collection. Closing it here aborts
+    the engine request at once.
+    """
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`, but cancel it and raise ClientDisconnected if the client goes away first.
+
+    Without this a non-streaming request keeps generating for nobody: the handler is not cancelled
+    when the connection drops before the response starts.
+    """
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)  # let the engine stream's cleanup run
+    raise ClientDisconnected()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _event(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json()}\n\n"
