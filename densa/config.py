@@ -1,7 +1,7 @@
-"""L1: frozen, typed configuration. Built and validated once (see engine/config_builder.py), never mutated.
+"""L1: frozen, typed configuration, built and validated once (EngineArgs.resolve), never mutated.
 
-Each component receives only its own sub-config: the scheduler gets `SchedulerConfig`, the KV manager
-`CacheConfig`, the model runner `ModelConfig` + `CacheConfig`.
+Each component receives only its own sub-config: the scheduler gets `SchedulerConfig`, the KV
+manager `CacheConfig`, the model runner `ModelConfig` + `CacheConfig`.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 MAX_STOP_STRINGS = 16  # a request may not make the engine scan for an unbounded number of strings
@@ -69,9 +70,9 @@ class SamplingParams:
 def _as_tuple(value: object) -> tuple:
     if value is None:
         return ()
-    if isinstance(value, (str, int)):
+    if isinstance(value, (str, int)) or not isinstance(value, Iterable):
         return (value,)
-    return tuple(value)  # type: ignore[call-overload]
+    return tuple(value)
 
 
 def _check(condition: bool, message: str) -> None:

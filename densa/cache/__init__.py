@@ -1,1 +1,1 @@
-"""L2: KV page bookkeeping in plain Python: page ids, reference counts, generation tags, prefix index."""
+"""L2: KV page bookkeeping in plain Python: page ids, ref counts, generation tags, prefix index."""

@@ -1,4 +1,4 @@
-"""Maps requests to KV pages: allocation as requests grow, prefix reuse, release on finish/preemption.
+"""Maps requests to KV pages: allocation as they grow, prefix reuse, release on finish/preemption.
 
 The manager mutates only the pool, its prefix index and the `page_ids` / `page_tags` lists of the
 requests it is given. "No room" is a normal answer (`None`), not an exception.
@@ -140,6 +140,21 @@ class KVCacheManager:
             kind = ViolationKind.BAD_MAPPING if wrong_page else ViolationKind.DOUBLE_FREE
             problems.append(IntegrityViolation(owner_id, kind, page_id, tag, found))
         return problems
+
+    def check_writer(
+        self, writer_id: str, request: Request | None, page_ids: list[int], tags: list[int]
+    ) -> IntegrityViolation | None:
+        """May this writer land data on these pages? Only if it still maps each page with the tag
+        it was issued and is the page's only owner: a shared prefix page is immutable, and a tag
+        alone cannot tell its owners apart."""
+        owned = dict(zip(request.page_ids, request.page_tags, strict=True)) if request else {}
+        for page_id, tag in zip(page_ids, tags, strict=True):
+            found = self.pool.tag(page_id)
+            if owned.get(page_id) != tag or found != tag or self.pool.ref_count(page_id) != 1:
+                wrong_page = self.pool.page_of_tag(tag) != page_id
+                kind = ViolationKind.BAD_MAPPING if wrong_page else ViolationKind.STALE_WRITE
+                return IntegrityViolation(writer_id, kind, page_id, tag, found)
+        return None
 
     def forget(self, request: Request) -> None:
         """Drop per-request state once the request is finished (its pages must already be freed)."""

@@ -4,8 +4,8 @@ Pages are integers 0..num_pages-1. The KV tensors themselves live in the worker;
 touches them. Every page is in exactly one of two states:
 
     owned   ref_count > 0, not in the free queue
-    free    ref_count == 0, in the free queue (oldest first = next to be reused). A free page may still
-            hold a reusable prefix (it keeps its hash) until it is reallocated, which evicts the hash.
+    free    ref_count == 0, in the free queue (oldest first = next to be reused). A free page may
+            still hold a reusable prefix (it keeps its hash) until it is reallocated (evicted).
 
 Generation tags. A page's tag changes whenever its ownership ends or begins: on allocation and when
 its last reference is dropped. Anyone still holding an old (page, tag) pair is therefore stale the
@@ -39,7 +39,7 @@ class PagePool:
         # Insertion order is eviction order: allocate() takes from the front.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         # Called with a page id when a free page is reallocated (its cached content is evicted).
-        self._on_evict: Callable[[int], None] | None = None
+        self._on_evict: Callable[[int], object] | None = None
         # Tag changes not yet mirrored by the worker's device-side tag table.
         self._tag_updates: list[tuple[int, int]] = []
 
@@ -72,11 +72,11 @@ class PagePool:
         return tag % self.num_pages
 
     # ---- mutations -----------------------------------------------------------------------------
-    def set_evict_callback(self, callback: Callable[[int], None]) -> None:
+    def set_evict_callback(self, callback: Callable[[int], object]) -> None:
         self._on_evict = callback
 
     def allocate(self, num_pages: int) -> list[int] | None:
-        """Take `num_pages` free pages (ref 1, new tag each). None, and nothing changed, if too few."""
+        """Take `num_pages` free pages (ref 1, new tag each). None, changing nothing, if too few."""
         if num_pages > len(self._free):
             return None
         page_ids = []

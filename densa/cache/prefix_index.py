@@ -1,9 +1,9 @@
 """Content addressing for full KV pages: a hash chain over page-sized blocks of tokens.
 
-The hash of block i covers the cache scope (tenant), every token of blocks 0..i, and nothing else, so
+The hash of block i covers the cache scope (tenant) and every token of blocks 0..i, nothing else:
 two requests share a page only if they share the whole prefix up to and including it, in the same
-scope. A cryptographic hash (BLAKE2b) makes it infeasible to craft a prompt whose block collides with
-another tenant's block.
+scope. A cryptographic hash (BLAKE2b) makes it infeasible to craft a prompt whose block collides
+with another tenant's block.
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""L6: the engine loop (schedule -> execute -> update), the offline LLM API and the async wrapper."""
+"""L6: the engine loop (schedule -> execute -> update), the offline LLM API, the async wrapper."""

@@ -8,6 +8,7 @@ whose caller goes away (cancelled task, closed HTTP stream) is aborted, which fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -71,7 +72,7 @@ class AsyncEngine:
         self._thread.start()
 
     async def shutdown(self, drain_timeout: float = 30.0) -> None:
-        """Stop accepting, let running requests finish (up to drain_timeout), then stop the thread."""
+        """Stop accepting, let running requests finish (up to drain_timeout), stop the thread."""
         self._accepting = False
         deadline = time.monotonic() + drain_timeout
         while self.num_in_flight and time.monotonic() < deadline:
@@ -192,10 +193,9 @@ class AsyncEngine:
                 if target is not None:
                     by_loop.setdefault(target[0], []).append((target[1], output))
         for loop, items in by_loop.items():
-            try:
+            # A closed caller loop raises; its requests are aborted by their finally blocks.
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:
-                pass  # the caller's loop is closed; its requests are aborted by their finally blocks
 
 
 def _deliver(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:

@@ -1,10 +1,10 @@
 """Incremental detokenization with stop strings.
 
 Decoding the whole output every step is quadratic, and decoding each token alone breaks multi-byte
-characters and word-boundary spaces. So each step decodes a short window: tokens from `prefix_offset`
-(already emitted context) to the end, and emits what extends past the text of the window's prefix.
-Text is held back while it ends in an incomplete UTF-8 character ("\ufffd"), or while it could be the
-start of a stop string.
+characters and word-boundary spaces. So each step decodes a short window: tokens from
+`prefix_offset` (already emitted context) to the end, and emits what extends past the text of the
+window's prefix. Text is held back while it ends in an incomplete UTF-8 character ("\ufffd"), or
+while it could be the start of a stop string.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
@@ -60,9 +60,12 @@ class LLM:
         params: SamplingParams | None = None,
     ) -> list[GenerationResult]:
         """One conversation (a list of messages) or several; the chat template is applied."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.tokenizer.encode_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
+        batch = (
+            [conversations]
+            if conversations and isinstance(conversations[0], dict)
+            else conversations
+        )
+        prompts: list[Prompt] = [self.tokenizer.encode_chat(list(c)) for c in cast(list, batch)]
         return self.generate(prompts, params)
 
     def _tokens(self, prompt: Prompt) -> list[int]:

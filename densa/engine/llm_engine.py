@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from densa.cache.kv_manager import KVCacheManager
 from densa.cache.integrity import IntegrityStats
+from densa.cache.kv_manager import KVCacheManager
 from densa.config import CacheConfig, EngineConfig
 from densa.engine.args import EngineArgs, default_model_path
 from densa.engine.detokenizer import Detokenizer
@@ -36,7 +36,7 @@ logger = get_logger(__name__)
 
 
 class PromptTooLong(ValueError):
-    """The prompt leaves no room for output in the model's context (HTTP: context_length_exceeded)."""
+    """The prompt leaves no room for output in the model's context (context_length_exceeded)."""
 
 
 @dataclass
@@ -146,9 +146,14 @@ class LLMEngine:
     ) -> bool:
         """Write copied K/V pages for a request (a transfer landing). A writer that no longer owns
         a destination page is refused: nothing is written and the issuing request is aborted."""
-        # Releases since the last step have not reached the device tag table yet: sync it first.
-        self.runner.integrity.apply_tag_updates(self.kv_manager.pool.drain_tag_updates())
-        violation = self.runner.write_kv_pages(request_id, page_ids, expected_tags, payload)
+        violation = None
+        if self.config.cache.kv_integrity:
+            request = self.scheduler.requests.get(request_id)
+            violation = self.kv_manager.check_writer(request_id, request, page_ids, expected_tags)
+        if violation is None:
+            # Releases since the last step have not reached the device tag table yet: sync first.
+            self.runner.integrity.apply_tag_updates(self.kv_manager.pool.drain_tag_updates())
+            violation = self.runner.write_kv_pages(request_id, page_ids, expected_tags, payload)
         if violation is None:
             return True
         self.integrity_stats.record(violation)
@@ -290,25 +295,32 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     raise ValueError(f"unknown attention backend {name!r}")
 
 
+def _kv_budget_bytes(
+    args: EngineArgs, arch: ArchConfig, kv_dtype: str, device: torch.device
+) -> int:
+    if args.num_kv_pages is not None:
+        return args.num_kv_pages * page_bytes(arch, args.page_size, kv_dtype)
+    budget = args.kv_budget()
+    if isinstance(budget, int):
+        return budget
+    # A fraction of what is free now that the weights are loaded.
+    if device.type == "cpu":
+        free = psutil.virtual_memory().available
+    else:
+        free = torch.cuda.mem_get_info(device)[0]
+    return int(free * budget)
+
+
 def _resolve_num_pages(
     args: EngineArgs, arch: ArchConfig, kv_dtype: str, max_len: int, device: torch.device
 ) -> int:
-    if args.num_kv_pages is not None:
-        budget = args.num_kv_pages * page_bytes(arch, args.page_size, kv_dtype)
-    else:
-        budget = args.kv_budget()
-    if isinstance(budget, float):  # a fraction of what is free now that the weights are loaded
-        free = (
-            psutil.virtual_memory().available
-            if device.type == "cpu"
-            else torch.cuda.mem_get_info(device)[0]
-        )
-        budget = int(free * budget)
+    budget = _kv_budget_bytes(args, arch, kv_dtype, device)
     num_pages = num_pages_for_budget(arch, args.page_size, kv_dtype, budget)
     needed = -(-max_len // args.page_size)
     if num_pages < needed:
         raise ModelLoadError(
             f"the KV cache budget ({format_bytes(budget)}) holds {num_pages} pages but one "
-            f"{max_len}-token request needs {needed}; raise --kv-cache-memory or lower --max-model-len"
+            f"{max_len}-token request needs {needed}; "
+            "raise --kv-cache-memory or lower --max-model-len"
         )
     return num_pages

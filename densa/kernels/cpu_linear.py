@@ -21,7 +21,7 @@ _ROWS_PER_TASK = 16  # weight rows per parallel task: big enough to amortize sch
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _streaming_matmul(weight: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+def _streaming_matmul(weight: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     num_out, num_in = weight.shape
     num_rows = x.shape[0]
     num_tasks = (num_out + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK

@@ -1,1 +1,1 @@
-"""L4: model families, layers, weight loading (HF directories and GGUF files), tokenizers, attention."""
+"""L4: model families, layers, weight loading (HF directories, GGUF), tokenizers, attention."""

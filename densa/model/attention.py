@@ -73,7 +73,7 @@ def build_group(
     page_size: int,
     device: torch.device,
 ) -> AttentionGroup:
-    """Tensors for one group; page tables are padded with page 0 (masked out, never read as data)."""
+    """Tensors for one group; page tables are padded with page 0 (masked out, never used)."""
     num_seqs = len(page_tables)
     max_pages = max(len(t) for t in page_tables)
     table = torch.zeros(num_seqs, max_pages, dtype=torch.int32)
@@ -108,7 +108,7 @@ class AttentionBackend(Protocol):
     def store_kv(
         self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        """Write this step's K/V ([T, KVH, D]) into their slots (quantizing if the cache is narrow)."""
+        """Write this step's K/V ([T, KVH, D]) into their slots (quantizing for narrow caches)."""
         ...
 
     def attend(

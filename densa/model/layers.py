@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
     def forward_with_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): saves the separate residual add of a decoder layer."""
+        """(norm(x + residual), x + residual): folds the residual add into the norm."""
         residual = x + residual
         return self.forward(residual), residual
 
@@ -64,7 +64,7 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     @staticmethod
-    def apply(
+    def rotate(
         q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, KVH, D] -> rotated q, k (same shapes)."""

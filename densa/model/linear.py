@@ -1,4 +1,4 @@
-"""Linear layers. The dense layer here is also the seam quantized weight formats replace (quant/)."""
+"""Linear layers. The dense layer is also the seam where quantized weight formats plug in."""
 
 from __future__ import annotations
 
@@ -25,4 +25,5 @@ class Linear(nn.Module):
         return cpu_linear.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        has_bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={has_bias}"

@@ -7,12 +7,14 @@ step's attention metadata; there is no batch dimension and no padding in the den
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
 
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, paged_attention
+from densa.model.interface import CausalLM
 from densa.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from densa.model.linear import Linear
 
@@ -48,7 +50,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = RotaryEmbedding.apply(q, k, rope)
+        q, k = RotaryEmbedding.rotate(q, k, rope)
         out = paged_attention(backend, q, k, v, cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -80,7 +82,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ArchConfig, max_position: int, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
@@ -91,8 +93,11 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = cast(nn.Parameter, self.embed_tokens.weight)
 
     def forward(
         self,
@@ -108,6 +113,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, cache, meta, backend)
+        assert residual is not None  # every model has at least one layer
         hidden, _ = self.norm.forward_with_residual(hidden, residual)
         return hidden
 
@@ -117,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Every parameter must arrive."""
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must arrive."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:

@@ -1,4 +1,4 @@
-"""Find a checkpoint (HF directory or GGUF file), check it fits, build the model and load its weights."""
+"""Find a checkpoint (HF directory or GGUF file), check it fits, build the model, load weights."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import psutil
 import torch
-from torch import nn
 
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.gguf import ensure_converted
+from densa.model.interface import CausalLM
 from densa.model.registry import model_factory
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
@@ -73,15 +73,15 @@ def check_fits(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> in
         available = torch.cuda.mem_get_info(device)[0]
     if needed > available:
         raise ModelLoadError(
-            f"the weights need {format_bytes(needed)} in {dtype} but only {format_bytes(available)} "
-            f"is free; pick a smaller dtype or model, or free memory"
+            f"the weights need {format_bytes(needed)} in {dtype} but only "
+            f"{format_bytes(available)} is free; pick a smaller dtype or model, or free memory"
         )
     return needed
 
 
 def load_model(
     model_dir: Path, arch: ArchConfig, dtype: str, max_position: int, device: torch.device
-) -> nn.Module:
+) -> CausalLM:
     torch_dtype = DTYPES[dtype]
     check_fits(arch, torch_dtype, device)
     factory = model_factory(arch.architecture)
@@ -89,12 +89,11 @@ def load_model(
     with torch.device("meta"):
         model = factory(arch, max_position, device)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
-    if arch.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight  # to_empty() unties them
+    model.tie_weights()
     files = safetensors_files(model_dir)
     try:
         with torch.no_grad():
-            model.load_weights(iter_checkpoint(files))  # type: ignore[operator]
+            model.load_weights(iter_checkpoint(files))
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"checkpoint in {model_dir} does not match its config: {exc}") from exc
     logger.info(

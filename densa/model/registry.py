@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.interface import CausalLM
 from densa.model.llama import LlamaForCausalLM
 
-ModelFactory = Callable[[ArchConfig, int, torch.device], nn.Module]
+ModelFactory = Callable[[ArchConfig, int, torch.device], CausalLM]
 
 _REGISTRY: dict[str, ModelFactory] = {}
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from densa.model.arch import ModelLoadError
 
@@ -57,7 +57,10 @@ class Tokenizer:
         try:
             return str(
                 self._tok.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=True, tokenize=False
+                    messages,
+                    tools=cast(Any, tools),
+                    add_generation_prompt=True,
+                    tokenize=False,
                 )
             )
         except Exception as exc:  # jinja errors surface as many types

@@ -1,1 +1,1 @@
-"""L2: the scheduler (which tokens of which requests run this step) and the data it hands the worker."""
+"""L2: the scheduler (which tokens of which requests run each step) and what it hands the worker."""

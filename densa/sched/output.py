@@ -1,4 +1,4 @@
-"""What the scheduler hands the worker each step: one plain data object, read-only for the worker."""
+"""What the scheduler hands the worker each step: one plain data object, read-only there."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Continuous batching: every step, decide which tokens of which requests to compute.
 
 Policy (first come, first served; never deadlocks, never starves):
-1. Running requests, oldest first, get their next tokens (1 for decode, a chunk for prefill) under the
-   per-step token budget. When the pool has no page for one, the newest running request is preempted
-   (pages freed, recomputed later) until it fits -- or it is itself the newest and waits.
-2. If nobody was preempted, waiting requests are admitted in arrival order (prefix hits first), each
-   with as large a prefill chunk as the budget leaves, while pages and sequence slots last. The queue
-   head is never skipped, so a large request cannot be starved by a stream of small ones.
+1. Running requests, oldest first, get their next tokens (1 for decode, a chunk for prefill) under
+   the per-step token budget. When the pool has no page for one, the newest running request is
+   preempted (pages freed, recomputed later) until it fits -- or it is itself the newest and waits.
+2. If nobody was preempted, waiting requests are admitted in arrival order (prefix hits first),
+   each with as large a prefill chunk as the budget leaves, while pages and sequence slots last.
+   The queue head is never skipped, so a large request cannot be starved by small ones.
 
 Since the pool always holds at least one max_model_len request (checked at start-up), the oldest
 request can always make progress.

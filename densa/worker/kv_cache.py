@@ -28,7 +28,7 @@ def num_pages_for_budget(arch: ArchConfig, page_size: int, kv_dtype: str, budget
 def allocate_kv_caches(
     arch: ArchConfig, num_pages: int, page_size: int, kv_dtype: str, device: torch.device
 ) -> list[LayerKVCache]:
-    """One zero-filled tensor for all layers (so the memory is committed up front), viewed per layer."""
+    """One zero-filled tensor for all layers (memory committed up front), viewed per layer."""
     shape = (arch.num_layers, 2, num_pages, arch.num_kv_heads, page_size, arch.head_dim)
     storage = torch.zeros(shape, dtype=KV_DTYPES[kv_dtype], device=device)
     return [LayerKVCache(k=storage[i, 0], v=storage[i, 1]) for i in range(arch.num_layers)]

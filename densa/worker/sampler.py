@@ -1,4 +1,4 @@
-"""Turn logits into tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+"""Logits to tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
 
 Every request that samples randomly draws from its own torch.Generator, so its tokens depend on its
 seed and its own logits only -- not on which other requests share the batch.

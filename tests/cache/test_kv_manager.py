@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from densa.cache.integrity import ViolationKind
 from densa.cache.kv_manager import KVCacheManager
 from densa.request import Request
 from densa.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ def test_identical_prefix_reuses_full_pages_and_leaves_the_last_token_to_compute
     kv = KVCacheManager(num_pages=8, page_size=4)
     first = make_request("a", list(range(10)))
     assert admit(kv, first) == [0, 1, 2]
-    second = make_request("b", list(range(8)) + [99, 98])
+    second = make_request("b", [*range(8), 99, 98])
     hit = kv.find_prefix(second)
     assert hit.page_ids == (0, 1)  # two full pages shared, the partial page is not
     assert admit(kv, second) == [3]
@@ -90,3 +91,22 @@ def test_a_hit_on_free_cached_pages_counts_against_free_room() -> None:
     assert hit.page_ids == (0, 1)
     assert kv.allocate_slots(b, 3, hit) is None
     assert b.page_ids == [] and kv.num_free_pages == 3
+
+
+def test_only_the_exclusive_current_owner_may_write_a_page() -> None:
+    kv = KVCacheManager(num_pages=8, page_size=4)
+    a = make_request("a", list(range(9)))
+    admit(kv, a)  # pages 0, 1 full and indexed, page 2 partial
+    b = make_request("b", [*range(8), 50, 51])
+    admit(kv, b)  # shares pages 0, 1 with a
+    assert kv.check_writer("a", a, [2], [a.page_tags[2]]) is None  # a's own, unshared page
+    shared = kv.check_writer("a", a, [0], [a.page_tags[0]])
+    assert shared is not None and shared.kind is ViolationKind.STALE_WRITE  # prefix pages are immutable
+    old_tags = list(a.page_tags)
+    kv.free(a)
+    # a is gone: even page 0, still held by b with an unchanged tag, refuses a's late write.
+    assert kv.pool.tag(0) == old_tags[0]
+    assert kv.check_writer("a", None, [0], [old_tags[0]]) is not None
+    assert kv.check_writer("a", None, [2], [old_tags[2]]) is not None
+    wrong = kv.check_writer("b", b, [b.page_ids[2]], [old_tags[2]])
+    assert wrong is not None and wrong.kind is ViolationKind.BAD_MAPPING

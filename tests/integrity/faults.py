@@ -23,7 +23,9 @@ def release_behind_owner(engine: LLMEngine, request_id: str, page_idx: int) -> i
     return page_id
 
 
-def corrupt_next_page_table(engine: LLMEngine, request_id: str, page_idx: int, wrong_page: int) -> None:
+def corrupt_next_page_table(
+    engine: LLMEngine, request_id: str, page_idx: int, wrong_page: int
+) -> None:
     """Make the next step hand the worker a page table whose entry points at another page."""
     scheduler = engine.scheduler
     original: Callable[[], SchedulerOutput] = scheduler.schedule

@@ -34,7 +34,9 @@ def make_engine(model_dir: Path, integrity: bool = True) -> LLMEngine:
     return LLMEngine.from_args(args)
 
 
-def run(engine: LLMEngine, fault: Fault | None = None, extra_at: int = 3) -> dict[int, RequestOutput]:
+def run(
+    engine: LLMEngine, fault: Fault | None = None, extra_at: int = 3
+) -> dict[int, RequestOutput]:
     """Run PROMPTS (+ one late arrival) to completion; `fault(engine, step, ids)` runs before each step."""
     ids = [engine.add_request(p, PARAMS) for p in PROMPTS]
     finals: dict[str, RequestOutput] = {}
@@ -79,7 +81,9 @@ def test_page_released_and_reused_while_mapped_is_a_stale_read(tiny_model_dir: P
     assert engine.integrity_stats.counts[ViolationKind.STALE_READ] == 1
 
 
-def test_page_being_written_released_behind_its_owner_is_a_stale_write(tiny_model_dir: Path, clean) -> None:  # type: ignore[no-untyped-def]
+def test_page_being_written_released_behind_its_owner_is_a_stale_write(
+    tiny_model_dir: Path, clean
+) -> None:  # type: ignore[no-untyped-def]
     engine = make_engine(tiny_model_dir)
 
     def fault(engine: LLMEngine, step: int, ids: list[str]) -> None:
@@ -150,4 +154,6 @@ def test_double_release_is_refused_and_reported(tiny_model_dir: Path, clean) -> 
 
 def test_integrity_off_runs_the_same_tokens(tiny_model_dir: Path, clean) -> None:  # type: ignore[no-untyped-def]
     outputs = run(make_engine(tiny_model_dir, integrity=False))
-    assert {i: o.token_ids for i, o in outputs.items()} == {i: o.token_ids for i, o in clean.items()}
+    assert {i: o.token_ids for i, o in outputs.items()} == {
+        i: o.token_ids for i, o in clean.items()
+    }

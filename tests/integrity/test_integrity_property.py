@@ -30,7 +30,9 @@ class IntegrityMachine(RuleBasedStateMachine):
         self.pool = self.scheduler.kv.pool
         self.checker = TagTableChecker(list(range(NUM_PAGES)), PAGE_SIZE, torch.device("cpu"))
         self.stale: dict[str, set[int]] = {}  # request -> page indices it maps but no longer owns
-        self.corrupt: dict[str, tuple[int, int]] = {}  # next step: request -> (page idx, wrong page)
+        self.corrupt: dict[
+            str, tuple[int, int]
+        ] = {}  # next step: request -> (page idx, wrong page)
         self.thief_pages: list[int] = []  # pages reused by "someone else" after a fault
         self.released: list[tuple[int, int]] = []  # (page, tag) pairs of past releases
         self.num_requests = 0
@@ -49,7 +51,11 @@ class IntegrityMachine(RuleBasedStateMachine):
         scheduled = [self._maybe_corrupt(item) for item in out.scheduled]
         self.checker.apply_tag_updates(out.tag_updates)
         flagged = set(self.checker.check_step(scheduled))
-        must_flag = {s.request_id for s in scheduled if self.stale.get(s.request_id) or s.request_id in self.corrupt}
+        must_flag = {
+            s.request_id
+            for s in scheduled
+            if self.stale.get(s.request_id) or s.request_id in self.corrupt
+        }
         assert flagged == must_flag
         self.corrupt.clear()
         for request_id in flagged:
@@ -84,13 +90,17 @@ class IntegrityMachine(RuleBasedStateMachine):
     def fault_corrupt_page_table(self, data: st.DataObject) -> None:
         request = data.draw(st.sampled_from([r for r in self.scheduler.running if r.page_ids]))
         idx = data.draw(st.integers(0, len(request.page_ids) - 1))
-        wrong = data.draw(st.integers(0, NUM_PAGES - 1).filter(lambda p: p != request.page_ids[idx]))
+        wrong = data.draw(
+            st.integers(0, NUM_PAGES - 1).filter(lambda p: p != request.page_ids[idx])
+        )
         self.corrupt[request.request_id] = (idx, wrong)
 
     @precondition(lambda self: any(self.pool.ref_count(p) == 0 for p in range(NUM_PAGES)))
     @rule(data=st.data())
     def fault_double_free(self, data: st.DataObject) -> None:
-        page = data.draw(st.sampled_from([p for p in range(NUM_PAGES) if self.pool.ref_count(p) == 0]))
+        page = data.draw(
+            st.sampled_from([p for p in range(NUM_PAGES) if self.pool.ref_count(p) == 0])
+        )
         with pytest.raises(PagePoolError):
             self.pool.free([page])
 
@@ -98,8 +108,12 @@ class IntegrityMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fault_late_write(self, data: st.DataObject) -> None:
         page, tag = data.draw(st.sampled_from(self.released))
+        # A released writer never passes the ownership check (even on a page still shared by
+        # others, whose tag did not change); the device table catches every reallocated page.
+        assert self.scheduler.kv.check_writer("late", None, [page], [tag]) is not None
         self.checker.apply_tag_updates(self.pool.drain_tag_updates())  # as the engine does
-        assert self.checker.check_write("late", [page], [tag]) is not None
+        if self.pool.tag(page) != tag:
+            assert self.checker.check_write("late", [page], [tag]) is not None
 
     # ---- invariants ----------------------------------------------------------------------------
     @invariant()
@@ -114,7 +128,17 @@ class IntegrityMachine(RuleBasedStateMachine):
     def owners_always_pass_the_write_check(self) -> None:
         for request_id, request in self.scheduler.requests.items():
             if request.page_ids and not self.stale.get(request_id):
-                assert self.checker.check_write(request_id, request.page_ids, request.page_tags) is None
+                pages, tags = request.page_ids, request.page_tags
+                assert self.checker.check_write(request_id, pages, tags) is None
+                exclusive = [
+                    (p, t) for p, t in zip(pages, tags, strict=True) if self.pool.ref_count(p) == 1
+                ]
+                assert (
+                    self.scheduler.kv.check_writer(
+                        request_id, request, [p for p, _ in exclusive], [t for _, t in exclusive]
+                    )
+                    is None
+                )
 
     # ---- helpers -------------------------------------------------------------------------------
     def _owned_pages(self) -> list[tuple[str, int]]:
@@ -150,7 +174,9 @@ class IntegrityMachine(RuleBasedStateMachine):
 
     def _check_release_reports(self) -> None:
         reported = {v.request_id for v in self.scheduler.release_violations}
-        assert reported <= {rid for rid, idx in self.stale.items() if idx}, "false positive at release"
+        assert reported <= {rid for rid, idx in self.stale.items() if idx}, (
+            "false positive at release"
+        )
         for request_id in reported:
             self.stale.pop(request_id)
         # A stale request that released its pages (finish or preemption) must have been reported.
@@ -161,5 +187,7 @@ class IntegrityMachine(RuleBasedStateMachine):
         self.scheduler.release_violations.clear()
 
 
-IntegrityMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+IntegrityMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
 TestIntegrityProperty = IntegrityMachine.TestCase

@@ -18,7 +18,9 @@ def test_matches_torch(rows: int, shape: tuple[int, int]) -> None:
     bias = torch.randn(shape[0], generator=gen)
     assert can_stream(x, weight)
     torch.testing.assert_close(linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(
+        linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-4, rtol=1e-5
+    )
 
 
 def test_large_batches_and_other_dtypes_use_torch() -> None:

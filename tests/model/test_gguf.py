@@ -128,9 +128,9 @@ def test_missing_and_wrong_paths_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
         resolve_model_dir(str(tmp_path / "nope"))
     (tmp_path / "weights.bin").write_bytes(b"x")
-    with pytest.raises(ModelLoadError, match="not a .gguf"):
+    with pytest.raises(ModelLoadError, match=r"not a \.gguf"):
         resolve_model_dir(str(tmp_path / "weights.bin"))
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         ArchConfig.from_dir(tmp_path)
-    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
         safetensors_files(tmp_path)

@@ -45,7 +45,7 @@ def test_model_larger_than_memory_is_refused_before_loading(tiny_model_dir: Path
         intermediate_size=262144,
         num_layers=200,
     )
-    with pytest.raises(ModelLoadError, match="only .* is free"):
+    with pytest.raises(ModelLoadError, match=r"only .* is free"):
         check_fits(huge, torch.float32, torch.device("cpu"))
 
 

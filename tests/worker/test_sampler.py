@@ -7,7 +7,7 @@ import math
 import torch
 
 from densa.sampling_params import SamplingParams
-from densa.worker.sampler import SampleRequest, Sampler
+from densa.worker.sampler import Sampler, SampleRequest
 
 EOS = 3
 

@@ -1,0 +1,37 @@
+"""What the worker needs from a model family: the contract every registered model implements."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+
+
+class CausalLM(nn.Module, abc.ABC):
+    """A decoder-only language model over a flattened batch of tokens and paged KV."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerKVCache],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]. Writes this step's K/V."""
+
+    @abc.abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+
+    @abc.abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named checkpoint tensors in; raise KeyError/ValueError on mismatch."""
+
+    def tie_weights(self) -> None:
+        """Re-share tied parameters (materializing a meta-built model unties them)."""
