@@ -288,10 +288,14 @@ def make_integrity_checker(cache: CacheConfig, device: torch.device) -> Integrit
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    from densa.model.attention import TorchAttentionBackend
+    from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
 
-    if name in ("auto", "torch"):
+    if name == "torch" or (name == "auto" and device.type != "cpu"):
         return TorchAttentionBackend()
+    if name in ("auto", "cpu"):
+        if device.type != "cpu":
+            raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'torch'")
+        return CpuAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}")
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
+from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
+
 # Largest M for which the streaming kernel beat torch's GEMM in the measurements above.
 MAX_STREAMING_ROWS = 8
 _ROWS_PER_TASK = 16  # weight rows per parallel task: big enough to amortize scheduling

@@ -3,13 +3,13 @@
 Cache layout, scales, page tables and GQA follow `paged_attention_ref` (see its module docstring).
 
 Threading: Numba's parallel kernels and torch both run OpenMP-style worker pools. See
-`_configure_numba_threading` for the choice made and why.
+`numba_threads` for the choice made and why.
 """
 
 from __future__ import annotations
 
 import math
-import os
+from typing import Any
 
 import numba
 import numpy as np
@@ -20,27 +20,15 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
+
 __all__ = ["paged_attention", "paged_decode_attention", "paged_prefill_attention"]
 
-
-def _configure_numba_threading() -> None:
-    """Pick Numba's threading layer unless the user already chose one via the environment.
-
-    The default ("omp") loads the system libgomp next to torch's bundled copy, giving two
-    OpenMP pools whose idle workers spin-wait after each parallel region; on 2 cores, alternating
-    torch ops and Numba kernels then fight over the cores. "workqueue" is Numba's own pool whose
-    idle workers sleep, so it stays out of torch's way. (Decided by measurement; see the bench.)
-    """
-    if "NUMBA_THREADING_LAYER" not in os.environ:
-        numba.config.THREADING_LAYER = "workqueue"
-
-
-_configure_numba_threading()
 
 # All fast-math flags except nnan/ninf: the online softmax starts from a large negative sentinel
 # and we want inf/NaN in the cache to propagate visibly rather than be optimized into garbage.
 _FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
-_NEG_BIG = np.float32(-1e30)  # "minus infinity" for the running max; exp(_NEG_BIG - x) == 0
+_NEG_BIG = np.float32(-1e30)  # "minus infinity" for the running max (exp of it underflows)
 _BLOCK_TOKENS = 32  # tokens per online-softmax step (one accumulator rescale per block)
 _PREFETCH_PAGES = 2  # how many pages ahead to prefetch; hides DRAM latency at page jumps
 _MIN_SPLIT_TOKENS = 256  # below this, splitting a sequence costs more than it balances
@@ -62,8 +50,7 @@ _RAW_VIEW: dict[torch.dtype, tuple[torch.dtype, float]] = {
 # ---- LLVM-level helpers --------------------------------------------------------------------------
 
 
-@intrinsic
-def _widen(typingctx, raw):
+def _widen_typer(typingctx, raw):
     """Raw cache element -> float32, in registers (vectorizes; no lookup tables).
 
     float32: identity. int16 (bf16 bits): shift into the high half of a 32-bit float.
@@ -96,8 +83,7 @@ def _widen(typingctx, raw):
     return types.float32(raw), codegen
 
 
-@intrinsic
-def _pow2(typingctx, exponent):
+def _pow2_typer(typingctx, exponent):
     """2.0 ** exponent as float32, built from the exponent bits (exponent in [-126, 127])."""
 
     def codegen(context, builder, signature, args):
@@ -110,8 +96,7 @@ def _pow2(typingctx, exponent):
     return types.float32(exponent), codegen
 
 
-@intrinsic
-def _prefetch(typingctx, array, index):
+def _prefetch_typer(typingctx, array, index):
     """Hint the CPU to pull the cache line holding array.flat[index] into cache."""
 
     def codegen(context, builder, signature, args):
@@ -130,6 +115,11 @@ def _prefetch(typingctx, array, index):
     return types.void(array, index), codegen
 
 
+# Typed as Any: mypy cannot see through numba's intrinsic wrapper (it expects `typingctx`).
+_widen: Any = intrinsic(_widen_typer)
+_pow2: Any = intrinsic(_pow2_typer)
+_prefetch: Any = intrinsic(_prefetch_typer)
+
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
@@ -137,7 +127,7 @@ _EXP_MIN = np.float32(-87.0)  # exp(-87) ~ 1.6e-38 still normal; anything below 
 
 
 @njit(fastmath=_FASTMATH, cache=True, inline="always")
-def _exp_neg(x):  # noqa: ANN001, ANN202
+def _exp_neg(x):
     """exp(x) for x <= 0 in float32 (Cephes expf polynomial, ~1 ulp); unlike libm's expf it is
     inlined and vectorizes across the softmax block."""
     x = max(x, _EXP_MIN)
@@ -156,7 +146,7 @@ def _exp_neg(x):  # noqa: ANN001, ANN202
 
 
 @njit(fastmath=_FASTMATH, cache=True)
-def _prefetch_page(cache, page, kv_head):  # noqa: ANN001, ANN202
+def _prefetch_page(cache, page, kv_head):
     """Prefetch one head's page block (page_size x head_dim, contiguous) line by line."""
     block = cache.shape[2] * cache.shape[3]
     base = (page * cache.shape[1] + kv_head) * block
@@ -167,14 +157,14 @@ def _prefetch_page(cache, page, kv_head):  # noqa: ANN001, ANN202
 
 @njit(fastmath=_FASTMATH, cache=True)
 def _attend_range(
-    q_group, k_cache, v_cache, page_row, kv_head, t0, t1, k_scales, v_scales, acc, m, l
-):  # noqa: ANN001, ANN202, E501
+    q_group, k_cache, v_cache, page_row, kv_head, t0, t1, k_scales, v_scales, acc, run_max, run_sum
+):
     """Online-softmax attention of one GQA group over token positions [t0, t1) of one sequence.
 
     t0 must be a multiple of the page size, so blocks always start at a page boundary.
     q_group: [G, D] queries already multiplied by sm_scale and every static K factor.
     k_cache/v_cache: raw [P, Hkv, S, D]; k_scales/v_scales: [P, Hkv, S] or empty (no dynamic).
-    Writes the unnormalized accumulator acc [G, D], running max m [G] and sum l [G].
+    Writes the unnormalized accumulator acc [G, D], running max run_max [G] and sum run_sum [G].
     """
     group, head_dim = q_group.shape
     page_size = k_cache.shape[2]
@@ -184,13 +174,12 @@ def _attend_range(
     block = max(page_size, _BLOCK_TOKENS // page_size * page_size)
     probs = np.empty((group, block), dtype=np.float32)
     acc[:] = 0.0
-    m[:] = _NEG_BIG
-    l[:] = 0.0
+    run_max[:] = _NEG_BIG
+    run_sum[:] = 0.0
     last_page = (t1 + page_size - 1) // page_size
     for b0 in range(t0, t1, block):
         n = min(block, t1 - b0)
         first = b0 // page_size
-        # Scores. K elements are widened inline per query head: cheaper than a store + reload.
         for i in range(0, n, page_size):
             page_index = first + i // page_size
             if page_index + _PREFETCH_PAGES < last_page:
@@ -199,35 +188,76 @@ def _attend_range(
                 _prefetch_page(v_cache, ahead, kv_head)
             page = page_row[page_index]
             for s in range(min(page_size, n - i)):
-                tok_scale = k_scales[page, kv_head, s] if dyn_k else np.float32(1.0)
-                for g in range(group):
-                    dot = np.float32(0.0)
+                scale = k_scales[page, kv_head, s] if dyn_k else np.float32(1.0)
+                t = i + s
+                # The heads of a GQA group share each K row. For groups of 4 and 3 (common GQA
+                # ratios) every element is loaded and widened once for all heads, with constant
+                # head indices: written as a loop over head chunks, LLVM vectorizes it worse.
+                if group == 4:
+                    s0 = s1 = s2 = s3 = np.float32(0.0)
                     for d in range(head_dim):
-                        dot += q_group[g, d] * _widen(k_cache[page, kv_head, s, d])
-                    probs[g, i + s] = dot * tok_scale
+                        x = _widen(k_cache[page, kv_head, s, d])
+                        s0 += q_group[0, d] * x
+                        s1 += q_group[1, d] * x
+                        s2 += q_group[2, d] * x
+                        s3 += q_group[3, d] * x
+                    probs[0, t], probs[1, t] = s0 * scale, s1 * scale
+                    probs[2, t], probs[3, t] = s2 * scale, s3 * scale
+                elif group == 3:
+                    s0 = s1 = s2 = np.float32(0.0)
+                    for d in range(head_dim):
+                        x = _widen(k_cache[page, kv_head, s, d])
+                        s0 += q_group[0, d] * x
+                        s1 += q_group[1, d] * x
+                        s2 += q_group[2, d] * x
+                    probs[0, t], probs[1, t], probs[2, t] = s0 * scale, s1 * scale, s2 * scale
+                else:
+                    for g in range(group):
+                        s0 = np.float32(0.0)
+                        for d in range(head_dim):
+                            s0 += q_group[g, d] * _widen(k_cache[page, kv_head, s, d])
+                        probs[g, t] = s0 * scale
         # Online softmax: one accumulator rescale per block, not per token.
         for g in range(group):
-            block_max = m[g]
+            block_max = run_max[g]
             for t in range(n):
                 block_max = max(block_max, probs[g, t])
-            alpha = _exp_neg(m[g] - block_max)
-            m[g] = block_max
+            alpha = _exp_neg(run_max[g] - block_max)
+            run_max[g] = block_max
             total = np.float32(0.0)
             for t in range(n):
                 p = _exp_neg(probs[g, t] - block_max)
                 probs[g, t] = p
                 total += p
-            l[g] = l[g] * alpha + total
+            run_sum[g] = run_sum[g] * alpha + total
             for d in range(head_dim):
                 acc[g, d] *= alpha
         for i in range(0, n, page_size):
             page = page_row[first + i // page_size]
             for s in range(min(page_size, n - i)):
-                tok_scale = v_scales[page, kv_head, s] if dyn_v else np.float32(1.0)
-                for g in range(group):
-                    w = probs[g, i + s] * tok_scale
+                scale = v_scales[page, kv_head, s] if dyn_v else np.float32(1.0)
+                t = i + s
+                if group == 4:
+                    w0, w1 = probs[0, t] * scale, probs[1, t] * scale
+                    w2, w3 = probs[2, t] * scale, probs[3, t] * scale
                     for d in range(head_dim):
-                        acc[g, d] += w * _widen(v_cache[page, kv_head, s, d])
+                        x = _widen(v_cache[page, kv_head, s, d])
+                        acc[0, d] += w0 * x
+                        acc[1, d] += w1 * x
+                        acc[2, d] += w2 * x
+                        acc[3, d] += w3 * x
+                elif group == 3:
+                    w0, w1, w2 = probs[0, t] * scale, probs[1, t] * scale, probs[2, t] * scale
+                    for d in range(head_dim):
+                        x = _widen(v_cache[page, kv_head, s, d])
+                        acc[0, d] += w0 * x
+                        acc[1, d] += w1 * x
+                        acc[2, d] += w2 * x
+                else:
+                    for g in range(group):
+                        w = probs[g, t] * scale
+                        for d in range(head_dim):
+                            acc[g, d] += w * _widen(v_cache[page, kv_head, s, d])
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
@@ -242,13 +272,15 @@ def _decode_kernel(
     q_mult,
     v_mult,
     num_splits,
+    num_workers,
     out,
-):  # noqa: ANN001, ANN202, E501
+):
     """Split-K ("flash-decoding") paged attention for one new token per sequence.
 
-    query/out: float32 [B, H, D]. Work items are (sequence, kv head, split); each split covers a
-    page-aligned 1/num_splits share of the sequence, and a second pass merges the partial
-    softmaxes (with num_splits == 1 that pass just normalizes).
+    query/out: float32 [B, H, D]; q_mult / v_mult: static factors for scores / outputs;
+    num_workers: threads to spread the work over. Work items are (sequence, kv head, split);
+    each split covers a page-aligned 1/num_splits share of the sequence, and a second pass merges
+    the partial softmaxes (with num_splits == 1 that pass just normalizes).
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
@@ -258,32 +290,40 @@ def _decode_kernel(
     part_acc = np.empty((num_items, group, head_dim), dtype=np.float32)
     part_m = np.empty((num_items, group), dtype=np.float32)
     part_l = np.empty((num_items, group), dtype=np.float32)
-    for item in prange(num_items):
-        b = item // (num_kv_heads * num_splits)
-        kv_head = (item // num_splits) % num_kv_heads
-        split = item % num_splits
-        seq_len = seq_lens[b]
-        pages_per_split = ((seq_len + page_size - 1) // page_size + num_splits - 1) // num_splits
-        t0 = min(split * pages_per_split * page_size, seq_len)
-        t1 = min(t0 + pages_per_split * page_size, seq_len)
+    # Round-robin items over the workers (one prange iteration each) instead of numba's
+    # contiguous static chunks: batches are often ordered by length, and contiguous chunks would
+    # hand one thread all the long sequences. (Dynamic scheduling via set_parallel_chunksize
+    # costs ~4 us per call from Python, and calling it inside the kernel defeats cache=True.)
+    num_workers = max(1, min(num_workers, num_items))
+    for worker in prange(num_workers):
         q_group = np.empty((group, head_dim), dtype=np.float32)
-        for g in range(group):
-            for d in range(head_dim):
-                q_group[g, d] = query[b, kv_head * group + g, d] * q_mult
-        _attend_range(
-            q_group,
-            k_cache,
-            v_cache,
-            page_table[b],
-            kv_head,
-            t0,
-            t1,
-            k_scales,
-            v_scales,
-            part_acc[item],
-            part_m[item],
-            part_l[item],
-        )
+        for item in range(worker, num_items, num_workers):
+            b = item // (num_kv_heads * num_splits)
+            kv_head = (item // num_splits) % num_kv_heads
+            split = item % num_splits
+            seq_len = seq_lens[b]
+            pages_per_split = (
+                (seq_len + page_size - 1) // page_size + num_splits - 1
+            ) // num_splits
+            t0 = min(split * pages_per_split * page_size, seq_len)
+            t1 = min(t0 + pages_per_split * page_size, seq_len)
+            for g in range(group):
+                for d in range(head_dim):
+                    q_group[g, d] = query[b, kv_head * group + g, d] * q_mult
+            _attend_range(
+                q_group,
+                k_cache,
+                v_cache,
+                page_table[b],
+                kv_head,
+                t0,
+                t1,
+                k_scales,
+                v_scales,
+                part_acc[item],
+                part_m[item],
+                part_l[item],
+            )
     for bh in prange(batch * num_heads):
         b = bh // num_heads
         h = bh % num_heads
@@ -309,6 +349,14 @@ def _decode_kernel(
 # ---- Python wrappers ---------------------------------------------------------------------------
 
 
+def _as_numpy(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """Zero-copy numpy view when `tensor` already has `dtype` and is contiguous (the hot path:
+    checking first skips torch's per-call dispatch of no-op conversions)."""
+    if tensor.dtype != dtype or not tensor.is_contiguous():
+        tensor = tensor.to(dtype).contiguous()
+    return tensor.numpy()
+
+
 def _raw_cache(cache: torch.Tensor) -> tuple[np.ndarray, float]:
     """Zero-copy numpy view of a cache in the element type `_widen` expects, plus its factor."""
     if cache.dtype not in _RAW_VIEW:
@@ -319,13 +367,15 @@ def _raw_cache(cache: torch.Tensor) -> tuple[np.ndarray, float]:
     return cache.view(raw_dtype).numpy(), factor
 
 
-def _split_scale(scale: torch.Tensor | None) -> tuple[np.ndarray, float]:
+def _split_scale(scale: torch.Tensor | None, cache: torch.Tensor) -> tuple[np.ndarray, float]:
     """(dynamic per-token scales [P, Hkv, S] or an empty array, static multiplier)."""
     if scale is None:
         return _NO_SCALES, 1.0
     if scale.dim() == 0:
         return _NO_SCALES, float(scale)
-    return scale.to(torch.float32).contiguous().numpy(), 1.0
+    if scale.shape != cache.shape[:3]:
+        raise ValueError(f"dynamic scales must be shaped {tuple(cache.shape[:3])}")
+    return _as_numpy(scale, torch.float32), 1.0
 
 
 def _choose_num_splits(num_pairs: int, max_seq_len: int, num_threads: int) -> int:
@@ -376,16 +426,22 @@ def paged_decode_attention(
         return out
     k_raw, k_factor = _raw_cache(k_cache)
     v_raw, v_factor = _raw_cache(v_cache)
-    k_dyn, k_static = _split_scale(k_scale)
-    v_dyn, v_static = _split_scale(v_scale)
-    table = page_table.to(torch.int32).contiguous().numpy()
-    lens = seq_lens.to(torch.int32).contiguous().numpy()
+    k_dyn, k_static = _split_scale(k_scale, k_cache)
+    v_dyn, v_static = _split_scale(v_scale, v_cache)
+    table = _as_numpy(page_table, torch.int32)
+    lens = _as_numpy(seq_lens, torch.int32)
+    if table.shape[0] != batch or lens.shape != (batch,):
+        raise ValueError("page_table and seq_lens need one row / entry per query")
     max_seq_len = int(lens.max())
     if max_seq_len > table.shape[1] * k_cache.shape[2]:
         raise ValueError("seq_lens exceed the page table capacity")
-    num_splits = _choose_num_splits(batch * num_kv_heads, max_seq_len, numba.get_num_threads())
+    # The kernel does no bounds checks, so a bad page id would read arbitrary memory.
+    if table.size and (table.min() < 0 or table.max() >= k_cache.shape[0]):
+        raise IndexError("page_table holds page ids outside the cache")
+    num_threads = numba.get_num_threads()
+    num_splits = _choose_num_splits(batch * num_kv_heads, max_seq_len, num_threads)
     _decode_kernel(
-        query.to(torch.float32).contiguous().numpy(),
+        _as_numpy(query, torch.float32),
         k_raw,
         v_raw,
         table,
@@ -395,6 +451,7 @@ def paged_decode_attention(
         np.float32(sm_scale * k_static * k_factor),
         np.float32(v_static * v_factor),
         num_splits,
+        num_threads,
         out.numpy(),
     )
     return out
@@ -483,3 +540,56 @@ def paged_prefill_attention(
     if total_q == batch * max_q:
         return out.reshape(total_q, num_heads, head_dim)
     return out[seq, j]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+    sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mixed batch: sequences with query_len == 1 use the fused decode kernel, the rest the
+    prefill path. Same arguments and result as `paged_prefill_attention` ([total_q, H, D])."""
+    is_decode = query_lens == 1
+    if bool(is_decode.all()):
+        return paged_decode_attention(
+            query, k_cache, v_cache, page_table, seq_lens, sm_scale, k_scale, v_scale
+        )
+    if not bool(is_decode.any()):
+        return paged_prefill_attention(
+            query, k_cache, v_cache, page_table, seq_lens, query_lens, sm_scale, k_scale, v_scale
+        )
+    query_lens = query_lens.to(torch.int64)
+    seq_of_row = torch.repeat_interleave(
+        torch.arange(len(query_lens)), query_lens, output_size=query.shape[0]
+    )
+    decode_rows = is_decode[seq_of_row]  # a decode sequence owns exactly one row
+    out = torch.empty(query.shape, dtype=torch.float32)
+    out[decode_rows] = paged_decode_attention(
+        query[decode_rows],
+        k_cache,
+        v_cache,
+        page_table[is_decode],
+        seq_lens[is_decode],
+        sm_scale,
+        k_scale,
+        v_scale,
+    )
+    prefill = ~is_decode
+    out[~decode_rows] = paged_prefill_attention(
+        query[~decode_rows],
+        k_cache,
+        v_cache,
+        page_table[prefill],
+        seq_lens[prefill],
+        query_lens[prefill],
+        sm_scale,
+        k_scale,
+        v_scale,
+    )
+    return out

@@ -171,3 +171,28 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     pages = cache[page_table.long()]  # [B, max_pages, KVH, P, D]
     num_seqs, max_pages, num_kv_heads, page_size, head_dim = pages.shape
     return pages.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_pages * page_size, head_dim)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Fused Numba kernels: decode reads pages in place (no gather) and widens narrow caches in
+    registers; prefill gathers only the few prefill sequences and runs one masked SDPA."""
+
+    name = "cpu"
+
+    def attend(
+        self, q: torch.Tensor, cache: LayerKVCache, group: AttentionGroup, scale: float
+    ) -> torch.Tensor:
+        from densa.kernels import cpu_paged_attention as kernels
+
+        query = q.float()  # the kernels compute in fp32 whatever the model dtype
+        if group.max_query_len == 1:
+            out = kernels.paged_decode_attention(
+                query, cache.k, cache.v, group.page_table, group.seq_lens, scale,
+                cache.k_scale, cache.v_scale,
+            )  # fmt: skip
+        else:
+            out = kernels.paged_prefill_attention(
+                query, cache.k, cache.v, group.page_table, group.seq_lens, group.query_lens,
+                scale, cache.k_scale, cache.v_scale,
+            )  # fmt: skip
+        return out.to(q.dtype)
