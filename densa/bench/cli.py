@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from densa.engine.args import EngineArgs
 
@@ -20,6 +21,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     )
     benchmarks = parser.add_subparsers(title="benchmarks", metavar="BENCHMARK")
     _add_serving(benchmarks)
+    _add_integrity(benchmarks)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
 
@@ -46,6 +48,53 @@ def _add_serving(benchmarks: argparse._SubParsersAction) -> None:
     g.add_argument("--out", type=Path, default=Path("docs/benchmarks/serving"), help="folder")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serving, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _add_integrity(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "integrity",
+        help="cost of KV integrity checks: on vs off, interleaved",
+        description="Long-prompt, long-output waves with --kv-integrity on and off, interleaved, "
+        "plus a direct timing of the batched check on the same step shapes.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    g.add_argument("--prompt-len", type=int, default=2048)
+    g.add_argument("--output-len", type=int, default=256)
+    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--warmup", type=int, default=1)
+    g.add_argument("--prompt-seed", type=int, default=0)
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/integrity"))
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_integrity, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _integrity(ns: argparse.Namespace) -> int:
+    from densa.bench.integrity import IntegritySettings, run_integrity
+
+    settings = IntegritySettings(
+        concurrency=tuple(ns.concurrency),
+        prompt_len=ns.prompt_len,
+        output_len=ns.output_len,
+        repeats=ns.repeats,
+        warmup=ns.warmup,
+        prompt_seed=ns.prompt_seed,
+    )
+    try:
+        settings.serving()  # validates the shared fields
+    except ValueError as exc:
+        print(f"densa bench integrity: {exc}", file=sys.stderr)
+        return 2
+    report = run_integrity(settings, EngineArgs.from_cli(ns))
+    return _write(report, ns.out)
+
+
+def _write(report: Any, out: Path) -> int:
+    paths = report.write(out)
+    for table in report.tables:
+        print(table.to_markdown() + "\n")
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
 
 
 def _serving(ns: argparse.Namespace) -> int:

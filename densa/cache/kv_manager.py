@@ -115,14 +115,23 @@ class KVCacheManager:
         return new_page_ids
 
     def free(self, request: Request) -> list[IntegrityViolation]:
-        """Release every page the request maps, tail first (so tail pages are evicted first)."""
-        problems = self.release(request.request_id, request.page_ids[::-1], request.page_tags[::-1])
+        """Release every page the request maps, tail first (so tail pages are evicted first).
+
+        Cached prefix pages of a session (x-session-affinity) are kept longer than anyone else's:
+        the next turn of the conversation will want them.
+        """
+        problems = self.release(
+            request.request_id,
+            request.page_ids[::-1],
+            request.page_tags[::-1],
+            protect=request.session_id is not None,
+        )
         request.page_ids.clear()
         request.page_tags.clear()
         return problems
 
     def release(
-        self, owner_id: str, page_ids: list[int], tags: list[int]
+        self, owner_id: str, page_ids: list[int], tags: list[int], protect: bool = False
     ) -> list[IntegrityViolation]:
         """Drop one reference per (page, tag) -- only where the tag still matches.
 
@@ -134,12 +143,18 @@ class KVCacheManager:
         for page_id, tag in zip(page_ids, tags, strict=True):
             found = self.pool.tag(page_id)
             if found == tag and self.pool.ref_count(page_id) > 0:
-                self.pool.free([page_id])
+                self._free_page(page_id, protect)
                 continue
             wrong_page = self.pool.page_of_tag(tag) != page_id
             kind = ViolationKind.BAD_MAPPING if wrong_page else ViolationKind.DOUBLE_FREE
             problems.append(IntegrityViolation(owner_id, kind, page_id, tag, found))
         return problems
+
+    def _free_page(self, page_id: int, protect: bool) -> None:
+        cached = self._index.has_page(page_id)
+        self.pool.free([page_id], protect=protect and cached)
+        if not cached and self.pool.is_free(page_id):
+            self.pool.move_to_front(page_id)  # holds nothing reusable: reuse it before cached ones
 
     def check_writer(
         self, writer_id: str, request: Request | None, page_ids: list[int], tags: list[int]

@@ -36,8 +36,11 @@ class PagePool:
         self.num_pages = num_pages
         self._ref_counts = [0] * num_pages
         self._tags = list(range(num_pages))  # generation 0
-        # Insertion order is eviction order: allocate() takes from the front.
+        # Two free queues; insertion order is eviction order and allocate() takes from the front of
+        # `_free` first. `_protected` holds free pages whose cached prefix belongs to a live session
+        # (x-session-affinity): they are reused only once no other free page is left.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
+        self._protected: OrderedDict[int, None] = OrderedDict()
         # Called with a page id when a free page is reallocated (its cached content is evicted).
         self._on_evict: Callable[[int], object] | None = None
         # Tag changes not yet mirrored by the worker's device-side tag table.
@@ -46,11 +49,11 @@ class PagePool:
     # ---- queries -------------------------------------------------------------------------------
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._protected)
 
     @property
     def num_used_pages(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self.num_free_pages
 
     def ref_count(self, page_id: int) -> int:
         return self._ref_counts[page_id]
@@ -65,7 +68,10 @@ class PagePool:
         return list(self._tags)
 
     def is_free(self, page_id: int) -> bool:
-        return page_id in self._free
+        return page_id in self._free or page_id in self._protected
+
+    def is_protected(self, page_id: int) -> bool:
+        return page_id in self._protected
 
     def page_of_tag(self, tag: int) -> int:
         """The page a tag was issued for."""
@@ -77,11 +83,12 @@ class PagePool:
 
     def allocate(self, num_pages: int) -> list[int] | None:
         """Take `num_pages` free pages (ref 1, new tag each). None, changing nothing, if too few."""
-        if num_pages > len(self._free):
+        if num_pages > self.num_free_pages:
             return None
         page_ids = []
         for _ in range(num_pages):
-            page_id, _ = self._free.popitem(last=False)
+            queue = self._free if self._free else self._protected
+            page_id, _ = queue.popitem(last=False)
             if self._on_evict is not None:
                 self._on_evict(page_id)
             self._ref_counts[page_id] = 1
@@ -92,12 +99,14 @@ class PagePool:
     def touch(self, page_id: int) -> None:
         """Add a reference to a page that already holds wanted content (a prefix hit)."""
         if self._ref_counts[page_id] == 0:
-            del self._free[page_id]
+            self._free.pop(page_id, None)
+            self._protected.pop(page_id, None)
         self._ref_counts[page_id] += 1
 
-    def free(self, page_ids: Iterable[int]) -> None:
+    def free(self, page_ids: Iterable[int], protect: bool = False) -> None:
         """Drop one reference from each page; pages reaching zero get a new tag and go to the back
-        of the free queue. A double free raises before anything changes."""
+        of the free queue (the protected one if `protect`). A double free raises before anything
+        changes."""
         page_ids = list(page_ids)
         for page_id, count in Counter(page_ids).items():
             if self._ref_counts[page_id] < count:
@@ -106,10 +115,12 @@ class PagePool:
             self._ref_counts[page_id] -= 1
             if self._ref_counts[page_id] == 0:
                 self._bump_tag(page_id)
-                self._free[page_id] = None
+                (self._protected if protect else self._free)[page_id] = None
 
     def move_to_front(self, page_id: int) -> None:
-        """Make a free page the next one to be reused (its cached content is worth less)."""
+        """Make a free page the next one to be reused (its content is worth nothing)."""
+        if self._protected.pop(page_id, 0) is None:
+            self._free[page_id] = None
         self._free.move_to_end(page_id, last=False)
 
     def drain_tag_updates(self) -> list[tuple[int, int]]:
@@ -138,9 +149,9 @@ class PagePool:
                 raise PagePoolError(
                     f"page {page_id}: ref_count {refs}, but {expected[page_id]} owners"
                 )
-            if (refs == 0) != (page_id in self._free):
+            if (refs == 0) != self.is_free(page_id):
                 raise PagePoolError(
-                    f"page {page_id}: ref_count {refs} but free={page_id in self._free}"
+                    f"page {page_id}: ref_count {refs} but free={self.is_free(page_id)}"
                 )
             if self._tags[page_id] % self.num_pages != page_id:
                 raise PagePoolError(f"page {page_id}: tag {self._tags[page_id]} names another page")

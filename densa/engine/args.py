@@ -39,9 +39,8 @@ class EngineArgs:
     weight_format: str = "auto"
     kv_cache_memory: str = str(DEFAULT_KV_FRACTION)  # bytes ("2GiB") or a fraction of free memory
     kv_cache_dtype: str = "auto"
-    num_kv_pages: int | None = (
-        None  # exact page count, overriding kv_cache_memory (tests, benchmarks)
-    )
+    # An exact page count, overriding kv_cache_memory (tests, benchmarks).
+    num_kv_pages: int | None = None
     page_size: int = 16
     enable_prefix_caching: bool = True
     kv_integrity: bool = True

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from densa.cache.integrity import IntegrityViolation
 from densa.model.attention import (
@@ -19,6 +18,7 @@ from densa.model.attention import (
     LayerKVCache,
     build_group,
 )
+from densa.model.interface import CausalLM
 from densa.sched.output import ScheduledRequest, SchedulerOutput
 from densa.worker.integrity import IntegrityChecker
 from densa.worker.sampler import Sampler, SampleRequest, TokenLogprobs
@@ -45,7 +45,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         kv_caches: list[LayerKVCache],
         page_size: int,
         backend: AttentionBackend,
@@ -78,9 +78,23 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
         )
         if inputs.samplers:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])  # type: ignore[operator]
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
             self._sample(logits, inputs.samplers, output)
         return output
+
+    @torch.inference_mode()
+    def score(self, item: ScheduledRequest) -> torch.Tensor:
+        """Logits for every token of one chunk ([num_tokens, vocab], fp32): row i predicts the
+        token after item.token_ids[i]. K/V is written and read exactly as in generation, so the
+        cache format's effect on the distributions is what gets measured."""
+        violation = self.integrity.check_step([item]).get(item.request_id)
+        if violation is not None:
+            raise RuntimeError(violation.message)
+        inputs = self.prepare_inputs([item])
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
+        )
+        return self.model.compute_logits(hidden)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         decodes = [s for s in scheduled if s.num_tokens == 1]

@@ -65,7 +65,7 @@ def test_prefix_pages_survive_their_owner_and_are_evicted_lru() -> None:
     kv.free(a)  # free queue: 3, 2, 1, 0 (tail pages first)
     b = make_request("b", [1, 2, 3, 4, 9])
     assert kv.find_prefix(b).page_ids == (0, 1)
-    assert admit(kv, b) == [3]  # takes the never-used page first
+    assert admit(kv, b) == [2]  # the partial page held nothing reusable: it goes first
     kv.free(b)
     # A new unrelated request needing all 4 pages evicts the cached ones; no hit remains.
     c = make_request("c", [7] * 8)
@@ -101,7 +101,9 @@ def test_only_the_exclusive_current_owner_may_write_a_page() -> None:
     admit(kv, b)  # shares pages 0, 1 with a
     assert kv.check_writer("a", a, [2], [a.page_tags[2]]) is None  # a's own, unshared page
     shared = kv.check_writer("a", a, [0], [a.page_tags[0]])
-    assert shared is not None and shared.kind is ViolationKind.STALE_WRITE  # prefix pages are immutable
+    assert (
+        shared is not None and shared.kind is ViolationKind.STALE_WRITE
+    )  # prefix pages are immutable
     old_tags = list(a.page_tags)
     kv.free(a)
     # a is gone: even page 0, still held by b with an unchanged tag, refuses a's late write.
@@ -110,3 +112,29 @@ def test_only_the_exclusive_current_owner_may_write_a_page() -> None:
     assert kv.check_writer("a", None, [2], [old_tags[2]]) is not None
     wrong = kv.check_writer("b", b, [b.page_ids[2]], [old_tags[2]])
     assert wrong is not None and wrong.kind is ViolationKind.BAD_MAPPING
+
+
+def test_uncached_pages_are_reused_before_cached_ones() -> None:
+    kv = KVCacheManager(num_pages=4, page_size=2)
+    a = make_request("a", [1, 2, 3])  # page 0 full (cached), page 1 partial (nothing reusable)
+    admit(kv, a)
+    kv.free(a)
+    assert kv.allocate_slots(make_request("b", [9]), 1) == [1]  # the partial page goes first
+    assert kv.allocate_slots(make_request("c", [9]), 1) == [2]
+    assert kv.find_prefix(make_request("d", [1, 2, 3])).page_ids == (0,)  # still cached
+
+
+def test_session_pages_outlive_other_cached_pages() -> None:
+    kv = KVCacheManager(num_pages=6, page_size=2)
+    chat = make_request("chat", [1, 2, 3, 4])
+    chat.session_id = "s1"
+    admit(kv, chat)  # pages 0, 1, both cached
+    kv.free(chat)  # protected: [1, 0]
+    other = make_request("x", [20, 21, 22, 23])
+    admit(kv, other)  # pages 2, 3
+    kv.free(other)  # free queue: 4, 5, 3, 2 -- released later than the chat, yet evicted first
+    newcomer = make_request("y", list(range(30, 38)))
+    admit(kv, newcomer)
+    assert newcomer.page_ids == [4, 5, 3, 2]
+    assert kv.find_prefix(make_request("chat-turn-2", [1, 2, 3, 4, 9])).page_ids == (0, 1)
+    assert kv.find_prefix(make_request("x-again", [20, 21, 22, 23, 9])).page_ids == ()
