@@ -7,6 +7,7 @@ un-permuted: llama.cpp stores them interleaved for its rotary layout, densa uses
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -69,7 +70,11 @@ def ensure_converted(gguf_path: Path, progress: Progress | None = None) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".converting-"))
     try:
-        convert_gguf(gguf_path, tmp_dir, progress)
+        if progress is None:
+            with _progress_bar(f"converting {gguf_path.name}") as bar:
+                convert_gguf(gguf_path, tmp_dir, bar)
+        else:
+            convert_gguf(gguf_path, tmp_dir, progress)
         tmp_dir.rename(out_dir)  # atomic: a crash never leaves a half-written cache entry
     except FileExistsError:
         shutil.rmtree(tmp_dir, ignore_errors=True)  # another process converted it first
@@ -77,6 +82,19 @@ def ensure_converted(gguf_path: Path, progress: Progress | None = None) -> Path:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return out_dir
+
+
+@contextlib.contextmanager
+def _progress_bar(description: str) -> Iterator[Progress]:
+    from tqdm import tqdm
+
+    with tqdm(desc=description, unit="tensor", mininterval=0.5) as bar:
+
+        def update(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        yield update
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None) -> None:
