@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from densa.engine.llm_engine import LLMEngine
+from densa.engine.metrics import EngineStats, snapshot
 from densa.engine.output import RequestOutput
 from densa.sampling_params import SamplingParams
 from densa.utils.logging import get_logger
@@ -65,6 +66,8 @@ class AsyncEngine:
         self._accepting = True
         self.num_steps = 0
         self.last_step_time = time.monotonic()
+        # Replaced (never mutated) by the engine thread, so any thread may read it at any time.
+        self.stats: EngineStats = snapshot(engine)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -150,6 +153,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stopping:
             self._apply_commands()
+            self.stats = snapshot(self.engine, self.num_steps)
             if not self.engine.has_unfinished_requests():
                 self._wakeup.wait(timeout=1.0)
                 self._wakeup.clear()
@@ -161,6 +165,7 @@ class AsyncEngine:
                 outputs = self.engine.fail_all("engine_error: internal error during a step")
             self.num_steps += 1
             self.last_step_time = time.monotonic()
+            self.stats = snapshot(self.engine, self.num_steps)
             self._dispatch(outputs)
 
     def _apply_commands(self) -> None:

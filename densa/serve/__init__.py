@@ -1,12 +1,19 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) over an AsyncEngine.
 
 protocol    request / response bodies (pydantic), validated field by field
+fields      annotated request field types: what each accepts and how it is published
 errors      OpenAI-style error bodies and the exception handlers
+prepare     HTTP request -> engine call: body, prompt tokens, context length, cache scope
 responses   engine outputs -> response bodies, stream chunks and logprobs
-generation  one request on the engine: start, gather whole, or stream as SSE
-api_server  routes, request preparation, `build_app` and `run_server`
+generation  one request on the engine: start, gather whole, or stream as SSE; deadlines
+auth        optional API keys
+tracking    one record per request: structured log line, x-request-id
+metrics     GET /metrics (Prometheus), per-app registry
+api_server  routes, `build_app`, the published OpenAPI schema
+process     `run_server` (signals, graceful drain) and `serve_in_thread` (tests, benchmarks)
 """
 
-from densa.serve.api_server import build_app, run_server
+from densa.serve.api_server import build_app
+from densa.serve.process import run_server, serve_in_thread
 
-__all__ = ["build_app", "run_server"]
+__all__ = ["build_app", "run_server", "serve_in_thread"]

@@ -1,7 +1,7 @@
-"""The OpenAI-compatible HTTP server: routes, request preparation, and the process lifecycle.
+"""The OpenAI-compatible HTTP app: its state, its routes and its published OpenAPI schema.
 
     build_app(async_engine, name)  -> a FastAPI app over an already started AsyncEngine
-    run_server(engine_args, ...)   -> load the model, serve until SIGINT/SIGTERM, drain, exit
+    run_server(engine_args, ...)   -> (process.py) load the model, serve, drain on SIGTERM, exit
 
 The app never owns the engine: whoever started the AsyncEngine shuts it down.
 """
@@ -9,53 +9,47 @@ The app never owns the engine: whoever started the AsyncEngine shuts it down.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
-import json
-import math
-import signal
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from types import FrameType
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol
 
-import uvicorn
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Request, Security
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
 
-from densa.engine.args import EngineArgs
 from densa.engine.async_engine import AsyncEngine
-from densa.engine.llm_engine import LLMEngine
-from densa.model.tokenizer import ChatTemplateError, Tokenizer
-from densa.serve import generation
+from densa.model.tokenizer import Tokenizer
+from densa.serve import generation, prepare
+from densa.serve.auth import ApiKeys
 from densa.serve.errors import (
     APIError,
+    ErrorResponse,
     bad_request,
-    from_validation_error,
     install_error_handlers,
     model_not_found,
     shutting_down,
 )
 from densa.serve.generation import EngineCall, SSEResponse, StreamFormatter
+from densa.serve.metrics import CONTENT_TYPE, ServerMetrics
 from densa.serve.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     ModelCard,
     ModelList,
     SamplingFields,
 )
 from densa.serve.responses import ChatFormatter, CompletionFormatter, Generation, TokenTexts
-from densa.utils.logging import configure_logging, get_logger
+from densa.serve.tracking import SESSION_HEADER, RequestRecord, RequestTracking, record_of
+from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
+request_log = get_logger("densa.requests")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-SESSION_HEADER = "x-session-affinity"
-RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 @dataclass
@@ -66,6 +60,9 @@ class ServerState:
     served_model_name: str
     max_body_bytes: int
     token_texts: TokenTexts
+    metrics: ServerMetrics
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    request_timeout: float | None = None  # seconds per request, then it is aborted (504)
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False  # set on SIGINT/SIGTERM: new requests get 503 while old ones finish
 
@@ -85,13 +82,10 @@ class ServerState:
         if model != self.served_model_name:
             raise model_not_found(model, self.served_model_name)
 
-    def check_prompt_len(self, num_tokens: int, param: str) -> None:
-        if num_tokens >= self.max_model_len:
-            message = (
-                f"this model's context is {self.max_model_len} tokens, but the {param} take "
-                f"{num_tokens} tokens (and the answer needs at least one); shorten the {param}"
-            )
-            raise bad_request(message, code="context_length_exceeded", param=param)
+    def finish(self, record: RequestRecord) -> None:
+        """Count and log a request once its response is over (RequestTracking calls this)."""
+        self.metrics.observe(record)
+        request_log.info(record.log_line())
 
 
 def build_app(
@@ -99,16 +93,25 @@ def build_app(
     served_model_name: str,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_timeout: float | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> FastAPI:
-    app = FastAPI(title="densa", docs_url=None, redoc_url=None)
-    app.state.densa = ServerState(
+    app = FastAPI(title="densa", version="0.1.0", docs_url=None, redoc_url=None)
+    state = ServerState(
         engine=async_engine,
         served_model_name=served_model_name,
         max_body_bytes=max_body_bytes,
         token_texts=TokenTexts(async_engine.engine.tokenizer),
+        metrics=ServerMetrics(lambda: async_engine.stats),
+        api_keys=api_keys or ApiKeys(),
+        request_timeout=request_timeout,
     )
+    app.state.densa = state
     install_error_handlers(app)
+    app.include_router(open_router)
     app.include_router(router)
+    app.add_middleware(RequestTracking, on_finished=state.finish)
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
 
 
@@ -117,15 +120,20 @@ def start_draining(app: FastAPI) -> None:
     app.state.densa.is_draining = True
 
 
-# ---- routes -------------------------------------------------------------------------------------
-router = APIRouter()
-
-
 def _state(request: Request) -> ServerState:
     return request.app.state.densa
 
 
-@router.get("/health")
+def _engine_not_running() -> APIError:
+    message = "the engine thread has stopped; restart the server (its log says why)"
+    return APIError(503, message, "engine_not_running", error_type="server_error")
+
+
+# ---- routes anyone may call ---------------------------------------------------------------------
+open_router = APIRouter()
+
+
+@open_router.get("/health", responses={503: {"model": ErrorResponse}})
 async def health(request: Request) -> Response:
     state = _state(request)
     if state.is_draining:
@@ -135,9 +143,58 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-def _engine_not_running() -> APIError:
-    message = "the engine thread has stopped; restart the server (its log says why)"
-    return APIError(503, message, "engine_not_running", error_type="server_error")
+@open_router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
+async def metrics(request: Request) -> Response:
+    """Prometheus text format (docs/serving.md lists the metrics)."""
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+# ---- the OpenAI API (API key required when the server has keys) ---------------------------------
+_bearer = HTTPBearer(auto_error=False, description="an API key, when the server sets --api-key")
+
+
+async def require_api_key(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+) -> None:
+    _state(request).api_keys.check(credentials)
+
+
+router = APIRouter(
+    dependencies=[Depends(require_api_key)],
+    responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
+)
+SessionHeader = Annotated[
+    str | None,
+    Header(
+        alias=SESSION_HEADER,
+        description="ties the turns of one conversation together: their cached prefix pages "
+        "are kept longer, and a router keeps them on one worker",
+    ),
+]
+# Statuses every generation endpoint may answer with, besides 200.
+_GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 413, 429, 500, 503, 504)
+}
+# Request bodies are read by hand (size limit, UTF-8 and JSON errors, strict types), so FastAPI does
+# not see their models: the schema gets them from here, exactly the models the routes validate with.
+_REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+_REF = "#/components/schemas/{model}"
+
+
+def _request_body(model: type[BaseModel]) -> dict[str, Any]:
+    ref = {"$ref": _REF.format(model=model.__name__)}
+    return {"required": True, "content": {"application/json": {"schema": ref}}}
+
+
+def _ok(model: type[BaseModel]) -> dict[str, Any]:
+    """A 200 that is JSON (`model`) or, with "stream": true, server-sent events."""
+    events = {"schema": {"type": "string"}}
+    return {"model": model, "content": {"text/event-stream": events}}
 
 
 @router.get("/v1/models")
@@ -159,33 +216,46 @@ def _model_card(state: ServerState) -> ModelCard:
     )
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    state = _state(request)
-    body = _parse(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
+@router.post(
+    "/v1/chat/completions",
+    responses={200: _ok(ChatCompletionResponse), **_GENERATION_ERRORS},
+    openapi_extra={"requestBody": _request_body(ChatCompletionRequest)},
+)
+async def chat_completions(request: Request, session_id: SessionHeader = None) -> Response:
+    state, deadline = _state(request), _deadline(request)
+    body = prepare.parse(ChatCompletionRequest, await _read(request))
     state.check_can_serve(body.model)
-    prompt_ids = await _chat_prompt(state, body)
-    max_tokens = body.requested_max_tokens or state.max_model_len - len(prompt_ids)
-    call = _engine_call(request, body, "chatcmpl", prompt_ids, max_tokens, body.num_logprobs)
+    prompt_ids = await prepare.chat_prompt(state.tokenizer, body)
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = body.requested_max_tokens
+    prepare.check_lengths(state.max_model_len, len(prompt_ids), max_tokens, ("messages", param))
+    max_tokens = max_tokens or state.max_model_len - len(prompt_ids)
+    call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline)
     formatter = ChatFormatter(
         call.request_id, int(time.time()), body.model, state.token_texts, body.num_logprobs
     )
-    return await _respond(request, state, call, formatter, body)
+    return await _respond(request, call, formatter, body)
 
 
-@router.post("/v1/completions")
-async def completions(request: Request) -> Response:
-    state = _state(request)
-    body = _parse(CompletionRequest, await read_json(request, state.max_body_bytes))
+@router.post(
+    "/v1/completions",
+    responses={200: _ok(CompletionResponse), **_GENERATION_ERRORS},
+    openapi_extra={"requestBody": _request_body(CompletionRequest)},
+)
+async def completions(request: Request, session_id: SessionHeader = None) -> Response:
+    state, deadline = _state(request), _deadline(request)
+    body = prepare.parse(CompletionRequest, await _read(request))
     state.check_can_serve(body.model)
-    prompt_ids = await _completion_prompt(state, body)
-    call = _engine_call(
-        request, body, "cmpl", prompt_ids, body.requested_max_tokens, body.num_logprobs
+    prompt_ids = await prepare.completion_prompt(state.tokenizer, body)
+    prepare.check_lengths(
+        state.max_model_len, len(prompt_ids), body.max_tokens, ("prompt", "max_tokens")
     )
+    max_tokens = min(body.requested_max_tokens, state.max_model_len - len(prompt_ids))
+    call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline)
     formatter = CompletionFormatter(
         call.request_id, int(time.time()), body.model, state.token_texts, body.num_logprobs
     )
-    return await _respond(request, state, call, formatter, body)
+    return await _respond(request, call, formatter, body)
 
 
 class _Formatter(StreamFormatter, Protocol):
@@ -193,193 +263,93 @@ class _Formatter(StreamFormatter, Protocol):
 
 
 async def _respond(
-    request: Request,
-    state: ServerState,
-    call: EngineCall,
-    formatter: _Formatter,
-    body: SamplingFields,
+    request: Request, call: EngineCall, formatter: _Formatter, body: SamplingFields
 ) -> Response:
-    first, outputs = await generation.start(request, state.engine, call)
+    record = _record(request)
+    first, outputs = await generation.start(request, _state(request).engine, call, record)
     if body.stream:
-        return SSEResponse(generation.sse_events(first, outputs, formatter, body.include_usage))
-    result = await generation.until_disconnected(request, generation.collect(first, outputs))
+        events = generation.sse_events(call, record, first, outputs, formatter, body.include_usage)
+        return SSEResponse(events)
+    result = await generation.collect(request, call, record, first, outputs)
     return Response(formatter.response(result).model_dump_json(), media_type="application/json")
 
 
-# ---- request preparation ------------------------------------------------------------------------
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The body as JSON, refusing oversized (413), non-UTF-8 and malformed (400) bodies."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:  # a chunked body has no Content-Length to check up front
-            raise _too_large(max_bytes)
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        message = f"the request body is not valid UTF-8 (bad byte at offset {exc.start})"
-        raise bad_request(message, code="invalid_encoding") from exc
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except ValueError as exc:  # JSONDecodeError is a ValueError
-        raise bad_request(f"the request body is not valid JSON: {exc}", "invalid_json") from exc
+async def _read(request: Request) -> Any:
+    return await prepare.read_json(request, _state(request).max_body_bytes)
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
+def _deadline(request: Request) -> float | None:
+    """The event-loop time by which the request must be done (the clock starts on arrival)."""
+    timeout = _state(request).request_timeout
+    return None if timeout is None else asyncio.get_running_loop().time() + timeout
 
 
-def _too_large(max_bytes: int) -> APIError:
-    message = f"the request body exceeds the server's limit of {max_bytes} bytes"
-    return APIError(413, message, code="request_too_large")
-
-
-def _parse(model: type[RequestT], data: Any) -> RequestT:
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object", "invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from exc
-
-
-async def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    messages = [m.to_template() for m in body.messages]
-    try:
-        # Tokenizing a long prompt takes milliseconds: keep the event loop free meanwhile.
-        prompt_ids = await asyncio.to_thread(state.tokenizer.encode_chat, messages)
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), code="invalid_messages", param="messages") from exc
-    state.check_prompt_len(len(prompt_ids), "messages")
-    return prompt_ids
-
-
-async def _completion_prompt(state: ServerState, body: CompletionRequest) -> list[int]:
-    if isinstance(body.prompt, str):
-        prompt_ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt)
-    else:
-        prompt_ids = body.prompt
-    if not prompt_ids:
-        raise bad_request("the prompt is empty", param="prompt")
-    state.check_prompt_len(len(prompt_ids), "prompt")
-    return prompt_ids
+def _record(request: Request) -> RequestRecord:
+    record = record_of(request)
+    assert record is not None, "RequestTracking opens a record for every generation endpoint"
+    return record
 
 
 def _engine_call(
     request: Request,
-    body: SamplingFields,
-    id_prefix: str,
+    body: ChatCompletionRequest | CompletionRequest,
     prompt_ids: list[int],
     max_tokens: int,
-    num_logprobs: int | None,
+    session_id: str | None,
+    deadline: float | None,
 ) -> EngineCall:
     try:
-        params = body.to_sampling_params(max_tokens, num_logprobs)
+        params = body.to_sampling_params(max_tokens, body.num_logprobs)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     return EngineCall(
-        request_id=f"{id_prefix}-{uuid.uuid4().hex}",
+        request_id=_record(request).request_id,
         prompt_token_ids=prompt_ids,
         params=params,
-        cache_scope=cache_scope(request, body),
-        session_id=request.headers.get(SESSION_HEADER),
+        cache_scope=prepare.cache_scope(request, body),
+        session_id=session_id or None,
+        timeout=_state(request).request_timeout,
+        deadline=deadline,
     )
 
 
-def cache_scope(request: Request, body: SamplingFields) -> str:
-    """The prefix-cache namespace: requests reuse each other's cached pages only within one scope.
-
-    Each part narrows it: the API key (hashed, as the scope is kept in memory and may be logged)
-    separates tenants, `user` separates a tenant's end users, and `cache_salt` lets a client opt
-    out of sharing altogether. Parts combine rather than replace, so no salt reaches across keys.
-    """
-    parts = []
-    authorization = request.headers.get("authorization")
-    if authorization:
-        parts.append("key:" + hashlib.sha256(authorization.encode()).hexdigest()[:32])
-    if body.user:
-        parts.append("user:" + body.user)
-    if body.cache_salt:
-        parts.append("salt:" + body.cache_salt)
-    return "|".join(parts)
-
-
-# ---- the process --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ServerOptions:
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 unparsed
-    drain_timeout: float = 30.0  # seconds a signal waits for running requests before aborting them
-    log_level: str = "info"
+# ---- the published schema -----------------------------------------------------------------------
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title,
+            version=app.version,
+            description="OpenAI-compatible API served by densa (docs/serving.md).",
+            routes=app.routes,
+        )
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in _REQUEST_MODELS:
+            model_schema = model.model_json_schema(ref_template=_REF)
+            components.update(model_schema.pop("$defs", {}))
+            _publish_limits(model_schema["properties"], app.state.densa)
+            components[model.__name__] = model_schema
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
-def run_server(
-    engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, **server_options: Any
-) -> None:
-    """Load the model, serve until SIGINT/SIGTERM, then drain running requests and return."""
-    options = ServerOptions(**server_options)
-    configure_logging(options.log_level)
-    logger.info("loading the model %s", engine_args.model or "(bundled SmolLM2-135M)")
-    started = time.monotonic()
-    engine = LLMEngine.from_args(engine_args)
-    name = engine.config.model.served_model_name
-    logger.info("model %r loaded in %.1f s", name, time.monotonic() - started)
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    app = build_app(async_engine, name, max_body_bytes=options.max_body_bytes)
-    asyncio.run(_serve(app, async_engine, host, port, options))
-    logger.info("server stopped")
+def _publish_limits(properties: dict[str, Any], state: ServerState) -> None:
+    """Limits that depend on the served model: its name, its vocabulary and its context."""
+    properties["model"]["enum"] = [state.served_model_name]
+    max_token_id = state.engine.engine.arch.vocab_size - 1
+    _cap_integers(properties.get("prompt", {}), max_token_id)
+    _cap_integers(properties["stop_token_ids"], max_token_id)
+    for name in ("max_tokens", "max_completion_tokens"):
+        if name in properties:
+            _cap_integers(properties[name], state.max_model_len - 1)
 
 
-async def _serve(
-    app: FastAPI, engine: AsyncEngine, host: str, port: int, options: ServerOptions
-) -> None:
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=options.log_level,
-        timeout_graceful_shutdown=math.ceil(options.drain_timeout),
-    )
-
-    def on_signal() -> None:
-        logger.info(
-            "shutting down: refusing new requests, draining %d (up to %.0f s)",
-            engine.num_in_flight, options.drain_timeout,
-        )  # fmt: skip
-        start_draining(app)
-
-    try:
-        await _DrainingServer(config, on_signal).serve()
-    finally:
-        await engine.shutdown(options.drain_timeout)
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn's graceful shutdown (stop listening, wait for open requests), plus two changes:
-    the app refuses new requests from the first signal on, and the process exits normally after
-    draining instead of re-raising the signal as uvicorn does."""
-
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
-        super().__init__(config)
-        self._on_signal = on_signal
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            self._on_signal()
-        super().handle_exit(sig, frame)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signals can only be handled on the main thread
-            return
-        signals = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+def _cap_integers(schema: Any, maximum: int) -> None:
+    """Set `maximum` on every integer schema nested in `schema`."""
+    if isinstance(schema, dict):
+        if schema.get("type") == "integer":
+            schema["maximum"] = maximum
+        for value in schema.values():
+            _cap_integers(value, maximum)
+    elif isinstance(schema, list):
+        for item in schema:
+            _cap_integers(item, maximum)

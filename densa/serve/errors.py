@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from densa.engine.output import RequestOutput
+from densa.serve.tracking import note_error
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -88,6 +89,23 @@ def shutting_down() -> APIError:
 _RETRY_SOON = {"Retry-After": "1"}
 
 
+def timed_out(timeout: float | None) -> APIError:
+    limit = f"{timeout:g} s" if timeout is not None else "its deadline"
+    message = (
+        f"the request did not finish within {limit} (the server's --request-timeout) and was "
+        "aborted; ask for fewer tokens, or retry when the server is less busy"
+    )
+    return APIError(504, message, "request_timeout", error_type="server_error")
+
+
+def unauthorized(has_key: bool) -> APIError:
+    if has_key:
+        message = "incorrect API key provided; pass a key this server accepts"
+    else:
+        message = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
+    return APIError(401, message, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
 def from_engine_output(output: RequestOutput) -> APIError:
     """The error for a request the engine ended with finish_reason "error"."""
     code = output.error_code or "engine_error"
@@ -132,7 +150,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _on_unexpected)
 
 
-async def _on_api_error(_: Request, exc: APIError) -> Response:
+async def _on_api_error(request: Request, exc: APIError) -> Response:
+    note_error(request, exc.info.code)
     return exc.to_response()
 
 
@@ -140,8 +159,10 @@ async def _on_client_disconnected(_: Request, __: Exception) -> Response:
     return Response(status_code=STATUS_CLIENT_CLOSED)
 
 
-async def _on_validation_error(_: Request, exc: RequestValidationError) -> Response:
-    return from_validation_error(exc).to_response()
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+    error = from_validation_error(exc)
+    note_error(request, error.info.code)
+    return error.to_response()
 
 
 async def _on_http_exception(_: Request, exc: StarletteHTTPException) -> Response:
@@ -153,5 +174,6 @@ async def _on_http_exception(_: Request, exc: StarletteHTTPException) -> Respons
 
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+    note_error(request, "internal_error")
     message = "internal server error; the server logged the details"
     return APIError(500, message, "internal_error", error_type="server_error").to_response()

@@ -3,7 +3,11 @@
 Starting waits for the first engine output, so that refusals (overload, shutdown, a prompt that can
 never run) still become proper HTTP statuses instead of an error inside a 200 stream. From then on,
 a client that goes away cancels the iteration, and leaving `AsyncEngine.generate` aborts the
-request, which frees its KV pages.
+request, which frees its KV pages. A request past its deadline (`--request-timeout`) is left the
+same way, so it is aborted too, and the client gets a `request_timeout` error.
+
+Every output is also shown to the request's `RequestRecord` (timings and token counts for the
+log line and /metrics).
 """
 
 from __future__ import annotations
@@ -23,14 +27,17 @@ from densa.engine.async_engine import AsyncEngine, EngineOverloaded, EngineShutt
 from densa.engine.output import RequestOutput
 from densa.sampling_params import SamplingParams
 from densa.serve.errors import (
+    APIError,
     ClientDisconnected,
     ErrorResponse,
     bad_request,
     from_engine_output,
     overloaded,
     shutting_down,
+    timed_out,
 )
 from densa.serve.responses import Generation
+from densa.serve.tracking import RequestRecord
 
 T = TypeVar("T")
 Outputs = AsyncGenerator[RequestOutput, None]
@@ -38,13 +45,15 @@ Outputs = AsyncGenerator[RequestOutput, None]
 
 @dataclass(frozen=True)
 class EngineCall:
-    """Everything `AsyncEngine.generate` needs for one request."""
+    """Everything `AsyncEngine.generate` needs for one request, and how long it may take."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_scope: str = ""
     session_id: str | None = None
+    timeout: float | None = None  # seconds the whole request may take (None: no limit)
+    deadline: float | None = None  # the same as an event-loop time (asyncio.timeout_at)
 
 
 class StreamFormatter(Protocol):
@@ -58,7 +67,7 @@ class StreamFormatter(Protocol):
 
 
 async def start(
-    request: Request, engine: AsyncEngine, call: EngineCall
+    request: Request, engine: AsyncEngine, call: EngineCall, record: RequestRecord
 ) -> tuple[RequestOutput, Outputs]:
     """Submit the request and wait for its first output; raise APIError if it is refused."""
     outputs = engine.generate(
@@ -69,24 +78,45 @@ async def start(
         session_id=call.session_id,
     )
     try:
-        first = await until_disconnected(request, anext(outputs))
+        async with asyncio.timeout_at(call.deadline):
+            first = await until_disconnected(request, anext(outputs))
+    except TimeoutError as exc:  # still queued, or a long prefill: the request is aborted
+        await outputs.aclose()
+        raise timed_out(call.timeout) from exc
     except EngineOverloaded as exc:
         raise overloaded(str(exc)) from exc
     except EngineShuttingDown as exc:
         raise shutting_down() from exc
     except ValueError as exc:  # validate_request: a prompt that can never run
         raise bad_request(str(exc)) from exc
+    record.observe(first)
     if first.finish_reason == "error":
         await outputs.aclose()
         raise from_engine_output(first)
     return first, outputs
 
 
-async def collect(first: RequestOutput, outputs: Outputs) -> Generation:
-    """Gather every output into one Generation; raise APIError if the engine failed the request."""
+async def collect(
+    request: Request,
+    call: EngineCall,
+    record: RequestRecord,
+    first: RequestOutput,
+    outputs: Outputs,
+) -> Generation:
+    """Gather every output into one Generation; raise APIError if the engine failed the request,
+    the client went away (ClientDisconnected) or the deadline passed."""
+    try:
+        async with asyncio.timeout_at(call.deadline):
+            return await until_disconnected(request, _gather(record, first, outputs))
+    except TimeoutError as exc:
+        raise timed_out(call.timeout) from exc
+
+
+async def _gather(record: RequestRecord, first: RequestOutput, outputs: Outputs) -> Generation:
     texts, logprobs, final = [first.new_text], list(first.new_logprobs), first
     async with contextlib.aclosing(outputs):
         async for output in outputs:
+            record.observe(output)
             texts.append(output.new_text)
             logprobs.extend(output.new_logprobs)
             final = output
@@ -96,12 +126,17 @@ async def collect(first: RequestOutput, outputs: Outputs) -> Generation:
 
 
 async def sse_events(
-    first: RequestOutput, outputs: Outputs, formatter: StreamFormatter, include_usage: bool
+    call: EngineCall,
+    record: RequestRecord,
+    first: RequestOutput,
+    outputs: Outputs,
+    formatter: StreamFormatter,
+    include_usage: bool,
 ) -> AsyncGenerator[str, None]:
     """`data: {chunk}` events, then a usage chunk if asked for, then `data: [DONE]`.
 
-    An engine failure mid-stream sends `data: {"error": ...}` and ends the stream without [DONE]
-    (the status line is long gone), which the OpenAI clients raise as an error.
+    A failure mid-stream (engine error, deadline) sends `data: {"error": ...}` and ends the stream
+    without [DONE] (the status line is long gone), which the OpenAI clients raise as an error.
     """
     async with contextlib.aclosing(outputs):
         for chunk in formatter.stream_start():
@@ -109,17 +144,28 @@ async def sse_events(
         output = first
         while True:
             if output.finish_reason == "error":
-                yield _event(ErrorResponse(error=from_engine_output(output).info))
+                yield _error_event(record, from_engine_output(output))
                 return
             body = formatter.stream_chunk(output)
             if body is not None:
                 yield _event(body)
             if output.finished:
                 break
-            output = await anext(outputs)
+            try:
+                async with asyncio.timeout_at(call.deadline):
+                    output = await anext(outputs)
+            except TimeoutError:  # leaving the `async with` aborts the request
+                yield _error_event(record, timed_out(call.timeout))
+                return
+            record.observe(output)
         if include_usage:
             yield _event(formatter.usage_chunk(output))
         yield "data: [DONE]\n\n"
+
+
+def _error_event(record: RequestRecord, error: APIError) -> str:
+    record.error_code = error.info.code
+    return _event(ErrorResponse(error=error.info))
 
 
 class SSEResponse(StreamingResponse):
@@ -152,9 +198,10 @@ async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        work.cancel()
+    except asyncio.CancelledError:  # e.g. a deadline: stop the work before passing it on, so
+        work.cancel()  # the engine stream is closed (and the request aborted) by then
         watcher.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
         raise
     watcher.cancel()
     if work in done:

@@ -8,9 +8,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from densa.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from densa.sampling_params import MAX_LOGPROBS, SamplingParams
+from densa.serve.fields import (
+    INTEGRAL,
+    NoEcho,
+    NoLogitBias,
+    NoSuffix,
+    NoTools,
+    OnlyOne,
+    Prompt,
+    Role,
+    StopStrings,
+    TextContent,
+    TextFormat,
+)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _DEFAULTS = SamplingParams()  # what an omitted (or null) sampling field means
@@ -21,56 +34,14 @@ def _or(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
-def _join_text_parts(value: Any) -> Any:
-    """Content is a string or a list of {"type": "text", "text": ...} parts (joined by "\\n")."""
-    if not isinstance(value, list):
-        return value
-    texts = []
-    for part in value:
-        if not (isinstance(part, dict) and part.get("type") == "text"):
-            raise ValueError(
-                'only text content parts ({"type": "text", "text": ...}) are supported'
-            )
-        if not isinstance(part.get("text"), str):
-            raise ValueError("a text content part needs a string 'text'")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def _as_stop_list(value: Any) -> Any:
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else value
-
-
-def _single_prompt(value: Any) -> Any:
-    """A string or a list of token ids; a batch of exactly one prompt is unwrapped."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and all(type(t) is int for t in value):
-        return value
-    if isinstance(value, list) and all(isinstance(p, str | list) for p in value):
-        raise ValueError("several prompts in one request are not supported; send one per request")
-    raise ValueError("prompt must be a string or a list of token ids")
-
-
-TextContent = Annotated[str | None, BeforeValidator(_join_text_parts)]
-StopStrings = Annotated[
-    list[Annotated[str, Field(min_length=1)]],
-    BeforeValidator(_as_stop_list),
-    Field(max_length=MAX_STOP_STRINGS),
-]
-Prompt = Annotated[str | list[int], BeforeValidator(_single_prompt)]
-Role = Literal["system", "user", "assistant", "tool", "developer"]
 # "stop" | "length", or "abort" when the server drops a request it could not finish while draining.
 FinishReason = str
 
 
 # ---- requests -----------------------------------------------------------------------------------
 class _RequestBody(BaseModel):
-    # Strict: JSON types must match (true is not 1, "0.5" is not 0.5); ints still pass as floats.
+    # Strict: JSON types must match (true is not 1, "0.5" is not 0.5); ints pass as floats, and
+    # integral floats as ints (fields.INTEGRAL).
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
@@ -79,6 +50,14 @@ class StreamOptions(_RequestBody):
 
 
 class ChatMessage(_RequestBody):
+    # Published: every role but "assistant" needs non-null content (see _content_present).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+            "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        }
+    )
+
     role: Role
     content: TextContent = None
     name: str | None = None
@@ -108,25 +87,26 @@ class SamplingFields(_RequestBody):
     """Fields shared by chat and completions. None = the default (clients send explicit nulls)."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = None
+    n: OnlyOne = None
     stop: StopStrings = []
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator accepts
+    # What torch.Generator accepts.
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64), INTEGRAL] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: NoLogitBias = None
     # Extensions (vLLM spells them the same way).
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    min_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0), INTEGRAL]] = []
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
@@ -173,11 +153,11 @@ class SamplingFields(_RequestBody):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    tools: NoTools = None
+    response_format: TextFormat = None
 
     @field_validator("tools")
     @classmethod
@@ -211,10 +191,10 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
+    echo: NoEcho = False
+    suffix: NoSuffix = None
+    best_of: OnlyOne = None
 
     @field_validator("echo")
     @classmethod

@@ -7,12 +7,13 @@ an integrity violation would, and see what the HTTP layer passed to the engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from densa.engine.async_engine import AsyncEngine
+from densa.serve.auth import ApiKeys
 
 from .support import (
     RunningServer,
@@ -53,3 +54,15 @@ def scripted(limited_server: RunningServer) -> Iterator[ScriptedEngine]:
 def slow_steps(monkeypatch: pytest.MonkeyPatch) -> SlowDown:
     """Call with a server to slow its engine down for this test only."""
     return lambda server: slow_down_steps(server, monkeypatch)
+
+
+@pytest.fixture
+def api_keys(server: RunningServer) -> Iterator[Callable[..., None]]:
+    """Call with keys to make the shared server require them, for this test only."""
+    state = server.app.state.densa
+
+    def require(*keys: str) -> None:
+        state.api_keys = ApiKeys(keys)
+
+    yield require
+    state.api_keys = ApiKeys()

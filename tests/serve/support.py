@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
@@ -14,7 +12,6 @@ from typing import Any
 
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from densa.engine.args import EngineArgs
@@ -22,7 +19,7 @@ from densa.engine.async_engine import AsyncEngine
 from densa.engine.llm_engine import LLMEngine
 from densa.engine.output import RequestOutput
 from densa.sampling_params import SamplingParams
-from densa.serve import build_app
+from densa.serve import build_app, serve_in_thread
 
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 512
@@ -38,10 +35,10 @@ class RunningServer:
     def engine(self) -> LLMEngine:
         return self.async_engine.engine
 
-    def client(self, **kwargs: Any) -> openai.OpenAI:
+    def client(self, api_key: str = "test-key", **kwargs: Any) -> openai.OpenAI:
         # No retries: a test that expects 429 or 500 must see the first answer.
         return openai.OpenAI(
-            base_url=f"{self.base_url}/v1", api_key="test-key", max_retries=0, **kwargs
+            base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs
         )
 
     def wait_idle(self, timeout: float = 5.0) -> None:
@@ -124,35 +121,13 @@ def slow_down_steps(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
-    args = EngineArgs(
-        model=str(model_dir),
-        served_model_name=MODEL_NAME,
-        kv_cache_memory="64MiB",
-        max_model_len=MAX_MODEL_LEN,
-        **overrides,
-    )
-    return LLMEngine.from_args(args)
-
-
-@contextlib.contextmanager
-def serve_in_thread(app: FastAPI) -> Iterator[str]:
-    """Serve `app` with uvicorn on a free loopback port; yield the base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # binding here, not in uvicorn, avoids a port race
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    settings: dict[str, Any] = {
+        "served_model_name": MODEL_NAME,
+        "kv_cache_memory": "64MiB",
+        "max_model_len": MAX_MODEL_LEN,
+    }
+    settings.update(overrides)
+    return LLMEngine.from_args(EngineArgs(model=str(model_dir), **settings))
 
 
 @contextlib.contextmanager

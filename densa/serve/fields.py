@@ -1,0 +1,133 @@
+"""Annotated field types of the request bodies: what each accepts, and how it is published.
+
+A before-validator turns what clients may send into one form (a list of text parts into a string,
+3.0 into 3); `WithJsonSchema` publishes what is accepted, not the normalized form, so the OpenAPI
+schema documents exactly what the server validates.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, WithJsonSchema
+
+from densa.sampling_params import MAX_STOP_STRINGS
+
+
+def _join_text_parts(value: Any) -> Any:
+    """Content is a string or a list of {"type": "text", "text": ...} parts (joined by "\\n")."""
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for part in value:
+        if not (isinstance(part, dict) and part.get("type") == "text"):
+            raise ValueError(
+                'only text content parts ({"type": "text", "text": ...}) are supported'
+            )
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a text content part needs a string 'text'")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _as_stop_list(value: Any) -> Any:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else value
+
+
+def _integral(value: Any) -> Any:
+    """JSON has one number type: 3.0 is the integer 3 (as JSON Schema says). 3.5 stays a float and
+    fails validation; true stays a bool and fails too."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _single_prompt(value: Any) -> Any:
+    """A string or a list of token ids; a batch of exactly one prompt is unwrapped."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        value = [_integral(t) for t in value]
+    if isinstance(value, list) and all(type(t) is int for t in value):
+        return value
+    if isinstance(value, list) and all(isinstance(p, str | list) for p in value):
+        raise ValueError("several prompts in one request are not supported; send one per request")
+    raise ValueError("prompt must be a string or a list of token ids")
+
+
+# The published schema (WithJsonSchema) says what the before-validators accept, not what they make.
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+_NON_EMPTY = {"type": "string", "minLength": 1}
+_STOP_STRING = _NON_EMPTY
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# Integer fields: `Annotated[int, Field(constraints), INTEGRAL]` (constraints first, or pydantic
+# cannot publish them in the JSON schema).
+INTEGRAL = BeforeValidator(_integral)
+Int = Annotated[int, INTEGRAL]
+TextContent = Annotated[
+    str | None,
+    BeforeValidator(_join_text_parts),
+    WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
+    ),
+]
+StopStrings = Annotated[
+    list[Annotated[str, Field(min_length=1)]],
+    BeforeValidator(_as_stop_list),
+    Field(max_length=MAX_STOP_STRINGS),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                _STOP_STRING,
+                {"type": "array", "items": _STOP_STRING, "maxItems": MAX_STOP_STRINGS},
+                {"type": "null"},
+            ]
+        }
+    ),
+]
+Prompt = Annotated[
+    str | list[int],
+    BeforeValidator(_single_prompt),
+    WithJsonSchema(
+        {
+            "description": "one prompt: text, token ids, or a list holding exactly one of those",
+            "anyOf": [
+                _NON_EMPTY,
+                _TOKEN_IDS,
+                {"type": "array", "items": _NON_EMPTY, "minItems": 1, "maxItems": 1},
+                {"type": "array", "items": _TOKEN_IDS, "minItems": 1, "maxItems": 1},
+            ],
+        }
+    ),
+]
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
+def _unsupported(accepted: dict[str, Any], feature: str) -> WithJsonSchema:
+    """Publish only the values a field is accepted with: the OpenAI field exists, but any other
+    value is refused with a 400 rather than silently ignored."""
+    schema = {"anyOf": [accepted, {"type": "null"}], "description": f"{feature}: not supported"}
+    return WithJsonSchema(schema)
+
+
+OnlyOne = Annotated[Int | None, _unsupported({"const": 1}, "several choices")]
+NoLogitBias = Annotated[
+    dict[str, float] | None, _unsupported({"type": "object", "maxProperties": 0}, "logit_bias")
+]
+NoTools = Annotated[list[Any] | None, _unsupported({"type": "array", "maxItems": 0}, "tools")]
+TextFormat = Annotated[
+    dict[str, Any] | None,
+    _unsupported(
+        {"type": "object", "properties": {"type": {"const": "text"}}}, "JSON mode and schemas"
+    ),
+]
+NoEcho = Annotated[bool, WithJsonSchema({"const": False, "description": "echo: not supported"})]
+NoSuffix = Annotated[str | None, _unsupported({"type": "string", "maxLength": 0}, "suffix")]
