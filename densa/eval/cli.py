@@ -1,0 +1,186 @@
+"""The `densa eval` command: compare numeric formats. Building the parser imports no torch.
+
+Every sub-command takes the engine options (`--model`, `--kv-cache-memory`, ...) as the base all
+formats share, then `--ref SPEC` and one or more `--test SPEC`, each `[label:]key=value,...`
+over EngineArgs fields, e.g.
+
+    densa eval distribution --test "fp8:kv_cache_dtype=fp8_e4m3"
+    densa eval choice --ref "kv_cache_dtype=bfloat16" --test "int4:model=/ckpt/int4-g64"
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from densa.engine.args import EngineArgs
+from densa.eval.data import TASKS, data_root
+from densa.eval.formats import Format, parse_format
+
+# A fixed KV budget, not a fraction of free memory: every format's engine loads into one process,
+# and a fraction would leave the later ones less. 512 MiB holds ~11k fp32 SmolLM2-135M tokens.
+EVAL_KV_CACHE_MEMORY = "512MiB"
+
+
+def add_eval_parser(commands: argparse._SubParsersAction) -> None:
+    """Add `densa eval` with one sub-command per evaluation to the `densa` sub-commands."""
+    parser = commands.add_parser(
+        "eval",
+        help="compare numeric formats (KV cache, weights) against a reference, with 95%% CIs",
+        description="Quality evaluations: results go to docs/eval/<name>/ as JSON, Markdown "
+        "and PNG. See docs/quality.md.",
+    )
+    evaluations = parser.add_subparsers(title="evaluations", metavar="EVALUATION")
+    _add_distribution(evaluations)
+    _add_choice(evaluations)
+    _add_greedy(evaluations)
+    parser.set_defaults(handler=lambda ns: _print_help(parser))
+
+
+def _print_help(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def _add_common(parser: argparse.ArgumentParser, name: str, handler: Callable[..., int]) -> None:
+    g = parser.add_argument_group("formats")
+    g.add_argument(
+        "--ref",
+        default="",
+        metavar="SPEC",
+        help="the reference format: [label:]key=value,... over engine options (default: the "
+        "engine options as given)",
+    )
+    g.add_argument(
+        "--test",
+        action="append",
+        required=True,
+        metavar="SPEC",
+        help="a format to compare with the reference (repeat for several)",
+    )
+    g.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
+    g.add_argument("--bootstrap-seed", type=int, default=0)
+    g.add_argument("--out", type=Path, default=Path("docs/eval") / name, help="output folder")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=handler, kv_cache_memory=EVAL_KV_CACHE_MEMORY)
+
+
+def _add_distribution(evaluations: argparse._SubParsersAction) -> None:
+    parser = evaluations.add_parser(
+        "distribution",
+        help="KL divergence, top-1 agreement and perplexity on English text",
+        description="Teacher-forced next-token distributions on LAMBADA passages: mean "
+        "KL(ref||test), top-1 agreement and perplexity, with segment-bootstrap 95% CIs.",
+    )
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--tokens", type=int, default=20480, help="tokens of text (whole segments)")
+    g.add_argument("--segment-len", type=int, default=512, help="tokens per resampled segment")
+    g.add_argument("--chunk-size", type=int, default=512, help="tokens per forward pass")
+    _add_common(parser, "distribution", _distribution)
+
+
+def _add_choice(evaluations: argparse._SubParsersAction) -> None:
+    parser = evaluations.add_parser(
+        "choice",
+        help="multiple-choice accuracy (ARC, HellaSwag, MMLU) by log-likelihood",
+        description="Multiple-choice accuracy by log-likelihood per format, with paired "
+        "bootstrap 95% CIs for the difference test - ref.",
+    )
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    g.add_argument("--limit", type=int, default=250, help="questions per task (0 = all)")
+    g.add_argument("--sample-seed", type=int, default=0, help="seed of the question sample")
+    g.add_argument("--chunk-size", type=int, default=512, help="tokens per forward pass")
+    _add_common(parser, "choice", _choice)
+
+
+def _add_greedy(evaluations: argparse._SubParsersAction) -> None:
+    parser = evaluations.add_parser(
+        "greedy",
+        help="are greedy generations token-identical to the reference?",
+        description="Greedy chat generations per format: how many equal the reference's, and "
+        "where the others first diverge.",
+    )
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--num-prompts", type=int, default=20)
+    g.add_argument("--max-tokens", type=int, default=128)
+    _add_common(parser, "greedy", _greedy)
+
+
+# ---- handlers --------------------------------------------------------------------------------
+# Each handler validates every option (formats, settings, data) before loading any engine, so a
+# typo is one line on stderr and exit code 2, not a traceback minutes into a run.
+
+
+def _formats(ns: argparse.Namespace) -> tuple[Format, list[Format]]:
+    base = EngineArgs.from_cli(ns)
+    return parse_format(ns.ref, base), [parse_format(spec, base) for spec in ns.test]
+
+
+def _bootstrap(ns: argparse.Namespace) -> Any:
+    from densa.eval.stats import Bootstrap
+
+    return Bootstrap(num_resamples=ns.resamples, seed=ns.bootstrap_seed)
+
+
+def _distribution(ns: argparse.Namespace) -> int:
+    from densa.eval.distribution import DistributionSettings, run_distribution
+
+    def prepare() -> Callable[[], Any]:
+        settings = DistributionSettings(
+            num_tokens=ns.tokens,
+            segment_len=ns.segment_len,
+            chunk_size=ns.chunk_size,
+            bootstrap=_bootstrap(ns),
+        )
+        ref, tests = _formats(ns)
+        return lambda: run_distribution(ref, tests, settings)
+
+    return _run("distribution", prepare, ns.out)
+
+
+def _choice(ns: argparse.Namespace) -> int:
+    from densa.eval.choice import ChoiceSettings, run_choice
+
+    def prepare() -> Callable[[], Any]:
+        settings = ChoiceSettings(
+            tasks=tuple(ns.tasks),
+            limit=ns.limit or None,
+            sample_seed=ns.sample_seed,
+            chunk_size=ns.chunk_size,
+            bootstrap=_bootstrap(ns),
+        )
+        ref, tests = _formats(ns)
+        return lambda: run_choice(ref, tests, settings)
+
+    return _run("choice", prepare, ns.out)
+
+
+def _greedy(ns: argparse.Namespace) -> int:
+    from densa.eval.greedy import GreedySettings, run_greedy
+
+    def prepare() -> Callable[[], Any]:
+        settings = GreedySettings(num_prompts=ns.num_prompts, max_tokens=ns.max_tokens)
+        ref, tests = _formats(ns)
+        return lambda: run_greedy(ref, tests, settings)
+
+    return _run("greedy", prepare, ns.out)
+
+
+def _run(name: str, prepare: Callable[[], Callable[[], Any]], out: Path) -> int:
+    """Validate (a bad option or missing data: a message and exit code 2), run, write."""
+    try:
+        run = prepare()
+        data_root()
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"densa eval {name}: {exc}", file=sys.stderr)
+        return 2
+    report = run()
+    paths = report.write(out)
+    for table in report.tables[1:]:  # the first lists the formats, which the user just gave
+        print(table.to_markdown() + "\n")
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
