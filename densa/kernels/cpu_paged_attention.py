@@ -21,6 +21,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
+from densa.kernels.paged_attention_ref import EXPONENT_SCALE_DTYPE, scale_to_float
 
 __all__ = ["paged_attention", "paged_decode_attention", "paged_prefill_attention"]
 
@@ -96,6 +97,23 @@ def _pow2_typer(typingctx, exponent):
     return types.float32(exponent), codegen
 
 
+def _scale_typer(typingctx, raw):
+    """A dynamic scale entry -> float32 multiplier: float32 as is; an int8 power-of-two exponent
+    e (any in [-126, 127]) -> 2**e, built from the exponent bits (no table, no libm call)."""
+
+    def codegen(context, builder, signature, args):
+        (x,) = args
+        if raw == types.float32:
+            return x
+        i32 = ir.IntType(32)
+        biased = builder.add(builder.sext(x, i32), ir.Constant(i32, 127))
+        return builder.bitcast(builder.shl(biased, ir.Constant(i32, 23)), ir.FloatType())
+
+    if raw not in (types.float32, types.int8):
+        return None
+    return types.float32(raw), codegen
+
+
 def _prefetch_typer(typingctx, array, index):
     """Hint the CPU to pull the cache line holding array.flat[index] into cache."""
 
@@ -118,6 +136,7 @@ def _prefetch_typer(typingctx, array, index):
 # Typed as Any: mypy cannot see through numba's intrinsic wrapper (it expects `typingctx`).
 _widen: Any = intrinsic(_widen_typer)
 _pow2: Any = intrinsic(_pow2_typer)
+_scale: Any = intrinsic(_scale_typer)
 _prefetch: Any = intrinsic(_prefetch_typer)
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -163,7 +182,8 @@ def _attend_range(
 
     t0 must be a multiple of the page size, so blocks always start at a page boundary.
     q_group: [G, D] queries already multiplied by sm_scale and every static K factor.
-    k_cache/v_cache: raw [P, Hkv, S, D]; k_scales/v_scales: [P, Hkv, S] or empty (no dynamic).
+    k_cache/v_cache: raw [P, Hkv, S, D]; k_scales/v_scales: [P, Hkv, S] float32 scales or int8
+    exponents, or empty (no dynamic scales).
     Writes the unnormalized accumulator acc [G, D], running max run_max [G] and sum run_sum [G].
     """
     group, head_dim = q_group.shape
@@ -188,7 +208,7 @@ def _attend_range(
                 _prefetch_page(v_cache, ahead, kv_head)
             page = page_row[page_index]
             for s in range(min(page_size, n - i)):
-                scale = k_scales[page, kv_head, s] if dyn_k else np.float32(1.0)
+                scale = _scale(k_scales[page, kv_head, s]) if dyn_k else np.float32(1.0)
                 t = i + s
                 # The heads of a GQA group share each K row. For groups of 4 and 3 (common GQA
                 # ratios) every element is loaded and widened once for all heads, with constant
@@ -235,7 +255,7 @@ def _attend_range(
         for i in range(0, n, page_size):
             page = page_row[first + i // page_size]
             for s in range(min(page_size, n - i)):
-                scale = v_scales[page, kv_head, s] if dyn_v else np.float32(1.0)
+                scale = _scale(v_scales[page, kv_head, s]) if dyn_v else np.float32(1.0)
                 t = i + s
                 if group == 4:
                     w0, w1 = probs[0, t] * scale, probs[1, t] * scale
@@ -375,6 +395,10 @@ def _split_scale(scale: torch.Tensor | None, cache: torch.Tensor) -> tuple[np.nd
         return _NO_SCALES, float(scale)
     if scale.shape != cache.shape[:3]:
         raise ValueError(f"dynamic scales must be shaped {tuple(cache.shape[:3])}")
+    if scale.dtype == EXPONENT_SCALE_DTYPE:
+        if not scale.is_contiguous():
+            raise ValueError("dynamic scale exponents must be contiguous")
+        return scale.numpy(), 1.0
     return _as_numpy(scale, torch.float32), 1.0
 
 
@@ -482,7 +506,7 @@ def _gather_dense(
             dense.mul_(scale.to(torch.float32))
         else:
             per_token = scale.reshape(num_pages * num_kv_heads, page_size)[index]
-            dense.mul_(per_token.to(torch.float32).view(batch, num_kv_heads, -1, 1))
+            dense.mul_(scale_to_float(per_token).view(batch, num_kv_heads, -1, 1))
     return dense.masked_fill_(~valid, 0.0)
 
 
@@ -496,6 +520,7 @@ def paged_prefill_attention(
     sm_scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention for chunked prefill (any query_len >= 1), via one batched SDPA call.
 
@@ -503,6 +528,8 @@ def paged_prefill_attention(
     absolute positions are seq_lens[i] - query_lens[i] + j. Returns float32 [total_q, H, D].
     The B sequences are gathered, widened and padded to a common length; an explicit boolean
     causal-with-offset mask hides padding and the future.
+    new_kv: optional (k, v) [total_q, Hkv, D] of the query rows before they were quantized into
+    the cache; attention then reads them instead of their cached copies (see the reference).
     """
     total_q, num_heads, head_dim = query.shape
     batch = page_table.shape[0]
@@ -522,6 +549,10 @@ def paged_prefill_attention(
     seq = torch.repeat_interleave(torch.arange(batch), query_lens, output_size=total_q)
     starts = torch.cumsum(query_lens, 0) - query_lens
     j = torch.arange(total_q) - starts[seq]
+    if new_kv is not None:
+        pos = (seq_lens - query_lens)[seq] + j  # absolute position of each query row
+        k[seq, :, pos] = new_kv[0].to(torch.float32)
+        v[seq, :, pos] = new_kv[1].to(torch.float32)
     if total_q == batch * max_q:  # all chunks equally long: the padded layout is a free view
         q = query.view(batch, max_q, num_heads, head_dim)
     else:
@@ -552,9 +583,11 @@ def paged_attention(
     sm_scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Mixed batch: sequences with query_len == 1 use the fused decode kernel, the rest the
-    prefill path. Same arguments and result as `paged_prefill_attention` ([total_q, H, D])."""
+    prefill path. Same arguments and result as `paged_prefill_attention` ([total_q, H, D]);
+    `new_kv` applies to the prefill rows only (decode rows always read the cache)."""
     is_decode = query_lens == 1
     if bool(is_decode.all()):
         return paged_decode_attention(
@@ -562,8 +595,9 @@ def paged_attention(
         )
     if not bool(is_decode.any()):
         return paged_prefill_attention(
-            query, k_cache, v_cache, page_table, seq_lens, query_lens, sm_scale, k_scale, v_scale
-        )
+            query, k_cache, v_cache, page_table, seq_lens, query_lens, sm_scale, k_scale, v_scale,
+            new_kv,
+        )  # fmt: skip
     query_lens = query_lens.to(torch.int64)
     seq_of_row = torch.repeat_interleave(
         torch.arange(len(query_lens)), query_lens, output_size=query.shape[0]
@@ -581,6 +615,7 @@ def paged_attention(
         v_scale,
     )
     prefill = ~is_decode
+    prefill_kv = None if new_kv is None else (new_kv[0][~decode_rows], new_kv[1][~decode_rows])
     out[~decode_rows] = paged_prefill_attention(
         query[~decode_rows],
         k_cache,
@@ -591,5 +626,6 @@ def paged_attention(
         sm_scale,
         k_scale,
         v_scale,
+        prefill_kv,
     )
     return out

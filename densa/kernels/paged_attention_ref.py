@@ -5,8 +5,10 @@ Layout shared by every kernel in this package:
     k_cache, v_cache  [num_pages, num_kv_heads, page_size, head_dim], dtype float32 / bfloat16 /
                       float16 / float8_e4m3fn. Head-major inside a page, so one head's page is one
                       contiguous page_size x head_dim block.
-    k_scale, v_scale  None (means 1.0), a 0-dim float32 tensor (static per-layer scale), or float32
-                      [num_pages, num_kv_heads, page_size] (dynamic per-token-and-head scale).
+    k_scale, v_scale  None (means 1.0), a 0-dim float32 tensor (static per-layer scale), or a
+                      [num_pages, num_kv_heads, page_size] tensor (dynamic per-token-and-head scale)
+                      of float32 scales or of int8 power-of-two exponents e (scale = 2**e, e in
+                      [-126, 119]; one byte instead of four, see densa.quant.fp8_kv).
                       Dequantized value = cache_value.float() * scale. Meant for fp8 caches, but
                       applied the same way for any dtype.
     page_table        int32 [B, max_pages]; token position p of sequence i lives in page
@@ -24,6 +26,17 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+EXPONENT_SCALE_DTYPE = torch.int8  # dynamic scales stored as power-of-two exponents
+# 2**-e stays a normal float32 and 448 * 2**e stays finite, so no scale or restored value
+# is inf or subnormal: e in [-126, 119].
+MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT = -126, 119
+
+
+def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """Scales as float32 multipliers: int8 exponents e become 2**e, float scales pass through."""
+    if scale.dtype == EXPONENT_SCALE_DTYPE:
+        return torch.exp2(scale.to(torch.float32))
+    return scale.to(torch.float32)
 
 
 def dequantize_pages(
@@ -38,7 +51,7 @@ def dequantize_pages(
         return values
     if scale.dim() == 0:
         return values * scale.to(torch.float32)
-    return values * scale[pages.long()].to(torch.float32).unsqueeze(-1)
+    return values * scale_to_float(scale[pages.long()]).unsqueeze(-1)
 
 
 def gather_sequence_kv(
@@ -82,12 +95,16 @@ def paged_attention_reference(
     sm_scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal paged attention, one sequence at a time.
 
     query: float32 [total_q, H, D], the new tokens of B sequences concatenated (sequence i owns
     query_lens[i] consecutive rows). The j-th new token of sequence i sits at absolute position
     seq_lens[i] - query_lens[i] + j and attends to positions 0..that position.
+    new_kv: optional (k, v) [total_q, Hkv, D], the new tokens' K/V before they were quantized
+    into the cache. When given, the new positions are read from them (high precision) and only
+    the earlier context from the cache: prefill attends to its own chunk unquantized.
     Returns float32 [total_q, H, D].
     """
     out = torch.empty(query.shape, dtype=torch.float32)
@@ -97,6 +114,9 @@ def paged_attention_reference(
         k = gather_sequence_kv(k_cache, page_table[i], seq_len, k_scale)
         v = gather_sequence_kv(v_cache, page_table[i], seq_len, v_scale)
         rows = slice(start, start + q_len)
+        if new_kv is not None:  # [q_len, Hkv, D] -> positions seq_len - q_len .. seq_len - 1
+            k[:, seq_len - q_len :] = new_kv[0][rows].to(torch.float32).transpose(0, 1)
+            v[:, seq_len - q_len :] = new_kv[1][rows].to(torch.float32).transpose(0, 1)
         out[rows] = dense_causal_attention(query[rows], k, v, sm_scale)
         start += q_len
     return out
@@ -128,6 +148,43 @@ def quantize_fp8(
     return scaled.to(FP8_DTYPE), scale
 
 
+def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """int8 exponents e of the smallest power-of-two scales with amax <= 448 * 2**e.
+
+    amax = m * 2**k with m in [0.5, 1) and 448 = 0.875 * 2**9, so e = k - 9 (m <= 0.875) or
+    k - 8 (m > 0.875): the scaled row maximum lands in (224, 448], using e4m3's top binade.
+    A zero row gets e = 0. Exponents are clamped to [-126, 119] (rows beyond that saturate).
+    """
+    mantissa, exponent = torch.frexp(amax.to(torch.float32))
+    e = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)
+    e = torch.where(amax > 0, e, torch.zeros_like(e))
+    return e.clamp(MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT).to(EXPONENT_SCALE_DTYPE)
+
+
+def quantize_fp8_exponent(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize float x [..., D] to float8_e4m3fn with one power-of-two scale per row.
+
+    Returns (fp8 values, int8 exponents [...]); value = fp8 * 2**exponent. Scaling by a power of
+    two is exact, so the only rounding is e4m3's own. Never yields NaN or inf (NaN -> 0, +-inf and
+    huge values saturate at +-448 * 2**119).
+    """
+    finite = torch.nan_to_num(x.to(torch.float32), nan=0.0)
+    exponents = scale_exponents(finite.abs().amax(dim=-1))
+    scaled = torch.ldexp(finite, -exponents.to(torch.int32).unsqueeze(-1))
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), exponents
+
+
+def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantize float x with one static scale (0-dim): fp8(clamp(x * (1 / scale))).
+
+    Multiplying by the float32 reciprocal (not dividing) is what the fused store kernel does, so
+    both round identically.
+    """
+    finite = torch.nan_to_num(x.to(torch.float32), nan=0.0)
+    scaled = finite * torch.reciprocal(scale.to(torch.float32))
+    return torch.nan_to_num(scaled, nan=0.0).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def write_kv_reference(
     cache: torch.Tensor,
     page_row: torch.Tensor,
@@ -139,7 +196,8 @@ def write_kv_reference(
 
     cache: [num_pages, Hkv, S, D] of any supported dtype; page_row: int [max_pages].
     For an fp8 cache: `scale` None means scale 1.0, a 0-dim tensor is a static scale, and a
-    [num_pages, Hkv, S] tensor is filled in place with dynamic per-token-head scales (amax / 448).
+    [num_pages, Hkv, S] tensor is filled in place with dynamic per-token-head scales: float32
+    amax / 448, or int8 power-of-two exponents (`quantize_fp8_exponent`).
     For other dtypes values are simply cast (scale must be None).
     """
     page_size = cache.shape[2]
@@ -152,6 +210,9 @@ def write_kv_reference(
         stored = values.to(cache.dtype)
     elif scale is None or scale.dim() == 0:
         stored, _ = quantize_fp8(values, torch.tensor(1.0) if scale is None else scale)
+    elif scale.dtype == EXPONENT_SCALE_DTYPE:
+        stored, exponents = quantize_fp8_exponent(values)
+        scale[pages, :, slots] = exponents
     else:
         stored, token_scale = quantize_fp8(values)  # token_scale: [n, Hkv]
         scale[pages, :, slots] = token_scale

@@ -9,6 +9,10 @@ A step's tokens are one flattened batch, decode tokens first:
 Each group is attended as a batch padded to its longest query and context, so there is no Python
 loop over requests per layer. Backends implement the two groups; `paged_attention` stores the new
 K/V first (every layer writes before it reads) and dispatches.
+
+FP8 pages: prefill chunks attend to their own tokens' K/V in high precision (as computed) and to
+earlier context from the FP8 pages; decode reads everything from the pages. So quantization error
+does not compound through a prompt's layers, and every later step reads the same stored values.
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from densa.kernels.paged_attention_ref import scale_to_float
+from densa.quant import fp8_kv
+
 
 @dataclass
 class LayerKVCache:
     """One layer's pages. k, v: [num_pages, num_kv_heads, page_size, head_dim].
 
     For FP8 caches, values are stored scaled: real = stored * scale, with scales either one per
-    layer (0-dim) or one per token and head ([num_pages, num_kv_heads, page_size]).
+    layer (0-dim float32, static) or one per token and head ([num_pages, num_kv_heads, page_size]
+    int8 power-of-two exponents, dynamic); see densa.quant.fp8_kv.
     """
 
     k: torch.Tensor
@@ -112,9 +120,18 @@ class AttentionBackend(Protocol):
         ...
 
     def attend(
-        self, q: torch.Tensor, cache: LayerKVCache, group: AttentionGroup, scale: float
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        group: AttentionGroup,
+        scale: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """q: [rows of the group, H, D] -> attention output, same shape, q's dtype."""
+        """q: [rows of the group, H, D] -> attention output, same shape, q's dtype.
+
+        new_kv: the group's own K/V rows ([rows, KVH, D]) as computed; when given (prefill on
+        narrow pages), the group's positions are read from them instead of from the cache.
+        """
         ...
 
 
@@ -129,13 +146,17 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
     backend.store_kv(cache, k, v, meta)
+    fresh_prefill = cache.k.dtype == fp8_kv.FP8_DTYPE
     groups = [g for g in (meta.decode, meta.prefill) if g is not None]
     if len(groups) == 1:  # the common case: all decodes or all prefill, no output copy needed
-        return backend.attend(q, cache, groups[0], scale)
+        group = groups[0]
+        new_kv = (k, v) if fresh_prefill and group is meta.prefill else None
+        return backend.attend(q, cache, group, scale, new_kv)
     out = torch.empty_like(q)
     for group in groups:
         rows = slice(group.start, group.end)
-        out[rows] = backend.attend(q[rows], cache, group, scale)
+        new_kv = (k[rows], v[rows]) if fresh_prefill and group is meta.prefill else None
+        out[rows] = backend.attend(q[rows], cache, group, scale, new_kv)
     return out
 
 
@@ -147,23 +168,46 @@ class TorchAttentionBackend:
     def store_kv(
         self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> None:
+        if cache.k.dtype == fp8_kv.FP8_DTYPE:  # quantize in high precision, store fp8 + scales
+            fp8_kv.store_fp8(cache.k, cache.k_scale, meta.slot_pages, meta.slot_offsets, k)
+            fp8_kv.store_fp8(cache.v, cache.v_scale, meta.slot_pages, meta.slot_offsets, v)
+            return
         cache.k[meta.slot_pages, :, meta.slot_offsets] = k.to(cache.k.dtype)
         cache.v[meta.slot_pages, :, meta.slot_offsets] = v.to(cache.v.dtype)
 
     def attend(
-        self, q: torch.Tensor, cache: LayerKVCache, group: AttentionGroup, scale: float
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        group: AttentionGroup,
+        scale: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         num_seqs, max_q = group.num_seqs, group.max_query_len
         num_heads, head_dim = q.shape[1], q.shape[2]
         q_pad = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
         q_pad[group.valid] = q
         q_pad = q_pad.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, D]
-        k = gather_pages(cache.k, group.page_table).to(q.dtype)  # [B, KVH, K, D]
-        v = gather_pages(cache.v, group.page_table).to(q.dtype)
+        k = gather_dequantized(cache.k, cache.k_scale, group.page_table, q.dtype)  # [B,KVH,K,D]
+        v = gather_dequantized(cache.v, cache.v_scale, group.page_table, q.dtype)
+        if new_kv is not None:  # the group's own positions, unquantized
+            seq, pos = query_positions(group)
+            k[seq, :, pos] = new_kv[0].to(k.dtype)
+            v[seq, :, pos] = new_kv[1].to(v.dtype)
         out = F.scaled_dot_product_attention(
             q_pad, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True
         )  # [B, H, Q, D]
         return out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)[group.valid]
+
+
+def query_positions(group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index, absolute position) of each of the group's rows, in row order."""
+    query_lens = group.query_lens.long()
+    total = int(query_lens.sum())
+    seq = torch.repeat_interleave(torch.arange(group.num_seqs), query_lens, output_size=total)
+    starts = torch.cumsum(query_lens, 0) - query_lens
+    j = torch.arange(total) - starts[seq]
+    return seq, (group.seq_lens.long() - query_lens)[seq] + j
 
 
 def gather_pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
@@ -173,6 +217,21 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     return pages.transpose(1, 2).reshape(num_seqs, num_kv_heads, max_pages * page_size, head_dim)
 
 
+def gather_dequantized(
+    cache: torch.Tensor, scale: torch.Tensor | None, page_table: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """gather_pages, widened to `dtype` and multiplied by the cache's scales (if any)."""
+    values = gather_pages(cache, page_table)  # [B, KVH, K, D]
+    if scale is None:
+        return values.to(dtype)
+    if scale.dim() == 0:
+        return (values.to(torch.float32) * scale).to(dtype)
+    per_token = scale[page_table.long()]  # [B, max_pages, KVH, P]
+    num_seqs, _, num_kv_heads, _ = per_token.shape
+    per_token = per_token.transpose(1, 2).reshape(num_seqs, num_kv_heads, -1, 1)  # [B,KVH,K,1]
+    return (values.to(torch.float32) * scale_to_float(per_token)).to(dtype)
+
+
 class CpuAttentionBackend(TorchAttentionBackend):
     """Fused Numba kernels: decode reads pages in place (no gather) and widens narrow caches in
     registers; prefill gathers only the few prefill sequences and runs one masked SDPA."""
@@ -180,7 +239,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def attend(
-        self, q: torch.Tensor, cache: LayerKVCache, group: AttentionGroup, scale: float
+        self,
+        q: torch.Tensor,
+        cache: LayerKVCache,
+        group: AttentionGroup,
+        scale: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         from densa.kernels import cpu_paged_attention as kernels
 
@@ -193,6 +257,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         else:
             out = kernels.paged_prefill_attention(
                 query, cache.k, cache.v, group.page_table, group.seq_lens, group.query_lens,
-                scale, cache.k_scale, cache.v_scale,
+                scale, cache.k_scale, cache.v_scale, new_kv,
             )  # fmt: skip
         return out.to(q.dtype)

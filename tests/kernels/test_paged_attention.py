@@ -22,6 +22,9 @@ from densa.kernels.paged_attention_ref import (
     FP8_MAX,
     paged_attention_reference,
     quantize_fp8,
+    quantize_fp8_exponent,
+    quantize_fp8_static,
+    scale_exponents,
     write_kv_reference,
 )
 
@@ -35,8 +38,9 @@ CACHE_KINDS = [
     (torch.float8_e4m3fn, "none"),
     (torch.float8_e4m3fn, "static"),
     (torch.float8_e4m3fn, "dynamic"),
+    (torch.float8_e4m3fn, "exponent"),
 ]
-KIND_IDS = ["fp32", "bf16", "fp16", "fp8", "fp8-static", "fp8-dynamic"]
+KIND_IDS = ["fp32", "bf16", "fp16", "fp8", "fp8-static", "fp8-dynamic", "fp8-exponent"]
 HEAD_CONFIGS = [(9, 3, 64), (4, 4, 32)]  # (num_heads, num_kv_heads, head_dim)
 HEAD_IDS = ["gqa9-3-d64", "mha4-d32"]
 # The decode kernel has dedicated code for GQA groups of 3 and 4 and a generic one for the rest.
@@ -98,6 +102,9 @@ def make_case(
     elif scale_mode == "dynamic":
         k_scale = torch.full(shape[:3], float("nan"))
         v_scale = torch.full(shape[:3], float("nan"))
+    elif scale_mode == "exponent":  # int8 power-of-two exponents; unwritten slots scale by 2**126
+        k_scale = torch.full(shape[:3], 126, dtype=torch.int8)
+        v_scale = torch.full(shape[:3], 126, dtype=torch.int8)
 
     # Non-contiguous pages: a shuffled pool dealt out to the sequences; padding repeats page ids.
     pool = torch.randperm(num_pages, generator=gen).to(torch.int32)
@@ -173,20 +180,54 @@ def test_reference_dequantizes_fp8_scales() -> None:
     torch.testing.assert_close(dense_k, case.dense_k[0], atol=1e-6, rtol=2**-4)
 
 
+def test_reference_dequantizes_fp8_exponent_scales() -> None:
+    case = make_case([20], [20], torch.float8_e4m3fn, "exponent", heads=(2, 1, 8), page_size=4)
+    assert case.k_scale is not None and case.k_scale.dtype == torch.int8
+    pages = case.page_table[0, :5].long()
+    scales = torch.exp2(case.k_scale[pages].float()).unsqueeze(-1)
+    dense_k = (case.k_cache[pages].float() * scales).permute(1, 0, 2, 3).reshape(1, 20, 8)
+    torch.testing.assert_close(dense_k.transpose(0, 1), case.dense_k[0], atol=1e-6, rtol=2**-4)
+
+
 # ---- fp8 quantization and widening ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_quantize_fp8_never_produces_nan_or_inf(static: bool) -> None:
+def test_scale_exponents_put_the_row_max_in_the_top_binade() -> None:
+    amax = torch.tensor([448.0, 449.0, 224.0, 224.5, 1.0, 3e-30, 3.4e38, 0.0])
+    exponents = scale_exponents(amax)
+    assert exponents.dtype == torch.int8
+    assert exponents.tolist() == [0, 1, -1, 0, -8, -106, 119, 0]  # 3.4e38: clamped
+    scaled = torch.ldexp(amax, -exponents.int())
+    assert ((scaled > 224) & (scaled <= 448))[:-2].all()
+
+
+def test_quantize_fp8_exponent_is_exact_scaling_then_one_rounding() -> None:
+    x = torch.randn(64, 32) * torch.logspace(-20, 20, 64).unsqueeze(1)
+    values, exponents = quantize_fp8_exponent(x)
+    expected = torch.ldexp(x, -exponents.int().unsqueeze(1)).to(torch.float8_e4m3fn)
+    assert torch.equal(values.view(torch.uint8), expected.view(torch.uint8))
+    restored = values.float() * torch.exp2(exponents.float()).unsqueeze(1)
+    torch.testing.assert_close(restored, x, atol=0, rtol=2**-4)
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static", "exponent"])
+def test_quantize_fp8_never_produces_nan_or_inf(mode: str) -> None:
     big = torch.tensor(
         [[1e30, -1e30, 3.4e38, 0.0], [float("inf"), float("-inf"), 1.0, -2.0], [0.0] * 4]
     )
-    scale = torch.tensor(1e-3) if static else None
-    values, scales = quantize_fp8(big, scale)
+    if mode == "exponent":
+        values, exponents = quantize_fp8_exponent(big)
+        scales = torch.exp2(exponents.float())
+    elif mode == "static":
+        values = quantize_fp8_static(big, torch.tensor(1e-3))
+        scales = torch.tensor(1e-3)
+    else:
+        values, scales = quantize_fp8(big)
     widened = values.float()
     assert torch.isfinite(widened).all() and torch.isfinite(scales).all()
     assert widened.abs().max() <= FP8_MAX
     assert (widened[2] == 0).all()  # an all-zero row stays exactly zero
+    assert widened[0].abs().max() > FP8_MAX / 2  # the row max lands in the top binade, not NaN
 
 
 @njit(cache=True)
@@ -277,6 +318,25 @@ def test_prefill_matches_reference(
     case = make_case(seq_lens, query_lens, dtype, scale_mode, heads, page_size)
     args = (*case.args(), case.query_lens, case.sm_scale, case.k_scale, case.v_scale)
     assert_close(paged_prefill_attention(*args), case.reference())
+
+
+@pytest.mark.parametrize("dtype, scale_mode", CACHE_KINDS[3:], ids=KIND_IDS[3:])
+def test_prefill_reads_its_own_rows_from_new_kv(dtype: torch.dtype, scale_mode: str) -> None:
+    # The new rows' unquantized K/V replace their cached copies; earlier context stays cached.
+    seq_lens, query_lens = [20, 45, 130, 9], [20, 7, 33, 1]
+    case = make_case(seq_lens, query_lens, dtype, scale_mode, page_size=4)
+    lens = list(zip(seq_lens, query_lens, strict=True))
+    new_k = torch.cat([k[n - q :] for k, (n, q) in zip(case.dense_k, lens, strict=True)])
+    new_v = torch.cat([v[n - q :] for v, (n, q) in zip(case.dense_v, lens, strict=True)])
+    args = (*case.args(), case.query_lens, case.sm_scale, case.k_scale, case.v_scale)
+    expected = paged_attention_reference(*args, new_kv=(new_k, new_v))
+    assert_close(paged_prefill_attention(*args, new_kv=(new_k, new_v)), expected)
+    # A whole fresh prompt read from new_kv is exact attention over the unquantized K/V.
+    fresh = make_case([20], [20], dtype, scale_mode, page_size=4)
+    fresh_args = (*fresh.args(), fresh.query_lens, fresh.sm_scale, fresh.k_scale, fresh.v_scale)
+    exact = naive_attention(fresh.query, fresh.dense_k[0], fresh.dense_v[0], fresh.sm_scale)
+    got = paged_prefill_attention(*fresh_args, new_kv=(fresh.dense_k[0], fresh.dense_v[0]))
+    assert_close(got, exact)
 
 
 @pytest.mark.parametrize("query_len", [1, 16])
