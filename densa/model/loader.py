@@ -1,4 +1,11 @@
-"""Find a checkpoint (HF directory or GGUF file), check it fits, build the model, load weights."""
+"""Find a checkpoint (HF directory or GGUF file), check it fits, build the model, load weights.
+
+Weight formats: a checkpoint says in its safetensors metadata whether (and how) its linear
+weights are quantized (`densa.quant.weight_format`); the loader never guesses from names. The
+runtime format is what the checkpoint stores ("auto"), dense ("dense": dequantized at load), or
+a quantized format applied at load time by round-to-nearest ("int4", "fp8"; for checkpoints
+stored dense -- `densa quantize` writes the calibrated ones).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,16 @@ import torch
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.gguf import ensure_converted
 from densa.model.interface import CausalLM
+from densa.model.linear import (
+    Linear,
+    prepare_quantized,
+    quantize_linears,
+    resident_weight_bytes,
+)
 from densa.model.registry import model_factory
+from densa.quant.checkpoint import Quantized, group_parts, read_format
+from densa.quant.quantizer import make_quantizer
+from densa.quant.weight_format import CheckpointFormat, WeightFormat
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
 
@@ -79,24 +95,145 @@ def check_fits(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> in
     return needed
 
 
+# What `--weight-format int4|fp8` applies to a dense checkpoint at load time.
+ON_THE_FLY_FORMATS = {
+    "int4": WeightFormat("int4", group_size=128, symmetric=True),
+    "fp8": WeightFormat("fp8", block_size=128),
+}
+OUTPUT_HEAD = "lm_head"  # kept in high precision unless asked (it shapes every logit)
+
+
 def load_model(
-    model_dir: Path, arch: ArchConfig, dtype: str, max_position: int, device: torch.device
+    model_dir: Path,
+    arch: ArchConfig,
+    dtype: str,
+    max_position: int,
+    device: torch.device,
+    weight_format: str = "auto",
 ) -> CausalLM:
+    """Build the model and load its weights in the runtime format `weight_format` selects."""
     torch_dtype = DTYPES[dtype]
     check_fits(arch, torch_dtype, device)
+    files = safetensors_files(model_dir)
+    stored = _read_stored_format(files)
+    runtime = runtime_format(stored, weight_format)
     factory = model_factory(arch.architecture)
     # Build without initializing (meta device), then allocate and fill from the checkpoint.
     with torch.device("meta"):
-        model = factory(arch, max_position, device)
-    model = model.to(dtype=torch_dtype).to_empty(device=device)
+        model = factory(arch, max_position, device).to(dtype=torch_dtype)
+        targets = _quantized_modules(model, stored, runtime)
+        if runtime is not None:
+            quantize_linears(model, targets, runtime)
+    model = model.to_empty(device=device)
     model.tie_weights()
-    files = safetensors_files(model_dir)
+    tensors = runtime_tensors(iter_checkpoint(files), model, stored, runtime, targets)
     try:
         with torch.no_grad():
-            model.load_weights(iter_checkpoint(files))
+            model.load_weights(tensors)
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"checkpoint in {model_dir} does not match its config: {exc}") from exc
+    prepare_quantized(model)
     logger.info(
-        "loaded %s (%s parameters, %s)", model_dir.name, f"{arch.num_parameters():,}", dtype
-    )
+        "loaded %s (%s parameters, %s compute, %s weights: %s resident)",
+        model_dir.name, f"{arch.num_parameters():,}", dtype,
+        runtime.describe() if runtime is not None else "dense",
+        format_bytes(resident_weight_bytes(model)),
+    )  # fmt: skip
     return model.eval()
+
+
+def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> WeightFormat | None:
+    """The format the linear layers run from (None = dense), given what the checkpoint stores."""
+    if weight_format == "dense":
+        return None
+    if weight_format == "auto":
+        return stored.format if stored is not None else None
+    if stored is None:
+        return ON_THE_FLY_FORMATS[weight_format]
+    if stored.format.kind != weight_format:
+        raise ModelLoadError(
+            f"the checkpoint stores {stored.format.describe()} weights, not {weight_format}; "
+            "use --weight-format auto (or dense), or re-quantize it with densa quantize"
+        )
+    return stored.format
+
+
+def quantizable_linears(model: CausalLM, include_head: bool = False) -> set[str]:
+    """Names of the Linear modules a quantized format replaces: every one except the output
+    head (unless asked) and any whose weight is tied to an embedding."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    return {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, Linear)
+        and id(module.weight) not in embeddings
+        and (include_head or name != OUTPUT_HEAD)
+    }
+
+
+def linear_module_of(model: CausalLM, hf_name: str) -> str | None:
+    """The module a checkpoint weight loads into, if it is the `.weight` of a linear layer."""
+    module, _, param = model.checkpoint_target(hf_name).rpartition(".")
+    return module if param == "weight" else None
+
+
+def runtime_tensors(
+    raw: Iterator[tuple[str, torch.Tensor]],
+    model: CausalLM,
+    stored: CheckpointFormat | None,
+    runtime: WeightFormat | None,
+    targets: set[str],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors -> the tensors the model's parameters take, in HF naming: quantized
+    weights become their runtime parts ('<module>.<part>'), or dense weights when dequantizing,
+    and dense weights of quantized layers are quantized on the way (round-to-nearest)."""
+    stored_quantizer = make_quantizer(stored.format) if stored is not None else None
+    runtime_quantizer = make_quantizer(runtime) if runtime is not None else None
+    for name, value in group_parts(raw, stored):
+        if isinstance(value, Quantized):
+            assert stored_quantizer is not None  # group_parts only makes these from metadata
+            if runtime_quantizer is None:
+                yield name, stored_quantizer.dequantize(value.parts, value.shape[1])
+            else:
+                yield from _parts_of(name, runtime_quantizer.to_runtime(value.parts))
+        elif runtime_quantizer is not None and linear_module_of(model, name) in targets:
+            parts = runtime_quantizer.to_runtime(runtime_quantizer.quantize(value))
+            yield from _parts_of(name, parts)
+        else:
+            yield name, value
+
+
+def _parts_of(
+    weight_name: str, parts: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """'x.q_proj.weight', {qweight, scales} -> ('x.q_proj.qweight', ..), ('x.q_proj.scales', ..)."""
+    module = weight_name.rpartition(".")[0]
+    for part, tensor in parts.items():
+        yield f"{module}.{part}", tensor
+
+
+def _quantized_modules(
+    model: CausalLM, stored: CheckpointFormat | None, runtime: WeightFormat | None
+) -> set[str]:
+    if runtime is None:
+        return set()
+    if stored is None:  # quantizing a dense checkpoint at load time
+        return quantizable_linears(model)
+    modules = {linear_module_of(model, name) for name in stored.tensors}
+    if None in modules:
+        raise ModelLoadError("the checkpoint lists a quantized tensor that is not a linear weight")
+    return {m for m in modules if m is not None}
+
+
+def _read_stored_format(files: list[Path]) -> CheckpointFormat | None:
+    from safetensors import SafetensorError
+
+    try:
+        return read_format(files)
+    except (SafetensorError, OSError) as exc:
+        where = files[0].parent
+        raise ModelLoadError(
+            f"cannot read the weights in {where} (truncated or corrupt?): {exc}"
+        ) from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"the checkpoint's weight format metadata is invalid: {exc}") from exc

@@ -1,0 +1,109 @@
+"""FP8 (e4m3) weight-only linear layers on CPU: a torch reference, a fast dequantize and a
+streaming small-batch kernel.
+
+Runtime layout (row-major, so fused projections concatenate like dense rows):
+
+    weight [N, K] float8_e4m3fn
+    scale  [N, ceil(K / B)] float32    real w[n, k] = weight[n, k] * scale[n, k // B]
+
+Checkpoints store one scale per B x B block (as FP8 releases of large models do); the loader
+repeats each block scale over the block's rows (`expand_block_scales`), 4 bytes per B weights.
+
+CPU notes: this CPU has no fp8 arithmetic. Prefill (many rows) dequantizes the weight once per
+call and runs fp32 GEMM; decode (few rows) streams the fp8 bytes through a Numba kernel that
+widens each byte by moving its bit fields into an fp32 pattern (1 byte read per weight instead
+of 4). Measured on the 2-core dev machine (noisy), 3072 x 576 at M = 1: ~0.6 ms vs ~0.25 ms for
+the fp32 streaming kernel -- the widening costs more than the bandwidth saves, so on this CPU
+FP8 weights save memory, not time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from numba import njit, prange
+
+from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
+
+FP8_MAX = 448.0  # largest finite e4m3fn value
+MAX_STREAMING_ROWS = 8  # as for fp32 (cpu_linear): beyond this the GEMM path is compute-bound
+_ROWS_PER_TASK = 16
+# The e4m3 fields placed at the top of an fp32 bit pattern give value * 2**-120 (subnormals
+# included: both formats' subnormals scale the same way); the factor goes into the block scale.
+_FP32_BITS_SCALE = np.float32(2.0**120)
+
+
+def expand_block_scales(block_scales: torch.Tensor, out_features: int, block: int) -> torch.Tensor:
+    """[ceil(N/B), ceil(K/B)] block scales -> [N, ceil(K/B)] row scales."""
+    return block_scales.repeat_interleave(block, dim=0)[:out_features].contiguous()
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """[N, K] fp8 with [N, ceil(K/B)] row scales -> [N, K] float32."""
+    dense = weight.float()  # measured faster here than widening by bit moves in eager torch
+    out_features, in_features = dense.shape
+    num_blocks = scale.shape[1]
+    if num_blocks * block == in_features:  # whole blocks: scale through a view, no expansion
+        blocks = dense.view(out_features, num_blocks, block) * scale.float()[:, :, None]
+        return blocks.view(out_features, in_features)
+    return dense * scale.float().repeat_interleave(block, dim=1)[:, :in_features]
+
+
+def fp8_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Slow, obviously correct: the plain fp8 cast, then a float32 matmul."""
+    in_features = weight.shape[1]
+    dense = weight.float() * scale.float().repeat_interleave(block, dim=1)[:, :in_features]
+    out = F.linear(x.float(), dense, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _streaming_fp8_matmul(
+    weight: np.ndarray, scale: np.ndarray, block: int, x: np.ndarray, out: np.ndarray
+) -> None:
+    num_out, num_in = weight.shape
+    num_rows = x.shape[0]
+    num_tasks = (num_out + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
+    for task in prange(num_tasks):
+        bits = np.empty(num_in, dtype=np.uint32)  # one widened weight row, reused from L1
+        row = bits.view(np.float32)
+        for r in range(task * _ROWS_PER_TASK, min(num_out, (task + 1) * _ROWS_PER_TASK)):
+            for j in range(num_in):
+                byte = np.uint32(weight[r, j])
+                bits[j] = ((byte & 0x80) << 24) | ((byte & 0x7F) << 20)
+            for b in range(scale.shape[1]):
+                factor = scale[r, b] * _FP32_BITS_SCALE
+                for j in range(b * block, min(num_in, (b + 1) * block)):
+                    row[j] *= factor
+            for i in range(num_rows):
+                acc = np.float32(0.0)
+                for j in range(num_in):
+                    acc += row[j] * x[i, j]
+                out[i, r] = acc
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[M, K] x fp8 [N, K] -> [M, N] in x's dtype: streamed for small fp32 CPU batches."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > MAX_STREAMING_ROWS:
+        dense = dequantize_fp8(weight, scale, block).to(x.dtype)
+        return F.linear(x, dense, bias)
+    rows = x.float().contiguous()
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32)
+    _streaming_fp8_matmul(
+        weight.view(torch.uint8).numpy(), scale.float().numpy(), block, rows.numpy(), out.numpy()
+    )
+    out = out.to(x.dtype)
+    return out if bias is None else out + bias

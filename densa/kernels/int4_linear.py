@@ -1,0 +1,136 @@
+"""INT4 weight-only linear layers (w4a16): the storage layout, a torch reference and the CPU path.
+
+Storage (row-major, so the rows of fused projections concatenate like dense rows):
+
+    qweight [N, ceil(K/2)] uint8   two 4-bit codes per byte: column 2j in the low nibble, 2j+1 high
+    scales  [N, G] bf16/fp16       one per group of `group_size` input columns, G = ceil(K / g)
+    zeros   [N, G] or None         asymmetric offset; symmetric formats have none
+
+    w[n, k] = (q[n, k] - 8) * scales[n, k // g] + zeros[n, k // g]
+
+This is also the arithmetic of torch's CPU int4 matmul (`_weight_int4pack_mm_for_cpu`, bf16
+activations), so its packed layout is built once at load time. That op wants N % 16 == 0, group
+size 32/64/128/256 and K divisible by the group. A stored group of 128 over K = 576 (SmolLM2's
+hidden size; 4.5 groups) is re-expressed exactly as groups of 64 by repeating each scale; shapes
+that fit no group fall back to dequantize-then-matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CODE_OFFSET = 8  # stored codes 0..15 stand for -8..7
+TORCH_GROUP_SIZES = (128, 64, 32)  # what the CPU op accepts (256 too; never a stored size here)
+TORCH_N_MULTIPLE = 16
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes in 0..15 -> [N, ceil(K/2)] uint8, even columns in the low nibble."""
+    if codes.shape[1] % 2:
+        codes = F.pad(codes, (0, 1))
+    codes = codes.to(torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """[N, ceil(K/2)] uint8 -> [N, K] uint8 codes."""
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1)[:, :in_features]
+
+
+def expand_groups(values: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """[N, G] per-group values -> [N, K], each repeated over its group's columns."""
+    return values.repeat_interleave(group_size, dim=1)[:, :in_features]
+
+
+def dequantize_int4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    in_features: int,
+) -> torch.Tensor:
+    """The reference dequantization: [N, K] float32 weights."""
+    codes = unpack_nibbles(qweight, in_features).float() - CODE_OFFSET
+    weight = codes * expand_groups(scales.float(), group_size, in_features)
+    if zeros is not None:
+        weight += expand_groups(zeros.float(), group_size, in_features)
+    return weight
+
+
+def int4_linear_ref(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Slow, obviously correct: dequantize to float32, multiply. [M, K] -> [M, N], x's dtype."""
+    weight = dequantize_int4(qweight, scales, zeros, group_size, x.shape[-1])
+    out = F.linear(x.float(), weight, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+# ---- torch's CPU int4 matmul -------------------------------------------------------------------
+@dataclass
+class CpuInt4Pack:
+    """A weight in the layout of torch's CPU int4 matmul."""
+
+    packed: torch.Tensor  # opaque uint8 layout from _convert_weight_to_int4pack_for_cpu
+    scales_and_zeros: torch.Tensor  # [K / group, N, 2] bf16
+    group_size: int  # the op's group size: divides the stored one and K
+
+
+def cpu_group_size(out_features: int, in_features: int, group_size: int) -> int | None:
+    """The largest group torch's op accepts that tiles both K and the stored groups, or None."""
+    if out_features % TORCH_N_MULTIPLE:
+        return None
+    for size in TORCH_GROUP_SIZES:
+        if size <= group_size and group_size % size == 0 and in_features % size == 0:
+            return size
+    return None
+
+
+def pack_for_cpu(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    in_features: int,
+) -> CpuInt4Pack | None:
+    """torch's packed layout for this weight, or None when its shape constraints are not met."""
+    out_features = qweight.shape[0]
+    op_group = cpu_group_size(out_features, in_features, group_size)
+    if op_group is None:
+        return None
+    codes = unpack_nibbles(qweight, in_features).to(torch.int32)  # [N, K]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    repeat = group_size // op_group
+    num_groups = in_features // op_group
+    op_scales = scales.repeat_interleave(repeat, dim=1)[:, :num_groups]  # [N, K / op_group]
+    op_zeros = (
+        torch.zeros_like(op_scales)
+        if zeros is None
+        else zeros.repeat_interleave(repeat, dim=1)[:, :num_groups]
+    )
+    scales_and_zeros = torch.stack([op_scales, op_zeros], dim=-1).transpose(0, 1)
+    return CpuInt4Pack(packed, scales_and_zeros.to(torch.bfloat16).contiguous(), op_group)
+
+
+def cpu_int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[M, K] -> [M, N] in x's dtype through a `CpuInt4Pack`'s tensors; activations pass
+    through bf16 (the op's input dtype)."""
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16), packed, group_size, scales_and_zeros
+    ).to(x.dtype)
+    return out if bias is None else out + bias

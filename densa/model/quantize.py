@@ -1,0 +1,211 @@
+"""`densa quantize`: convert a checkpoint's linear weights to INT4 or FP8 and save it.
+
+source (HF dir, .gguf, or a densa INT4/FP8 checkpoint -- dequantized first)
+  -> [GPTQ only] run calibration text through the dense model, collect each linear layer's
+     input Hessian
+  -> quantize every linear weight (not embeddings or the output head unless asked)
+  -> <dst>/model.safetensors with the format in its metadata, config.json, tokenizer files
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from densa.model.arch import ArchConfig
+from densa.model.attention import (
+    AttentionMetadata,
+    LayerKVCache,
+    TorchAttentionBackend,
+    build_group,
+)
+from densa.model.interface import CausalLM
+from densa.model.loader import (
+    DTYPES,
+    iter_checkpoint,
+    linear_module_of,
+    load_model,
+    quantizable_linears,
+    resolve_model_dir,
+    runtime_tensors,
+    safetensors_files,
+)
+from densa.model.registry import model_factory
+from densa.model.tokenizer import Tokenizer
+from densa.quant.calibration import HessianCollector, calibration_passages
+from densa.quant.checkpoint import Value, quantize_tensors, read_format, write_checkpoint
+from densa.quant.quantizer import make_quantizer
+from densa.quant.weight_format import CheckpointFormat, WeightFormat
+
+CALIBRATION_SEQ_LEN = 512  # passages are packed into sequences of at most this many tokens
+
+
+@dataclass(frozen=True)
+class QuantizeSettings:
+    fmt: WeightFormat | None  # None: no quantization, only cast (a BF16 reference checkpoint)
+    keep_dtype: str = "bfloat16"  # tensors left unquantized: embeddings, norms, output head
+    include_head: bool = False  # quantize the output head too (untied models only)
+    calibration_passages: int = 128  # GPTQ: LAMBADA passages (~80 tokens each)
+    show_progress: bool = True
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    source_bytes: int  # the dense source's weight files (a GGUF source: its converted copy)
+    source_file_bytes: int  # a GGUF source's own file; 0 for directories
+    output_bytes: int
+    num_quantized: int
+    calibration_tokens: int
+    output_dir: Path
+
+
+def quantize_checkpoint(src: str, dst: Path, settings: QuantizeSettings) -> QuantizeResult:
+    """Write the quantized copy of `src` into `dst` (created; must not hold a checkpoint)."""
+    src_dir = resolve_model_dir(src)
+    if (dst / "config.json").exists():
+        raise FileExistsError(f"{dst} already holds a checkpoint; pick a new folder")
+    arch = ArchConfig.from_dir(src_dir)
+    with torch.device("meta"):
+        skeleton = model_factory(arch.architecture)(arch, 1, torch.device("cpu"))
+    targets = quantizable_linears(skeleton, settings.include_head) if settings.fmt else set()
+    hessians: dict[str, torch.Tensor] = {}
+    calibration_tokens = 0
+    if settings.fmt is not None and make_quantizer(settings.fmt).needs_calibration:
+        hessians, calibration_tokens = collect_hessians(src_dir, arch, targets, settings)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = _output_tensors(src_dir, skeleton, targets, hessians, settings)
+    ckpt = CheckpointFormat(settings.fmt) if settings.fmt is not None else None
+    write_checkpoint(dst, _with_progress(tensors, src_dir, settings.show_progress), ckpt)
+    _copy_side_files(src_dir, dst, settings.fmt)
+    return QuantizeResult(
+        source_bytes=_weight_bytes(src_dir),
+        source_file_bytes=_file_bytes(Path(src).expanduser()),
+        output_bytes=_weight_bytes(dst),
+        num_quantized=len(ckpt.tensors) if ckpt is not None else 0,
+        calibration_tokens=calibration_tokens,
+        output_dir=dst,
+    )
+
+
+def collect_hessians(
+    src_dir: Path, arch: ArchConfig, targets: set[str], settings: QuantizeSettings
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Input Hessians of the target layers over the calibration text, by module name, and the
+    number of calibration tokens. All from the dense float32 model (not layer by layer through
+    the already-quantized layers, as the original GPTQ does: simpler, and close in quality)."""
+    model = load_model(src_dir, arch, "float32", CALIBRATION_SEQ_LEN, torch.device("cpu"), "dense")
+    tokenizer = Tokenizer(src_dir, arch.eos_token_ids)
+    passages = calibration_passages(settings.calibration_passages)
+    sequences = pack_sequences([tokenizer.encode(p) for p in passages], CALIBRATION_SEQ_LEN)
+    modules = {name: model.get_submodule(name) for name in targets}
+    with HessianCollector(modules) as collector:
+        for token_ids in tqdm(sequences, "calibrating", disable=not settings.show_progress):
+            run_sequence(model, arch, token_ids)
+    return collector.hessians, collector.num_tokens
+
+
+def pack_sequences(passages: list[list[int]], max_len: int) -> list[list[int]]:
+    """Concatenate tokenized passages greedily into sequences of at most max_len tokens."""
+    sequences: list[list[int]] = [[]]
+    for tokens in passages:
+        tokens = tokens[:max_len]
+        if len(sequences[-1]) + len(tokens) > max_len:
+            sequences.append([])
+        sequences[-1].extend(tokens)
+    return [s for s in sequences if s]
+
+
+@torch.inference_mode()
+def run_sequence(
+    model: CausalLM, arch: ArchConfig, token_ids: list[int], page_size: int = 16
+) -> torch.Tensor:
+    """One causal forward pass over a single sequence through a scratch paged KV cache (the
+    engine's own path, minus the engine); returns the final hidden states [T, hidden]."""
+    num_tokens = len(token_ids)
+    num_pages = -(-num_tokens // page_size)
+    shape = (num_pages, arch.num_kv_heads, page_size, arch.head_dim)
+    dtype = next(model.parameters()).dtype
+    caches = [
+        LayerKVCache(k=torch.zeros(shape, dtype=dtype), v=torch.zeros(shape, dtype=dtype))
+        for _ in range(arch.num_layers)
+    ]
+    positions = torch.arange(num_tokens)
+    pages = list(range(num_pages))
+    meta = AttentionMetadata(
+        slot_pages=positions // page_size,
+        slot_offsets=positions % page_size,
+        decode=None,
+        prefill=build_group(0, [pages], [num_tokens], [num_tokens], page_size, positions.device),
+    )
+    return model(torch.tensor(token_ids), positions, caches, meta, TorchAttentionBackend())
+
+
+def _output_tensors(
+    src_dir: Path,
+    skeleton: CausalLM,
+    targets: set[str],
+    hessians: dict[str, torch.Tensor],
+    settings: QuantizeSettings,
+) -> Iterator[tuple[str, Value]]:
+    files = safetensors_files(src_dir)
+    stored = read_format(files)
+    dense = runtime_tensors(iter_checkpoint(files), skeleton, stored, None, set())
+    if settings.fmt is None:
+        keep = DTYPES[settings.keep_dtype]
+        return ((name, t.to(keep) if t.is_floating_point() else t) for name, t in dense)
+
+    def is_target(name: str) -> bool:
+        return linear_module_of(skeleton, name) in targets
+
+    def hessian_of(name: str) -> torch.Tensor | None:
+        module = linear_module_of(skeleton, name)
+        return hessians.get(module) if module is not None else None
+
+    quantizer = make_quantizer(settings.fmt)
+    keep_dtype = DTYPES[settings.keep_dtype]
+    return quantize_tensors(dense, quantizer, is_target, hessian_of, keep_dtype)
+
+
+def _with_progress(
+    tensors: Iterator[tuple[str, Value]], src_dir: Path, enabled: bool
+) -> Iterator[tuple[str, Value]]:
+    total = _num_tensors(safetensors_files(src_dir))
+    yield from tqdm(tensors, "quantizing", total=total, unit="tensor", disable=not enabled)
+
+
+def _num_tensors(files: list[Path]) -> int:
+    from safetensors import safe_open
+
+    count = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            count += len(list(handle.keys()))
+    return count
+
+
+def _copy_side_files(src_dir: Path, dst: Path, fmt: WeightFormat | None) -> None:
+    """config.json (with a human-readable note of the format) and the tokenizer files."""
+    for path in src_dir.iterdir():
+        is_weights = path.suffix == ".safetensors" or path.name.endswith(".index.json")
+        if path.is_file() and not is_weights and path.name != "config.json":
+            shutil.copy(path, dst / path.name)
+    config = json.loads((src_dir / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if fmt is not None:
+        # For people and other tools only: densa reads the format from the safetensors metadata.
+        config["quantization_config"] = {"quant_method": "densa", **asdict(fmt)}
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _file_bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
+
+
+def _weight_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
