@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # "auto" resolves to the compute dtype. fp8_e4m3 is the compressed format (issue: FP8 KV cache).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
+# FP8 KV scales: one per (token, kv head) chosen at write time, or one per layer from a
+# calibration file. "auto" = static when a scales file is given, else DEFAULT_KV_SCALES.
+# Why dynamic is the default: docs/kv-cache.md (quality and capacity of both, measured).
+KV_SCALE_POLICIES = ("auto", "dynamic", "static")
+DEFAULT_KV_SCALES = "dynamic"
 # "auto" = whatever the checkpoint stores (its metadata says so); the others convert at load time.
 WEIGHT_FORMATS = ("auto", "dense", "int4", "fp8")
 
@@ -24,6 +29,7 @@ class ModelConfig:
     )
     max_model_len: int = 2048  # prompt + output tokens per request; <= the model's context length
     weight_format: str = "auto"
+    decode_model: str | None = None  # phase-aware: decode runs through this checkpoint's weights
     seed: int = 0  # default sampling seed source for requests that do not pass one
 
     def __post_init__(self) -> None:
@@ -44,6 +50,8 @@ class CacheConfig:
         0  # resolved from the memory budget before freezing; 0 only in unresolved configs
     )
     kv_cache_dtype: str = "float32"  # resolved ("auto" -> compute dtype)
+    kv_scales: str = DEFAULT_KV_SCALES  # resolved; only read for fp8 caches
+    kv_scales_file: str | None = None  # static per-layer scales (JSON); None = 1.0 everywhere
     enable_prefix_caching: bool = True
     kv_integrity: bool = True  # page generation tags checked before every read and write
 
@@ -54,6 +62,12 @@ class CacheConfig:
             raise ValueError("num_pages must be >= 0")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES or self.kv_cache_dtype == "auto":
             raise ValueError(f"kv_cache_dtype must be resolved to one of {KV_CACHE_DTYPES[1:]}")
+        if self.kv_scales not in KV_SCALE_POLICIES[1:]:
+            raise ValueError(f"kv_scales must be resolved to one of {KV_SCALE_POLICIES[1:]}")
+        if self.kv_scales_file is not None and self.kv_scales != "static":
+            raise ValueError(
+                "a KV scales file holds static per-layer scales: use it with --kv-scales static"
+            )
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     benchmarks = parser.add_subparsers(title="benchmarks", metavar="BENCHMARK")
     _add_serving(benchmarks)
     _add_integrity(benchmarks)
+    _add_load(benchmarks)
+    _add_prefix(benchmarks)
+    _add_kv_sweep(benchmarks)
+    _add_weights(benchmarks)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
 
@@ -67,6 +71,52 @@ def _add_integrity(benchmarks: argparse._SubParsersAction) -> None:
     g.add_argument("--out", type=Path, default=Path("docs/benchmarks/integrity"))
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_integrity, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _add_kv_sweep(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "kv-sweep",
+        help="BF16 vs FP8 KV cache under one fixed KV budget, concurrency 1..64",
+        description="Waves of long requests at each concurrency, one engine per KV dtype with "
+        "the same KV memory in bytes, interleaved: throughput, admission, preemptions, latency.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    g.add_argument("--prompt-len", type=int, default=1024)
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument(
+        "--budget-requests",
+        type=float,
+        default=16.5,
+        help="KV budget in BF16 requests of prompt+output tokens (16.5: BF16 fits 16, FP8 32)",
+    )
+    g.add_argument("--kv-dtypes", nargs="+", default=["bfloat16", "fp8_e4m3"])
+    g.add_argument("--repeats", type=int, default=2)
+    g.add_argument("--warmup", type=int, default=1)
+    g.add_argument("--prompt-seed", type=int, default=0)
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/kv_sweep"))
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_kv_sweep)
+
+
+def _kv_sweep(ns: argparse.Namespace) -> int:
+    from densa.bench.kv_sweep import KVSweepSettings, run_kv_sweep
+
+    try:
+        settings = KVSweepSettings(
+            concurrency=tuple(ns.concurrency),
+            prompt_len=ns.prompt_len,
+            output_len=ns.output_len,
+            budget_requests=ns.budget_requests,
+            kv_dtypes=tuple(ns.kv_dtypes),
+            repeats=ns.repeats,
+            warmup=ns.warmup,
+            prompt_seed=ns.prompt_seed,
+        )
+    except ValueError as exc:
+        print(f"densa bench kv-sweep: {exc}", file=sys.stderr)
+        return 2
+    return _write(run_kv_sweep(settings, EngineArgs.from_cli(ns)), ns.out)
 
 
 def _integrity(ns: argparse.Namespace) -> int:
@@ -119,3 +169,154 @@ def _serving(ns: argparse.Namespace) -> int:
         print(table.to_markdown() + "\n")
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
+
+
+def _add_load(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "load",
+        help="many concurrent streaming clients, some leaving early: nothing lost, nothing leaked",
+        description="N streaming clients at once on loopback (mixed prompt lengths, some "
+        "disconnecting, some cancelled); checks every request ended cleanly, every KV page is "
+        "free afterwards and /metrics agrees with the clients. Exit status 1 if not.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--clients", type=int, default=64)
+    g.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 128, 512, 1024])
+    g.add_argument("--shared-prefix-len", type=int, default=48, help="half the clients share it")
+    g.add_argument("--max-tokens", type=int, default=32, help="for clients that read it all")
+    g.add_argument("--long-max-tokens", type=int, default=256, help="for clients that leave")
+    g.add_argument("--disconnect-fraction", type=float, default=0.15)
+    g.add_argument("--cancel-fraction", type=float, default=0.15)
+    g.add_argument("--time-limit", type=float, default=600.0, help="seconds for the whole run")
+    g.add_argument("--plan-seed", type=int, default=0, help="seed of prompts and behaviours")
+    g.add_argument("--url", default=None, help="a running server (default: start one here)")
+    g.add_argument("--served-model", default=None, help="with --url (default: ask the server)")
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/load"))
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_load, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _load(ns: argparse.Namespace) -> int:
+    from densa.bench.load import LoadSettings
+    from densa.bench.load_report import run_load_bench
+
+    try:
+        settings = LoadSettings(
+            num_clients=ns.clients,
+            prompt_lens=tuple(ns.prompt_lens),
+            shared_prefix_len=ns.shared_prefix_len,
+            max_tokens=ns.max_tokens,
+            long_max_tokens=ns.long_max_tokens,
+            disconnect_fraction=ns.disconnect_fraction,
+            cancel_fraction=ns.cancel_fraction,
+            time_limit_s=ns.time_limit,
+            seed=ns.plan_seed,
+        )
+    except ValueError as exc:
+        print(f"densa bench load: {exc}", file=sys.stderr)
+        return 2
+    report, problems = run_load_bench(settings, EngineArgs.from_cli(ns), ns.url, ns.served_model)
+    _write(report, ns.out)
+    for problem in problems:
+        print(f"PROBLEM: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def _add_prefix(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "prefix",
+        help="TTFT with a cached prefix vs cold, and per turn of a multi-turn chat",
+        description="Time to first token for requests sharing a cached prefix vs never-seen ones "
+        "of the same length, and per turn of a chat with and without prefix reuse, interleaved.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--prefix-lens", type=int, nargs="+", default=[256, 512, 1024])
+    g.add_argument("--suffix-len", type=int, default=32, help="new tokens after the prefix")
+    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--turns", type=int, default=8, help="turns per conversation")
+    g.add_argument("--system-len", type=int, default=256, help="tokens of the first turn")
+    g.add_argument("--user-len", type=int, default=64, help="tokens each user message adds")
+    g.add_argument("--answer-len", type=int, default=32, help="tokens each answer adds")
+    g.add_argument("--warmup", type=int, default=1)
+    g.add_argument("--prompt-seed", type=int, default=0)
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/prefix"))
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_prefix, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _prefix(ns: argparse.Namespace) -> int:
+    from densa.bench.prefix import PrefixSettings, run_prefix
+
+    try:
+        settings = PrefixSettings(
+            prefix_lens=tuple(ns.prefix_lens),
+            suffix_len=ns.suffix_len,
+            repeats=ns.repeats,
+            turns=ns.turns,
+            system_len=ns.system_len,
+            user_len=ns.user_len,
+            answer_len=ns.answer_len,
+            warmup=ns.warmup,
+            seed=ns.prompt_seed,
+        )
+    except ValueError as exc:
+        print(f"densa bench prefix: {exc}", file=sys.stderr)
+        return 2
+    engine_args = EngineArgs.from_cli(ns)
+    if not engine_args.enable_prefix_caching:
+        print("densa bench prefix: it measures the prefix cache; drop --no-enable-prefix-caching")
+        return 2
+    return _write(run_prefix(settings, engine_args), ns.out)
+
+
+def _add_weights(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "weights",
+        help="BF16 vs FP8 vs INT4 weights: sizes, prefill tok/s, decode tok/s by concurrency",
+        description="Converts --model to each weight format once (cached in --work-dir), loads "
+        "one engine per format, and measures prefill and decode throughput interleaved.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument(
+        "--formats",
+        nargs="+",
+        default=["bf16", "fp8", "int4", "bf16+int4"],
+        help="bf16, fp8, int4, and bf16+int4 (phase-aware: bf16 prefill, int4 decode)",
+    )
+    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    g.add_argument("--prefill-len", type=int, default=1024, help="prompt tokens, prefill test")
+    g.add_argument("--prompt-len", type=int, default=64, help="prompt tokens, decode waves")
+    g.add_argument("--output-len", type=int, default=64, help="output tokens, decode waves")
+    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--int4-group-size", type=int, default=128, choices=[32, 64, 128])
+    g.add_argument("--int4-symmetric", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--work-dir", type=Path, default=None, help="where converted checkpoints go")
+    g.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--prompt-seed", type=int, default=0)
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/weights"))
+    EngineArgs.add_cli_args(parser)
+    # One engine per format in one process: a fixed 1 GiB KV each (c=64 x 128 tokens ~ 0.4 GiB).
+    parser.set_defaults(handler=_weights, kv_cache_memory="1GiB", max_num_batched_tokens=1024)
+
+
+def _weights(ns: argparse.Namespace) -> int:
+    from densa.bench.weights import WeightsSettings, run_weights
+
+    try:
+        settings = WeightsSettings(
+            formats=tuple(ns.formats),
+            concurrency=tuple(ns.concurrency),
+            prefill_len=ns.prefill_len,
+            prompt_len=ns.prompt_len,
+            output_len=ns.output_len,
+            repeats=ns.repeats,
+            int4_group_size=ns.int4_group_size,
+            int4_symmetric=ns.int4_symmetric,
+            profile=ns.profile,
+            prompt_seed=ns.prompt_seed,
+            **({"work_dir": ns.work_dir} if ns.work_dir is not None else {}),
+        )
+    except ValueError as exc:
+        print(f"densa bench weights: {exc}", file=sys.stderr)
+        return 2
+    return _write(run_weights(settings, EngineArgs.from_cli(ns)), ns.out)

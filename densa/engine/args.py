@@ -6,7 +6,14 @@ import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from densa.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from densa.config import (
+    DEFAULT_KV_SCALES,
+    KV_SCALE_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from densa.model.arch import ArchConfig
 from densa.utils.sizes import parse_memory
 
@@ -36,9 +43,16 @@ class EngineArgs:
     served_model_name: str | None = None
     dtype: str = "float32"
     max_model_len: int | None = None
+    # auto = as the checkpoint's metadata says; dense = dequantize at load; int4 / fp8 = quantize
+    # a dense checkpoint at load time (round-to-nearest; `densa quantize` for calibrated ones).
     weight_format: str = "auto"
+    # Phase-aware weights: decode steps run through this checkpoint of the same model (e.g. INT4)
+    # while prefill keeps `model`'s weights; both share the one KV cache.
+    decode_model: str | None = None
     kv_cache_memory: str = str(DEFAULT_KV_FRACTION)  # bytes ("2GiB") or a fraction of free memory
     kv_cache_dtype: str = "auto"
+    kv_scales: str = "auto"  # FP8 only: dynamic | static | auto (static iff kv_scales_file)
+    kv_scales_file: str | None = None  # static per-layer FP8 scales from `densa calibrate-kv`
     # An exact page count, overriding kv_cache_memory (tests, benchmarks).
     num_kv_pages: int | None = None
     page_size: int = 16
@@ -60,12 +74,15 @@ class EngineArgs:
             dtype=self.dtype,
             max_model_len=max_len,
             weight_format=self.weight_format,
+            decode_model=self.decode_model,
             seed=self.seed,
         )
         cache = CacheConfig(
             page_size=self.page_size,
             num_pages=num_pages,
-            kv_cache_dtype=self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype,
+            kv_cache_dtype=self.resolved_kv_cache_dtype(),
+            kv_scales=self.resolved_kv_scales(),
+            kv_scales_file=self.kv_scales_file,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_integrity=self.kv_integrity,
         )
@@ -88,6 +105,14 @@ class EngineArgs:
                 f"max_model_len {self.max_model_len} exceeds the model's context of {limit}"
             )
         return self.max_model_len
+
+    def resolved_kv_cache_dtype(self) -> str:
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    def resolved_kv_scales(self) -> str:
+        if self.kv_scales != "auto":
+            return self.kv_scales
+        return "static" if self.kv_scales_file else DEFAULT_KV_SCALES
 
     def kv_budget(self) -> float | int:
         return parse_memory(self.kv_cache_memory)
@@ -119,6 +144,19 @@ class EngineArgs:
             choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
         )
         g.add_argument(
+            "--kv-scales",
+            default="auto",
+            choices=list(KV_SCALE_POLICIES),
+            help="FP8 KV scales: per token and head (dynamic) or per layer from --kv-scales-file "
+            f"(static; 1.0 without a file). auto: static if a file is given, else "
+            f"{DEFAULT_KV_SCALES}",
+        )
+        g.add_argument(
+            "--kv-scales-file",
+            default=None,
+            help="JSON file of static per-layer FP8 KV scales, made by `densa calibrate-kv`",
+        )
+        g.add_argument(
             "--num-kv-pages",
             type=int,
             default=None,
@@ -139,7 +177,19 @@ class EngineArgs:
         g.add_argument(
             "--max-waiting-requests", type=int, default=1024, help="queue bound (then 429)"
         )
-        g.add_argument("--weight-format", default="auto", choices=["auto", "dense", "int4", "fp8"])
+        g.add_argument(
+            "--weight-format",
+            default="auto",
+            choices=["auto", "dense", "int4", "fp8"],
+            help="linear weights: as stored (auto), dequantized (dense), or quantized at load "
+            "time by round-to-nearest (int4 g128 symmetric, fp8 128x128 blocks)",
+        )
+        g.add_argument(
+            "--decode-model",
+            default=None,
+            help="a checkpoint of the same model (e.g. INT4 from densa quantize) that decode "
+            "steps run through; prefill keeps --model's weights; one shared KV cache",
+        )
         g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
         g.add_argument("--seed", type=int, default=0)
 

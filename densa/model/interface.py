@@ -33,5 +33,10 @@ class CausalLM(nn.Module, abc.ABC):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named checkpoint tensors in; raise KeyError/ValueError on mismatch."""
 
+    def checkpoint_target(self, hf_name: str) -> str:
+        """The parameter name a Hugging Face checkpoint tensor loads into (identity unless the
+        family fuses projections); quantization uses it to find the layer behind a tensor."""
+        return hf_name
+
     def tie_weights(self) -> None:
         """Re-share tied parameters (materializing a meta-built model unties them)."""

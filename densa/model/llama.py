@@ -159,12 +159,19 @@ class LlamaForCausalLM(CausalLM):
         }
         return offsets[shard]
 
+    def checkpoint_target(self, hf_name: str) -> str:
+        """The parameter a checkpoint tensor lands in (fused projections take several)."""
+        return _fused_target(hf_name)[0]
+
     def _check_all_loaded(self, loaded: set[str]) -> None:
         expected = set()
         for name, _ in self.named_parameters():
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            # Any parameter of a fused projection (dense weight, quantized parts, bias) is
+            # filled shard by shard.
+            module = name.rpartition(".")[0]
+            if module.endswith("qkv_proj"):
                 expected |= {f"{name}#q", f"{name}#k", f"{name}#v"}
-            elif name.endswith("gate_up_proj.weight"):
+            elif module.endswith("gate_up_proj"):
                 expected |= {f"{name}#gate", f"{name}#up"}
             else:
                 expected.add(f"{name}#None")

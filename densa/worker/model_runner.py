@@ -53,8 +53,12 @@ class ModelRunner:
         device: torch.device,
         integrity: IntegrityChecker,
         seed: int = 0,
+        decode_model: CausalLM | None = None,
     ) -> None:
         self.model = model
+        # Phase-aware weights: decode rows run through decode_model (e.g. INT4), prefill rows
+        # through `model`; both read and write the same KV caches. None: one set for both.
+        self.decode_model = decode_model
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.backend = backend
@@ -73,14 +77,40 @@ class ModelRunner:
         output = RunnerOutput(failed=failed)
         if not scheduled:
             return output
-        inputs = self.prepare_inputs(scheduled)
-        hidden = self.model(
+        samplers, logits = self._forward(scheduled)
+        if logits is not None:
+            self._sample(logits, samplers, output)
+        return output
+
+    def _forward(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+        """Run the step through the weights of each row's phase: (sampling requests, logits)."""
+        if self.decode_model is None:
+            return self._run(self.model, scheduled)
+        decodes = [s for s in scheduled if s.num_tokens == 1]
+        prefills = [s for s in scheduled if s.num_tokens > 1]
+        # Two passes over disjoint requests (each writes only its own KV slots), so their order
+        # does not matter; decode rows first, as in a mixed batch.
+        runs = [
+            self._run(model, items)
+            for model, items in ((self.decode_model, decodes), (self.model, prefills))
+            if items
+        ]
+        samplers = [s for run_samplers, _ in runs for s in run_samplers]
+        logits = [run_logits for _, run_logits in runs if run_logits is not None]
+        return samplers, torch.cat(logits) if logits else None
+
+    def _run(
+        self, model: CausalLM, items: list[ScheduledRequest]
+    ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+        inputs = self.prepare_inputs(items)
+        hidden = model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
         )
-        if inputs.samplers:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
-            self._sample(logits, inputs.samplers, output)
-        return output
+        if not inputs.samplers:
+            return [], None
+        return inputs.samplers, model.compute_logits(hidden[inputs.sample_rows])
 
     @torch.inference_mode()
     def score(self, item: ScheduledRequest) -> torch.Tensor:
