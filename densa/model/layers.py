@@ -19,6 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op instead of seven small ones per call
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalize in fp32 whatever the compute dtype, as the reference implementation does.
         dtype = x.dtype
         x = x.float()
@@ -64,12 +66,10 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     @staticmethod
-    def rotate(
-        q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D] -> rotated q, k (same shapes)."""
+    def rotate_heads(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, heads, D] (any number of q and k heads) -> rotated, same shape."""
         cos, sin = cos_sin
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from densa.config import DEFAULT_KV_SCALES
+from densa.kernels.memory import huge_page_zeros
 from densa.model.arch import ArchConfig
 from densa.model.attention import LayerKVCache
 from densa.quant import fp8_kv
@@ -91,6 +92,13 @@ def kv_capacity(
     )
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zero-filled and committed up front; on the CPU on huge pages, as the kernels stream it."""
+    if device.type == "cpu":
+        return huge_page_zeros(shape, dtype).zero_()  # writing commits the memory now
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def allocate_kv_caches(
     arch: ArchConfig,
     num_pages: int,
@@ -107,7 +115,7 @@ def allocate_kv_caches(
     tensor per layer for K and for V, from `static_scales` (1.0 when None).
     """
     shape = (arch.num_layers, 2, num_pages, arch.num_kv_heads, page_size, arch.head_dim)
-    storage = torch.zeros(shape, dtype=KV_DTYPES[kv_dtype], device=device)
+    storage = _zeros(shape, KV_DTYPES[kv_dtype], device)
     caches = [LayerKVCache(k=storage[i, 0], v=storage[i, 1]) for i in range(arch.num_layers)]
     if kv_dtype != fp8_kv.KV_DTYPE:
         return caches
