@@ -9,26 +9,20 @@ Threading: Numba's parallel kernels and torch both run OpenMP-style worker pools
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numba
 import numpy as np
 import torch
-import torch.nn.functional as F
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
-from densa.kernels.paged_attention_ref import EXPONENT_SCALE_DTYPE, scale_to_float
+from densa.kernels.cpu_prefill_attention import paged_prefill_attention
+from densa.kernels.numba_intrinsics import FASTMATH, dynamic_scale, exp_neg, prefetch, widen
+from densa.kernels.paged_attention_ref import EXPONENT_SCALE_DTYPE
 
 __all__ = ["paged_attention", "paged_decode_attention", "paged_prefill_attention"]
 
 
-# All fast-math flags except nnan/ninf: the online softmax starts from a large negative sentinel
-# and we want inf/NaN in the cache to propagate visibly rather than be optimized into garbage.
-_FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 _NEG_BIG = np.float32(-1e30)  # "minus infinity" for the running max (exp of it underflows)
 _BLOCK_TOKENS = 32  # tokens per online-softmax step (one accumulator rescale per block)
 _PREFETCH_PAGES = 2  # how many pages ahead to prefetch; hides DRAM latency at page jumps
@@ -48,133 +42,20 @@ _RAW_VIEW: dict[torch.dtype, tuple[torch.dtype, float]] = {
 }
 
 
-# ---- LLVM-level helpers --------------------------------------------------------------------------
-
-
-def _widen_typer(typingctx, raw):
-    """Raw cache element -> float32, in registers (vectorizes; no lookup tables).
-
-    float32: identity. int16 (bf16 bits): shift into the high half of a 32-bit float.
-    uint16 (fp16 bits): hardware fp16 -> fp32 conversion. uint8 (e4m3fn bits): repack sign,
-    exponent and mantissa into fp16 bits (exact, subnormals included) and convert; the result
-    is the true value / 256. The e4m3 NaN code (0x7f/0xff) is not special-cased (reads as 480).
-    """
-    f32 = ir.FloatType()
-    i16 = ir.IntType(16)
-
-    def half_bits_to_f32(builder: ir.IRBuilder, bits: ir.Value) -> ir.Value:
-        return builder.fpext(builder.bitcast(bits, ir.HalfType()), f32)
-
-    def codegen(context, builder, signature, args):
-        (x,) = args
-        if raw == types.float32:
-            return x
-        if raw == types.int16:
-            wide = builder.zext(x, ir.IntType(32))
-            return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), f32)
-        if raw == types.uint16:
-            return half_bits_to_f32(builder, x)
-        wide = builder.zext(x, i16)
-        sign = builder.shl(builder.and_(wide, ir.Constant(i16, 0x80)), ir.Constant(i16, 8))
-        magnitude = builder.shl(builder.and_(wide, ir.Constant(i16, 0x7F)), ir.Constant(i16, 7))
-        return half_bits_to_f32(builder, builder.or_(sign, magnitude))
-
-    if raw not in (types.float32, types.int16, types.uint16, types.uint8):
-        return None
-    return types.float32(raw), codegen
-
-
-def _pow2_typer(typingctx, exponent):
-    """2.0 ** exponent as float32, built from the exponent bits (exponent in [-126, 127])."""
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        biased = builder.add(builder.trunc(args[0], i32), ir.Constant(i32, 127))
-        return builder.bitcast(builder.shl(biased, ir.Constant(i32, 23)), ir.FloatType())
-
-    if not isinstance(exponent, types.Integer):
-        return None
-    return types.float32(exponent), codegen
-
-
-def _scale_typer(typingctx, raw):
-    """A dynamic scale entry -> float32 multiplier: float32 as is; an int8 power-of-two exponent
-    e (any in [-126, 127]) -> 2**e, built from the exponent bits (no table, no libm call)."""
-
-    def codegen(context, builder, signature, args):
-        (x,) = args
-        if raw == types.float32:
-            return x
-        i32 = ir.IntType(32)
-        biased = builder.add(builder.sext(x, i32), ir.Constant(i32, 127))
-        return builder.bitcast(builder.shl(biased, ir.Constant(i32, 23)), ir.FloatType())
-
-    if raw not in (types.float32, types.int8):
-        return None
-    return types.float32(raw), codegen
-
-
-def _prefetch_typer(typingctx, array, index):
-    """Hint the CPU to pull the cache line holding array.flat[index] into cache."""
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        address = builder.bitcast(builder.gep(data, [args[1]]), i8p)
-        # read access, high temporal locality, data cache
-        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    if not isinstance(array, types.Array) or not isinstance(index, types.Integer):
-        return None
-    return types.void(array, index), codegen
-
-
-# Typed as Any: mypy cannot see through numba's intrinsic wrapper (it expects `typingctx`).
-_widen: Any = intrinsic(_widen_typer)
-_pow2: Any = intrinsic(_pow2_typer)
-_scale: Any = intrinsic(_scale_typer)
-_prefetch: Any = intrinsic(_prefetch_typer)
-
-_LOG2E = np.float32(1.4426950408889634)
-_LN2_HI = np.float32(0.693359375)
-_LN2_LO = np.float32(-2.12194440e-4)
-_EXP_MIN = np.float32(-87.0)  # exp(-87) ~ 1.6e-38 still normal; anything below rounds to ~0
-
-
-@njit(fastmath=_FASTMATH, cache=True, inline="always")
-def _exp_neg(x):
-    """exp(x) for x <= 0 in float32 (Cephes expf polynomial, ~1 ulp); unlike libm's expf it is
-    inlined and vectorizes across the softmax block."""
-    x = max(x, _EXP_MIN)
-    n = np.floor(x * _LOG2E + np.float32(0.5))
-    r = x - n * _LN2_HI - n * _LN2_LO
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    return (p * r * r + r + np.float32(1.0)) * _pow2(np.int32(n))
-
-
 # ---- decode kernel -----------------------------------------------------------------------------
 
 
-@njit(fastmath=_FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def _prefetch_page(cache, page, kv_head):
     """Prefetch one head's page block (page_size x head_dim, contiguous) line by line."""
     block = cache.shape[2] * cache.shape[3]
     base = (page * cache.shape[1] + kv_head) * block
     step = 64 // cache.itemsize
     for offset in range(0, block, step):
-        _prefetch(cache, base + offset)
+        prefetch(cache, base + offset)
 
 
-@njit(fastmath=_FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True)
 def _attend_range(
     q_group, k_cache, v_cache, page_row, kv_head, t0, t1, k_scales, v_scales, acc, run_max, run_sum
 ):
@@ -208,7 +89,7 @@ def _attend_range(
                 _prefetch_page(v_cache, ahead, kv_head)
             page = page_row[page_index]
             for s in range(min(page_size, n - i)):
-                scale = _scale(k_scales[page, kv_head, s]) if dyn_k else np.float32(1.0)
+                scale = dynamic_scale(k_scales[page, kv_head, s]) if dyn_k else np.float32(1.0)
                 t = i + s
                 # The heads of a GQA group share each K row. For groups of 4 and 3 (common GQA
                 # ratios) every element is loaded and widened once for all heads, with constant
@@ -216,7 +97,7 @@ def _attend_range(
                 if group == 4:
                     s0 = s1 = s2 = s3 = np.float32(0.0)
                     for d in range(head_dim):
-                        x = _widen(k_cache[page, kv_head, s, d])
+                        x = widen(k_cache[page, kv_head, s, d])
                         s0 += q_group[0, d] * x
                         s1 += q_group[1, d] * x
                         s2 += q_group[2, d] * x
@@ -226,7 +107,7 @@ def _attend_range(
                 elif group == 3:
                     s0 = s1 = s2 = np.float32(0.0)
                     for d in range(head_dim):
-                        x = _widen(k_cache[page, kv_head, s, d])
+                        x = widen(k_cache[page, kv_head, s, d])
                         s0 += q_group[0, d] * x
                         s1 += q_group[1, d] * x
                         s2 += q_group[2, d] * x
@@ -235,18 +116,18 @@ def _attend_range(
                     for g in range(group):
                         s0 = np.float32(0.0)
                         for d in range(head_dim):
-                            s0 += q_group[g, d] * _widen(k_cache[page, kv_head, s, d])
+                            s0 += q_group[g, d] * widen(k_cache[page, kv_head, s, d])
                         probs[g, t] = s0 * scale
         # Online softmax: one accumulator rescale per block, not per token.
         for g in range(group):
             block_max = run_max[g]
             for t in range(n):
                 block_max = max(block_max, probs[g, t])
-            alpha = _exp_neg(run_max[g] - block_max)
+            alpha = exp_neg(run_max[g] - block_max)
             run_max[g] = block_max
             total = np.float32(0.0)
             for t in range(n):
-                p = _exp_neg(probs[g, t] - block_max)
+                p = exp_neg(probs[g, t] - block_max)
                 probs[g, t] = p
                 total += p
             run_sum[g] = run_sum[g] * alpha + total
@@ -255,13 +136,13 @@ def _attend_range(
         for i in range(0, n, page_size):
             page = page_row[first + i // page_size]
             for s in range(min(page_size, n - i)):
-                scale = _scale(v_scales[page, kv_head, s]) if dyn_v else np.float32(1.0)
+                scale = dynamic_scale(v_scales[page, kv_head, s]) if dyn_v else np.float32(1.0)
                 t = i + s
                 if group == 4:
                     w0, w1 = probs[0, t] * scale, probs[1, t] * scale
                     w2, w3 = probs[2, t] * scale, probs[3, t] * scale
                     for d in range(head_dim):
-                        x = _widen(v_cache[page, kv_head, s, d])
+                        x = widen(v_cache[page, kv_head, s, d])
                         acc[0, d] += w0 * x
                         acc[1, d] += w1 * x
                         acc[2, d] += w2 * x
@@ -269,7 +150,7 @@ def _attend_range(
                 elif group == 3:
                     w0, w1, w2 = probs[0, t] * scale, probs[1, t] * scale, probs[2, t] * scale
                     for d in range(head_dim):
-                        x = _widen(v_cache[page, kv_head, s, d])
+                        x = widen(v_cache[page, kv_head, s, d])
                         acc[0, d] += w0 * x
                         acc[1, d] += w1 * x
                         acc[2, d] += w2 * x
@@ -277,10 +158,10 @@ def _attend_range(
                     for g in range(group):
                         w = probs[g, t] * scale
                         for d in range(head_dim):
-                            acc[g, d] += w * _widen(v_cache[page, kv_head, s, d])
+                            acc[g, d] += w * widen(v_cache[page, kv_head, s, d])
 
 
-@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
 def _decode_kernel(
     query,
     k_cache,
@@ -356,7 +237,7 @@ def _decode_kernel(
         for d in range(head_dim):
             out[b, h, d] = 0.0
         for s in range(num_splits):
-            w = _exp_neg(part_m[first + s, g] - top)
+            w = exp_neg(part_m[first + s, g] - top)
             total += w * part_l[first + s, g]
             for d in range(head_dim):
                 out[b, h, d] += w * part_acc[first + s, g, d]
@@ -378,7 +259,7 @@ def _as_numpy(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 
 def _raw_cache(cache: torch.Tensor) -> tuple[np.ndarray, float]:
-    """Zero-copy numpy view of a cache in the element type `_widen` expects, plus its factor."""
+    """Zero-copy numpy view of a cache in the element type `widen` expects, plus its factor."""
     if cache.dtype not in _RAW_VIEW:
         raise TypeError(f"unsupported KV cache dtype {cache.dtype}")
     if not cache.is_contiguous():
@@ -479,98 +360,6 @@ def paged_decode_attention(
         out.numpy(),
     )
     return out
-
-
-def _gather_dense(
-    cache: torch.Tensor,
-    pages: torch.Tensor,
-    scale: torch.Tensor | None,
-    valid: torch.Tensor,
-) -> torch.Tensor:
-    """Widened, scaled K or V of B sequences, padded to whole pages: float32 [B, Hkv, n*S, D].
-
-    pages: int64 [B, n]; valid: bool [B, 1, n*S, 1], True for positions < seq_len. Positions past
-    seq_len (stale or never-written slots, possibly NaN bit patterns) are zeroed, because SDPA's
-    mask does not stop NaN in masked K/V from poisoning the row (NaN * 0 = NaN).
-    """
-    num_pages, num_kv_heads, page_size, head_dim = cache.shape
-    batch, n = pages.shape
-    # One gather straight into [B, Hkv, n, S, D] order: index pages*Hkv + head of the
-    # [P*Hkv, S, D] view, so each head's pages come out contiguous without a permute copy.
-    heads = torch.arange(num_kv_heads).view(1, num_kv_heads, 1)
-    index = (pages.unsqueeze(1) * num_kv_heads + heads).reshape(-1)
-    blocks = cache.view(num_pages * num_kv_heads, page_size, head_dim)[index]
-    dense = blocks.to(torch.float32).view(batch, num_kv_heads, n * page_size, head_dim)
-    if scale is not None:
-        if scale.dim() == 0:
-            dense.mul_(scale.to(torch.float32))
-        else:
-            per_token = scale.reshape(num_pages * num_kv_heads, page_size)[index]
-            dense.mul_(scale_to_float(per_token).view(batch, num_kv_heads, -1, 1))
-    return dense.masked_fill_(~valid, 0.0)
-
-
-def paged_prefill_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_lens: torch.Tensor,
-    sm_scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Causal attention for chunked prefill (any query_len >= 1), via one batched SDPA call.
-
-    query: float32 [total_q, H, D], sequence i owning query_lens[i] consecutive rows whose
-    absolute positions are seq_lens[i] - query_lens[i] + j. Returns float32 [total_q, H, D].
-    The B sequences are gathered, widened and padded to a common length; an explicit boolean
-    causal-with-offset mask hides padding and the future.
-    new_kv: optional (k, v) [total_q, Hkv, D] of the query rows before they were quantized into
-    the cache; attention then reads them instead of their cached copies (see the reference).
-    """
-    total_q, num_heads, head_dim = query.shape
-    batch = page_table.shape[0]
-    page_size = k_cache.shape[2]
-    seq_lens = seq_lens.to(torch.int64)
-    query_lens = query_lens.to(torch.int64)
-    max_q = int(query_lens.max())
-    num_pages = (int(seq_lens.max()) + page_size - 1) // page_size
-    pages = page_table[:, :num_pages].to(torch.int64)
-
-    key_pos = torch.arange(num_pages * page_size)
-    valid = (key_pos < seq_lens.view(batch, 1)).view(batch, 1, -1, 1)
-    k = _gather_dense(k_cache, pages, k_scale, valid)
-    v = _gather_dense(v_cache, pages, v_scale, valid)
-
-    # Row r of `query` is new token j of sequence seq[r]; padded slot (b, j) holds it.
-    seq = torch.repeat_interleave(torch.arange(batch), query_lens, output_size=total_q)
-    starts = torch.cumsum(query_lens, 0) - query_lens
-    j = torch.arange(total_q) - starts[seq]
-    if new_kv is not None:
-        pos = (seq_lens - query_lens)[seq] + j  # absolute position of each query row
-        k[seq, :, pos] = new_kv[0].to(torch.float32)
-        v[seq, :, pos] = new_kv[1].to(torch.float32)
-    if total_q == batch * max_q:  # all chunks equally long: the padded layout is a free view
-        q = query.view(batch, max_q, num_heads, head_dim)
-    else:
-        q = query.new_zeros((batch, max_q, num_heads, head_dim))
-        q[seq, j] = query
-    # Padded query rows (j >= query_len) get positions >= seq_len; they attend to real keys, so
-    # no row is fully masked (which would produce NaN), and their output is dropped below.
-    q_pos = (seq_lens - query_lens).view(batch, 1) + torch.arange(max_q)
-    mask = key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)
-    mask = (mask & valid.view(batch, 1, -1)).unsqueeze(1)  # [B, 1, max_q, n*S]
-
-    out = F.scaled_dot_product_attention(
-        q.to(torch.float32).transpose(1, 2), k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True
-    )  # [B, H, max_q, D]
-    out = out.transpose(1, 2)
-    if total_q == batch * max_q:
-        return out.reshape(total_q, num_heads, head_dim)
-    return out[seq, j]
 
 
 def paged_attention(

@@ -24,6 +24,10 @@ from densa.worker.integrity import IntegrityChecker
 from densa.worker.sampler import Sampler, SampleRequest, TokenLogprobs
 
 
+def _is_generated(item: ScheduledRequest) -> bool:
+    return item.start_pos >= len(item.prompt_token_ids)
+
+
 @dataclass
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
@@ -88,8 +92,12 @@ class ModelRunner:
         """Run the step through the weights of each row's phase: (sampling requests, logits)."""
         if self.decode_model is None:
             return self._run(self.model, scheduled)
-        decodes = [s for s in scheduled if s.num_tokens == 1]
-        prefills = [s for s in scheduled if s.num_tokens > 1]
+        # A decode step computes one generated token; a one-token chunk of a prompt is prefill.
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        for item in scheduled:
+            is_decode = item.num_tokens == 1 and _is_generated(item)
+            (decodes if is_decode else prefills).append(item)
         # Two passes over disjoint requests (each writes only its own KV slots), so their order
         # does not matter; decode rows first, as in a mixed batch.
         runs = [

@@ -13,11 +13,11 @@ from numba import njit
 
 from densa.kernels.cpu_paged_attention import (
     _choose_num_splits,
-    _widen,
     paged_attention,
     paged_decode_attention,
     paged_prefill_attention,
 )
+from densa.kernels.numba_intrinsics import widen
 from densa.kernels.paged_attention_ref import (
     FP8_MAX,
     paged_attention_reference,
@@ -234,7 +234,7 @@ def test_quantize_fp8_never_produces_nan_or_inf(mode: str) -> None:
 def _widen_all(raw: np.ndarray) -> np.ndarray:
     out = np.empty(raw.shape[0], dtype=np.float32)
     for i in range(raw.shape[0]):
-        out[i] = _widen(raw[i])
+        out[i] = widen(raw[i])
     return out
 
 

@@ -1,0 +1,191 @@
+"""Building an engine from its options: load the model(s) and tokenizer, check the formats can
+run here, size the KV cache from its memory budget, and wire the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from densa.config import CacheConfig, EngineConfig
+from densa.engine.args import EngineArgs, default_model_path
+from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.attention import AttentionBackend
+from densa.model.interface import CausalLM
+from densa.model.linear import resident_weight_bytes
+from densa.model.loader import load_model, resolve_model_dir
+from densa.model.tokenizer import Tokenizer
+from densa.quant import fp8_kv
+from densa.utils.logging import get_logger
+from densa.utils.sizes import format_bytes
+from densa.worker.integrity import IntegrityChecker, NoopIntegrityChecker, TagTableChecker
+from densa.worker.kv_cache import allocate_kv_caches, num_pages_for_budget, page_bytes
+from densa.worker.model_runner import ModelRunner
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    config: EngineConfig
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    arch: ArchConfig
+
+
+def build_engine_parts(args: EngineArgs) -> EngineParts:
+    model_path = args.model or default_model_path()
+    model_dir = resolve_model_dir(model_path)
+    arch = ArchConfig.from_dir(model_dir)
+    device = torch.device(args.device)
+    max_len = args.resolved_max_model_len(arch)
+    kv_dtype, kv_scales = args.resolved_kv_cache_dtype(), args.resolved_kv_scales()
+    static_scales = load_static_kv_scales(args, arch, device)  # fails fast, before loading
+    tokenizer = Tokenizer(model_dir, arch.eos_token_ids)
+    model = load_model(model_dir, arch, args.dtype, max_len, device, args.weight_format)
+    decode_model = load_decode_model(args, arch, max_len, device)
+    num_pages = _resolve_num_pages(args, arch, kv_dtype, max_len, device)
+    config = args.resolve(arch, model_path, num_pages)
+    kv_caches = allocate_kv_caches(
+        arch, num_pages, args.page_size, kv_dtype, device, kv_scales, static_scales
+    )
+    backend = select_backend(args.attention_backend, device)
+    runner = ModelRunner(
+        model,
+        kv_caches,
+        args.page_size,
+        backend,
+        tokenizer.eos_token_ids,
+        device,
+        make_integrity_checker(config.cache, device),
+        args.seed,
+        decode_model=decode_model,
+    )
+    logger.info(
+        "KV cache: %d pages x %d tokens (%s, %s), attention backend %s",
+        num_pages, args.page_size, _describe_kv(kv_dtype, static_scales),
+        format_bytes(num_pages * page_bytes(arch, args.page_size, kv_dtype, kv_scales)),
+        backend.name,
+    )  # fmt: skip
+    return EngineParts(config, tokenizer, runner, arch)
+
+
+def make_integrity_checker(cache: CacheConfig, device: torch.device) -> IntegrityChecker:
+    if not cache.kv_integrity:
+        return NoopIntegrityChecker()
+    # A fresh pool's tags are page ids (generation 0); the pool reports every change after that.
+    return TagTableChecker(list(range(cache.num_pages)), cache.page_size, device)
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
+
+    if name == "torch" or (name == "auto" and device.type != "cpu"):
+        return TorchAttentionBackend()
+    if name in ("auto", "cpu"):
+        if device.type != "cpu":
+            raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'torch'")
+        return CpuAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
+def load_decode_model(
+    args: EngineArgs, arch: ArchConfig, max_len: int, device: torch.device
+) -> CausalLM | None:
+    """The decode-phase weight set (phase-aware formats), or None when decode shares `model`'s.
+
+    It must be the same model (same shapes): its layers write into and read from the same KV
+    cache as the prefill weights'. Costs its resident weight bytes on top of the prefill set's.
+    """
+    if args.decode_model is None:
+        return None
+    decode_dir = resolve_model_dir(args.decode_model)
+    decode_arch = ArchConfig.from_dir(decode_dir)
+    if not same_shapes(arch, decode_arch):
+        raise ModelLoadError(
+            f"--decode-model {args.decode_model} is not the same model as --model "
+            "(its layer shapes differ); it must be a checkpoint of the same weights"
+        )
+    model = load_model(decode_dir, decode_arch, args.dtype, max_len, device, "auto")
+    logger.info(
+        "phase-aware weights: decode runs through %s (%s more resident weight memory)",
+        decode_dir.name, format_bytes(resident_weight_bytes(model)),
+    )  # fmt: skip
+    return model
+
+
+def same_shapes(a: ArchConfig, b: ArchConfig) -> bool:
+    """Whether two checkpoints can share one KV cache and one tokenizer."""
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+            "num_kv_heads", "head_dim", "rope_theta", "tie_word_embeddings")  # fmt: skip
+    return all(getattr(a, key) == getattr(b, key) for key in keys)
+
+
+def load_static_kv_scales(
+    args: EngineArgs, arch: ArchConfig, device: torch.device
+) -> fp8_kv.KVScales | None:
+    """Check an FP8 KV cache can run here; the static scales it uses (None: not needed).
+
+    Raises ModelLoadError naming the alternative when this build cannot run FP8, and when the
+    scales file does not fit the model. Options that do not fit together raise ValueError.
+    """
+    if args.resolved_kv_cache_dtype() != fp8_kv.KV_DTYPE:
+        return None
+    problem = fp8_kv.fp8_support_error(device)
+    if problem is not None:
+        raise ModelLoadError(problem)
+    scales = args.resolved_kv_scales()
+    if args.kv_scales_file is not None and scales != "static":
+        raise ValueError("a KV scales file holds static per-layer scales: use --kv-scales static")
+    if scales != "static":
+        return None
+    if args.kv_scales_file is None:
+        return fp8_kv.KVScales.ones(arch.num_layers)
+    try:
+        return fp8_kv.KVScales.load(args.kv_scales_file, arch.num_layers)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
+def _describe_kv(kv_dtype: str, static_scales: fp8_kv.KVScales | None) -> str:
+    if kv_dtype != fp8_kv.KV_DTYPE:
+        return kv_dtype
+    if static_scales is None:
+        return f"{kv_dtype}, dynamic scales"
+    return f"{kv_dtype}, static scales: {static_scales.source}"
+
+
+def _kv_budget_bytes(
+    args: EngineArgs, arch: ArchConfig, kv_dtype: str, device: torch.device
+) -> int:
+    if args.num_kv_pages is not None:
+        return args.num_kv_pages * page_bytes(
+            arch, args.page_size, kv_dtype, args.resolved_kv_scales()
+        )
+    budget = args.kv_budget()
+    if isinstance(budget, int):
+        return budget
+    # A fraction of what is free now that the weights are loaded.
+    if device.type == "cpu":
+        free = psutil.virtual_memory().available
+    else:
+        free = torch.cuda.mem_get_info(device)[0]
+    return int(free * budget)
+
+
+def _resolve_num_pages(
+    args: EngineArgs, arch: ArchConfig, kv_dtype: str, max_len: int, device: torch.device
+) -> int:
+    budget = _kv_budget_bytes(args, arch, kv_dtype, device)
+    num_pages = num_pages_for_budget(
+        arch, args.page_size, kv_dtype, budget, args.resolved_kv_scales()
+    )
+    needed = -(-max_len // args.page_size)
+    if num_pages < needed:
+        raise ModelLoadError(
+            f"the KV cache budget ({format_bytes(budget)}) holds {num_pages} pages but one "
+            f"{max_len}-token request needs {needed}; "
+            "raise --kv-cache-memory or lower --max-model-len"
+        )
+    return num_pages
