@@ -29,6 +29,27 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
 
+def _wave_args(
+    parser: argparse.ArgumentParser,
+    concurrency: list[int],
+    *,
+    prompt_len: int,
+    output_len: int,
+    repeats: int,
+    name: str,
+) -> argparse._ArgumentGroup:
+    """The options every wave benchmark shares; returns the group for benchmark-specific ones."""
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--concurrency", type=int, nargs="+", default=concurrency, help="requests/wave")
+    g.add_argument("--prompt-len", type=int, default=prompt_len, help="prompt tokens per request")
+    g.add_argument("--output-len", type=int, default=output_len, help="output tokens (EOS ignored)")
+    g.add_argument("--repeats", type=int, default=repeats, help="timed waves per variant and level")
+    g.add_argument("--warmup", type=int, default=1, help="untimed waves per variant first")
+    g.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    g.add_argument("--out", type=Path, default=Path(f"docs/benchmarks/{name}"), help="folder")
+    return g
+
+
 def _print_help(parser: argparse.ArgumentParser) -> int:
     parser.print_help(sys.stderr)
     return 2
@@ -41,15 +62,8 @@ def _add_serving(benchmarks: argparse._SubParsersAction) -> None:
         description="Waves of concurrent requests (random prompts, fixed output length), densa "
         "vs Hugging Face transformers `generate` on the same weights, interleaved.",
     )
-    g = parser.add_argument_group("benchmark")
-    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="requests/wave")
-    g.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request")
-    g.add_argument("--output-len", type=int, default=128, help="output tokens (EOS ignored)")
-    g.add_argument("--repeats", type=int, default=3, help="timed waves per engine and level")
-    g.add_argument("--warmup", type=int, default=1, help="untimed waves per engine first")
-    g.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
+    g = _wave_args(parser, [1, 8, 32], prompt_len=256, output_len=128, repeats=3, name="serving")
     g.add_argument("--skip-hf", action="store_true", help="measure densa only")
-    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/serving"), help="folder")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serving, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
 
@@ -61,14 +75,7 @@ def _add_integrity(benchmarks: argparse._SubParsersAction) -> None:
         description="Long-prompt, long-output waves with --kv-integrity on and off, interleaved, "
         "plus a direct timing of the batched check on the same step shapes.",
     )
-    g = parser.add_argument_group("benchmark")
-    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
-    g.add_argument("--prompt-len", type=int, default=2048)
-    g.add_argument("--output-len", type=int, default=256)
-    g.add_argument("--repeats", type=int, default=3)
-    g.add_argument("--warmup", type=int, default=1)
-    g.add_argument("--prompt-seed", type=int, default=0)
-    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/integrity"))
+    _wave_args(parser, [1, 2, 4, 8], prompt_len=2048, output_len=256, repeats=3, name="integrity")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_integrity, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
 
@@ -80,10 +87,9 @@ def _add_kv_sweep(benchmarks: argparse._SubParsersAction) -> None:
         description="Waves of long requests at each concurrency, one engine per KV dtype with "
         "the same KV memory in bytes, interleaved: throughput, admission, preemptions, latency.",
     )
-    g = parser.add_argument_group("benchmark")
-    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32, 64])
-    g.add_argument("--prompt-len", type=int, default=1024)
-    g.add_argument("--output-len", type=int, default=128)
+    g = _wave_args(
+        parser, [1, 8, 16, 32, 64], prompt_len=1024, output_len=128, repeats=2, name="kv_sweep"
+    )
     g.add_argument(
         "--budget-requests",
         type=float,
@@ -91,10 +97,6 @@ def _add_kv_sweep(benchmarks: argparse._SubParsersAction) -> None:
         help="KV budget in BF16 requests of prompt+output tokens (16.5: BF16 fits 16, FP8 32)",
     )
     g.add_argument("--kv-dtypes", nargs="+", default=["bfloat16", "fp8_e4m3"])
-    g.add_argument("--repeats", type=int, default=2)
-    g.add_argument("--warmup", type=int, default=1)
-    g.add_argument("--prompt-seed", type=int, default=0)
-    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/kv_sweep"))
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_kv_sweep)
 
