@@ -154,14 +154,17 @@ def prepare_quantized(model: nn.Module) -> None:
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer, each shared storage (tied weights) counted once."""
-    seen: set[int] = set()
+    """Bytes of every parameter and buffer, tensors sharing memory (tied weights) counted once.
+
+    Counts each tensor's own bytes rather than its storage's: after `rehome_on_huge_pages` all
+    weights are views into one region, whose storage is the whole model."""
+    seen: set[tuple[int, int]] = set()
     total = 0
-    tensors = [*model.parameters(), *model.buffers()]
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen or tensor.device.type == "meta":
+    for tensor in [*model.parameters(), *model.buffers()]:
+        nbytes = tensor.numel() * tensor.element_size()
+        key = (tensor.data_ptr(), nbytes)
+        if key in seen or tensor.device.type == "meta":
             continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
+        seen.add(key)
+        total += nbytes
     return total
