@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from densa.cache.integrity import IntegrityViolation
+from densa.kernels.paged_attention_ref import dequantize_pages
 from densa.model.attention import (
     AttentionBackend,
     AttentionGroup,
@@ -19,6 +20,7 @@ from densa.model.attention import (
     build_group,
 )
 from densa.model.interface import CausalLM
+from densa.quant import fp8_kv
 from densa.sched.output import ScheduledRequest, SchedulerOutput
 from densa.worker.integrity import IntegrityChecker
 from densa.worker.sampler import Sampler, SampleRequest, TokenLogprobs
@@ -167,14 +169,27 @@ class ModelRunner:
 
     # ---- page copies (transfers, offload) -------------------------------------------------------
     def read_kv_pages(self, page_ids: list[int]) -> torch.Tensor:
-        """K/V of whole pages, all layers: [num_layers, 2, len(page_ids), KVH, P, D]."""
+        """K/V of whole pages, all layers, as real float32 values (FP8 scales applied):
+        [num_layers, 2, len(page_ids), KVH, P, D].
+
+        Real values make a copy independent of either side's KV format: a page read from an FP8
+        pool lands exactly in a BF16 pool or an FP8 pool with dynamic (or the same static) scales,
+        as e4m3 times a power of two fits both; a BF16 page landing in an FP8 pool is quantized
+        by the same store path as a prefill."""
         index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
-        return torch.stack([torch.stack([c.k[index], c.v[index]]) for c in self.kv_caches])
+        layers = [
+            torch.stack(
+                [dequantize_pages(c.k, index, c.k_scale), dequantize_pages(c.v, index, c.v_scale)]
+            )
+            for c in self.kv_caches
+        ]
+        return torch.stack(layers)
 
     def write_kv_pages(
         self, request_id: str, page_ids: list[int], expected_tags: list[int], payload: torch.Tensor
     ) -> IntegrityViolation | None:
-        """Land copied pages, but only if the writer still owns every destination page.
+        """Land copied pages (real values, as `read_kv_pages` returns them), but only if the
+        writer still owns every destination page.
 
         A late or aborted copy carries tags issued before its pages were released; it is dropped
         whole and the violation returned, so it can never overwrite another request's pages.
@@ -184,8 +199,8 @@ class ModelRunner:
             return violation
         index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
-            cache.k[index] = payload[layer, 0].to(cache.k.dtype)
-            cache.v[index] = payload[layer, 1].to(cache.v.dtype)
+            _store_pages(cache.k, cache.k_scale, index, payload[layer, 0])
+            _store_pages(cache.v, cache.v_scale, index, payload[layer, 1])
         return None
 
     def _group(self, start: int, items: list[ScheduledRequest]) -> AttentionGroup | None:
@@ -221,3 +236,18 @@ class ModelRunner:
             output.sampled_token_ids[item.request_id] = token_id
             if logprobs is not None:
                 output.logprobs[item.request_id] = logprobs
+
+
+def _store_pages(
+    cache: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Write real-valued pages [n, KVH, P, D] into `cache` at page ids `index`, quantizing for
+    FP8 caches (fresh per-token scales for dynamic ones) exactly as a prefill store would."""
+    if cache.dtype != fp8_kv.FP8_DTYPE:
+        cache[index] = values.to(cache.dtype)
+        return
+    num_pages, num_kv_heads, page_size, head_dim = values.shape
+    slot_pages = index.repeat_interleave(page_size)
+    slot_offsets = torch.arange(page_size, device=index.device).repeat(num_pages)
+    rows = values.transpose(1, 2).reshape(num_pages * page_size, num_kv_heads, head_dim)
+    fp8_kv.store_fp8(cache, scale, slot_pages, slot_offsets, rows.contiguous())
