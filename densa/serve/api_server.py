@@ -65,6 +65,7 @@ class ServerState:
     request_timeout: float | None = None  # seconds per request, then it is aborted (504)
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False  # set on SIGINT/SIGTERM: new requests get 503 while old ones finish
+    num_open_responses: int = 0  # generation responses started and not yet counted and logged
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -82,8 +83,12 @@ class ServerState:
         if model != self.served_model_name:
             raise model_not_found(model, self.served_model_name)
 
+    def start(self, record: RequestRecord) -> None:
+        self.num_open_responses += 1
+
     def finish(self, record: RequestRecord) -> None:
         """Count and log a request once its response is over (RequestTracking calls this)."""
+        self.num_open_responses -= 1
         self.metrics.observe(record)
         request_log.info(record.log_line())
 
@@ -110,7 +115,7 @@ def build_app(
     install_error_handlers(app)
     app.include_router(open_router)
     app.include_router(router)
-    app.add_middleware(RequestTracking, on_finished=state.finish)
+    app.add_middleware(RequestTracking, on_started=state.start, on_finished=state.finish)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]
     return app
 

@@ -139,8 +139,14 @@ def note_error(request: Request, code: str | None) -> None:
 class RequestTracking:
     """ASGI middleware: open a record per generation request, close it after the last byte."""
 
-    def __init__(self, app: ASGIApp, on_finished: Callable[[RequestRecord], None]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        on_started: Callable[[RequestRecord], None],
+        on_finished: Callable[[RequestRecord], None],
+    ) -> None:
         self.app = app
+        self.on_started = on_started
         self.on_finished = on_finished
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -151,6 +157,7 @@ class RequestTracking:
         record = RequestRecord(f"{prefix}-{uuid.uuid4().hex}", scope["path"])
         record.session_id = _header(scope, SESSION_HEADER)
         scope.setdefault("state", {})[_STATE_KEY] = record
+        self.on_started(record)
 
         async def send_tagged(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -42,13 +42,15 @@ class RunningServer:
         )
 
     def wait_idle(self, timeout: float = 5.0) -> None:
-        """Wait until no request is in flight and every KV page is free (the engine thread owns
-        the engine, so poll)."""
+        """Wait until no request is in flight, every response is counted and logged, and every KV
+        page is free (the engine thread owns the engine, so poll)."""
         kv = self.engine.kv_manager
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if (
                 self.async_engine.num_in_flight == 0
+                # a client can hold its whole answer before the server has counted and logged it
+                and self.app.state.densa.num_open_responses == 0
                 and not self.engine.has_unfinished_requests()
                 and kv.num_free_pages == kv.num_pages
             ):

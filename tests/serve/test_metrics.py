@@ -96,6 +96,7 @@ def test_prefix_cache_and_error_metrics(server: RunningServer) -> None:
         server.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1)
     bad = httpx.post(server.base_url + CHAT, json={"model": MODEL_NAME, "messages": []})
     assert bad.status_code == 400
+    server.wait_idle()  # every response counted
     after = scrape(server.base_url)
     assert delta(before, after, "densa_cached_prompt_tokens_total") == 32
     assert delta(before, after, "densa_prefix_cache_hit_tokens_total") == 32
@@ -135,6 +136,7 @@ def test_session_requests_are_counted(server: RunningServer) -> None:
     server.client().chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=1, extra_headers={"x-session-affinity": "s"}
     )
+    server.wait_idle()
     after = scrape(server.base_url)
     assert delta(before, after, "densa_session_requests_total") == 1
 
