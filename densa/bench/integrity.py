@@ -49,15 +49,7 @@ class IntegritySettings:
     prompt_seed: int = 0
 
     def serving(self) -> ServingSettings:
-        return ServingSettings(
-            concurrency=self.concurrency,
-            prompt_len=self.prompt_len,
-            output_len=self.output_len,
-            repeats=self.repeats,
-            warmup=self.warmup,
-            prompt_seed=self.prompt_seed,
-            include_hf=False,
-        )
+        return ServingSettings.densa_only(self)
 
 
 def run_integrity(settings: IntegritySettings, engine_args: EngineArgs) -> BenchReport:

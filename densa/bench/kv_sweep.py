@@ -61,15 +61,7 @@ class KVSweepSettings:
         return self.prompt_len + self.output_len
 
     def serving(self) -> ServingSettings:
-        return ServingSettings(
-            concurrency=self.concurrency,
-            prompt_len=self.prompt_len,
-            output_len=self.output_len,
-            repeats=self.repeats,
-            warmup=self.warmup,
-            prompt_seed=self.prompt_seed,
-            include_hf=False,
-        )
+        return ServingSettings.densa_only(self)
 
 
 def kv_budget_bytes(arch: ArchConfig, settings: KVSweepSettings, page_size: int) -> int:

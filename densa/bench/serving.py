@@ -14,7 +14,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from densa.bench.common import PeakRSS, interleave, progress
 from densa.bench.report import BenchReport
@@ -50,6 +50,36 @@ class ServingSettings:
             raise ValueError("--prompt-len and --output-len must be >= 1")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+
+    @classmethod
+    def densa_only(cls, waves: WaveShape) -> ServingSettings:
+        """The waves another benchmark runs (its own shape and defaults), densa alone."""
+        return cls(
+            concurrency=waves.concurrency,
+            prompt_len=waves.prompt_len,
+            output_len=waves.output_len,
+            repeats=waves.repeats,
+            warmup=waves.warmup,
+            prompt_seed=waves.prompt_seed,
+            include_hf=False,
+        )
+
+
+class WaveShape(Protocol):
+    """The wave fields a benchmark's settings share with ServingSettings."""
+
+    @property
+    def concurrency(self) -> tuple[int, ...]: ...
+    @property
+    def prompt_len(self) -> int: ...
+    @property
+    def output_len(self) -> int: ...
+    @property
+    def repeats(self) -> int: ...
+    @property
+    def warmup(self) -> int: ...
+    @property
+    def prompt_seed(self) -> int: ...
 
 
 class DensaEngine:

@@ -10,6 +10,7 @@ tensors itself. Elsewhere this falls back to ordinary memory.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -32,10 +33,7 @@ def huge_page_buffer(num_bytes: int) -> torch.Tensor:
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return huge_page_buffer(nbytes).view(dtype).view(shape)
 
 

@@ -83,7 +83,7 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def check_fits(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes the weights need; refuse early if the machine clearly cannot hold them."""
-    needed = arch.num_parameters() * torch.tensor([], dtype=dtype).element_size()
+    needed = arch.num_parameters() * dtype.itemsize
     if device.type == "cpu":
         available = psutil.virtual_memory().available
     else:

@@ -31,8 +31,7 @@ KV_DTYPES = {
 
 def bytes_per_token(arch: ArchConfig, kv_dtype: str, kv_scales: str = DEFAULT_KV_SCALES) -> int:
     """Bytes one cached token takes across all layers: K and V values, plus FP8 scales."""
-    element = torch.tensor([], dtype=KV_DTYPES[kv_dtype]).element_size()
-    values = int(arch.kv_bytes_per_token(element))
+    values = int(arch.kv_bytes_per_token(KV_DTYPES[kv_dtype].itemsize))
     if kv_dtype != fp8_kv.KV_DTYPE:
         return values
     return values + fp8_kv.scale_bytes_per_token(arch.num_layers, arch.num_kv_heads, kv_scales)
