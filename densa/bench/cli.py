@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from densa.engine.args import EngineArgs
+
+T = TypeVar("T")
 
 BENCH_KV_CACHE_MEMORY = "2GiB"  # fixed, not a fraction of free memory: runs stay comparable
 
@@ -104,8 +107,9 @@ def _add_kv_sweep(benchmarks: argparse._SubParsersAction) -> None:
 def _kv_sweep(ns: argparse.Namespace) -> int:
     from densa.bench.kv_sweep import KVSweepSettings, run_kv_sweep
 
-    try:
-        settings = KVSweepSettings(
+    settings = _settings(
+        "kv-sweep",
+        lambda: KVSweepSettings(
             concurrency=tuple(ns.concurrency),
             prompt_len=ns.prompt_len,
             output_len=ns.output_len,
@@ -114,9 +118,9 @@ def _kv_sweep(ns: argparse.Namespace) -> int:
             repeats=ns.repeats,
             warmup=ns.warmup,
             prompt_seed=ns.prompt_seed,
-        )
-    except ValueError as exc:
-        print(f"densa bench kv-sweep: {exc}", file=sys.stderr)
+        ),
+    )
+    if settings is None:
         return 2
     return _write(run_kv_sweep(settings, EngineArgs.from_cli(ns)), ns.out)
 
@@ -132,13 +136,19 @@ def _integrity(ns: argparse.Namespace) -> int:
         warmup=ns.warmup,
         prompt_seed=ns.prompt_seed,
     )
-    try:
-        settings.serving()  # validates the shared fields
-    except ValueError as exc:
-        print(f"densa bench integrity: {exc}", file=sys.stderr)
+    if _settings("integrity", settings.serving) is None:  # validates the shared fields
         return 2
     report = run_integrity(settings, EngineArgs.from_cli(ns))
     return _write(report, ns.out)
+
+
+def _settings(command: str, build: Callable[[], T]) -> T | None:
+    """`build()`, or None after printing why its values are invalid (the caller exits 2)."""
+    try:
+        return build()
+    except ValueError as exc:
+        print(f"densa bench {command}: {exc}", file=sys.stderr)
+        return None
 
 
 def _write(report: Any, out: Path) -> int:
@@ -152,8 +162,9 @@ def _write(report: Any, out: Path) -> int:
 def _serving(ns: argparse.Namespace) -> int:
     from densa.bench.serving import ServingSettings, run_serving
 
-    try:
-        settings = ServingSettings(
+    settings = _settings(
+        "serving",
+        lambda: ServingSettings(
             concurrency=tuple(ns.concurrency),
             prompt_len=ns.prompt_len,
             output_len=ns.output_len,
@@ -161,16 +172,11 @@ def _serving(ns: argparse.Namespace) -> int:
             warmup=ns.warmup,
             prompt_seed=ns.prompt_seed,
             include_hf=not ns.skip_hf,
-        )
-    except ValueError as exc:
-        print(f"densa bench serving: {exc}", file=sys.stderr)
+        ),
+    )
+    if settings is None:
         return 2
-    report = run_serving(settings, EngineArgs.from_cli(ns))
-    paths = report.write(ns.out)
-    for table in report.tables:
-        print(table.to_markdown() + "\n")
-    print(f"wrote {', '.join(str(p) for p in paths)}")
-    return 0
+    return _write(run_serving(settings, EngineArgs.from_cli(ns)), ns.out)
 
 
 def _add_load(benchmarks: argparse._SubParsersAction) -> None:
@@ -202,8 +208,9 @@ def _load(ns: argparse.Namespace) -> int:
     from densa.bench.load import LoadSettings
     from densa.bench.load_report import run_load_bench
 
-    try:
-        settings = LoadSettings(
+    settings = _settings(
+        "load",
+        lambda: LoadSettings(
             num_clients=ns.clients,
             prompt_lens=tuple(ns.prompt_lens),
             shared_prefix_len=ns.shared_prefix_len,
@@ -213,9 +220,9 @@ def _load(ns: argparse.Namespace) -> int:
             cancel_fraction=ns.cancel_fraction,
             time_limit_s=ns.time_limit,
             seed=ns.plan_seed,
-        )
-    except ValueError as exc:
-        print(f"densa bench load: {exc}", file=sys.stderr)
+        ),
+    )
+    if settings is None:
         return 2
     report, problems = run_load_bench(settings, EngineArgs.from_cli(ns), ns.url, ns.served_model)
     _write(report, ns.out)
@@ -249,8 +256,9 @@ def _add_prefix(benchmarks: argparse._SubParsersAction) -> None:
 def _prefix(ns: argparse.Namespace) -> int:
     from densa.bench.prefix import PrefixSettings, run_prefix
 
-    try:
-        settings = PrefixSettings(
+    settings = _settings(
+        "prefix",
+        lambda: PrefixSettings(
             prefix_lens=tuple(ns.prefix_lens),
             suffix_len=ns.suffix_len,
             repeats=ns.repeats,
@@ -260,9 +268,9 @@ def _prefix(ns: argparse.Namespace) -> int:
             answer_len=ns.answer_len,
             warmup=ns.warmup,
             seed=ns.prompt_seed,
-        )
-    except ValueError as exc:
-        print(f"densa bench prefix: {exc}", file=sys.stderr)
+        ),
+    )
+    if settings is None:
         return 2
     engine_args = EngineArgs.from_cli(ns)
     if not engine_args.enable_prefix_caching:
@@ -304,8 +312,9 @@ def _add_weights(benchmarks: argparse._SubParsersAction) -> None:
 def _weights(ns: argparse.Namespace) -> int:
     from densa.bench.weights import WeightsSettings, run_weights
 
-    try:
-        settings = WeightsSettings(
+    settings = _settings(
+        "weights",
+        lambda: WeightsSettings(
             formats=tuple(ns.formats),
             concurrency=tuple(ns.concurrency),
             prefill_len=ns.prefill_len,
@@ -317,8 +326,8 @@ def _weights(ns: argparse.Namespace) -> int:
             profile=ns.profile,
             prompt_seed=ns.prompt_seed,
             **({"work_dir": ns.work_dir} if ns.work_dir is not None else {}),
-        )
-    except ValueError as exc:
-        print(f"densa bench weights: {exc}", file=sys.stderr)
+        ),
+    )
+    if settings is None:
         return 2
     return _write(run_weights(settings, EngineArgs.from_cli(ns)), ns.out)
