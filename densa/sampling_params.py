@@ -7,6 +7,11 @@ from dataclasses import dataclass
 
 MAX_STOP_STRINGS = 16  # a request may not make the engine scan for an unbounded number of strings
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+# Below this temperature sampling is greedy: it is the limit of sampling as the temperature falls,
+# and dividing logits by a smaller number overflows float32 (1e-45 turned every logit into inf).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# Repetition penalties outside this range overflow or flush the penalized logits to zero/inf.
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,11 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.repetition_penalty > 0, "repetition_penalty must be > 0")
+        low, high = REPETITION_PENALTY_RANGE
+        _check(
+            low <= self.repetition_penalty <= high,
+            f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}",
+        )
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
         _check(self.min_tokens >= 0, "min_tokens must be >= 0")
@@ -56,7 +65,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:

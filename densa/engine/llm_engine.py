@@ -16,6 +16,7 @@ from densa.cache.kv_manager import KVCacheManager
 from densa.config import EngineConfig
 from densa.engine.args import EngineArgs
 from densa.engine.builder import build_engine_parts
+from densa.engine.confinement import execute_confined
 from densa.engine.detokenizer import Detokenizer
 from densa.engine.output import RequestOutput
 from densa.model.arch import ArchConfig
@@ -43,6 +44,7 @@ class _Tracked:
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     first_token_time: float | None = None
+    detokenizer_failed: bool = False  # it raised: no more text is taken from it
 
 
 class LLMEngine:
@@ -85,7 +87,12 @@ class LLMEngine:
         cache_scope: str = "",
         session_id: str | None = None,
     ) -> str:
-        """Queue a request. Raises ValueError (nothing changed) if it can never run."""
+        """Queue a request. Raises ValueError (nothing changed) if it can never run.
+
+        Everything per-request that could fail is computed here, at admission, not inside a
+        step where a failure would be harder to pin on this request: the prefix-cache block
+        hashes of the prompt (the scope is hashed with them) and the detokenizer (stop strings).
+        """
         self.validate_request(prompt_token_ids, params)
         request = Request(
             request_id=request_id or self.new_request_id(),
@@ -95,17 +102,22 @@ class LLMEngine:
             cache_scope=cache_scope,
             session_id=session_id,
         )
-        self.scheduler.add_request(request)
-        self._tracked[request.request_id] = _Tracked(
-            request=request,
-            detokenizer=Detokenizer(
+        if request.request_id in self._tracked:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        try:
+            detokenizer = Detokenizer(
                 self.tokenizer,
                 request.prompt_token_ids,
                 params.stop,
                 params.include_stop_str_in_output,
                 params.skip_special_tokens,
-            ),
-        )
+            )
+            self.kv_manager.precompute(request)
+        except Exception as exc:
+            self.kv_manager.forget(request)
+            raise ValueError(f"the request cannot be prepared: {exc}") from exc
+        self.scheduler.add_request(request)
+        self._tracked[request.request_id] = _Tracked(request=request, detokenizer=detokenizer)
         return request.request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -147,7 +159,8 @@ class LLMEngine:
             )
 
     def fail_all(self, error: str) -> list[RequestOutput]:
-        """End every request with an error (after an unexpected engine failure); frees all pages."""
+        """End every request with an error; frees all pages. The last resort when the engine's own
+        bookkeeping fails outside any request (faults inside one are confined to it, see step)."""
         for request_id in list(self.scheduler.requests):
             self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
         outputs, self._finished_outputs = self._finished_outputs, []
@@ -173,29 +186,51 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return outputs for every request that progressed or ended."""
+        """Run one scheduled step; return outputs for every request that progressed or ended.
+
+        Fault confinement: an exception while scheduling, running or post-processing one request
+        ends that request alone with an error; everyone else continues with identical output
+        (see engine/confinement.py for the forward pass, sched/scheduler.py for bookkeeping).
+        """
         outputs, self._finished_outputs = self._finished_outputs, []
         sched_out = self.scheduler.schedule()
         for request_id in sched_out.finished_request_ids:
             tracked = self._tracked.get(request_id)
             if tracked is not None:  # ended by the scheduler itself (e.g. outgrew the KV cache)
                 outputs.append(self._output(tracked))
-        runner_out = self.runner.execute(sched_out)
+        runner_out = execute_confined(self.runner, sched_out)
         for request_id, violation in runner_out.failed.items():
             self.integrity_stats.record(violation)
             self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
+        for request_id, error in runner_out.errors.items():
+            self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
         now = time.monotonic()
         for request in updated:
             tracked = self._tracked.get(request.request_id)
-            if tracked is None:
-                continue
-            self._absorb_token(tracked, runner_out.logprobs.get(request.request_id), now)
-            outputs.append(self._output(tracked))
+            if tracked is not None:
+                outputs.extend(
+                    self._emit(tracked, runner_out.logprobs.get(request.request_id), now)
+                )
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
         self._record_release_violations()
         return outputs
+
+    def _emit(
+        self, tracked: _Tracked, logprobs: TokenLogprobs | None, now: float
+    ) -> list[RequestOutput]:
+        """Detokenize one request's new token and build its output; if that raises, the request
+        alone ends with an error (its final output comes through _finished_outputs)."""
+        try:
+            self._absorb_token(tracked, logprobs, now)
+            return [self._output(tracked)]
+        except Exception:
+            request_id = tracked.request.request_id
+            logger.exception("error while detokenizing request %s; ending it alone", request_id)
+            tracked.detokenizer_failed = True
+            self._finish(request_id, RequestStatus.FINISHED_ERROR, _DETOKENIZE_ERROR)
+            return []
 
     def _record_release_violations(self) -> None:
         for violation in self.scheduler.release_violations:
@@ -223,10 +258,11 @@ class LLMEngine:
     def _output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request
         finished = request.is_finished
+        broken = tracked.detokenizer_failed
         output = RequestOutput(
             request_id=request.request_id,
             new_token_ids=tracked.pending_token_ids,
-            new_text=tracked.detokenizer.take_delta(finished),
+            new_text="" if broken else tracked.detokenizer.take_delta(finished),
             new_logprobs=tracked.pending_logprobs,
             finished=finished,
             finish_reason=request.status.value if finished else None,
@@ -238,10 +274,15 @@ class LLMEngine:
         )
         tracked.pending_token_ids, tracked.pending_logprobs = [], []
         if finished:
-            output.text = tracked.detokenizer.text
+            output.text = "" if broken else tracked.detokenizer.text
             output.token_ids = list(request.output_token_ids)
             del self._tracked[request.request_id]
         return output
+
+
+_DETOKENIZE_ERROR = (
+    "engine_error: internal error while detokenizing this request; it was ended alone"
+)
 
 
 def _error_code(error: str | None) -> str | None:

@@ -36,6 +36,9 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # Requests the runner refused to compute: they touched a KV page they no longer own.
     failed: dict[str, IntegrityViolation] = field(default_factory=dict)
+    # Requests that got no token for a reason of their own ("code: message"), e.g. logits with
+    # no finite value to sample from. The engine ends exactly these with an error.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -230,9 +233,12 @@ class ModelRunner:
             for s in samplers
         ]
         result = self.sampler.sample(logits.cpu(), rows)
-        for item, token_id, logprobs in zip(
-            samplers, result.token_ids, result.logprobs, strict=True
+        for idx, (item, token_id, logprobs) in enumerate(
+            zip(samplers, result.token_ids, result.logprobs, strict=True)
         ):
+            if idx in result.failed:
+                output.errors[item.request_id] = f"sampling_error: {result.failed[idx]}"
+                continue
             output.sampled_token_ids[item.request_id] = token_id
             if logprobs is not None:
                 output.logprobs[item.request_id] = logprobs
