@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, cast
 
@@ -48,10 +49,24 @@ class Tokenizer:
     def all_special_ids(self) -> set[int]:
         return set(self._tok.all_special_ids)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the bytes of text one token stands for (special tokens included).
+
+        Byte-level pieces spell each byte as one character of at most 2 UTF-8 bytes, so measuring
+        the pieces can only overestimate, which keeps `serve.prepare.max_prompt_bytes` safe.
+        """
+        pieces = self._tok.convert_ids_to_tokens(list(range(len(self._tok))))
+        return max(len(str(piece).encode("utf-8")) for piece in pieces if piece is not None)
+
     def render_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        continue_final: bool = False,
     ) -> str:
-        """The prompt text for a conversation, ending where the assistant's answer begins."""
+        """The prompt text for a conversation, ending where the assistant's answer begins -- or,
+        with continue_final, inside the final (assistant) message, so generation extends it."""
         if not self.has_chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions instead")
         try:
@@ -59,7 +74,8 @@ class Tokenizer:
                 self._tok.apply_chat_template(
                     messages,
                     tools=cast(Any, tools),
-                    add_generation_prompt=True,
+                    add_generation_prompt=not continue_final,
+                    continue_final_message=continue_final,
                     tokenize=False,
                 )
             )
@@ -67,7 +83,11 @@ class Tokenizer:
             raise ChatTemplateError(f"cannot apply the chat template: {exc}") from exc
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        continue_final: bool = False,
     ) -> list[int]:
         # The template already contains the special tokens; do not add a BOS on top of it.
-        return self.encode(self.render_chat(messages, tools), add_special_tokens=False)
+        text = self.render_chat(messages, tools, continue_final)
+        return self.encode(text, add_special_tokens=False)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
+from densa.cache.scope import tenant_of
 from densa.engine.async_engine import AsyncEngine
 from densa.model.tokenizer import Tokenizer
 from densa.serve import generation, prepare
@@ -50,6 +51,7 @@ logger = get_logger(__name__)
 request_log = get_logger("densa.requests")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may take to send its whole body (then 408)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class ServerState:
     metrics: ServerMetrics
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     request_timeout: float | None = None  # seconds per request, then it is aborted (504)
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT  # seconds to receive a body (then 408)
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False  # set on SIGINT/SIGTERM: new requests get 503 while old ones finish
     num_open_responses: int = 0  # generation responses started and not yet counted and logged
@@ -100,6 +103,7 @@ def build_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_timeout: float | None = None,
     api_keys: ApiKeys | None = None,
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
 ) -> FastAPI:
     app = FastAPI(title="densa", version="0.1.0", docs_url=None, redoc_url=None)
     state = ServerState(
@@ -110,6 +114,7 @@ def build_app(
         metrics=ServerMetrics(lambda: async_engine.stats),
         api_keys=api_keys or ApiKeys(),
         request_timeout=request_timeout,
+        body_timeout=body_timeout,
     )
     app.state.densa = state
     install_error_handlers(app)
@@ -166,7 +171,10 @@ async def require_api_key(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
 ) -> None:
+    """Check the key, and remember whose it is: the tenant part of the prefix-cache scope is the
+    key's identity, however the header spelled it (`bearer K`, `Bearer K`)."""
     _state(request).api_keys.check(credentials)
+    request.state.tenant = tenant_of(credentials.credentials) if credentials else None
 
 
 router = APIRouter(
@@ -230,7 +238,7 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
     state, deadline = _state(request), _deadline(request)
     body = prepare.parse(ChatCompletionRequest, await _read(request))
     state.check_can_serve(body.model)
-    prompt_ids = await prepare.chat_prompt(state.tokenizer, body)
+    prompt_ids = await prepare.chat_prompt(state.tokenizer, body, state.max_model_len)
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.requested_max_tokens
     prepare.check_lengths(state.max_model_len, len(prompt_ids), max_tokens, ("messages", param))
@@ -251,7 +259,7 @@ async def completions(request: Request, session_id: SessionHeader = None) -> Res
     state, deadline = _state(request), _deadline(request)
     body = prepare.parse(CompletionRequest, await _read(request))
     state.check_can_serve(body.model)
-    prompt_ids = await prepare.completion_prompt(state.tokenizer, body)
+    prompt_ids = await prepare.completion_prompt(state.tokenizer, body, state.max_model_len)
     prepare.check_lengths(
         state.max_model_len, len(prompt_ids), body.max_tokens, ("prompt", "max_tokens")
     )
@@ -280,7 +288,8 @@ async def _respond(
 
 
 async def _read(request: Request) -> Any:
-    return await prepare.read_json(request, _state(request).max_body_bytes)
+    state = _state(request)
+    return await prepare.read_json(request, state.max_body_bytes, state.body_timeout)
 
 
 def _deadline(request: Request) -> float | None:
@@ -307,12 +316,15 @@ def _engine_call(
         params = body.to_sampling_params(max_tokens, body.num_logprobs)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+    record = _record(request)
+    record.session_id = session_id or body.prompt_cache_key or None
+    record.safety_identifier = body.safety_identifier
     return EngineCall(
-        request_id=_record(request).request_id,
+        request_id=record.request_id,
         prompt_token_ids=prompt_ids,
         params=params,
-        cache_scope=prepare.cache_scope(request, body),
-        session_id=session_id or None,
+        cache_scope=prepare.cache_scope(getattr(request.state, "tenant", None), body),
+        session_id=record.session_id,
         timeout=_state(request).request_timeout,
         deadline=deadline,
     )

@@ -52,12 +52,20 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
+        # Messages may quote what the client sent (a field name, a model id): never let that
+        # make the error itself unencodable.
+        message, param = _encodable(message), None if param is None else _encodable(param)
         self.info = ErrorInfo(message=message, type=error_type, param=param, code=code)
         self.headers = headers
 
     def to_response(self) -> JSONResponse:
         body = ErrorResponse(error=self.info).model_dump()
         return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+
+
+def _encodable(text: str) -> str:
+    """Lone surrogates spelled out as `\\udXXX`, so the text can always be sent as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ClientDisconnected(Exception):
@@ -120,9 +128,17 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     errors = list(exc.errors())
     problems = [f"{_param(e['loc'])}: {_message(e)}" if e["loc"] else _message(e) for e in errors]
     first = errors[0] if errors else {"loc": (), "type": ""}
-    code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
+    code = _CODE_OF_ERROR_TYPE.get(str(first["type"]), "invalid_value")
     message = "; ".join(problems[:3]) or "invalid request"
     return bad_request(message, code=code, param=_param(first["loc"]) or None)
+
+
+# pydantic error types with an OpenAI code of their own; every other problem is "invalid_value".
+_CODE_OF_ERROR_TYPE = {
+    "missing": "missing_required_parameter",
+    "extra_forbidden": "unknown_parameter",
+    "unsupported_parameter": "unsupported_parameter",
+}
 
 
 def _param(loc: Sequence[Any]) -> str:
@@ -138,6 +154,8 @@ def _message(error: Any) -> str:
     # A ValueError raised in a validator reads "Value error, <ours>"; the prefix adds nothing.
     if error["type"] == "value_error" and "error" in error.get("ctx", {}):
         return str(error["ctx"]["error"])
+    if error["type"] == "extra_forbidden":
+        return "unrecognized request argument (this server does not know this parameter)"
     return str(error["msg"])
 
 

@@ -1,7 +1,9 @@
 """OpenAI API bodies (pydantic v2): requests validated field by field, responses and stream chunks.
 
-Requests ignore unknown fields (as OpenAI-compatible servers commonly do) but reject the known ones
-this server would otherwise silently ignore with a wrong result (tools, JSON mode, logit_bias, n).
+Requests follow the OpenAI API on its edges: `null` means "the default" for every optional field
+(clients send explicit nulls), an unknown field is a 400 naming it (as OpenAI answers
+"unrecognized request argument"), and every OpenAI parameter densa does not implement is a 400
+naming it unless its value asks for nothing (`store: false`), never silently ignored.
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from densa.sampling_params import MAX_LOGPROBS, SamplingParams
+from densa.sampling_params import MAX_LOGPROBS, REPETITION_PENALTY_RANGE, SamplingParams
 from densa.serve.fields import (
     INTEGRAL,
     NoEcho,
@@ -23,6 +26,7 @@ from densa.serve.fields import (
     StopStrings,
     TextContent,
     TextFormat,
+    Unsupported,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -39,24 +43,55 @@ FinishReason = str
 
 
 # ---- requests -----------------------------------------------------------------------------------
+def _publish_nullable(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Every optional field also accepts null (what the before-validator below reads as unset)."""
+    required = set(schema.get("required", []))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required or _allows_null(prop):
+            continue
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}]}
+
+
+def _allows_null(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(
+        option.get("type") == "null" for option in prop.get("anyOf", [])
+    )
+
+
 class _RequestBody(BaseModel):
     # Strict: JSON types must match (true is not 1, "0.5" is not 0.5); ints pass as floats, and
-    # integral floats as ints (fields.INTEGRAL).
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # integral floats as ints (fields.INTEGRAL). Unknown fields are refused, as OpenAI does.
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_publish_nullable)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        """OpenAI clients send `"stream": null` for "not given": drop nulls of optional fields."""
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if not (v is None and k in optional)}
 
 
 class StreamOptions(_RequestBody):
     include_usage: bool = False
+    include_obfuscation: Annotated[
+        Any, Unsupported("stream_options.include_obfuscation", False)
+    ] = None
+
+
+def _publish_message(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    # Every role but "assistant" needs non-null content (see _content_present).
+    _publish_nullable(schema, model)
+    schema["if"] = {"properties": {"role": {"not": {"const": "assistant"}}}}
+    schema["then"] = {
+        "required": ["content"],
+        "properties": {"content": {"not": {"type": "null"}}},
+    }
 
 
 class ChatMessage(_RequestBody):
-    # Published: every role but "assistant" needs non-null content (see _content_present).
-    model_config = ConfigDict(
-        json_schema_extra={
-            "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
-            "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=_publish_message)
 
     role: Role
     content: TextContent = None
@@ -96,6 +131,13 @@ class SamplingFields(_RequestBody):
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64), INTEGRAL] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # OpenAI's spelling of the same idea as x-session-affinity (the header wins when both come).
+    prompt_cache_key: str | None = None
+    # Who is behind the request, for abuse tracing: written to the request log line.
+    safety_identifier: str | None = None
+    store: Annotated[Any, Unsupported("store (keeping completions on the server)", False)] = None
+    metadata: Annotated[Any, Unsupported("metadata (it tags stored completions)")] = None
+    service_tier: Annotated[Any, Unsupported("service_tier", "auto", "default")] = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
@@ -103,7 +145,9 @@ class SamplingFields(_RequestBody):
     # Extensions (vLLM spells them the same way).
     top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(
+        None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1]
+    )
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 0
     stop_token_ids: list[Annotated[int, Field(ge=0), INTEGRAL]] = []
@@ -157,20 +201,44 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
     tools: NoTools = None
+    tool_choice: Annotated[Any, Unsupported("tool_choice (tool calling)", "none")] = None
+    parallel_tool_calls: Annotated[Any, Unsupported("parallel_tool_calls (tool calling)")] = None
+    functions: Annotated[Any, Unsupported("functions (the deprecated form of tools)")] = None
+    function_call: Annotated[
+        Any, Unsupported("function_call (the deprecated form of tool_choice)", "none")
+    ] = None
     response_format: TextFormat = None
+    modalities: Annotated[Any, Unsupported("modalities other than text", ["text"])] = None
+    audio: Annotated[Any, Unsupported("audio output")] = None
+    prediction: Annotated[Any, Unsupported("prediction (predicted outputs)")] = None
+    web_search_options: Annotated[Any, Unsupported("web_search_options (web search)")] = None
+    reasoning_effort: Annotated[
+        Any, Unsupported("reasoning_effort (this is not a reasoning model)")
+    ] = None
+    verbosity: Annotated[Any, Unsupported("verbosity")] = None
 
     @field_validator("tools")
     @classmethod
     def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
         if value:
-            raise ValueError("tool calling is not supported by this server yet")
+            raise PydanticCustomError(
+                "unsupported_parameter", "tool calling is not supported by this server yet"
+            )
         return value
 
     @field_validator("response_format")
     @classmethod
     def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"response_format type {value.get('type')!r} is not supported")
+        if value is None:
+            return value
+        if "type" not in value:
+            raise ValueError("response_format needs a 'type' (only 'text' is supported)")
+        if value["type"] != "text" or len(value) > 1:
+            raise PydanticCustomError(
+                "unsupported_parameter",
+                "response_format type {kind!r} is not supported (only 'text')",
+                {"kind": value["type"]},
+            )
         return value
 
     @model_validator(mode="after")

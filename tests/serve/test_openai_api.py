@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from densa.cache.scope import CacheScope, tenant_of
 from densa.serve.responses import TokenTexts
 
 from .support import MODEL_NAME, RunningServer
@@ -206,8 +207,9 @@ def test_session_and_scope_reach_the_engine(limited_server: RunningServer, scrip
     [call] = scripted.calls
     assert call["session_id"] == "sess-7"
     assert call["request_id"].startswith("chatcmpl-")
-    assert call["cache_scope"].startswith("key:")
-    assert call["cache_scope"].endswith("|user:u1|salt:salt")
+    # The scope is the digest of (the key's identity, user, salt), not a string of them.
+    expected = CacheScope(tenant=tenant_of("test-key"), user="u1", salt="salt").digest()
+    assert call["cache_scope"] == expected
 
 
 def test_content_parts_and_developer_role(server: RunningServer) -> None:
