@@ -9,7 +9,7 @@ import psutil
 import torch
 
 from densa.config import CacheConfig, EngineConfig
-from densa.engine.args import EngineArgs, default_model_path
+from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs, default_model_path
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend
 from densa.model.interface import CausalLM
@@ -35,6 +35,7 @@ class EngineParts:
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
+    args.check()
     model_path = args.model or default_model_path()
     model_dir = resolve_model_dir(model_path)
     arch = ArchConfig.from_dir(model_dir)
@@ -42,10 +43,15 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     max_len = args.resolved_max_model_len(arch)
     kv_dtype, kv_scales = args.resolved_kv_cache_dtype(), args.resolved_kv_scales()
     static_scales = load_static_kv_scales(args, arch, device)  # fails fast, before loading
+    # A fixed size is checked before the slow load; a share of free memory only after it.
+    sized = (
+        None if _is_relative(args) else _resolve_num_pages(args, arch, kv_dtype, max_len, device)
+    )
+    logger.info("loading the model %s", model_path)
     tokenizer = Tokenizer(model_dir, arch.eos_token_ids)
     model = load_model(model_dir, arch, args.dtype, max_len, device, args.weight_format)
     decode_model = load_decode_model(args, arch, max_len, device)
-    num_pages = _resolve_num_pages(args, arch, kv_dtype, max_len, device)
+    num_pages, budget = sized or _resolve_num_pages(args, arch, kv_dtype, max_len, device)
     config = args.resolve(arch, model_path, num_pages)
     kv_caches = allocate_kv_caches(
         arch, num_pages, args.page_size, kv_dtype, device, kv_scales, static_scales
@@ -63,10 +69,12 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         decode_model=decode_model,
     )
     logger.info(
-        "KV cache: %d pages x %d tokens (%s, %s), attention backend %s",
-        num_pages, args.page_size, _describe_kv(kv_dtype, static_scales),
+        "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "
+        "max_num_seqs %d, attention backend %s",
+        num_pages, args.page_size, num_pages * args.page_size,
+        _describe_kv(kv_dtype, static_scales),
         format_bytes(num_pages * page_bytes(arch, args.page_size, kv_dtype, kv_scales)),
-        backend.name,
+        budget.reason, max_len, args.max_num_seqs, backend.name,
     )  # fmt: skip
     return EngineParts(config, tokenizer, runner, arch)
 
@@ -156,36 +164,60 @@ def _describe_kv(kv_dtype: str, static_scales: fp8_kv.KVScales | None) -> str:
     return f"{kv_dtype}, static scales: {static_scales.source}"
 
 
-def _kv_budget_bytes(
-    args: EngineArgs, arch: ArchConfig, kv_dtype: str, device: torch.device
-) -> int:
+@dataclass(frozen=True)
+class KVBudget:
+    num_bytes: int
+    reason: str  # how it was chosen, for the start-up log
+
+
+def kv_budget(args: EngineArgs, arch: ArchConfig, kv_dtype: str, device: torch.device) -> KVBudget:
+    """The KV cache's byte budget, and why (an explicit size, a share of free memory, or auto)."""
+    page = page_bytes(arch, args.page_size, kv_dtype, args.resolved_kv_scales())
     if args.num_kv_pages is not None:
-        return args.num_kv_pages * page_bytes(
-            arch, args.page_size, kv_dtype, args.resolved_kv_scales()
-        )
+        return KVBudget(args.num_kv_pages * page, f"--num-kv-pages {args.num_kv_pages}")
+    free = _free_memory(device)
     budget = args.kv_budget()
     if isinstance(budget, int):
-        return budget
-    # A fraction of what is free now that the weights are loaded.
+        if budget > free:
+            raise ModelLoadError(
+                f"--kv-cache-memory {args.kv_cache_memory} is more than the "
+                f"{format_bytes(free)} of memory free; lower it"
+            )
+        return KVBudget(budget, f"--kv-cache-memory {args.kv_cache_memory}")
+    if isinstance(budget, float):
+        return KVBudget(int(free * budget), f"{budget:.0%} of {format_bytes(free)} free")
+    max_len = args.resolved_max_model_len(arch)
+    wanted = args.max_num_seqs * -(-max_len // args.page_size) * page
+    cap = int(free * AUTO_KV_MAX_FRACTION)
+    reason = f"room for {args.max_num_seqs} requests x {max_len} tokens"
+    if wanted > cap:
+        reason += f", capped at {AUTO_KV_MAX_FRACTION:.0%} of {format_bytes(free)} free"
+    return KVBudget(min(wanted, cap), reason)
+
+
+def _is_relative(args: EngineArgs) -> bool:
+    """Whether the KV budget depends on the memory left once the weights are loaded."""
+    return args.num_kv_pages is None and not isinstance(args.kv_budget(), int)
+
+
+def _free_memory(device: torch.device) -> int:
     if device.type == "cpu":
-        free = psutil.virtual_memory().available
-    else:
-        free = torch.cuda.mem_get_info(device)[0]
-    return int(free * budget)
+        return int(psutil.virtual_memory().available)
+    return int(torch.cuda.mem_get_info(device)[0])
 
 
 def _resolve_num_pages(
     args: EngineArgs, arch: ArchConfig, kv_dtype: str, max_len: int, device: torch.device
-) -> int:
-    budget = _kv_budget_bytes(args, arch, kv_dtype, device)
+) -> tuple[int, KVBudget]:
+    budget = kv_budget(args, arch, kv_dtype, device)
     num_pages = num_pages_for_budget(
-        arch, args.page_size, kv_dtype, budget, args.resolved_kv_scales()
+        arch, args.page_size, kv_dtype, budget.num_bytes, args.resolved_kv_scales()
     )
     needed = -(-max_len // args.page_size)
     if num_pages < needed:
         raise ModelLoadError(
-            f"the KV cache budget ({format_bytes(budget)}) holds {num_pages} pages but one "
-            f"{max_len}-token request needs {needed}; "
+            f"the KV cache budget ({format_bytes(budget.num_bytes)}, {budget.reason}) holds "
+            f"{num_pages} pages but one {max_len}-token request needs {needed}; "
             "raise --kv-cache-memory or lower --max-model-len"
         )
-    return num_pages
+    return num_pages, budget

@@ -21,9 +21,16 @@ from fastapi import FastAPI
 from densa.engine.args import EngineArgs
 from densa.engine.async_engine import AsyncEngine
 from densa.engine.llm_engine import LLMEngine
-from densa.serve.api_server import DEFAULT_MAX_BODY_BYTES, build_app, start_draining
+from densa.serve.api_server import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    build_app,
+    start_draining,
+)
 from densa.serve.auth import load_api_keys
+from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
 from densa.utils.logging import configure_logging, get_logger
+from densa.utils.net import bind_listener
 
 logger = get_logger(__name__)
 
@@ -36,16 +43,33 @@ class ServerOptions:
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no key needed
     api_key_file: str | None = None  # more keys, one per line
     log_level: str = "info"
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT  # seconds to receive request headers (408)
+    body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds to receive a request body (408)
 
 
 def run_server(
     engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, **server_options: Any
 ) -> None:
-    """Load the model, serve until SIGINT/SIGTERM, then drain running requests and return."""
+    """Load the model, serve until SIGINT/SIGTERM, then drain running requests and return.
+
+    Everything that can be checked without the model is checked first (options, API keys, the
+    listening port), so a typo fails in milliseconds, not after a model load.
+    """
     options = ServerOptions(**server_options)
     configure_logging(options.log_level)
-    api_keys = load_api_keys(options.api_keys, options.api_key_file)  # fail before the slow load
-    logger.info("loading the model %s", engine_args.model or "(bundled SmolLM2-135M)")
+    engine_args.check()
+    api_keys = load_api_keys(options.api_keys, options.api_key_file)
+    sock = bind_listener(host, port)
+    try:
+        _load_and_serve(engine_args, sock, options, api_keys)
+    finally:
+        sock.close()
+    logger.info("server stopped")
+
+
+def _load_and_serve(
+    engine_args: EngineArgs, sock: socket.socket, options: ServerOptions, api_keys: Any
+) -> None:
     started = time.monotonic()
     engine = LLMEngine.from_args(engine_args)
     name = engine.config.model.served_model_name
@@ -60,48 +84,74 @@ def run_server(
         max_body_bytes=options.max_body_bytes,
         request_timeout=options.request_timeout,
         api_keys=api_keys,
+        body_timeout=options.body_timeout,
     )
-    asyncio.run(_serve(app, async_engine, host, port, options))
-    logger.info("server stopped")
+    asyncio.run(_serve(app, async_engine, sock, options))
 
 
 async def _serve(
-    app: FastAPI, engine: AsyncEngine, host: str, port: int, options: ServerOptions
+    app: FastAPI, engine: AsyncEngine, sock: socket.socket, options: ServerOptions
 ) -> None:
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_level=options.log_level,
         timeout_graceful_shutdown=math.ceil(options.drain_timeout),
+        http=with_header_timeout(options.header_timeout),
     )
+    state = app.state.densa
 
     def on_signal() -> None:
         logger.info(
-            "shutting down: refusing new requests, draining %d (up to %.0f s)",
+            "shutting down: refusing new requests (503), draining %d (up to %.0f s)",
             engine.num_in_flight, options.drain_timeout,
         )  # fmt: skip
         start_draining(app)
 
+    def is_drained() -> bool:
+        return engine.num_in_flight == 0 and state.num_open_responses == 0
+
+    server = _DrainingServer(config, on_signal, is_drained, options.drain_timeout)
     try:
-        await _DrainingServer(config, on_signal).serve()
+        await server.serve(sockets=[sock])
     finally:
         await engine.shutdown(options.drain_timeout)
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's graceful shutdown (stop listening, wait for open requests), plus two changes:
-    the app refuses new requests from the first signal on, and the process exits normally after
-    draining instead of re-raising the signal as uvicorn does."""
+    """uvicorn with a drain phase in front of its shutdown.
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+    The first SIGINT/SIGTERM does not stop listening: the app answers new requests with 503
+    (so a load balancer retries them elsewhere instead of seeing refused connections) while the
+    running ones finish. Once none is left, or after the drain timeout, uvicorn's own shutdown
+    runs (stop listening, close idle connections) and the process exits normally instead of
+    re-raising the signal. A second signal skips the drain.
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_signal: Callable[[], None],
+        is_drained: Callable[[], bool],
+        drain_timeout: float,
+    ) -> None:
         super().__init__(config)
         self._on_signal = on_signal
+        self._is_drained = is_drained
+        self._drain_timeout = drain_timeout
+        self._drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self._drain_timeout
             self._on_signal()
-        super().handle_exit(sig, frame)
+            return
+        super().handle_exit(sig, frame)  # a second signal: stop now
+
+    async def on_tick(self, counter: int) -> bool:
+        deadline = self._drain_deadline
+        if deadline is not None and (self._is_drained() or time.monotonic() > deadline):
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -118,13 +168,21 @@ class _DrainingServer(uvicorn.Server):
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, log_level: str = "warning") -> Iterator[str]:
+def serve_in_thread(
+    app: FastAPI, log_level: str = "warning", header_timeout: float = DEFAULT_HEADER_TIMEOUT
+) -> Iterator[str]:
     """Serve `app` with uvicorn on a free loopback port from a thread; yield the base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # binding here, not in uvicorn, avoids a port race
     port = sock.getsockname()[1]
     # A deep backlog: load tests open dozens of connections at the same instant.
-    config = uvicorn.Config(app, log_level=log_level, lifespan="off", backlog=512)
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="off",
+        backlog=512,
+        http=with_header_timeout(header_timeout),
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from densa.engine.async_engine import AsyncEngine
+from densa.serve import build_app, serve_in_thread
 
 from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer, SlowDown, make_engine, running_server
 
@@ -84,41 +86,80 @@ def wait_healthy(base_url: str, process: subprocess.Popen[str], timeout: float =
     raise AssertionError("the server did not become healthy")
 
 
-def test_run_server_drains_on_sigterm(tiny_model_dir: Path) -> None:
-    """SIGTERM: the running stream completes, new requests are refused, and the process exits 0."""
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
+def start_server(model_dir: Path, port: int, slow: bool = True) -> subprocess.Popen[str]:
+    """`run_server` in a subprocess, its engine steps slowed to >= 10 ms (so a long stream lasts
+    seconds)."""
     engine_args = (
-        f"EngineArgs(model={str(tiny_model_dir)!r}, served_model_name={MODEL_NAME!r}, "
+        f"EngineArgs(model={str(model_dir)!r}, served_model_name={MODEL_NAME!r}, "
         f"kv_cache_memory='64MiB', max_model_len={MAX_MODEL_LEN})"
     )
     script = (
+        "import time\n"
         "from densa.engine.args import EngineArgs\n"
+        "from densa.engine.llm_engine import LLMEngine\n"
         "from densa.serve import run_server\n"
+        "step = LLMEngine.step\n"
+        f"LLMEngine.step = lambda self: (time.sleep({0.01 if slow else 0}), step(self))[1]\n"
         f"run_server({engine_args}, port={port}, drain_timeout=20, log_level='info')\n"
     )
-    process = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+
+
+def test_run_server_drains_on_sigterm(tiny_model_dir: Path) -> None:
+    """SIGTERM: the running stream completes, new requests get 503 meanwhile (the port keeps
+    answering, so a load balancer retries elsewhere), then the process exits 0."""
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    process = start_server(tiny_model_dir, port)
     try:
         wait_healthy(base_url, process)
         with httpx.stream("POST", base_url + CHAT, json=long_chat(stream=True)) as response:
             lines = response.iter_lines()
             next(lines)
             process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)  # the signal is handled between two engine steps
+            assert httpx.get(base_url + "/health", timeout=5).status_code == 503
+            refused = httpx.post(base_url + CHAT, json=long_chat(stream=False), timeout=5)
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "server_shutting_down"
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
         last_chunk = json.loads(rest[-2].removeprefix("data: "))
         assert last_chunk["choices"][0]["finish_reason"] == "length"
-        with pytest.raises(httpx.TransportError):  # the listening socket is closed
-            httpx.get(base_url + "/health", timeout=2)
         log, _ = process.communicate(timeout=30)
         assert process.returncode == 0, log
         assert "refusing new requests" in log
+        with pytest.raises(httpx.TransportError):  # drained: the process is gone
+            httpx.get(base_url + "/health", timeout=2)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_slow_headers_get_408_and_the_connection_closed(tiny_model_dir: Path) -> None:
+    """A client that opens a connection and sends its headers too slowly is cut off, and the
+    server goes on serving others."""
+    engine = AsyncEngine(make_engine(tiny_model_dir))
+    engine.start()
+    try:
+        with serve_in_thread(build_app(engine, MODEL_NAME), header_timeout=0.3) as base_url:
+            host, port = base_url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=15) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # never ends
+                started = time.monotonic()
+                reply = sock.recv(4096)
+                waited = time.monotonic() - started
+            assert reply.startswith(b"HTTP/1.1 408"), reply
+            assert b"request_header_timeout" in reply
+            assert waited < 14  # closed by the server, not by this socket's own timeout
+            with socket.create_connection((host, int(port)), timeout=15) as idle:
+                assert idle.recv(4096).startswith(b"HTTP/1.1 408")  # silent after connecting
+            assert httpx.get(base_url + "/health", timeout=5).status_code == 200
+    finally:
+        asyncio.run(engine.shutdown(drain_timeout=1.0))
 
 
 @pytest.mark.slow
