@@ -29,6 +29,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_prefix(benchmarks)
     _add_kv_sweep(benchmarks)
     _add_weights(benchmarks)
+    _add_hostile(benchmarks)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
 
@@ -177,6 +178,42 @@ def _serving(ns: argparse.Namespace) -> int:
     if settings is None:
         return 2
     return _write(run_serving(settings, EngineArgs.from_cli(ns)), ns.out)
+
+
+def _add_hostile(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "hostile",
+        help="a normal request's latency while oversized prompts keep arriving",
+        description="Quiet and hostile phases, interleaved: a client sends short chat requests "
+        "one after another while (in hostile phases) other processes keep sending prompts far "
+        "too long for the context. Reports the latency ratio and what the hostile ones got.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--hostile-clients", type=int, default=8)
+    g.add_argument("--hostile-bytes", type=int, default=4_000_000, help="text per hostile prompt")
+    g.add_argument("--requests-per-phase", type=int, default=8)
+    g.add_argument("--repeats", type=int, default=3, help="quiet + hostile phase pairs")
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/hostile"))
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_hostile, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _hostile(ns: argparse.Namespace) -> int:
+    from densa.bench.hostile import HostileSettings, run_hostile_bench
+
+    settings = _settings(
+        "hostile",
+        lambda: HostileSettings(
+            num_hostile=ns.hostile_clients,
+            hostile_bytes=ns.hostile_bytes,
+            requests_per_phase=ns.requests_per_phase,
+            repeats=ns.repeats,
+        ),
+    )
+    if settings is None:
+        return 2
+    report = run_hostile_bench(settings, EngineArgs.from_cli(ns))
+    return _write(report, ns.out)
 
 
 def _add_load(benchmarks: argparse._SubParsersAction) -> None:

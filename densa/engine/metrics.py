@@ -28,6 +28,7 @@ class EngineStats:
     # Lifetime totals.
     num_steps: int = 0
     num_preemptions: int = 0
+    num_generated_tokens: int = 0  # sampled by the engine, including any nobody received
     num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     num_prefix_hit_tokens: int = 0  # ... of which were found there
     integrity_violations: dict[str, int] = field(default_factory=dict)  # by ViolationKind value
@@ -60,6 +61,7 @@ def snapshot(engine: LLMEngine, num_steps: int = 0) -> EngineStats:
         num_resident_tokens=sum(r.num_computed_tokens for r in scheduler.running),
         num_steps=num_steps,
         num_preemptions=scheduler.num_preemptions,
+        num_generated_tokens=scheduler.num_generated_tokens,
         num_prefix_queried_tokens=kv.num_queried_tokens,
         num_prefix_hit_tokens=kv.num_hit_tokens,
         integrity_violations={kind.value: counts[kind] for kind in ViolationKind},

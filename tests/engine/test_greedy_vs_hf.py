@@ -75,6 +75,17 @@ def test_tiny_model_alone_matches_hf(tiny_model_dir: Path, tiny_case) -> None:  
     _assert_matches(ours, refs, min_identical=len(prompts) - 1)
 
 
+def test_tiny_model_alone_with_chunked_prefill_matches_hf(tiny_model_dir: Path, tiny_case) -> None:  # type: ignore[no-untyped-def]
+    """One request at a time, its prompt computed in chunks of 7 tokens over pages of 4: every
+    chunk after the first attends to K/V that earlier steps left in the pages."""
+    prompts, refs = tiny_case
+    engine = _engine(tiny_model_dir, page_size=4, max_num_batched_tokens=7)
+    long = [i for i, p in enumerate(prompts) if len(p) > 3 * 7]
+    assert len(long) >= 4, "the test must chunk prefills"
+    ours = [run_with_invariants(engine, [prompts[i]], GREEDY)[0] for i in long]
+    _assert_matches(ours, [refs[i] for i in long], min_identical=len(long) - 1)
+
+
 def test_tiny_model_batch_with_chunking_and_preemption_matches_hf(
     tiny_model_dir: Path,
     tiny_case,  # type: ignore[no-untyped-def]
