@@ -42,10 +42,12 @@ def _describe(exc: BaseException) -> str:
 
 
 def _is_expected(exc: BaseException) -> bool:
-    """Errors of the user's setup (options, files, ports), as opposed to bugs in densa."""
+    """Errors of the user's setup (options, files, ports, a model that cannot load), as opposed
+    to bugs in densa."""
     from densa.model.arch import ModelLoadError
+    from densa.serve.engine_client import EngineStartError
 
-    return isinstance(exc, ModelLoadError | ValueError | OSError)
+    return isinstance(exc, ModelLoadError | ValueError | OSError | EngineStartError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,6 +107,20 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--body-timeout", type=_seconds, default=30.0,
         help="seconds a client may take to send its request body (then 408)",
     )  # fmt: skip
+    g = parser.add_argument_group("engine process")
+    g.add_argument(
+        "--engine-placement", choices=["process", "thread"], default="process",
+        help="the engine core in its own process (default), or on a thread of the HTTP front's",
+    )  # fmt: skip
+    g.add_argument(
+        "--engine-step-timeout", type=_seconds, default=120.0,
+        help="an engine step running longer means the engine is stuck: it is killed, restarted",
+    )  # fmt: skip
+    g.add_argument(
+        "--engine-restarts", type=int, default=3,
+        help="engines that die within 10 minutes of starting, in a row, before the server gives "
+        "up and exits 1 (for a supervisor to restart it)",
+    )  # fmt: skip
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serve)
 
@@ -147,6 +163,9 @@ def _serve(ns: argparse.Namespace) -> int:
         api_key_file=ns.api_key_file,
         header_timeout=ns.header_timeout,
         body_timeout=ns.body_timeout,
+        engine_placement=ns.engine_placement,
+        engine_step_timeout=ns.engine_step_timeout,
+        engine_restarts=ns.engine_restarts,
     )
     return 0
 

@@ -10,6 +10,9 @@ MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # Below this temperature sampling is greedy: it is the limit of sampling as the temperature falls,
 # and dividing logits by a smaller number overflows float32 (1e-45 turned every logit into inf).
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# Counts (tokens, top-k) beyond this are nonsense for any model; capping them keeps every value a
+# 32-bit integer wherever it travels (messages between processes, tensors).
+MAX_COUNT = 2**31 - 1
 # Repetition penalties outside this range overflow or flush the penalized logits to zero/inf.
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 
@@ -42,12 +45,15 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(1 <= self.max_tokens <= MAX_COUNT, f"max_tokens must be >= 1, got {self.max_tokens}")
         _check(
             0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}"
         )
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        _check(
+            -1 <= self.top_k <= MAX_COUNT,
+            f"top_k must be -1, 0 (off) or positive, got {self.top_k}",
+        )
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         low, high = REPETITION_PENALTY_RANGE
         _check(
@@ -56,10 +62,10 @@ class SamplingParams:
         )
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
-        _check(self.min_tokens >= 0, "min_tokens must be >= 0")
+        _check(0 <= self.min_tokens <= MAX_COUNT, f"min_tokens must be in [0, {MAX_COUNT}]")
         _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        _check(all(0 <= t <= MAX_COUNT for t in self.stop_token_ids), "stop_token_ids must be >= 0")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]")
 

@@ -4,6 +4,7 @@ run here, size the KV cache from its memory budget, and wire the model runner.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -15,8 +16,8 @@ from densa.model.attention import AttentionBackend
 from densa.model.interface import CausalLM
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import load_model, resolve_model_dir
-from densa.model.tokenizer import Tokenizer
 from densa.quant import fp8_kv
+from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
 from densa.worker.integrity import IntegrityChecker, NoopIntegrityChecker, TagTableChecker
@@ -32,6 +33,8 @@ class EngineParts:
     tokenizer: Tokenizer
     runner: ModelRunner
     arch: ArchConfig
+    kv_format: str  # e.g. "fp8_e4m3, dynamic scales"
+    weight_format: str  # e.g. "dense", "int4 g128 symmetric"
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
@@ -48,7 +51,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         None if _is_relative(args) else _resolve_num_pages(args, arch, kv_dtype, max_len, device)
     )
     logger.info("loading the model %s", model_path)
-    tokenizer = Tokenizer(model_dir, arch.eos_token_ids)
+    tokenizer = load_tokenizer(model_dir, arch.eos_token_ids)
     model = load_model(model_dir, arch, args.dtype, max_len, device, args.weight_format)
     decode_model = load_decode_model(args, arch, max_len, device)
     num_pages, budget = sized or _resolve_num_pages(args, arch, kv_dtype, max_len, device)
@@ -76,7 +79,15 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         format_bytes(num_pages * page_bytes(arch, args.page_size, kv_dtype, kv_scales)),
         budget.reason, max_len, args.max_num_seqs, backend.name,
     )  # fmt: skip
-    return EngineParts(config, tokenizer, runner, arch)
+    kv_format = _describe_kv(kv_dtype, static_scales)
+    return EngineParts(config, tokenizer, runner, arch, kv_format, model.weight_format)
+
+
+def load_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer:
+    try:
+        return Tokenizer.from_dir(model_dir, eos_token_ids)
+    except (TokenizerLoadError, OSError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
 
 
 def make_integrity_checker(cache: CacheConfig, device: torch.device) -> IntegrityChecker:

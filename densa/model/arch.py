@@ -83,6 +83,12 @@ class ArchConfig:
         """K and V of one token across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
 
+    def signature(self) -> dict[str, Any]:
+        """The shapes two workers must share to serve as one model (and exchange KV pages)."""
+        keys = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings")  # fmt: skip
+        return {key: getattr(self, key) for key in keys}
+
     def num_parameters(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h

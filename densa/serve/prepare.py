@@ -17,9 +17,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from densa.cache.scope import CacheScope
-from densa.model.tokenizer import ChatTemplateError, Tokenizer
+from densa.ipc.messages import ServedModel
+from densa.sampling_params import SamplingParams
 from densa.serve.errors import APIError, ClientDisconnected, bad_request, from_validation_error
 from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
+from densa.text.tokenizer import ChatTemplateError, Tokenizer
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 # Valid JSON can spell a lone UTF-16 surrogate ("\ud800"); no UTF-8 text can hold one.
@@ -171,6 +173,19 @@ def _check_text_size(tokenizer: Tokenizer, num_bytes: int, max_model_len: int, p
             f"{max_model_len}-token context can take (at most {limit} bytes); shorten the {param}"
         )
         raise bad_request(message, code="context_length_exceeded", param=param)
+
+
+def check_token_ids(served: ServedModel, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Token ids the model has (the engine checks again: this only answers sooner)."""
+    vocab = served.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        message = f"token ids out of range [0, {vocab}): {bad[:5]}"
+        raise bad_request(message, code="invalid_value", param="prompt")
+    bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+    if bad_stop:
+        message = f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}"
+        raise bad_request(message, code="invalid_value", param="stop_token_ids")
 
 
 def check_lengths(

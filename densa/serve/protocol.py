@@ -13,7 +13,12 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from densa.sampling_params import MAX_LOGPROBS, REPETITION_PENALTY_RANGE, SamplingParams
+from densa.sampling_params import (
+    MAX_COUNT,
+    MAX_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+)
 from densa.serve.fields import (
     INTEGRAL,
     NoEcho,
@@ -143,14 +148,14 @@ class SamplingFields(_RequestBody):
     user: str | None = None
     logit_bias: NoLogitBias = None
     # Extensions (vLLM spells them the same way).
-    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT), INTEGRAL] | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(
         None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1]
     )
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 0
-    stop_token_ids: list[Annotated[int, Field(ge=0), INTEGRAL]] = []
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT), INTEGRAL] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_COUNT), INTEGRAL]] = []
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)

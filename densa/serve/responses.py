@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from densa.engine.output import RequestOutput
-from densa.model.tokenizer import Tokenizer
+from densa.ipc.messages import TokenLogprobs
 from densa.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -29,7 +28,8 @@ from densa.serve.protocol import (
     TopLogprob,
     Usage,
 )
-from densa.worker.sampler import TokenLogprobs
+from densa.text.output import RequestOutput
+from densa.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from densa.cache.integrity import IntegrityViolation
+from densa.ipc.messages import TokenLogprobs
 from densa.kernels.paged_attention_ref import dequantize_pages
 from densa.model.attention import (
     AttentionBackend,
@@ -23,7 +24,7 @@ from densa.model.interface import CausalLM
 from densa.quant import fp8_kv
 from densa.sched.output import ScheduledRequest, SchedulerOutput
 from densa.worker.integrity import IntegrityChecker
-from densa.worker.sampler import Sampler, SampleRequest, TokenLogprobs
+from densa.worker.sampler import Sampler, SampleRequest
 
 
 def _is_generated(item: ScheduledRequest) -> bool:

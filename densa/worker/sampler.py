@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from densa.ipc.messages import TokenLogprobs
 from densa.sampling_params import SamplingParams
 
 
@@ -22,13 +23,6 @@ class SampleRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the N most likely tokens under the model, best first
 
 
 @dataclass(frozen=True)

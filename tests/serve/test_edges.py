@@ -143,7 +143,7 @@ def test_prompt_cache_key_acts_as_the_session(server: RunningServer) -> None:
 
 # ---- a final assistant message is continued -----------------------------------------------------
 def test_a_final_assistant_message_is_continued_not_answered(server: RunningServer) -> None:
-    tokenizer = server.engine.tokenizer
+    tokenizer = server.tokenizer
     messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant",
                 "content": "My favourite color is"}]  # fmt: skip
     prompt = tokenizer.decode(tokenizer.encode_chat(messages, None, True), False)
@@ -198,7 +198,7 @@ def test_a_surrogate_in_a_key_is_refused(server: RunningServer) -> None:
 def test_text_too_long_for_the_context_is_refused_before_tokenizing(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tokenizer = server.engine.tokenizer
+    tokenizer = server.tokenizer
     calls: list[int] = []
     encode = tokenizer.encode
     monkeypatch.setattr(
