@@ -69,6 +69,17 @@ def token_scale_strides(*scales: torch.Tensor | None) -> tuple[int, int]:
     return 0, 0
 
 
+def check_layouts(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *rows: torch.Tensor
+) -> None:
+    """What the attention kernels assume: a contiguous head_dim everywhere, and K and V pages
+    laid out alike (one set of cache strides serves both)."""
+    if any(t.stride(-1) != 1 for t in (query, k_cache, v_cache, *rows)):
+        raise ValueError("the attention kernels need a contiguous last (head_dim) dimension")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("K and V pages must share one layout")
+
+
 def or_dummy(tensor: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """Kernels take a pointer even for an absent operand (they never read it then)."""
     return like if tensor is None else tensor

@@ -27,6 +27,7 @@ import math
 import torch
 
 from densa.kernels.triton_common import (
+    check_layouts,
     interpreting,
     next_power_of_2,
     or_dummy,
@@ -78,12 +79,16 @@ if triton is not None:
         for block_start in range(start, end, BLOCK_N):
             tokens = block_start + tl.arange(0, BLOCK_N)
             token_ok = tokens < end
-            page = tl.load(table_ptr + seq * stride_tb + tokens // PAGE_SIZE, mask=token_ok, other=0)
+            page = tl.load(
+                table_ptr + seq * stride_tb + tokens // PAGE_SIZE, mask=token_ok, other=0
+            )
             slot = tokens % PAGE_SIZE
             row = page.to(tl.int64) * stride_cp + kv_head * stride_ch + slot * stride_cs  # [BN]
             kv_mask = token_ok[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            scores = mma(q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), WIDEN)
+            scores = mma(
+                q, tl.trans(k.to(q.dtype)), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), WIDEN
+            )
             scores = scores * factor
             scale_row = page.to(tl.int64) * stride_sp + kv_head * stride_sh + slot
             if K_SCALES >= 2:
@@ -186,8 +191,7 @@ def paged_decode_attention(
     require_triton()
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
-    if k_cache.stride(-1) != 1 or query.stride(-1) != 1:
-        raise ValueError("the decode kernel needs a contiguous last (head_dim) dimension")
+    check_layouts(query, k_cache, v_cache)
     group = num_heads // num_kv_heads
     max_context = page_table.shape[1] * page_size
     block_n = block_tokens(head_dim)
@@ -222,5 +226,3 @@ def paged_decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_S=next_power_of_2(splits),
     )  # fmt: skip
     return out
-
-

@@ -20,7 +20,7 @@ import math
 import torch
 
 from densa.kernels.triton_common import interpreting, or_dummy, require_triton, triton
-from densa.kernels.triton_tuning import LaunchConfig, best, m_bucket
+from densa.kernels.triton_tuning import LaunchConfig, best, m_bucket, split_ranges
 
 if triton is not None:
     import triton.language as tl
@@ -108,14 +108,17 @@ def fp8_linear_triton(
         )
     if block % config.block_k:
         raise ValueError(f"block_k {config.block_k} must divide the scale block {block}")
-    k_per_split = math.ceil(math.ceil(in_features / config.split_k) / config.block_k) * config.block_k
-    split_k = math.ceil(in_features / k_per_split)
+    k_per_split, split_k = split_ranges(in_features, config)
     out = torch.empty(
         (split_k, num_rows, out_features),
         dtype=torch.float32 if split_k > 1 else x.dtype,
         device=x.device,
     )
-    grid = (triton.cdiv(num_rows, config.block_m), triton.cdiv(out_features, config.block_n), split_k)
+    grid = (
+        triton.cdiv(num_rows, config.block_m),
+        triton.cdiv(out_features, config.block_n),
+        split_k,
+    )
     _fp8_matmul_kernel[grid](
         x, weight, scale, or_dummy(bias, scale), out,
         num_rows, out_features, in_features, k_per_split,

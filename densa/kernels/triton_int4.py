@@ -30,7 +30,7 @@ import math
 import torch
 
 from densa.kernels.triton_common import interpreting, or_dummy, require_triton, triton
-from densa.kernels.triton_tuning import LaunchConfig, best, m_bucket
+from densa.kernels.triton_tuning import LaunchConfig, best, m_bucket, split_ranges
 
 DEQUANT_PLAIN, DEQUANT_BF16_MAGIC, DEQUANT_FP16_MAGIC = 0, 1, 2
 
@@ -74,8 +74,12 @@ if triton is not None:
         for k0 in range(k_start, k_end, BLOCK_K):
             byte = k0 // 2 + byte_idx  # [BK/2] packed byte columns
             even, odd = 2 * byte, 2 * byte + 1
-            x_even = tl.load(x_rows + even[None, :], mask=row_ok[:, None] & (even < K)[None, :], other=0.0)
-            x_odd = tl.load(x_rows + odd[None, :], mask=row_ok[:, None] & (odd < K)[None, :], other=0.0)
+            x_even = tl.load(
+                x_rows + even[None, :], mask=row_ok[:, None] & (even < K)[None, :], other=0.0
+            )
+            x_odd = tl.load(
+                x_rows + odd[None, :], mask=row_ok[:, None] & (odd < K)[None, :], other=0.0
+            )
             packed = tl.load(
                 w_rows + byte[None, :], mask=col_ok[:, None] & (even < K)[None, :], other=0
             ).to(tl.int32)  # [BN, BK/2]
@@ -89,18 +93,28 @@ if triton is not None:
                 acc += part * scale[None, :]
                 if HAS_ZEROS:
                     zero = tl.load(z_rows + group, mask=col_ok, other=0.0).to(tl.float32)
-                    x_sum = tl.sum(x_even.to(tl.float32), axis=1) + tl.sum(x_odd.to(tl.float32), axis=1)
+                    x_sum = tl.sum(x_even.to(tl.float32), axis=1) + tl.sum(
+                        x_odd.to(tl.float32), axis=1
+                    )
                     acc += x_sum[:, None] * zero[None, :]
             else:  # several groups per step: scale each weight
                 g_even, g_odd = even // GROUP_SIZE, odd // GROUP_SIZE
                 mask = col_ok[:, None] & (even < K)[None, :]
-                s_even = tl.load(s_rows[:, None] + g_even[None, :], mask=mask, other=0.0).to(tl.float32)
-                s_odd = tl.load(s_rows[:, None] + g_odd[None, :], mask=mask, other=0.0).to(tl.float32)
+                s_even = tl.load(s_rows[:, None] + g_even[None, :], mask=mask, other=0.0).to(
+                    tl.float32
+                )
+                s_odd = tl.load(s_rows[:, None] + g_odd[None, :], mask=mask, other=0.0).to(
+                    tl.float32
+                )
                 w_lo = lo.to(tl.float32) * s_even
                 w_hi = hi.to(tl.float32) * s_odd
                 if HAS_ZEROS:
-                    w_lo += tl.load(z_rows[:, None] + g_even[None, :], mask=mask, other=0.0).to(tl.float32)
-                    w_hi += tl.load(z_rows[:, None] + g_odd[None, :], mask=mask, other=0.0).to(tl.float32)
+                    w_lo += tl.load(z_rows[:, None] + g_even[None, :], mask=mask, other=0.0).to(
+                        tl.float32
+                    )
+                    w_hi += tl.load(z_rows[:, None] + g_odd[None, :], mask=mask, other=0.0).to(
+                        tl.float32
+                    )
                 dtype = x_ptr.dtype.element_ty
                 acc = mma(x_even, tl.trans(w_lo.to(dtype)), acc, WIDEN)
                 acc = mma(x_odd, tl.trans(w_hi.to(dtype)), acc, WIDEN)
@@ -145,7 +159,9 @@ def _split_choices(
     tiles = math.ceil(num_rows / 64) * math.ceil(out_features / block_n)
     max_split = max(1, in_features // (2 * block_k))
     wanted = max(1, min(max_split, math.ceil(2 * sms / tiles), 16))
-    return sorted({wanted, max(1, wanted // 2), min(max_split, wanted * 2)}, key=lambda s: s != wanted)
+    return sorted(
+        {wanted, max(1, wanted // 2), min(max_split, wanted * 2)}, key=lambda s: s != wanted
+    )
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -177,11 +193,15 @@ def int4_linear_triton(
             lambda c: int4_linear_triton(x, qweight, scales, zeros, group_size, bias, c),
             x.device,
         )
-    k_per_split = math.ceil(math.ceil(in_features / config.split_k) / config.block_k) * config.block_k
-    split_k = math.ceil(in_features / k_per_split)
-    shape = (split_k, num_rows, out_features) if split_k > 1 else (1, num_rows, out_features)
-    out = torch.empty(shape, dtype=torch.float32 if split_k > 1 else x.dtype, device=x.device)
-    grid = (triton.cdiv(num_rows, config.block_m), triton.cdiv(out_features, config.block_n), split_k)
+    k_per_split, split_k = split_ranges(in_features, config)
+    # [splits, M, N]: float32 partials when split, else the result itself (one "split").
+    out_dtype = torch.float32 if split_k > 1 else x.dtype
+    out = torch.empty(split_k, num_rows, out_features, dtype=out_dtype, device=x.device)
+    grid = (
+        triton.cdiv(num_rows, config.block_m),
+        triton.cdiv(out_features, config.block_n),
+        split_k,
+    )
     _int4_matmul_kernel[grid](
         x, qweight, scales, or_dummy(zeros, scales), or_dummy(bias, scales), out,
         num_rows, out_features, in_features, k_per_split,

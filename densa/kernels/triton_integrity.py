@@ -24,7 +24,9 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _tag_check_kernel(tags_ptr, pairs_ptr, num_pairs, mismatch_ptr, count_ptr, BLOCK: tl.constexpr):
+    def _tag_check_kernel(
+        tags_ptr, pairs_ptr, num_pairs, mismatch_ptr, count_ptr, BLOCK: tl.constexpr
+    ):
         idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = idx < num_pairs
         page = tl.load(pairs_ptr + idx, mask=ok, other=0)

@@ -95,9 +95,9 @@ def store_kv(
     if is_fp8 and scale is None:
         scale = torch.ones((), dtype=torch.float32, device=cache.device)
     mode = scale_mode(scale)
-    if mode not in (SCALE_NONE, SCALE_STATIC) and scale is not None:
-        if scale.dtype != EXPONENT_SCALE_DTYPE:
-            raise ValueError("dynamic fp8 scales are stored as int8 exponents")
+    dynamic = mode not in (SCALE_NONE, SCALE_STATIC)
+    if dynamic and scale is not None and scale.dtype != EXPONENT_SCALE_DTYPE:
+        raise ValueError("dynamic fp8 scales are stored as int8 exponents")
     if x.stride(-1) != 1 or cache.stride(-1) != 1:
         raise ValueError("store_kv needs a contiguous head_dim")
     num_tokens, num_heads, head_dim = x.shape

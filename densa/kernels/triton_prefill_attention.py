@@ -22,6 +22,7 @@ import torch
 
 from densa.kernels.triton_common import (
     SCALE_NONE,
+    check_layouts,
     interpreting,
     next_power_of_2,
     or_dummy,
@@ -58,7 +59,7 @@ if triton is not None:
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cp, stride_ch, stride_cs,
         stride_sp, stride_sh,
-        stride_nt, stride_nh,
+        stride_nkt, stride_nkh, stride_nvt, stride_nvh,
         stride_tb,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -90,7 +91,9 @@ if triton is not None:
         for block_start in range(0, ctx_len, BLOCK_N):
             tokens = block_start + keys
             token_ok = tokens < ctx_len
-            page = tl.load(table_ptr + seq * stride_tb + tokens // PAGE_SIZE, mask=token_ok, other=0)
+            page = tl.load(
+                table_ptr + seq * stride_tb + tokens // PAGE_SIZE, mask=token_ok, other=0
+            )
             slot = tokens % PAGE_SIZE
             row = page.to(tl.int64) * stride_cp + kv_head * stride_ch + slot * stride_cs
             kv_mask = token_ok[:, None] & dim_ok[None, :]
@@ -111,9 +114,11 @@ if triton is not None:
             kv_mask = idx_ok[:, None] & dim_ok[None, :]
             mask = q_ok[:, None] & idx_ok[None, :] & (idx[None, :] <= q_idx[:, None])
             if HAS_NEW_KV:
-                new_row = (q_start + idx).to(tl.int64) * stride_nt + kv_head * stride_nh
-                k = tl.load(new_k_ptr + new_row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(new_v_ptr + new_row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+                new_row = (q_start + idx).to(tl.int64)
+                k_row = new_row * stride_nkt + kv_head * stride_nkh
+                v_row = new_row * stride_nvt + kv_head * stride_nvh
+                k = tl.load(new_k_ptr + k_row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+                v = tl.load(new_v_ptr + v_row[:, None] + dims[None, :], mask=kv_mask, other=0.0)
                 k_mult = block_scales(k_scale_ptr, idx, idx_ok, 0)
                 v_mult = k_mult
             else:
@@ -165,6 +170,7 @@ def paged_prefill_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = page_table.shape[0]
     num_kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+    check_layouts(query, k_cache, v_cache, *(new_kv or ()))
     if max_query_len is None:
         max_query_len = int(query_lens.max())
     lens = query_lens.to(torch.int64)
@@ -180,7 +186,7 @@ def paged_prefill_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *token_scale_strides(k_scale, v_scale),
-        new_k.stride(0), new_k.stride(1),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         page_table.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -48,6 +48,13 @@ def chosen_configs() -> dict[tuple[object, ...], LaunchConfig]:
     return dict(_chosen)
 
 
+def split_ranges(in_features: int, config: LaunchConfig) -> tuple[int, int]:
+    """(input columns per split, a whole number of block_k steps; how many splits that makes)."""
+    per_split = -(-in_features // config.split_k)
+    per_split = -(-per_split // config.block_k) * config.block_k
+    return per_split, -(-in_features // per_split)
+
+
 def m_bucket(num_rows: int) -> int:
     """Rows rounded up to a power of two (1, 2, 4 .. 64, then 128 and beyond): one pick serves
     every M in its bucket."""
@@ -66,9 +73,16 @@ def best(
         return found
     pick = candidates[0]
     if _tuning and device.type == "cuda" and len(candidates) > 1:
-        pick = min(candidates, key=lambda config: time_launch(lambda: run(config)))
+        pick = min(candidates, key=lambda config: _timed(run, config))
     _chosen[key] = pick
     return pick
+
+
+def _timed(run: Callable[[LaunchConfig], object], config: LaunchConfig) -> float:
+    try:
+        return time_launch(lambda: run(config))
+    except Exception:  # a config the GPU cannot run (e.g. out of shared memory): never picked
+        return float("inf")
 
 
 def time_launch(launch: Callable[[], object], repeats: int = 20) -> float:

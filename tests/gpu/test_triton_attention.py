@@ -89,7 +89,8 @@ def test_prefill_matches_the_reference(dtype: torch.dtype, scale_mode: str) -> N
 def test_prefill_reads_its_own_chunk_from_new_kv(scale_mode: str) -> None:
     case = make_case([20, 90], [20, 70], torch.float8_e4m3fn, scale_mode, heads=(4, 2, 16))
     gen = torch.Generator().manual_seed(3)
-    new_kv = (torch.randn(90, 2, 16, generator=gen), torch.randn(90, 2, 16, generator=gen))
+    # Views with different row strides, as the model's k and v slices of its q|k|v output are.
+    new_kv = (torch.randn(90, 3, 16, generator=gen)[:, :2], torch.randn(90, 2, 16, generator=gen))
     out = paged_prefill_attention(
         case.query, case.k_cache, case.v_cache, case.page_table, case.seq_lens, case.query_lens,
         case.sm_scale, case.k_scale, case.v_scale, new_kv,

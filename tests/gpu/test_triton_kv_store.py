@@ -54,7 +54,12 @@ def test_e4m3_encoding_equals_torch_cast_everywhere() -> None:
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = codes[torch.isfinite(codes)].sort().values
     values = torch.cat(
-        [grid, (grid[1:] + grid[:-1]) / 2, torch.linspace(-448, 448, 20011), torch.linspace(-0.03, 0.03, 4011)]
+        [
+            grid,
+            (grid[1:] + grid[:-1]) / 2,
+            torch.linspace(-448, 448, 20011),
+            torch.linspace(-0.03, 0.03, 4011),
+        ]
     )
     values = torch.nn.functional.pad(values, (0, -values.numel() % 1024)).view(-1, 1, 1024)
     cache = torch.zeros(values.shape[0], 1, 1, 1024, dtype=torch.float8_e4m3fn)

@@ -22,7 +22,9 @@ PER_WEIGHT = LaunchConfig(16, 32, 128, split_k=1)  # 128-column steps over 64-co
 SPLIT = LaunchConfig(16, 64, 64, split_k=3)
 
 
-def _int4_case(out_features: int, in_features: int, group: int, symmetric: bool, rows: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def _int4_case(
+    out_features: int, in_features: int, group: int, symmetric: bool, rows: int, dtype: torch.dtype
+):  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(rows + in_features)
     fmt = WeightFormat("int4", group_size=group, symmetric=symmetric)
     parts = int4.quantize_rtn(torch.randn(out_features, in_features, generator=gen), fmt)
@@ -31,9 +33,13 @@ def _int4_case(out_features: int, in_features: int, group: int, symmetric: bool,
     return x, (parts["qweight"], parts["scales"], parts.get("zeros"), group, bias)
 
 
-@pytest.mark.parametrize("config", [SCALE_AFTER, PER_WEIGHT, SPLIT], ids=["scale-after", "per-weight", "split-k"])
+@pytest.mark.parametrize(
+    "config", [SCALE_AFTER, PER_WEIGHT, SPLIT], ids=["scale-after", "per-weight", "split-k"]
+)
 @pytest.mark.parametrize(("symmetric", "dtype"), [(True, torch.float32), (False, torch.float16)])
-def test_int4_matches_the_reference(config: LaunchConfig, symmetric: bool, dtype: torch.dtype) -> None:
+def test_int4_matches_the_reference(
+    config: LaunchConfig, symmetric: bool, dtype: torch.dtype
+) -> None:
     # 40 x 200: partial N and K tiles, a partial last group of 64, an odd number of row tiles.
     x, args = _int4_case(40, 200, 64, symmetric, rows=17, dtype=dtype)
     got = int4_linear_triton(x, *args, config=config)
@@ -61,10 +67,14 @@ def test_tuner_keeps_one_pick_per_bucket() -> None:
     assert calls == []  # nothing is timed off the GPU
 
 
-@pytest.mark.parametrize(("block", "rows", "dtype"), [(64, 1, torch.float32), (128, 9, torch.float16)])
+@pytest.mark.parametrize(
+    ("block", "rows", "dtype"), [(64, 1, torch.float32), (128, 9, torch.float16)]
+)
 def test_fp8_matches_the_reference(block: int, rows: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows)
-    parts = fp8_weights.to_runtime(fp8_weights.quantize_blocks(torch.randn(72, 300, generator=gen), block), block)
+    parts = fp8_weights.to_runtime(
+        fp8_weights.quantize_blocks(torch.randn(72, 300, generator=gen), block), block
+    )
     x = torch.randn(rows, 300, generator=gen).to(dtype)
     bias = torch.randn(72, generator=gen).to(dtype)
     args = (parts["weight"], parts["weight_scale"], block, bias)
