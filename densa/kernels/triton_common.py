@@ -18,6 +18,7 @@ tl.store with masks, tl.dot with an accumulator, tl.exp2, reductions, bitcasts, 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -48,6 +49,19 @@ def interpreting() -> bool:
 def require_triton() -> None:
     if triton is None:
         raise RuntimeError("densa's GPU kernels need Triton: pip install triton")
+
+
+@functools.cache
+def _device_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a GPU (grids are sized by it); 4 when interpreting on a CPU,
+    so tests still cover split work."""
+    if device.type != "cuda":
+        return 4
+    return _device_multiprocessors(device.index if device.index is not None else 0)
 
 
 def scale_mode(scale: torch.Tensor | None) -> int:

@@ -29,6 +29,7 @@ import torch
 from densa.kernels.triton_common import (
     check_layouts,
     interpreting,
+    multiprocessors,
     next_power_of_2,
     or_dummy,
     require_triton,
@@ -150,7 +151,6 @@ if triton is not None:
 
 
 MAX_SPLITS = 64
-_INTERPRETER_SMS = 4  # "multiprocessors" assumed when interpreting: a few splits, fast tests
 
 
 def block_tokens(head_dim: int) -> int:
@@ -163,10 +163,7 @@ def choose_num_splits(
 ) -> int:
     """Enough splits that stage 1 has ~2 programs per multiprocessor, but none shorter than a
     block of tokens (each split costs a partial output and a merge term)."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = _INTERPRETER_SMS
+    sms = multiprocessors(device)
     wanted = math.ceil(2 * sms / max(1, num_seqs * num_kv_heads))
     max_useful = max(1, math.ceil(max_context / 64))
     return max(1, min(wanted, max_useful, MAX_SPLITS))

@@ -19,7 +19,13 @@ import math
 
 import torch
 
-from densa.kernels.triton_common import interpreting, or_dummy, require_triton, triton
+from densa.kernels.triton_common import (
+    interpreting,
+    multiprocessors,
+    or_dummy,
+    require_triton,
+    triton,
+)
 from densa.kernels.triton_tuning import LaunchConfig, best, m_bucket, split_ranges
 
 if triton is not None:
@@ -34,7 +40,7 @@ if triton is not None:
         stride_xm, stride_wn, stride_sn, stride_om, stride_os,
         SCALE_BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, WIDEN: tl.constexpr,
+        PARTIALS: tl.constexpr, WIDEN: tl.constexpr,
     ):  # fmt: skip
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -56,7 +62,7 @@ if triton is not None:
             acc += part * scale[None, :]
         out = out_ptr + pid_k * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
-        if SPLIT_K == 1:
+        if not PARTIALS:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -69,12 +75,9 @@ def candidate_configs(
 ) -> list[LaunchConfig]:
     block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
     block_k = math.gcd(scale_block, 128)
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 4
+    sms = multiprocessors(device)
     configs = []
-    for block_n in (64, 128, 32):
+    for block_n in (64, 128):
         tiles = math.ceil(num_rows / block_m) * math.ceil(out_features / block_n)
         max_split = max(1, in_features // (2 * block_k))
         split = max(1, min(max_split, math.ceil(2 * sms / tiles), 16))
@@ -125,7 +128,7 @@ def fp8_linear_triton(
         x.stride(0), weight.stride(0), scale.stride(0), out.stride(1), out.stride(0),
         SCALE_BLOCK=block, HAS_BIAS=bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split_k, WIDEN=interpreting(),
+        PARTIALS=split_k > 1, WIDEN=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split_k == 1:

@@ -2,7 +2,7 @@
 (decode) and beyond, with the row-major layout of `densa.kernels.int4_linear` (tested against
 its `int4_linear_ref`).
 
-Each program computes a BLOCK_M x BLOCK_N tile of y over its share of K (split-K: SPLIT_K
+Each program computes a BLOCK_M x BLOCK_N tile of y over its share of K (split-K: split_k
 programs per tile, partial sums added after, so a GEMV over few output features still fills
 the GPU). Per step it loads BLOCK_K/2 bytes of each of its weight rows once, and takes the two
 nibbles of each byte as two tiles, matched with the even and odd columns of x:
@@ -29,7 +29,13 @@ import math
 
 import torch
 
-from densa.kernels.triton_common import interpreting, or_dummy, require_triton, triton
+from densa.kernels.triton_common import (
+    interpreting,
+    multiprocessors,
+    or_dummy,
+    require_triton,
+    triton,
+)
 from densa.kernels.triton_tuning import LaunchConfig, best, m_bucket, split_ranges
 
 DEQUANT_PLAIN, DEQUANT_BF16_MAGIC, DEQUANT_FP16_MAGIC = 0, 1, 2
@@ -44,7 +50,7 @@ if triton is not None:
         """int32 codes 0..15 -> code - 8 in DTYPE (exact)."""
         if DEQUANT == 1:
             magic = (codes | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            return magic - 136.0
+            return (magic - 136.0).to(DTYPE)
         if DEQUANT == 2:
             magic = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
             return (magic - 1032.0).to(DTYPE)
@@ -57,7 +63,7 @@ if triton is not None:
         stride_xm, stride_qn, stride_sn, stride_om, stride_os,
         GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, DEQUANT: tl.constexpr, WIDEN: tl.constexpr,
+        PARTIALS: tl.constexpr, DEQUANT: tl.constexpr, WIDEN: tl.constexpr,
     ):  # fmt: skip
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of x / y
@@ -120,7 +126,7 @@ if triton is not None:
                 acc = mma(x_odd, tl.trans(w_hi.to(dtype)), acc, WIDEN)
         out = out_ptr + pid_k * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
         mask = row_ok[:, None] & col_ok[None, :]
-        if SPLIT_K == 1:
+        if not PARTIALS:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -143,31 +149,25 @@ def candidate_configs(
     block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
     # K steps of 128 columns (64 bytes per weight row) when the group allows scaling the result.
     block_k = 128 if group_size % 128 == 0 else group_size if group_size in (32, 64) else 64
-    sms = _multiprocessors(device)
+    sms = multiprocessors(device)
     configs = []
-    for block_n in (64, 128, 32):
-        for split_k in _split_choices(num_rows, out_features, in_features, block_n, block_k, sms):
+    for block_n in (64, 128):
+        tile = (block_m, block_n, block_k)
+        for split_k in _split_choices(num_rows, out_features, in_features, tile, sms):
             for num_warps in (4, 8):
                 configs.append(LaunchConfig(block_m, block_n, block_k, split_k, num_warps, 3))
     return configs
 
 
 def _split_choices(
-    num_rows: int, out_features: int, in_features: int, block_n: int, block_k: int, sms: int
+    num_rows: int, out_features: int, in_features: int, tile: tuple[int, int, int], sms: int
 ) -> list[int]:
     """The heuristic split first: enough programs for ~2 per multiprocessor, none idle."""
-    tiles = math.ceil(num_rows / 64) * math.ceil(out_features / block_n)
+    block_m, block_n, block_k = tile
+    tiles = math.ceil(num_rows / block_m) * math.ceil(out_features / block_n)
     max_split = max(1, in_features // (2 * block_k))
     wanted = max(1, min(max_split, math.ceil(2 * sms / tiles), 16))
-    return sorted(
-        {wanted, max(1, wanted // 2), min(max_split, wanted * 2)}, key=lambda s: s != wanted
-    )
-
-
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a little split-K, so tests cover it
+    return sorted({wanted, max(1, wanted // 2)}, key=lambda split: split != wanted)
 
 
 def int4_linear_triton(
@@ -208,7 +208,7 @@ def int4_linear_triton(
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(1), out.stride(0),
         GROUP_SIZE=group_size, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split_k, DEQUANT=dequant_mode(x.dtype), WIDEN=interpreting(),
+        PARTIALS=split_k > 1, DEQUANT=dequant_mode(x.dtype), WIDEN=interpreting(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if split_k == 1:
