@@ -118,21 +118,27 @@ def build_decode_graphs(
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
     """auto: the Triton kernels on a GPU (torch's if Triton is missing), Numba's on the CPU.
     'triton' also runs on the CPU, in Triton's interpreter (TRITON_INTERPRET=1): tests use it."""
-    from densa.kernels.triton_common import is_available as triton_available
     from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
-    from densa.model.triton_attention import TritonAttentionBackend
 
     if name == "auto":
-        name = "cpu" if device.type == "cpu" else "triton" if triton_available() else "torch"
+        name = "cpu" if device.type == "cpu" else "triton" if _has_triton() else "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
+        from densa.model.triton_attention import TritonAttentionBackend  # imports Triton
+
         return TritonAttentionBackend()
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'triton'")
         return CpuAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}")
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def load_decode_model(
