@@ -77,13 +77,13 @@ def variants(settings: E2ESettings, kv_bytes_per_token: int) -> list[Variant]:
     roomy = 2 * max(settings.concurrency) * settings.request_len * kv_bytes_per_token
     kv16 = baseline_kv_dtype(settings)
     return [
-        Variant("base", ("weights", "integrity"), {"kv_cache_memory": str(roomy)}),
-        Variant("int4", ("weights",), {"kv_cache_memory": str(roomy), "weight_format": "int4"}),
+        Variant("base", ("weights", "integrity"), {"kv_cache_memory": f"{roomy}B"}),
+        Variant("int4", ("weights",), {"kv_cache_memory": f"{roomy}B", "weight_format": "int4"}),
         Variant(
-            "integrity_off", ("integrity",), {"kv_cache_memory": str(roomy), "kv_integrity": False}
+            "integrity_off", ("integrity",), {"kv_cache_memory": f"{roomy}B", "kv_integrity": False}
         ),
-        Variant("kv_bf16", ("kv",), {"kv_cache_memory": str(tight), "kv_cache_dtype": kv16}),
-        Variant("kv_fp8", ("kv",), {"kv_cache_memory": str(tight), "kv_cache_dtype": "fp8_e4m3"}),
+        Variant("kv_bf16", ("kv",), {"kv_cache_memory": f"{tight}B", "kv_cache_dtype": kv16}),
+        Variant("kv_fp8", ("kv",), {"kv_cache_memory": f"{tight}B", "kv_cache_dtype": "fp8_e4m3"}),
     ]
 
 
