@@ -68,6 +68,8 @@ class EngineArgs:
     max_waiting_requests: int = 1024
     attention_backend: str = "auto"
     device: str = "cpu"
+    # On a GPU, replay all-decode steps of up to 64 requests from CUDA graphs (Triton backend).
+    cuda_graphs: bool = True
     seed: int = 0
 
     def resolve(self, arch: ArchConfig, model_path: str, num_pages: int) -> EngineConfig:
@@ -221,7 +223,23 @@ class EngineArgs:
             help="a checkpoint of the same model (e.g. INT4 from densa quantize) that decode "
             "steps run through; prefill keeps --model's weights; one shared KV cache",
         )
-        g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+        g.add_argument(
+            "--attention-backend",
+            default="auto",
+            choices=["auto", "torch", "cpu", "triton"],
+            help="auto: Numba kernels on the CPU, Triton kernels on a GPU",
+        )
+        g.add_argument(
+            "--device",
+            default="cpu",
+            help="where weights, KV pages and the tag table live: cpu, cuda or cuda:N",
+        )
+        g.add_argument(
+            "--cuda-graphs",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="on a GPU, replay decode steps from CUDA graphs (batch sizes up to 64)",
+        )
         g.add_argument("--seed", type=int, default=0)
 
     @classmethod

@@ -12,7 +12,7 @@ import torch
 from densa.config import CacheConfig, EngineConfig
 from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs, default_model_path
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.attention import AttentionBackend
+from densa.model.attention import AttentionBackend, LayerKVCache
 from densa.model.interface import CausalLM
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import load_model, resolve_model_dir
@@ -20,6 +20,7 @@ from densa.quant import fp8_kv
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
+from densa.worker.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from densa.worker.integrity import IntegrityChecker, NoopIntegrityChecker, TagTableChecker
 from densa.worker.kv_cache import allocate_kv_caches, num_pages_for_budget, page_bytes
 from densa.worker.model_runner import ModelRunner
@@ -67,9 +68,10 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         backend,
         tokenizer.eos_token_ids,
         device,
-        make_integrity_checker(config.cache, device),
+        make_integrity_checker(config.cache, device, backend),
         args.seed,
         decode_model=decode_model,
+        decode_graphs=build_decode_graphs(args, decode_model or model, kv_caches, backend, max_len),
     )
     logger.info(
         "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "
@@ -90,23 +92,64 @@ def load_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer
         raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
 
 
-def make_integrity_checker(cache: CacheConfig, device: torch.device) -> IntegrityChecker:
+def make_integrity_checker(
+    cache: CacheConfig, device: torch.device, backend: AttentionBackend | None = None
+) -> IntegrityChecker:
+    """The tag table lives next to the KV pages; the Triton backend brings its one-kernel check."""
     if not cache.kv_integrity:
         return NoopIntegrityChecker()
     # A fresh pool's tags are page ids (generation 0); the pool reports every change after that.
-    return TagTableChecker(list(range(cache.num_pages)), cache.page_size, device)
+    initial_tags = list(range(cache.num_pages))
+    if backend is not None and backend.name == "triton":
+        from densa.worker.triton_integrity import TritonTagTableChecker
+
+        return TritonTagTableChecker(initial_tags, cache.page_size, device)
+    return TagTableChecker(initial_tags, cache.page_size, device)
+
+
+def build_decode_graphs(
+    args: EngineArgs,
+    model: CausalLM,
+    kv_caches: list[LayerKVCache],
+    backend: AttentionBackend,
+    max_len: int,
+) -> DecodeGraphs | None:
+    """CUDA graphs of decode steps, on a GPU with a graph-safe backend (else None: eager)."""
+    if args.device == "cpu" or not args.cuda_graphs or not getattr(backend, "graph_safe", False):
+        return None
+    sizes = [s for s in DEFAULT_BATCH_SIZES if s <= args.max_num_seqs] or [args.max_num_seqs]
+    graphs = DecodeGraphs(
+        model, kv_caches, backend, args.page_size, -(-max_len // args.page_size),
+        torch.device(args.device), sizes,
+    )  # fmt: skip
+    logger.info("CUDA graphs captured for decode batch sizes %s", sizes)
+    return graphs
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """auto: the Triton kernels on a GPU (torch's if Triton is missing), Numba's on the CPU.
+    'triton' also runs on the CPU, in Triton's interpreter (TRITON_INTERPRET=1): tests use it."""
     from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
 
-    if name == "torch" or (name == "auto" and device.type != "cpu"):
+    if name == "auto":
+        name = "cpu" if device.type == "cpu" else "triton" if _has_triton() else "torch"
+    if name == "torch":
         return TorchAttentionBackend()
-    if name in ("auto", "cpu"):
+    if name == "triton":
+        from densa.model.triton_attention import TritonAttentionBackend  # imports Triton
+
+        return TritonAttentionBackend()
+    if name == "cpu":
         if device.type != "cpu":
-            raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'torch'")
+            raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'triton'")
         return CpuAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}")
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def load_decode_model(

@@ -23,6 +23,7 @@ from densa.model.attention import (
 from densa.model.interface import CausalLM
 from densa.quant import fp8_kv
 from densa.sched.output import ScheduledRequest, SchedulerOutput
+from densa.worker.cuda_graphs import DecodeGraphs
 from densa.worker.integrity import IntegrityChecker
 from densa.worker.sampler import Sampler, SampleRequest
 
@@ -64,6 +65,7 @@ class ModelRunner:
         integrity: IntegrityChecker,
         seed: int = 0,
         decode_model: CausalLM | None = None,
+        decode_graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model
         # Phase-aware weights: decode rows run through decode_model (e.g. INT4), prefill rows
@@ -76,6 +78,8 @@ class ModelRunner:
         self.device = device
         self.integrity = integrity
         self.sampler = Sampler(seed)
+        # CUDA graphs of all-decode steps through one of the models (None: always eager).
+        self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
@@ -118,6 +122,9 @@ class ModelRunner:
     def _run(
         self, model: CausalLM, items: list[ScheduledRequest]
     ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+        graphs = self.decode_graphs
+        if graphs is not None and model is graphs.model and graphs.can_run(items):
+            return graphs.run(items)
         inputs = self.prepare_inputs(items)
         hidden = model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
