@@ -19,6 +19,7 @@ from densa.model.tokenizer import Tokenizer
 from densa.quant import fp8_kv
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
+from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker, NoopIntegrityChecker, TagTableChecker
 from densa.worker.kv_cache import allocate_kv_caches, num_pages_for_budget, page_bytes
 from densa.worker.model_runner import ModelRunner
@@ -67,6 +68,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         make_integrity_checker(config.cache, device),
         args.seed,
         decode_model=decode_model,
+        grammars=GrammarCompiler(tokenizer, arch.vocab_size),
     )
     logger.info(
         "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "

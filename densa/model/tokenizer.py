@@ -33,6 +33,17 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tok, "chat_template", None))
 
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template itself renders `tools` (else densa renders them as text)."""
+        template = getattr(self._tok, "chat_template", None)
+        return isinstance(template, str) and "tools" in template
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped Hugging Face tokenizer (the grammar engine builds its token trie from it)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)
 
