@@ -105,6 +105,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--body-timeout", type=_seconds, default=30.0,
         help="seconds a client may take to send its request body (then 408)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tool-call-format",
+        default="hermes",
+        help="how the model writes tool calls: hermes (default; suits the bundled model) or "
+        "llama3_json (docs/serving.md)",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serve)
 
@@ -135,6 +141,9 @@ def _serve(ns: argparse.Namespace) -> int:
     args.check()
     bind_listener(ns.host, ns.port).close()
     from densa.serve import run_server
+    from densa.serve.tools.formats import tool_format
+
+    tool_format(ns.tool_call_format)  # an unknown format: one line, before the model loads
 
     run_server(
         args,
@@ -147,6 +156,7 @@ def _serve(ns: argparse.Namespace) -> int:
         api_key_file=ns.api_key_file,
         header_timeout=ns.header_timeout,
         body_timeout=ns.body_timeout,
+        tool_call_format=ns.tool_call_format,
     )
     return 0
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
+
+from densa.serve.body import RequestBody as _Body
 
 # OpenAI's rule for function names.
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # ---- requests -----------------------------------------------------------------------------------
