@@ -14,6 +14,15 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 # Repetition penalties outside this range overflow or flush the penalized logits to zero/inf.
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 
+# How constrained JSON is written: as json.dumps writes it, the separators a model has seen most,
+# and no free whitespace (a model may otherwise emit newlines forever without breaking the
+# grammar). llguidance reads these from a schema's "x-guidance" key, also inside Lark `%json`.
+JSON_STYLE: dict[str, object] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
 StructuredKind = Literal["json_object", "json_schema", "lark"]
 STRUCTURED_KINDS: tuple[StructuredKind, ...] = ("json_object", "json_schema", "lark")
 

@@ -57,6 +57,7 @@ class ToolEvalSettings:
 class CaseResult:
     valid: bool
     ast: bool
+    finish_reason: str | None  # "length": cut off by max_tokens (then rarely valid)
     text: str
 
 
@@ -91,7 +92,12 @@ def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[Cas
         parsed = parse_output(HERMES, generation.text)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
         results.append(
-            CaseResult(is_valid_call(case, calls), is_ast_match(case, calls), generation.text)
+            CaseResult(
+                is_valid_call(case, calls),
+                is_ast_match(case, calls),
+                generation.finish_reason,
+                generation.text,
+            )
         )
     return results
 
@@ -166,7 +172,7 @@ def _report(
         Table(
             f"BFCL tool calls, % ({len(cases)} cases: simple_python {settings.limit_simple}, "
             f"multiple {settings.limit_multiple}; 95% CIs)",
-            ["format", "mode", "valid call", "AST match", "AST Δ vs ref (paired)"],
+            ["format", "mode", "valid call", "AST match", "AST Δ vs ref (paired)", "cut off"],
             rows,
         )
     )

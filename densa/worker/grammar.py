@@ -17,15 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from densa.model.tokenizer import Tokenizer
-from densa.sampling_params import StructuredOutput
+from densa.sampling_params import JSON_STYLE, StructuredOutput
 
-# JSON is written the way json.dumps writes it: the separators a model has seen most, and no
-# free whitespace (a model may otherwise emit newlines forever without breaking the grammar).
-JSON_OPTIONS: Any = {  # llguidance.JsonCompileOptions
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-}
+JSON_OPTIONS: Any = JSON_STYLE  # as llguidance.JsonCompileOptions
 DEFAULT_CACHE_ENTRIES = 256
 DEFAULT_COMPILE_THREADS = 1  # 2-core machines: one compile beside the engine thread
 

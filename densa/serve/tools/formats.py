@@ -23,7 +23,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from densa.sampling_params import StructuredOutput
+from densa.sampling_params import JSON_STYLE, StructuredOutput
+
+# A constrained answer holds at most this many calls: a model that never chooses to stop must
+# still end (OpenAI sets no limit; agents rarely need more in one turn).
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass(frozen=True)
@@ -69,10 +73,11 @@ class ToolCallFormat:
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> StructuredOutput:
         """A grammar whose every output is one call (or several, if parallel) of these tools,
         with arguments valid under each tool's parameter schema."""
-        body = {"anyOf": [self._call_schema(tool) for tool in tools]}
+        body = {"anyOf": [self._call_schema(tool) for tool in tools], "x-guidance": JSON_STYLE}
         call = f"{_lark_string(self.open_marker)} body {_lark_string(self.close_marker)}"
         call = call.replace('"" ', "").replace(' ""', "")
-        start = f"call ({_lark_string(self.separator)} call)*" if parallel else "call"
+        more = MAX_PARALLEL_CALLS - 1 if parallel else 0
+        start = f"call ({_lark_string(self.separator)} call)~0..{more}" if more else "call"
         lark = f"start: {start}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
         return StructuredOutput("lark", lark)
 
