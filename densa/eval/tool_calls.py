@@ -132,6 +132,7 @@ def _report(
                 "mode": mode,
                 "valid": mean_ci(valid, boot).to_json(),
                 "ast": mean_ci(ast, boot).to_json(),
+                "num_cut_off": sum(r.finish_reason == "length" for r in mine),
             }
             vs_ref = ""
             if fmt.label != ref:
@@ -147,6 +148,7 @@ def _report(
                     mean_ci(valid, boot).format(".1f", 100),
                     mean_ci(ast, boot).format(".1f", 100),
                     vs_ref,
+                    f"{entry['num_cut_off']}/{len(mine)}",
                 ]
             )
         unconstrained = [float(r.ast) for r in results[(fmt.label, "unconstrained")]]
@@ -159,6 +161,7 @@ def _report(
                 "constrained - unconstrained (AST, paired)",
                 "",
                 gain.format(".1f", 100),
+                "",
                 "",
             ]
         )
@@ -181,6 +184,9 @@ def _report(
         "validate against its schema; AST match = BFCL's simple/multiple rule (one call, right "
         "function, accepted values). Constrained decoding makes every finished answer a valid "
         "call by construction; a constrained answer cut off by max_tokens is not.",
+        "BFCL's parameter schemas do not set additionalProperties: false, so a constrained call "
+        "may add keys of its own (schema-valid, but an AST mismatch, as in BFCL) and run on "
+        "until max_tokens ('cut off'); strict schemas close that door.",
         "A 135M model is near the floor of BFCL when unconstrained: it rarely writes a call in "
         "the format at all, so unconstrained rates measure format-following more than function "
         "choice. Constrained rates show what the model picks once the format is guaranteed.",
