@@ -83,10 +83,6 @@ def test_null_in_a_required_field_is_refused(server: RunningServer) -> None:
 UNSUPPORTED = [
     ("functions", [{"name": "f", "parameters": {}}]),
     ("function_call", "auto"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"),
-    ("parallel_tool_calls", True),
-    ("response_format", {"type": "json_object"}),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
     ("prediction", {"type": "content", "content": "x"}),

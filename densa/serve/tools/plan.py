@@ -47,7 +47,7 @@ def plan_tools(
 ) -> ToolPlan:
     """Raises ToolRequestError for what cannot be honoured (a 400 naming the field)."""
     answer_constraint = response_constraint(response_format)
-    if tool_choice is not None and not tools:
+    if tool_choice not in (None, "none") and not tools:
         raise ToolRequestError("tool_choice needs tools", "tool_choice")
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
     if not tools or choice == "none":
