@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
@@ -71,8 +72,6 @@ class AssistantToolCall(_Body):
 
 
 def _json_or_none(text: str) -> Any:
-    import json
-
     try:
         return json.loads(text)
     except ValueError:
