@@ -121,6 +121,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="engines that die within 10 minutes of starting, in a row, before the server gives "
         "up and exits 1 (for a supervisor to restart it)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tool-call-format",
+        default="hermes",
+        help="how the model writes tool calls: hermes (default; suits the bundled model) or "
+        "llama3_json (docs/serving.md)",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serve)
 
@@ -151,6 +157,9 @@ def _serve(ns: argparse.Namespace) -> int:
     args.check()
     bind_listener(ns.host, ns.port).close()
     from densa.serve import run_server
+    from densa.serve.tools.formats import tool_format
+
+    tool_format(ns.tool_call_format)  # an unknown format: one line, before the model loads
 
     run_server(
         args,
@@ -166,6 +175,7 @@ def _serve(ns: argparse.Namespace) -> int:
         engine_placement=ns.engine_placement,
         engine_step_timeout=ns.engine_step_timeout,
         engine_restarts=ns.engine_restarts,
+        tool_call_format=ns.tool_call_format,
     )
     return 0
 

@@ -30,6 +30,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_kv_sweep(benchmarks)
     _add_weights(benchmarks)
     _add_hostile(benchmarks)
+    _add_structured(benchmarks)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
 
@@ -368,3 +369,34 @@ def _weights(ns: argparse.Namespace) -> int:
     if settings is None:
         return 2
     return _write(run_weights(settings, EngineArgs.from_cli(ns)), ns.out)
+
+
+def _add_structured(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "structured",
+        help="cost of grammar-constrained decoding (JSON schemas) per decode step",
+        description="Waves of JSON-schema-constrained chat requests: token-bitmask fill and "
+        "apply time as a share of the decode step, interleaved with unconstrained waves; "
+        "grammar compile times cold and cached.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests/wave")
+    g.add_argument("--max-tokens", type=int, default=160, help="cap on each answer")
+    g.add_argument("--repeats", type=int, default=3, help="timed waves per variant and level")
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/structured"), help="folder")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_structured, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _structured(ns: argparse.Namespace) -> int:
+    from densa.bench.structured import StructuredSettings, run_structured
+
+    settings = _settings(
+        "structured",
+        lambda: StructuredSettings(
+            concurrency=tuple(ns.concurrency), max_tokens=ns.max_tokens, repeats=ns.repeats
+        ),
+    )
+    if settings is None:
+        return 2
+    return _write(run_structured(settings, EngineArgs.from_cli(ns)), ns.out)

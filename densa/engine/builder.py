@@ -21,6 +21,7 @@ from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
 from densa.worker.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker, NoopIntegrityChecker, TagTableChecker
 from densa.worker.kv_cache import allocate_kv_caches, num_pages_for_budget, page_bytes
 from densa.worker.model_runner import ModelRunner
@@ -72,6 +73,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         args.seed,
         decode_model=decode_model,
         decode_graphs=build_decode_graphs(args, decode_model or model, kv_caches, backend, max_len),
+        grammars=GrammarCompiler(tokenizer, arch.vocab_size),
     )
     logger.info(
         "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "

@@ -18,6 +18,7 @@ from densa.config import EngineConfig
 from densa.engine.args import EngineArgs
 from densa.engine.builder import build_engine_parts
 from densa.engine.confinement import execute_confined
+from densa.engine.grammar_gate import GrammarGate
 from densa.ipc.messages import RequestDelta, TokenLogprobs
 from densa.model.arch import ArchConfig
 from densa.request import Request, RequestStatus
@@ -65,6 +66,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.integrity_stats = IntegrityStats()
         self._tracked: dict[str, _Tracked] = {}
+        self.grammar_gate = GrammarGate()  # structured requests whose grammar is compiling
         self._finished_outputs: list[RequestDelta] = []
         self._ids = itertools.count()
 
@@ -112,7 +114,7 @@ class LLMEngine:
         except Exception as exc:
             self.kv_manager.forget(request)
             raise ValueError(f"the request cannot be prepared: {exc}") from exc
-        self.scheduler.add_request(request)
+        self._submit(request)
         self._tracked[request.request_id] = _Tracked(request=request)
         return request.request_id
 
@@ -126,7 +128,38 @@ class LLMEngine:
         self.kv_manager.num_queried_tokens = self.kv_manager.num_hit_tokens = 0
         self.scheduler.num_generated_tokens = self.scheduler.num_preemptions = 0
 
+    def _submit(self, request: Request) -> None:
+        """Schedule the request now, or once its grammar is compiled (off this thread)."""
+        spec = request.sampling_params.structured
+        grammars = self.runner.grammars
+        if spec is None or grammars is None:
+            self.scheduler.add_request(request)
+            return
+        grammar = grammars.submit(spec)
+        if grammar.done() and grammar.exception() is None:  # a cache hit: no wait
+            self.scheduler.add_request(request)
+        else:
+            self.grammar_gate.hold(request, grammar)
+
+    def _admit_compiled(self) -> None:
+        released = self.grammar_gate.release()
+        for request in released.ready:
+            self.scheduler.add_request(request)
+        for request, error in released.failed:
+            self._end_unscheduled(request, RequestStatus.FINISHED_ERROR, error)
+
+    def _end_unscheduled(self, request: Request, status: RequestStatus, error: str | None) -> None:
+        """End a request that never reached the scheduler (it holds no pages)."""
+        request.status, request.error = status, error
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None:
+            self._finished_outputs.append(self._output(tracked))
+
     def abort_request(self, request_id: str) -> None:
+        held = self.grammar_gate.drop(request_id)
+        if held is not None:
+            self._end_unscheduled(held, RequestStatus.FINISHED_ABORTED, None)
+            return
         self._finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def land_kv_pages(
@@ -149,11 +182,13 @@ class LLMEngine:
         return False
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._finished_outputs)
+        return (
+            self.scheduler.has_unfinished or bool(self._finished_outputs) or bool(self.grammar_gate)
+        )
 
     @property
     def num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished
+        return self.scheduler.num_unfinished + len(self.grammar_gate)
 
     def check_invariants(self) -> None:
         """Assert the page pool matches the requests' page tables (tests run this every step)."""
@@ -169,6 +204,8 @@ class LLMEngine:
         bookkeeping fails outside any request (faults inside one are confined to it, see step)."""
         for request_id in list(self.scheduler.requests):
             self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
+        for request in self.grammar_gate.drop_all():
+            self._end_unscheduled(request, RequestStatus.FINISHED_ERROR, error)
         outputs, self._finished_outputs = self._finished_outputs, []
         return outputs
 
@@ -176,6 +213,8 @@ class LLMEngine:
         """Raise ValueError if the request can never run. Pure: safe to call from any thread."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if params.structured is not None and self.runner.grammars is None:
+            raise ValueError("this engine was built without a grammar compiler")
         vocab = self.arch.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -200,6 +239,12 @@ class LLMEngine:
         Text (and a failure to make it) is the caller's, per request (text/output.py).
         """
         outputs, self._finished_outputs = self._finished_outputs, []
+        self._admit_compiled()
+        if not self.scheduler.has_unfinished and self.grammar_gate:
+            self.grammar_gate.wait(timeout=0.01)  # only compiles pending: do not spin
+            self._admit_compiled()
+        outputs.extend(self._finished_outputs)
+        self._finished_outputs = []
         sched_out = self.scheduler.schedule()
         for request_id in sched_out.finished_request_ids:
             tracked = self._tracked.get(request_id)

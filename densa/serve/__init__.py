@@ -14,6 +14,7 @@ tracking    one record per request: structured log line, x-request-id
 metrics     GET /metrics (Prometheus), per-app registry
 api_server  routes, `build_app`, the published OpenAPI schema
 process     `run_server` (signals, graceful drain) and `serve_in_thread` (tests, benchmarks)
+tools/      tool calls and structured output: models, formats, parser, prompts, schema checks
 """
 
 from densa.serve.api_server import build_app

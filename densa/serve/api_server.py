@@ -48,6 +48,8 @@ from densa.serve.protocol import (
     SamplingFields,
 )
 from densa.serve.responses import ChatFormatter, CompletionFormatter, Generation, TokenTexts
+from densa.serve.tools.formats import DEFAULT_TOOL_FORMAT, ToolCallFormat, tool_format
+from densa.serve.tools.plan import NO_TOOLS, ToolPlan
 from densa.serve.tracking import SESSION_HEADER, RequestRecord, RequestTracking, record_of
 from densa.text.tokenizer import Tokenizer
 from densa.utils.logging import get_logger
@@ -70,6 +72,7 @@ class ServerState:
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     request_timeout: float | None = None  # seconds per request, then it is aborted (504)
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT  # seconds to receive a body (then 408)
+    tool_format: ToolCallFormat = field(default_factory=lambda: tool_format(DEFAULT_TOOL_FORMAT))
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False  # set on SIGINT/SIGTERM: new requests get 503 while old ones finish
     num_open_responses: int = 0  # generation responses started and not yet counted and logged
@@ -120,6 +123,7 @@ def build_app(
     api_keys: ApiKeys | None = None,
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
     drain_timeout: float = 30.0,
+    tool_call_format: str = DEFAULT_TOOL_FORMAT,
 ) -> FastAPI:
     """The app; its lifespan starts the engine (and waits for its handshake) before the server
     accepts requests, and shuts it down (draining first) when the server stops."""
@@ -141,6 +145,7 @@ def build_app(
         api_keys=api_keys or ApiKeys(),
         request_timeout=request_timeout,
         body_timeout=body_timeout,
+        tool_format=tool_format(tool_call_format),
     )
     app.state.densa = state
     install_error_handlers(app)
@@ -275,14 +280,22 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
     state, deadline = _state(request), _deadline(request)
     body = prepare.parse(ChatCompletionRequest, await _read(request))
     tokenizer = state.check_can_serve(body.model)
-    prompt_ids = await prepare.chat_prompt(tokenizer, body, state.max_model_len)
+    plan = prepare.tool_plan(state.tool_format, body)
+    prompt_ids = await prepare.chat_prompt(
+        tokenizer, body, state.max_model_len, plan, state.tool_format
+    )
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.requested_max_tokens
     prepare.check_lengths(state.max_model_len, len(prompt_ids), max_tokens, ("messages", param))
     max_tokens = max_tokens or state.max_model_len - len(prompt_ids)
-    call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline)
+    call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline, plan)
     formatter = ChatFormatter(
-        call.request_id, int(time.time()), body.model, _token_texts(state), body.num_logprobs
+        call.request_id,
+        int(time.time()),
+        body.model,
+        _token_texts(state),
+        body.num_logprobs,
+        tool_format=state.tool_format if plan.parse_calls else None,
     )
     return await _respond(request, call, formatter, body)
 
@@ -354,9 +367,10 @@ def _engine_call(
     max_tokens: int,
     session_id: str | None,
     deadline: float | None,
+    plan: ToolPlan = NO_TOOLS,
 ) -> EngineCall:
     try:
-        params = body.to_sampling_params(max_tokens, body.num_logprobs)
+        params = body.to_sampling_params(max_tokens, body.num_logprobs, plan.constraint)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     prepare.check_token_ids(_state(request).served, prompt_ids, params)

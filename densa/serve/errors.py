@@ -24,7 +24,7 @@ logger = get_logger(__name__)
 # A status nginx made common for "the client closed the connection"; nobody reads the response.
 STATUS_CLIENT_CLOSED = 499
 # Error codes the engine reports that mean the request itself was bad, not the server.
-_CLIENT_ERROR_CODES = {"invalid_request"}
+_CLIENT_ERROR_CODES = {"invalid_request", "invalid_grammar"}
 
 
 class ErrorInfo(BaseModel):

@@ -79,7 +79,7 @@ class StreamFormatter(Protocol):
 
     def stream_start(self) -> list[BaseModel]: ...
 
-    def stream_chunk(self, output: RequestOutput) -> BaseModel | None: ...
+    def stream_chunks(self, output: RequestOutput) -> list[BaseModel]: ...
 
     def usage_chunk(self, final: RequestOutput) -> BaseModel: ...
 
@@ -188,8 +188,7 @@ async def sse_events(
             if output.finish_reason == "error":
                 yield _error_event(record, from_engine_output(output))
                 return
-            body = formatter.stream_chunk(output)
-            if body is not None:
+            for body in formatter.stream_chunks(output):
                 yield _event(body)
             if output.finished:
                 break

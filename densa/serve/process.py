@@ -42,6 +42,7 @@ class ServerOptions:
     request_timeout: float | None = None  # seconds one request may take, then it is aborted (504)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no key needed
     api_key_file: str | None = None  # more keys, one per line
+    tool_call_format: str = "hermes"  # serve/tools/formats.py: TOOL_FORMATS
     log_level: str = "info"
     header_timeout: float = DEFAULT_HEADER_TIMEOUT  # seconds to receive request headers (408)
     body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds to receive a request body (408)
@@ -87,6 +88,7 @@ def _load_and_serve(
         api_keys=api_keys,
         body_timeout=options.body_timeout,
         drain_timeout=options.drain_timeout,
+        tool_call_format=options.tool_call_format,
     )
     asyncio.run(_serve(app, client, sock, options))
     if client.has_failed:

@@ -87,6 +87,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
 
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template itself renders `tools` (else densa renders them as text)."""
+        return bool(self.chat_template) and "tools" in str(self.chat_template)
+
     # ---- tokens ----------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -24,8 +24,10 @@ from densa.model.interface import CausalLM
 from densa.quant import fp8_kv
 from densa.sched.output import ScheduledRequest, SchedulerOutput
 from densa.worker.cuda_graphs import DecodeGraphs
+from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker
 from densa.worker.sampler import Sampler, SampleRequest
+from densa.worker.structured import StructuredSampler
 
 
 def _is_generated(item: ScheduledRequest) -> bool:
@@ -39,7 +41,8 @@ class RunnerOutput:
     # Requests the runner refused to compute: they touched a KV page they no longer own.
     failed: dict[str, IntegrityViolation] = field(default_factory=dict)
     # Requests that got no token for a reason of their own ("code: message"), e.g. logits with
-    # no finite value to sample from. The engine ends exactly these with an error.
+    # no finite value to sample from, or a grammar that refused the token ("grammar_error: ...").
+    # The engine ends exactly these with an error.
     errors: dict[str, str] = field(default_factory=dict)
 
 
@@ -66,6 +69,7 @@ class ModelRunner:
         seed: int = 0,
         decode_model: CausalLM | None = None,
         decode_graphs: DecodeGraphs | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
         # Phase-aware weights: decode rows run through decode_model (e.g. INT4), prefill rows
@@ -77,7 +81,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.integrity = integrity
-        self.sampler = Sampler(seed)
+        # Compiles constraints (structured outputs, tool calls); None: unconstrained only.
+        self.grammars = grammars
+        self.sampler = Sampler(seed, StructuredSampler(grammars) if grammars else None)
         # CUDA graphs of all-decode steps through one of the models (None: always eager).
         self.decode_graphs = decode_graphs
 
@@ -250,6 +256,7 @@ class ModelRunner:
             output.sampled_token_ids[item.request_id] = token_id
             if logprobs is not None:
                 output.logprobs[item.request_id] = logprobs
+        output.errors.update(result.errors)
 
 
 def _store_pages(

@@ -92,8 +92,13 @@ def test_unreadable_bodies(server: RunningServer, content: bytes, code: str) -> 
         ({"messages": [{"role": "user"}]}, "messages[0]"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
         ({"messages": "hi"}, "messages"),
-        ({"response_format": {}}, "response_format"),
         ({"repetition_penalty": 1e-320}, "repetition_penalty"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools[0].function.name",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"tool_choice": "required"}, "tool_choice"),
     ],
 )
 def test_invalid_chat_fields(server: RunningServer, overrides: dict[str, Any], param: str) -> None:
