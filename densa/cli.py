@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from densa.bench import add_bench_parser
 from densa.bench.kv_tools import add_kv_parsers
 from densa.eval import add_eval_parser
+from densa.router.cli import add_router_parser
 from densa.utils.logging import configure_logging
 
 Command = Callable[[argparse.Namespace], int]
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
     _add_serve(commands)
+    add_router_parser(commands)
     _add_generate(commands)
     _add_quantize(commands)
     add_bench_parser(commands)
