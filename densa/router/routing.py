@@ -142,6 +142,7 @@ class Router:
     def closed(self, placement: Placement, num_output_tokens: int | None) -> None:
         worker = placement.worker
         worker.num_open -= 1
+        worker.num_closed_since_poll += 1
         worker.pending_output_tokens -= placement.expected_output_tokens
         if num_output_tokens is not None:
             self.lengths.observe(placement.route, num_output_tokens)

@@ -57,13 +57,16 @@ class Worker:
     num_failures: int = 0  # consecutive failed polls or connections
     next_probe_at: float = 0.0
     num_open: int = 0  # requests this router has open on the worker
+    num_closed_since_poll: int = 0  # ... that finished after the latest load report
     pending_output_tokens: int = 0  # their expected output tokens
     num_routed: int = 0
 
     @property
     def queue_depth(self) -> int:
-        """Requests on the worker: the polled count, or ours if that is higher (it is fresher)."""
-        polled = 0 if self.load is None else self.load.num_running + self.load.num_waiting
+        """Requests on the worker: its front's count at the latest poll, less those of ours that
+        finished since (a poll can be ~1 s old; without this a worker that just went idle
+        would look busy until the next one), but never fewer than ours still open."""
+        polled = 0 if self.load is None else self.load.num_in_flight - self.num_closed_since_poll
         return max(polled, self.num_open)
 
     def endpoint(self, path: str) -> str:
@@ -100,6 +103,7 @@ class WorkerPool:
         if worker.load is not None and worker.load.engine_pid != load.engine_pid:
             worker.prefix.clear()  # a new engine life: its prefix cache started empty
         worker.load = load
+        worker.num_closed_since_poll = 0
         worker.prefix.capacity = max(load.num_kv_pages, 1)  # it cannot cache more pages than this
         worker.num_failures = 0
         worker.next_probe_at = self.clock() + self.options.poll_interval_s

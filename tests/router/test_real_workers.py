@@ -1,0 +1,192 @@
+"""The router over three real densa workers (each its own front + engine process), through the
+official openai client: affinity across turns, tenant-scoped prefix placement, ring movement
+when a worker is added, and a worker killed with SIGKILL mid-traffic."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from densa.router.app import build_router_app
+from densa.router.config import RouterConfig
+from densa.serve.process import serve_in_thread
+
+from .workers import WorkerProcess, running_workers
+
+SYSTEM = "You are the support assistant of the Acme Rocket Company. " * 24  # ~300 tokens
+
+
+@pytest.fixture(scope="module")
+def workers(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[WorkerProcess]]:
+    with running_workers(tiny_model_dir, 3, tmp_path_factory.mktemp("workers")) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def router_over(urls: list[str], **config: Any) -> Iterator[tuple[str, Any]]:
+    """(base URL, the app's Router) for a router served from a thread of the test process."""
+    app = build_router_app(RouterConfig(workers=tuple(urls), **config))
+    with serve_in_thread(app) as base:
+        state = app.state.router
+        wait_until(lambda: state.router.model is not None, "the router learned the model")
+        yield base, state.router
+
+
+def wait_until(condition: Any, what: str, timeout: float = 15.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+def client(base: str, key: str = "key-a", **kwargs: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=60, **kwargs)
+
+
+def chat(api: openai.OpenAI, messages: list[dict[str, str]], session: str | None = None,
+         max_tokens: int = 4, **body: Any) -> tuple[str, Any]:  # fmt: skip
+    headers = {"x-session-affinity": session} if session else {}
+    raw = api.chat.completions.with_raw_response.create(
+        model="tiny", messages=messages, max_tokens=max_tokens, extra_headers=headers, **body
+    )  # type: ignore[call-overload]
+    return raw.headers["x-densa-worker"], raw.parse()
+
+
+def test_a_session_stays_on_one_worker_for_20_turns(workers: list[WorkerProcess]) -> None:
+    with router_over([w.url for w in workers]) as (base, _):
+        api = client(base)
+        messages = [{"role": "user", "content": "Tell me about rockets."}]
+        placed, cached = [], []
+        for turn in range(20):
+            worker, response = chat(api, messages, session="chat-20")
+            placed.append(worker)
+            cached.append(response.usage.prompt_tokens_details.cached_tokens)
+            messages += [{"role": "assistant", "content": response.choices[0].message.content},
+                         {"role": "user", "content": f"And then, part {turn}?"}]  # fmt: skip
+        assert len(set(placed)) == 1, placed
+        assert all(n > 0 for n in cached[1:]), cached
+
+
+def _session_not_homed_on(router: Any, url: str, prefix: str) -> str:
+    allowed = {w.url for w in router.targets()}
+    return next(
+        f"{prefix}-{i}" for i in range(1000) if router.ring.owner(f"{prefix}-{i}", allowed) != url
+    )
+
+
+def test_a_tenants_system_prompt_draws_its_new_sessions_but_never_another_tenants(
+    workers: list[WorkerProcess],
+) -> None:
+    with router_over([w.url for w in workers]) as (base, router):
+        first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi!"}]
+        holder, _ = chat(client(base, "key-a"), first, session="a-first")
+        # A new session of tenant A whose ring home is elsewhere: the prefix brings it back.
+        second = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Price?"}]
+        session_a = _session_not_homed_on(router, holder, "a-new")
+        worker_a, response_a = chat(client(base, "key-a"), second, session=session_a)
+        assert worker_a == holder
+        assert response_a.usage.prompt_tokens_details.cached_tokens > 0
+        # The same prompt from tenant B: placed by its ring home alone, and nothing is cached.
+        session_b = _session_not_homed_on(router, holder, "b-new")
+        home_b = router.ring.owner(session_b)
+        worker_b, response_b = chat(client(base, "key-b"), second, session=session_b)
+        assert worker_b == home_b != holder
+        assert response_b.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_adding_a_worker_moves_at_most_about_one_in_n_sessions(
+    workers: list[WorkerProcess],
+) -> None:
+    sessions = [f"move-{i}" for i in range(24)]
+
+    def placements(urls: list[str]) -> dict[str, str]:
+        with router_over(urls) as (base, _):
+            api = client(base)
+            placed = {}
+            for i, session in enumerate(sessions):  # `user` scopes each: no shared prefix
+                message = [{"role": "user", "content": "Hello"}]
+                placed[session], _ = chat(api, message, session=session, user=f"user-{i}")
+            return placed
+
+    urls = [w.url for w in workers]
+    before, after = placements(urls[:2]), placements(urls)
+    moved = [s for s in sessions if before[s] != after[s]]
+    assert {after[s] for s in moved} <= {urls[2]}  # sessions only move to the new worker
+    assert 0 < len(moved) <= len(sessions) // 2, moved  # ~1/3 expected
+
+
+def test_a_worker_killed_mid_traffic_is_ejected_and_no_request_is_lost_silently(
+    workers: list[WorkerProcess],
+) -> None:
+    victim = workers[2]
+    with router_over([w.url for w in workers]) as (base, _):
+        api = client(base)
+        body = {"ignore_eos": True}
+        started = threading.Barrier(13)
+
+        def one(i: int) -> str:
+            started.wait(30)
+            message = [{"role": "user", "content": f"Count to a hundred, request {i}."}]
+            if i % 3:
+                _, response = chat(api, message, session=f"kill-{i}", max_tokens=40,
+                                        extra_body=body)  # fmt: skip
+                assert response.usage.completion_tokens == 40
+                return "ok"
+            try:
+                stream = api.chat.completions.create(
+                    model="tiny",
+                    messages=message,
+                    max_tokens=40,
+                    stream=True,
+                    extra_body=body,
+                    extra_headers={"x-session-affinity": f"kill-{i}"},
+                )  # type: ignore[call-overload]
+                num_chunks = sum(1 for _ in stream)
+                assert num_chunks >= 40
+                return "ok"
+            except openai.APIError as exc:  # an explicit error, never a silent truncation
+                assert "lost" in str(exc) or "unavailable" in str(exc), exc
+                return "explicit error"
+
+        with ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(one, i) for i in range(12)]
+            started.wait(30)
+            wait_until(lambda: victim_has_requests(victim), "the victim is serving", 20)
+            victim.kill_9()
+            outcomes = [f.result(timeout=120) for f in futures]
+        assert set(outcomes) <= {"ok", "explicit error"}
+        assert outcomes.count("ok") >= 8  # every non-streamed request succeeded (8 of 12)
+        health = httpx.get(base + "/health", timeout=5).json()
+        assert health["workers"][victim.url] is False
+        for i in range(6):  # traffic continues on the others
+            worker, _ = chat(
+                api, [{"role": "user", "content": "still there?"}], session=f"after-{i}"
+            )
+            assert worker != victim.url
+        metrics = httpx.get(base + "/metrics", timeout=5).text
+        assert f'densa_router_ejections_total{{worker="{victim.url}"}} 1.0' in metrics
+        # The victim's requests were really in flight: retried elsewhere, or ended explicitly.
+        retried = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                      if line.startswith("densa_router_retries_total"))  # fmt: skip
+        assert retried + outcomes.count("explicit error") > 0, outcomes
+
+
+def victim_has_requests(victim: WorkerProcess) -> bool:
+    try:
+        load = httpx.get(victim.url + "/densa/load", timeout=1).json()
+    except httpx.HTTPError:
+        return False
+    return bool(load["num_in_flight"] > 0)
