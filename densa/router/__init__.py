@@ -3,6 +3,7 @@
 config    RouterConfig: pools, policy, weights, timeouts (validated once, frozen)
 cli       `densa router` flags and process
 app       the FastAPI app: proxied OpenAI routes, /health, /metrics, its lifespan
+tokens    the workers' tokenizer with a cache of text pieces (prompts re-send their history)
 incoming  what a request says to the router: prompt tokens, tenant scope, session, max_tokens
 routing   Router: request -> worker (or prefill + decode pair) and the bookkeeping around it
 policy    the weighted five-signal score, and the single-signal baselines (a registry)

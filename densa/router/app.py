@@ -28,10 +28,11 @@ from densa.router.proxy import WORKER_HEADER, Proxy, no_worker_available
 from densa.router.ring import HashRing
 from densa.router.routing import Router
 from densa.router.sessions import SessionTable
+from densa.router.tokens import PieceCachingTokenizer
 from densa.router.workers import Worker, WorkerPool
 from densa.serve.errors import APIError, install_error_handlers
 from densa.serve.tools.formats import tool_format
-from densa.text.tokenizer import Tokenizer, TokenizerFiles
+from densa.text.tokenizer import TokenizerFiles
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -108,7 +109,7 @@ async def _learn_model(router: Router, client: httpx.AsyncClient) -> None:
 
 def model_info(body: dict[str, Any]) -> ModelInfo:
     files = body["tokenizer"]
-    tokenizer = Tokenizer(
+    tokenizer = PieceCachingTokenizer(
         TokenizerFiles(
             files["tokenizer_json"], files.get("config_json"), files.get("chat_template")
         ),
@@ -182,7 +183,8 @@ async def _health(request: Request) -> Response:
     workers = {url: w.is_healthy for url, w in state.router.pool.workers.items()}
     if not state.router.targets():
         return no_worker_available().to_response()
-    return JSONResponse({"status": "ok", "workers": workers})
+    model = state.router.model.name if state.router.model is not None else None
+    return JSONResponse({"status": "ok", "model": model, "workers": workers})
 
 
 async def _metrics(request: Request) -> Response:

@@ -15,11 +15,10 @@ import httpx
 import openai
 import pytest
 
+from densa.bench.local_workers import WorkerProcess, WorkerSettings, running_workers
 from densa.router.app import build_router_app
 from densa.router.config import RouterConfig
 from densa.serve.process import serve_in_thread
-
-from .workers import WorkerProcess, running_workers
 
 SYSTEM = "You are the support assistant of the Acme Rocket Company. " * 24  # ~300 tokens
 
@@ -28,7 +27,8 @@ SYSTEM = "You are the support assistant of the Acme Rocket Company. " * 24  # ~3
 def workers(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[WorkerProcess]]:
-    with running_workers(tiny_model_dir, 3, tmp_path_factory.mktemp("workers")) as running:
+    settings = WorkerSettings(model=str(tiny_model_dir))
+    with running_workers(settings, 3, tmp_path_factory.mktemp("workers")) as running:
         yield running
 
 

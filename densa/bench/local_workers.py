@@ -1,5 +1,7 @@
-"""Real densa workers for the router tests: `densa serve` processes (front + engine process) on
-free loopback ports, one thread each, started in parallel and killed with their process group."""
+"""Real densa workers on this machine for the router's tests and benchmark: `densa serve`
+processes (front + engine process each) on free loopback ports, one compute thread each, started
+in parallel and stopped (or killed) with their process group. Torch-free here: the workers load
+the model, not this process."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # the workers import this densa tree
 
 
 def free_port() -> int:
@@ -38,21 +40,34 @@ class WorkerProcess:
         self.process.wait(10)
 
 
-def start_worker(model_dir: Path, log: Path, extra: tuple[str, ...] = ()) -> WorkerProcess:
+@dataclass(frozen=True)
+class WorkerSettings:
+    model: str | None = None  # None: the bundled default model
+    served_model_name: str = "tiny"
+    kv_cache_memory: str = "64MiB"
+    max_model_len: int = 512
+    extra_args: tuple[str, ...] = ()
+
+    def args(self) -> list[str]:
+        model = ["--model", self.model] if self.model else []
+        return [*model, "--served-model-name", self.served_model_name,
+                "--kv-cache-memory", self.kv_cache_memory,
+                "--max-model-len", str(self.max_model_len), *self.extra_args]  # fmt: skip
+
+
+def start_worker(settings: WorkerSettings, log: Path) -> WorkerProcess:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "NUMBA_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # fmt: skip
     command = [sys.executable, "-m", "densa.cli", "--log-level", "WARNING", "serve",
-               "--model", str(model_dir), "--served-model-name", "tiny",
-               "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--port", str(port),
-               *extra]  # fmt: skip
+               "--port", str(port), *settings.args()]  # fmt: skip
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True)  # fmt: skip
     return WorkerProcess(f"http://127.0.0.1:{port}", process, log)
 
 
-def wait_healthy(workers: list[WorkerProcess], timeout: float = 120.0) -> None:
+def wait_healthy(workers: list[WorkerProcess], timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     pending = list(workers)
     while pending:
@@ -73,8 +88,10 @@ def wait_healthy(workers: list[WorkerProcess], timeout: float = 120.0) -> None:
 
 
 @contextlib.contextmanager
-def running_workers(model_dir: Path, n: int, log_dir: Path) -> Iterator[list[WorkerProcess]]:
-    workers = [start_worker(model_dir, log_dir / f"worker-{i}.log") for i in range(n)]
+def running_workers(
+    settings: WorkerSettings, n: int, log_dir: Path
+) -> Iterator[list[WorkerProcess]]:
+    workers = [start_worker(settings, log_dir / f"worker-{i}.log") for i in range(n)]
     try:
         wait_healthy(workers)
         yield workers
