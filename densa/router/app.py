@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
 _INFO_RETRY_S = 0.5
+# Requests to workers may go out as a header write and a body write: without TCP_NODELAY the
+# second could wait for the worker's delayed ACK of the first (see densa/utils/net.py).
+_NO_DELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 
 @dataclass
@@ -72,7 +76,8 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         timeout = httpx.Timeout(config.upstream_timeout_s, connect=config.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=_NO_DELAY)
+        async with httpx.AsyncClient(timeout=timeout, transport=transport) as client:
             state.proxy = Proxy(router, client, metrics, config.max_attempts)
             await router.pool.poll_due(client)  # admit whoever is up before the first request
             tasks = [asyncio.create_task(router.pool.run(client)),

@@ -53,7 +53,7 @@ def wait_until(condition: Any, what: str, timeout: float = 15.0) -> None:
 
 
 def client(base: str, key: str = "key-a", **kwargs: Any) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=60, **kwargs)
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=120, **kwargs)
 
 
 def chat(api: openai.OpenAI, messages: list[dict[str, str]], session: str | None = None,
@@ -138,37 +138,36 @@ def test_a_worker_killed_mid_traffic_is_ejected_and_no_request_is_lost_silently(
         started = threading.Barrier(13)
 
         def one(i: int) -> str:
+            """What the client saw: "ok", "explicit error", or anything else (a failure)."""
             started.wait(30)
             message = [{"role": "user", "content": f"Count to a hundred, request {i}."}]
-            if i % 3:
-                _, response = chat(api, message, session=f"kill-{i}", max_tokens=40,
-                                        extra_body=body)  # fmt: skip
-                assert response.usage.completion_tokens == 40
-                return "ok"
+            session = {"x-session-affinity": f"kill-{i}"}
             try:
+                if i % 3:
+                    response = api.chat.completions.create(
+                        model="tiny", messages=message, max_tokens=40, extra_body=body,
+                        extra_headers=session,
+                    )  # fmt: skip
+                    n = response.usage.completion_tokens if response.usage else 0
+                    return "ok" if n == 40 else f"{n} output tokens"
                 stream = api.chat.completions.create(
-                    model="tiny",
-                    messages=message,
-                    max_tokens=40,
-                    stream=True,
-                    extra_body=body,
-                    extra_headers={"x-session-affinity": f"kill-{i}"},
-                )  # type: ignore[call-overload]
+                    model="tiny", messages=message, max_tokens=40, stream=True, extra_body=body,
+                    extra_headers=session,
+                )  # fmt: skip
                 num_chunks = sum(1 for _ in stream)
-                assert num_chunks >= 40
-                return "ok"
+                return "ok" if num_chunks >= 40 else f"a silent truncation: {num_chunks} chunks"
             except openai.APIError as exc:  # an explicit error, never a silent truncation
-                assert "lost" in str(exc) or "unavailable" in str(exc), exc
-                return "explicit error"
+                explicit = "was lost" in str(exc) and i % 3 == 0
+                return "explicit error" if explicit else f"{type(exc).__name__}: {exc}"
 
         with ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(one, i) for i in range(12)]
             started.wait(30)
             wait_until(lambda: victim_has_requests(victim), "the victim is serving", 20)
             victim.kill_9()
-            outcomes = [f.result(timeout=120) for f in futures]
-        assert set(outcomes) <= {"ok", "explicit error"}
-        assert outcomes.count("ok") >= 8  # every non-streamed request succeeded (8 of 12)
+            outcomes = [f.result(timeout=240) for f in futures]
+        assert set(outcomes) <= {"ok", "explicit error"}, outcomes
+        assert outcomes.count("ok") >= 8, outcomes  # every non-streamed request succeeded
         health = httpx.get(base + "/health", timeout=5).json()
         assert health["workers"][victim.url] is False
         for i in range(6):  # traffic continues on the others
