@@ -414,9 +414,10 @@ def _add_router(benchmarks: argparse._SubParsersAction) -> None:
     g = parser.add_argument_group("benchmark")
     g.add_argument("--tenant-sessions", type=int, nargs="+", default=[6, 2, 1],
                    help="sessions per tenant (one number per tenant)")  # fmt: skip
-    g.add_argument("--turns", type=int, default=4, help="turns per session")
-    g.add_argument("--system-words", type=int, default=220, help="words per system prompt")
-    g.add_argument("--max-tokens", type=int, default=16, help="output tokens per turn")
+    g.add_argument("--turns", type=int, default=6, help="turns per session")
+    g.add_argument("--system-words", type=int, default=100, help="words per system prompt")
+    g.add_argument("--user-words", type=int, default=60, help="words per user message")
+    g.add_argument("--max-tokens", type=int, default=24, help="output tokens per turn")
     g.add_argument("--stagger", type=float, default=1.0, help="seconds between session starts")
     g.add_argument("--repeats", type=int, default=2, help="runs per policy (interleaved)")
     g.add_argument("--latency-probes", type=int, default=40, help="direct/routed request pairs")
@@ -435,7 +436,8 @@ def _router(ns: argparse.Namespace) -> int:
         "router",
         lambda: RouterBenchSettings(
             tenant_sessions=tuple(ns.tenant_sessions), turns=ns.turns,
-            system_words=ns.system_words, max_tokens=ns.max_tokens, stagger_s=ns.stagger,
+            system_words=ns.system_words, user_words=ns.user_words, max_tokens=ns.max_tokens,
+            stagger_s=ns.stagger,
             repeats=ns.repeats, latency_probes=ns.latency_probes,
             kv_cache_memory=ns.kv_cache_memory, model=ns.model,
         ),

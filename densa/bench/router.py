@@ -2,9 +2,10 @@
 
 Three real workers (`densa serve`, one compute thread each) on this machine; for each policy a
 fresh `densa router` process in front of them. The workload is multi-tenant multi-turn chat:
-tenants of unequal size (the default 6, 2 and 1 sessions), each with its own long system prompt
+tenants of unequal size (the default 6, 2 and 1 sessions), each with its own system prompt
 shared by all its sessions; each session sends `turns` turns (the whole history each time, with
-x-session-affinity), the sessions starting `stagger_s` apart. Every run salts the system prompts
+x-session-affinity), each user message carrying a short document (`user_words` words), the
+sessions starting `stagger_s` apart. Every run salts the system prompts
 with its run id, so no run is helped by a cache another run left on the workers. Policies are
 interleaved (A B C D, A B C D, ...).
 
@@ -53,9 +54,10 @@ _TOPICS = ("billing", "rockets", "shipping", "returns", "warranty", "fuel", "orb
 @dataclass(frozen=True)
 class RouterBenchSettings:
     tenant_sessions: tuple[int, ...] = (6, 2, 1)  # sessions per tenant (unequal on purpose)
-    turns: int = 4
-    system_words: int = 220  # words of each tenant's system prompt (~1.3 tokens per word)
-    max_tokens: int = 16  # output tokens per turn (EOS ignored)
+    turns: int = 6
+    system_words: int = 100  # words of each tenant's system prompt (~1.5 tokens per word)
+    user_words: int = 60  # words of the document each user message carries
+    max_tokens: int = 24  # output tokens per turn (EOS ignored)
     stagger_s: float = 1.0  # between session starts
     repeats: int = 2
     latency_probes: int = 40  # tiny requests direct vs routed, for the router's added latency
@@ -113,6 +115,14 @@ def system_prompt(tenant: int, run_id: str, words: int) -> str:
     return f"Run {run_id}. You are tenant {tenant}'s assistant for {topic}. {body}"
 
 
+def user_message(tenant: int, session: int, turn: int, run_id: str, words: int) -> str:
+    """A question about a short document of `words` words, different for every turn."""
+    topic = _TOPICS[(session + turn) % len(_TOPICS)]
+    document = " ".join(f"{_TOPICS[(i * 7 + turn + session) % len(_TOPICS)]}{i % 13}"
+                        for i in range(words))  # fmt: skip
+    return f"[{run_id} t{tenant} s{session} turn {turn}] About {topic}: {document}. Summarize."
+
+
 def _stream_turn(
     client: httpx.Client, base: str, key: str, session: str, messages: list[dict[str, str]],
     max_tokens: int,
@@ -155,8 +165,8 @@ def run_workload(base: str, settings: RouterBenchSettings, run_id: str) -> dict[
         messages = [{"role": "system", "content": system}]
         with httpx.Client(timeout=300) as client:
             for turn in range(settings.turns):
-                topic = _TOPICS[(session + turn) % len(_TOPICS)]
-                messages.append({"role": "user", "content": f"Session {session}: {topic}?"})
+                question = user_message(tenant, session, turn, run_id, settings.user_words)
+                messages.append({"role": "user", "content": question})
                 sample = _stream_turn(client, base, f"tenant-{tenant}-key",
                                       f"{run_id}-t{tenant}-s{session}", messages,
                                       settings.max_tokens)  # fmt: skip
