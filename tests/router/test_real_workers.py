@@ -110,22 +110,26 @@ def test_a_tenants_system_prompt_draws_its_new_sessions_but_never_another_tenant
 def test_adding_a_worker_moves_at_most_about_one_in_n_sessions(
     workers: list[WorkerProcess],
 ) -> None:
-    sessions = [f"move-{i}" for i in range(24)]
+    """A router restarted with one more worker places new sessions by the ring: each lands on
+    its ring home, and the only sessions that move are those the new worker's arcs took."""
+    sessions = [f"move-{i}" for i in range(48)]
 
     def placements(urls: list[str]) -> dict[str, str]:
-        with router_over(urls) as (base, _):
+        with router_over(urls) as (base, router):
             api = client(base)
             placed = {}
             for i, session in enumerate(sessions):  # `user` scopes each: no shared prefix
                 message = [{"role": "user", "content": "Hello"}]
                 placed[session], _ = chat(api, message, session=session, user=f"user-{i}")
+                assert placed[session] == router.ring.owner(session), session
             return placed
 
     urls = [w.url for w in workers]
     before, after = placements(urls[:2]), placements(urls)
     moved = [s for s in sessions if before[s] != after[s]]
     assert {after[s] for s in moved} <= {urls[2]}  # sessions only move to the new worker
-    assert 0 < len(moved) <= len(sessions) // 2, moved  # ~1/3 expected
+    # ~1/3 expected (the new worker's share of the ring; the ring test pins it on 3000 keys)
+    assert 0 < len(moved) <= 0.6 * len(sessions), moved
 
 
 def test_a_worker_killed_mid_traffic_is_ejected_and_no_request_is_lost_silently(
