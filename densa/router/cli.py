@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import signal
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -43,10 +46,10 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
     policy = parser.add_argument_group("policy")
     policy.add_argument("--policy", default="densa", choices=list(POLICIES),
                         help="densa (the weighted score) or a single-signal baseline")  # fmt: skip
-    for signal in SIGNALS:
+    for name in SIGNALS:
         policy.add_argument(
-            f"--{signal}-weight", type=float, default=getattr(_DEFAULTS, signal),
-            help=f"{_SIGNAL_HELP[signal]} (default {getattr(_DEFAULTS, signal):g})",
+            f"--{name}-weight", type=float, default=getattr(_DEFAULTS, name),
+            help=f"{_SIGNAL_HELP[name]} (default {getattr(_DEFAULTS, name):g})",
         )  # fmt: skip
     policy.add_argument(
         "--session-ttl", type=float, default=600.0,
@@ -83,13 +86,16 @@ def config_from(ns: argparse.Namespace) -> RouterConfig:
 
 def run_router_command(ns: argparse.Namespace) -> int:
     from densa.router.app import build_router_app
+    from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
     from densa.utils.net import bind_listener
 
     config = config_from(ns)  # a bad flag: one line, before binding anything
     sock = bind_listener(ns.host, ns.port)
     try:
         app = build_router_app(config)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=ns.log_level or "info"))
+        level = (ns.log_level or "info").lower()
+        http = with_header_timeout(DEFAULT_HEADER_TIMEOUT)
+        server = _RouterServer(uvicorn.Config(app, log_level=level, http=http))
         n = len(config.roles())
         logger.info("router on http://%s:%d over %d workers (policy %s)", ns.host, ns.port, n,
                     config.policy)  # fmt: skip
@@ -97,3 +103,18 @@ def run_router_command(ns: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
+
+
+class _RouterServer(uvicorn.Server):
+    """uvicorn that exits normally after its graceful shutdown on SIGINT/SIGTERM (uvicorn itself
+    re-raises the signal at exit, which a supervisor reads as a crash)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

@@ -193,3 +193,44 @@ def victim_has_requests(victim: WorkerProcess) -> bool:
     except httpx.HTTPError:
         return False
     return bool(load["num_in_flight"] > 0)
+
+
+def test_the_densa_router_command_serves_and_stops_on_sigterm(
+    workers: list[WorkerProcess], tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from densa.bench.local_workers import REPO, free_port
+
+    port = free_port()
+    command = [sys.executable, "-m", "densa.cli", "router", "--port", str(port),
+               *[arg for w in workers[:2] for arg in ("--worker", w.url)]]  # fmt: skip
+    log = (tmp_path / "router.log").open("wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def ready() -> bool:
+            try:
+                return bool(httpx.get(base + "/health", timeout=1).json().get("model"))
+            except (httpx.HTTPError, ValueError):
+                return False
+
+        wait_until(ready, "the router is up", 60)
+        worker, response = chat(client(base), [{"role": "user", "content": "Hi"}])
+        assert worker in {workers[0].url, workers[1].url}
+        assert response.usage.completion_tokens == 4
+        models = client(base).models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+        process.send_signal(subprocess.signal.SIGTERM)
+        assert process.wait(15) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(5)
+        log.close()
+    text = (tmp_path / "router.log").read_text()
+    assert f"-> {worker} status=200" in text  # the log line names the worker
