@@ -19,7 +19,9 @@ from densa.text.tokenizer import TokenizerFiles
 @dataclass
 class FakeWorker:
     tokenizer: TokenizerFiles
-    mode: str = "ok"  # ok | 429 | 503 | 400 | die_mid_stream
+    mode: str = "ok"  # ok | 429 | 503 | 400 | die_mid_stream | endless
+    num_streams_closed: int = 0  # streams whose generator ended (finished, failed or cancelled)
+    num_chunks_sent: int = 0
     num_free_kv_pages: int = 100
     num_running: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)  # headers + body per request
@@ -62,15 +64,19 @@ class FakeWorker:
         return JSONResponse(_completion("hello", 3))
 
     async def _events(self) -> AsyncIterator[bytes]:
-        for i in range(4):
-            if self.mode == "die_mid_stream" and i == 2:
-                raise RuntimeError("the worker dies mid-stream")
-            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "tiny",
-                     "choices": [{"index": 0, "delta": {"content": f"t{i} "},
-                                  "finish_reason": None}]}  # fmt: skip
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
-            await asyncio.sleep(0.01)
-        yield b"data: [DONE]\n\n"
+        try:
+            for i in range(100_000 if self.mode == "endless" else 4):
+                if self.mode == "die_mid_stream" and i == 2:
+                    raise RuntimeError("the worker dies mid-stream")
+                chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0,
+                         "model": "tiny", "choices": [{"index": 0, "finish_reason": None,
+                                                       "delta": {"content": f"t{i} "}}]}  # fmt: skip
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                self.num_chunks_sent += 1
+                await asyncio.sleep(0.01)
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.num_streams_closed += 1
 
 
 def _completion(text: str, num_tokens: int) -> dict[str, Any]:

@@ -143,3 +143,26 @@ def test_pd_mode_forwards_to_the_decode_worker_naming_the_prefill_worker(
             assert response.headers["x-densa-prefill"] == p
         assert wp.received == [] and wd1.received == []
         assert wd2.received[0]["headers"]["x-densa-prefill"] == p
+
+
+def test_a_client_that_disconnects_mid_stream_closes_the_workers_stream(
+    tokenizer_files: TokenizerFiles,
+) -> None:
+    import time
+
+    with fakes(tokenizer_files, 1) as [(url, worker)]:
+        worker.mode = "endless"
+        with router(workers=(url,)) as base:
+            body = {**CHAT, "stream": True}
+            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=10) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: {")
+            deadline = time.monotonic() + 5
+            while worker.num_streams_closed == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert worker.num_streams_closed == 1
+            sent = worker.num_chunks_sent
+            time.sleep(0.3)
+            assert worker.num_chunks_sent == sent < 1000  # nothing generated for nobody
+            health = httpx.get(base + "/metrics", timeout=5).text
+            assert f'densa_router_worker_open_requests{{worker="{url}"}} 0.0' in health
