@@ -19,13 +19,14 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from densa.bench.common import interleave, progress
 from densa.bench.kv_sweep_report import build_report
-from densa.bench.report import BenchReport
 from densa.bench.serving import DensaEngine, ServingSettings, make_prompts, timed_wave
 from densa.bench.timing import RequestTiming, Wave
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
+from densa.measure.progress import progress
+from densa.measure.report import BenchReport
+from densa.measure.stats import interleave
 from densa.model.arch import ArchConfig
 from densa.model.loader import resolve_model_dir
 from densa.sched.output import SchedulerOutput

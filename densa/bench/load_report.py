@@ -9,12 +9,12 @@ from typing import Any
 
 import httpx
 
-from densa.bench.common import latency_stats, spread
 from densa.bench.load import ClientResult, LoadRun, LoadSettings, find_problems, run_load
-from densa.bench.report import BenchReport, LinePlot, Series, Table
 from densa.engine.args import EngineArgs
 from densa.engine.async_engine import AsyncEngine
 from densa.engine.llm_engine import LLMEngine
+from densa.measure.report import BenchReport, LinePlot, Series, Table
+from densa.measure.stats import latency_stats, spread
 from densa.serve import build_app, serve_in_thread
 
 

