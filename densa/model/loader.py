@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from densa.kernels.memory import rehome_on_huge_pages
+from densa.memory import rehome_on_huge_pages
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.gguf import ensure_converted
 from densa.model.interface import CausalLM

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from densa.config import DEFAULT_KV_SCALES
-from densa.kernels.memory import huge_page_zeros
+from densa.memory import huge_page_zeros
 from densa.model.arch import ArchConfig
 from densa.model.attention import LayerKVCache
 from densa.quant import fp8_kv
