@@ -17,7 +17,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
 KV_SCALE_POLICIES = ("auto", "dynamic", "static")
 DEFAULT_KV_SCALES = "dynamic"
 # "auto" = whatever the checkpoint stores (its metadata says so); the others convert at load time.
-WEIGHT_FORMATS = ("auto", "dense", "int4", "fp8")
+# w4a8 / w8a8: packed into the CPU kernels' formats at load time (densa/model/packed_linear.py).
+WEIGHT_FORMATS = ("auto", "dense", "int4", "fp8", "w4a8", "w8a8")
+HEAD_FORMATS = ("dense", "w8a8")  # the output head: as loaded, or packed for the CPU kernels
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,10 @@ class ModelConfig:
     )
     max_model_len: int = 2048  # prompt + output tokens per request; <= the model's context length
     weight_format: str = "auto"
+    head_format: str = "dense"
     decode_model: str | None = None  # phase-aware: decode runs through this checkpoint's weights
+    # phase-aware from one checkpoint: decode runs through a second copy in this weight format
+    decode_weight_format: str | None = None
     seed: int = 0  # default sampling seed source for requests that do not pass one
 
     def __post_init__(self) -> None:
@@ -39,6 +44,12 @@ class ModelConfig:
             raise ValueError(
                 f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}"
             )
+        if self.head_format not in HEAD_FORMATS:
+            raise ValueError(f"head_format must be one of {HEAD_FORMATS}, got {self.head_format!r}")
+        if self.decode_weight_format not in (None, *WEIGHT_FORMATS):
+            raise ValueError(f"decode_weight_format must be one of {WEIGHT_FORMATS}")
+        if self.decode_weight_format is not None and self.decode_model is not None:
+            raise ValueError("give --decode-model or --decode-weight-format, not both")
         if self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
 

@@ -8,7 +8,9 @@ from pathlib import Path
 
 from densa.config import (
     DEFAULT_KV_SCALES,
+    HEAD_FORMATS,
     KV_SCALE_POLICIES,
+    WEIGHT_FORMATS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -50,9 +52,14 @@ class EngineArgs:
     # auto = as the checkpoint's metadata says; dense = dequantize at load; int4 / fp8 = quantize
     # a dense checkpoint at load time (round-to-nearest; `densa quantize` for calibrated ones).
     weight_format: str = "auto"
+    # The output head: as loaded (dense) or packed (w8a8: 8-bit groups of 32, int8 activations).
+    head_format: str = "dense"
     # Phase-aware weights: decode steps run through this checkpoint of the same model (e.g. INT4)
     # while prefill keeps `model`'s weights; both share the one KV cache.
     decode_model: str | None = None
+    # ... or through a second copy of `model` in this weight format (e.g. w4a8 decode, w8a8
+    # prefill), made at load time.
+    decode_weight_format: str | None = None
     # "auto" (see AUTO_KV_MEMORY), bytes ("2GiB"), or a share of free memory ("0.3", "30%").
     kv_cache_memory: str = AUTO_KV_MEMORY
     kv_cache_dtype: str = "auto"
@@ -67,6 +74,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     max_waiting_requests: int = 1024
     attention_backend: str = "auto"
+    # Decode-only steps through the fused C++ step (densa/model/fused_decode.py) where it runs.
+    fused_decode: bool = True
     device: str = "cpu"
     seed: int = 0
 
@@ -79,7 +88,9 @@ class EngineArgs:
             dtype=self.dtype,
             max_model_len=max_len,
             weight_format=self.weight_format,
+            head_format=self.head_format,
             decode_model=self.decode_model,
+            decode_weight_format=self.decode_weight_format,
             seed=self.seed,
         )
         cache = CacheConfig(
@@ -211,9 +222,24 @@ class EngineArgs:
         g.add_argument(
             "--weight-format",
             default="auto",
-            choices=["auto", "dense", "int4", "fp8"],
+            choices=list(WEIGHT_FORMATS),
             help="linear weights: as stored (auto), dequantized (dense), or quantized at load "
-            "time by round-to-nearest (int4 g128 symmetric, fp8 128x128 blocks)",
+            "time by round-to-nearest (int4 g128 symmetric, fp8 128x128 blocks; w4a8 / w8a8: "
+            "4-/8-bit groups of 32 with int8 activations on densa's CPU kernels, see "
+            "docs/weights.md)",
+        )
+        g.add_argument(
+            "--head-format",
+            default="dense",
+            choices=list(HEAD_FORMATS),
+            help="the output head (also when tied to the embedding): dense, or w8a8",
+        )
+        g.add_argument(
+            "--decode-weight-format",
+            default=None,
+            choices=list(WEIGHT_FORMATS),
+            help="phase-aware from one checkpoint: decode steps run through a second copy of "
+            "--model in this format (e.g. w4a8), prefill through --weight-format",
         )
         g.add_argument(
             "--decode-model",
@@ -222,6 +248,13 @@ class EngineArgs:
             "steps run through; prefill keeps --model's weights; one shared KV cache",
         )
         g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+        g.add_argument(
+            "--fused-decode",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="run decode-only steps through the fused C++ step where it runs (float32 "
+            "compute, dense / w4a8 / w8a8 weights, CPU; otherwise the eager model)",
+        )
         g.add_argument("--seed", type=int, default=0)
 
     @classmethod

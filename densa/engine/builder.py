@@ -4,14 +4,17 @@ run here, size the KV cache from its memory budget, and wire the model runner.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
 
 from densa.config import CacheConfig, EngineConfig
 from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs, default_model_path
+from densa.kernels import native
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.attention import AttentionBackend
+from densa.model.attention import AttentionBackend, LayerKVCache
+from densa.model.fused_decode import unsupported_reason
 from densa.model.interface import CausalLM
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import load_model, resolve_model_dir
@@ -49,14 +52,19 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     )
     logger.info("loading the model %s", model_path)
     tokenizer = Tokenizer(model_dir, arch.eos_token_ids)
-    model = load_model(model_dir, arch, args.dtype, max_len, device, args.weight_format)
-    decode_model = load_decode_model(args, arch, max_len, device)
+    model = load_model(
+        model_dir, arch, args.dtype, max_len, device, args.weight_format, args.head_format
+    )
+    decode_model = load_decode_model(args, arch, model_dir, max_len, device)
     num_pages, budget = sized or _resolve_num_pages(args, arch, kv_dtype, max_len, device)
     config = args.resolve(arch, model_path, num_pages)
     kv_caches = allocate_kv_caches(
         arch, num_pages, args.page_size, kv_dtype, device, kv_scales, static_scales
     )
     backend = select_backend(args.attention_backend, device)
+    for weights in (model, decode_model):
+        if weights is not None and args.fused_decode:
+            enable_fused_decode(weights, kv_caches)
     runner = ModelRunner(
         model,
         kv_caches,
@@ -79,6 +87,20 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     return EngineParts(config, tokenizer, runner, arch)
 
 
+def enable_fused_decode(model: CausalLM, kv_caches: list[LayerKVCache]) -> None:
+    """Decode-only steps of `model` run through the fused C++ step, if it can run them."""
+    switch = getattr(model, "fused_decode", None)
+    if switch is None:
+        logger.info("fused decode: %s has none; eager steps", type(model).__name__)
+        return
+    reason = unsupported_reason(model, kv_caches)
+    if reason is not None:
+        logger.info("fused decode off: %s; eager steps", reason)
+        return
+    switch.enable()
+    logger.info("fused decode on (%s code path)", native.isa())
+
+
 def make_integrity_checker(cache: CacheConfig, device: torch.device) -> IntegrityChecker:
     if not cache.kv_integrity:
         return NoopIntegrityChecker()
@@ -99,13 +121,23 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
 
 
 def load_decode_model(
-    args: EngineArgs, arch: ArchConfig, max_len: int, device: torch.device
+    args: EngineArgs, arch: ArchConfig, model_dir: Path, max_len: int, device: torch.device
 ) -> CausalLM | None:
     """The decode-phase weight set (phase-aware formats), or None when decode shares `model`'s.
 
     It must be the same model (same shapes): its layers write into and read from the same KV
     cache as the prefill weights'. Costs its resident weight bytes on top of the prefill set's.
     """
+    if args.decode_weight_format is not None:
+        model = load_model(
+            model_dir, arch, args.dtype, max_len, device, args.decode_weight_format,
+            args.head_format,
+        )  # fmt: skip
+        logger.info(
+            "phase-aware weights: decode runs through a %s copy (%s more resident memory)",
+            args.decode_weight_format, format_bytes(resident_weight_bytes(model)),
+        )  # fmt: skip
+        return model
     if args.decode_model is None:
         return None
     decode_dir = resolve_model_dir(args.decode_model)
@@ -115,7 +147,9 @@ def load_decode_model(
             f"--decode-model {args.decode_model} is not the same model as --model "
             "(its layer shapes differ); it must be a checkpoint of the same weights"
         )
-    model = load_model(decode_dir, decode_arch, args.dtype, max_len, device, "auto")
+    model = load_model(
+        decode_dir, decode_arch, args.dtype, max_len, device, "auto", args.head_format
+    )
     logger.info(
         "phase-aware weights: decode runs through %s (%s more resident weight memory)",
         decode_dir.name, format_bytes(resident_weight_bytes(model)),

@@ -14,6 +14,7 @@ from torch import nn
 
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, paged_attention
+from densa.model.fused_decode import FusedDecodeSwitch
 from densa.model.interface import CausalLM
 from densa.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from densa.model.linear import Linear
@@ -93,6 +94,7 @@ class LlamaForCausalLM(CausalLM):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.fused_decode = FusedDecodeSwitch()  # off unless the engine turns it on
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -108,6 +110,9 @@ class LlamaForCausalLM(CausalLM):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        fused = self.fused_decode.decoder_for(self, kv_caches, meta)
+        if fused is not None:  # decode-only step: every layer in one C++ call
+            return fused.forward(input_ids, positions, meta)
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, hidden.dtype)
         residual = None

@@ -26,6 +26,7 @@ from densa.model.linear import (
     quantize_linears,
     resident_weight_bytes,
 )
+from densa.model.packed_linear import PACKED_FORMATS, PackedFormatUnavailable, pack_linears
 from densa.model.registry import model_factory
 from densa.quant.checkpoint import Quantized, group_parts, read_format
 from densa.quant.quantizer import make_quantizer
@@ -111,13 +112,17 @@ def load_model(
     max_position: int,
     device: torch.device,
     weight_format: str = "auto",
+    head_format: str = "dense",
 ) -> CausalLM:
-    """Build the model and load its weights in the runtime format `weight_format` selects."""
+    """Build the model and load its weights in the runtime format `weight_format` selects; the
+    packed CPU formats (w4a8, w8a8) are made from the loaded dense weights, and `head_format`
+    w8a8 packs the output head too (tied or not)."""
     torch_dtype = DTYPES[dtype]
     check_fits(arch, torch_dtype, device)
     files = safetensors_files(model_dir)
     stored = _read_stored_format(files)
-    runtime = runtime_format(stored, weight_format)
+    packed = weight_format if weight_format in PACKED_FORMATS else None
+    runtime = runtime_format(stored, "dense" if packed else weight_format)
     factory = model_factory(arch.architecture)
     # Build without initializing (meta device), then allocate and fill from the checkpoint.
     with torch.device("meta"):
@@ -134,15 +139,34 @@ def load_model(
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"checkpoint in {model_dir} does not match its config: {exc}") from exc
     prepare_quantized(model)
+    _pack(model, packed, head_format)
     if device.type == "cpu":
         rehome_on_huge_pages(model)  # streaming weights from huge pages is ~30% faster
     logger.info(
         "loaded %s (%s parameters, %s compute, %s weights: %s resident)",
         model_dir.name, f"{arch.num_parameters():,}", dtype,
-        runtime.describe() if runtime is not None else "dense",
+        _describe_weights(runtime, packed, head_format),
         format_bytes(resident_weight_bytes(model)),
     )  # fmt: skip
     return model.eval()
+
+
+def _pack(model: CausalLM, weight_format: str | None, head_format: str) -> None:
+    """Pack the linear layers (and the output head) into the CPU kernels' formats, if asked."""
+    try:
+        if weight_format is not None:
+            skipped = pack_linears(model, quantizable_linears(model), weight_format)
+            if skipped:
+                logger.info("%d linear layers stay dense (shape does not tile)", len(skipped))
+        if head_format != "dense" and pack_linears(model, {OUTPUT_HEAD}, head_format):
+            raise ModelLoadError(f"the output head's shape does not fit {head_format}")
+    except PackedFormatUnavailable as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
+def _describe_weights(runtime: WeightFormat | None, packed: str | None, head: str) -> str:
+    linear = runtime.describe() if runtime is not None else packed or "dense"
+    return linear if head == "dense" else f"{linear}, output head {head}"
 
 
 def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> WeightFormat | None:
