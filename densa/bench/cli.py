@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from densa.bench.peers_cli import add_peers_parser
 from densa.engine.args import EngineArgs
 
 T = TypeVar("T")
@@ -30,6 +31,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_kv_sweep(benchmarks)
     _add_weights(benchmarks)
     _add_hostile(benchmarks)
+    add_peers_parser(benchmarks)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
 
