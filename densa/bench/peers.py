@@ -85,6 +85,7 @@ class PeerWave:
 
     wave: Wave
     requests: list[StreamedRequest]
+    failed_attempts: list[str]  # errors of attempts before the one that counted (see timed_wave)
 
 
 def run_peers(
@@ -144,10 +145,26 @@ def _timed_waves(
 def timed_wave(
     server: PeerServer, batch: list[str], settings: PeersSettings, repeat_idx: int
 ) -> PeerWave:
-    """One wave through the OpenAI client; every request must report output_len tokens."""
-    start_rss = server.reset_peak_rss()
-    start_s = time.perf_counter()
-    requests = run_wave(server.endpoint, batch, settings.output_len, settings.wave_timeout_s)
+    """One wave through the OpenAI client; every request must report output_len tokens.
+
+    A wave whose stream breaks (transformers serve sometimes closes a stream early under load)
+    is run once more from scratch; the error is kept in the raw samples, and a second failure
+    ends the benchmark."""
+    failures: list[str] = []
+    while True:
+        start_rss = server.reset_peak_rss()
+        start_s = time.perf_counter()
+        try:
+            requests = run_wave(
+                server.endpoint, batch, settings.output_len, settings.wave_timeout_s
+            )
+            break
+        except Exception as exc:  # any client or protocol error of this attempt
+            failures.append(f"{type(exc).__name__}: {exc}")
+            logger.warning("%s: wave failed (%s)%s", server.spec.name, failures[-1],
+                           "; retrying once" if len(failures) == 1 else "")  # fmt: skip
+            if len(failures) > 1:
+                raise
     wall_s = time.perf_counter() - start_s
     counts = {r.completion_tokens for r in requests}
     if counts != {settings.output_len}:
@@ -167,7 +184,7 @@ def timed_wave(
         start_rss_bytes=start_rss,
         engine_stats={},
     )
-    return PeerWave(wave, requests)
+    return PeerWave(wave, requests, failures)
 
 
 def _describe(spec: PeerSpec) -> dict[str, Any]:

@@ -176,6 +176,7 @@ def _sample(peer_wave: PeerWave) -> dict[str, Any]:
         "tpot_s": [round(r.tpot_s, 6) for r in wave.requests if r.tpot_s is not None],
         "peak_rss_bytes": wave.peak_rss_bytes,
         "start_rss_bytes": wave.start_rss_bytes,
+        "failed_attempts": peer_wave.failed_attempts,
     }
 
 
