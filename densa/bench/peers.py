@@ -12,6 +12,7 @@ tokens): no two requests share a prefix, so no server's prompt cache can help.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -86,6 +87,7 @@ class PeerWave:
     wave: Wave
     requests: list[StreamedRequest]
     failed_attempts: list[str]  # errors of attempts before the one that counted (see timed_wave)
+    load_average: tuple[float, float]  # 1-minute load average before and after: machine noise
 
 
 def run_peers(
@@ -151,6 +153,7 @@ def timed_wave(
     is run once more from scratch; the error is kept in the raw samples, and a second failure
     ends the benchmark."""
     failures: list[str] = []
+    load_before = _load_average()
     while True:
         start_rss = server.reset_peak_rss()
         start_s = time.perf_counter()
@@ -184,7 +187,11 @@ def timed_wave(
         start_rss_bytes=start_rss,
         engine_stats={},
     )
-    return PeerWave(wave, requests, failures)
+    return PeerWave(wave, requests, failures, (load_before, _load_average()))
+
+
+def _load_average() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
 def _describe(spec: PeerSpec) -> dict[str, Any]:

@@ -23,6 +23,8 @@ NOTES = [
     "(so it includes one HTTP round trip and the first sampling step).",
     "Peak RSS: the server process's high-water mark during the wave (reset before each wave).",
     "Ratios are taken per repetition between adjacent, interleaved waves, then summarized.",
+    "The machine is shared: each raw sample records the 1-minute load average before and after "
+    "its wave; a load above the core count means other work competed for the cores.",
 ]
 
 
@@ -177,6 +179,7 @@ def _sample(peer_wave: PeerWave) -> dict[str, Any]:
         "peak_rss_bytes": wave.peak_rss_bytes,
         "start_rss_bytes": wave.start_rss_bytes,
         "failed_attempts": peer_wave.failed_attempts,
+        "load_average_1m": list(peer_wave.load_average),
     }
 
 
