@@ -5,7 +5,8 @@ Arithmetic (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0), for x [M, K] and weights [
     W4: w[n, k] = d[n, g] * q[n, k] + m[n, g]    q in 0..15          g = k // 32
     W8: w[n, k] = d[n, g] * q[n, k]              q in -127..127
     x[t, k] ~ dx[t, g] * qx[t, k],  dx = max_k |x[t, k]| / 127 over the group, qx = round(x / dx)
-    y[t, n] = sum_g dx d sum_k q qx  (+ m[n, g] * sum_k x[t, k] for W4, with the exact float sum)
+    y[t, n] = sum_g dx d sum_k q qx  (+ m[n, g] dx sum_k qx for W4: the quantized x's sum, so the
+              error is sum_k w (x^ - x) as for W8; see csrc/qgemm.cpp)
 
 d and m are stored as fp16 (like the GGUF blocks). The C++ layout is described in
 csrc/qgemm.cpp; the references here compute the same sums in float64 (exact for the integer
@@ -36,7 +37,7 @@ def fits(in_features: int, out_features: int) -> bool:
 class Int8Activations:
     qx: torch.Tensor  # [M, K] int8
     dx: torch.Tensor  # [M, K/32] float32
-    sumx: torch.Tensor  # [M, K/32] float32: the exact sum of x over each group
+    sumx: torch.Tensor  # [M, K/32] float32: dx * sum(qx), the sum of the quantized group
 
 
 def quantize_activations(x: torch.Tensor) -> Int8Activations:
@@ -46,7 +47,8 @@ def quantize_activations(x: torch.Tensor) -> Int8Activations:
     dx = groups.abs().amax(-1) / 127.0
     inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
     qx = torch.round(groups * inv[..., None]).to(torch.int8).view(rows, cols)
-    return Int8Activations(qx, dx, groups.sum(-1))
+    sumx = dx * qx.view(rows, cols // GROUP, GROUP).sum(-1, dtype=torch.int32).float()
+    return Int8Activations(qx, dx, sumx)
 
 
 # ---- references --------------------------------------------------------------------------------

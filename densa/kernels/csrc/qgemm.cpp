@@ -8,7 +8,7 @@
 //   W4:  w[n, k] = d[n, g] * q[n, k] + m[n, g]     q in 0..15, d and m fp16, g = k / 32
 //   W8:  w[n, k] = d[n, g] * q[n, k]               q in -127..127, d fp16
 //   x:   x[t, k] ~ dx[t, g] * qx[t, k]            qx in -127..127, dx = max|x| / 127 (fp32)
-//   y[t, n] = sum_g dx*d * sum_k q*qx  (+ m * sum_k x[t, k], the exact float sum, for W4)
+//   y[t, n] = sum_g dx*d * sum_k q*qx  (+ m * dx * sum_k qx for W4: the quantized x's sum)
 //
 // Layout: rows are cut into panels of 16; a panel's group is one block, so a matmul streams one
 // array front to back. Within a block, 4 consecutive k of one row sit in 4 adjacent bytes (the
@@ -89,8 +89,11 @@ void ActivationBuffers::ensure(int64_t rows, int64_t cols) {
 namespace {
 
 // ---- activations -------------------------------------------------------------------------------
-// Per row t and group g: qx (int8), dx = max|x| / 127, the float sum of x (W4's m term) and the
-// integer sum of qx (W8/VNNI's +128 correction). One group of 32 per call; the rounding is the
+// Per row t and group g: qx (int8), dx = max|x| / 127, the integer sum of qx (W8/VNNI's +128
+// correction) and dx times it, the sum of the *quantized* x (W4's m term). Using the quantized
+// sum makes W4's error sum_k w_k (x^_k - x_k), like W8's; the exact sum of x would leave
+// sum_k (w_k - m) (x^_k - x_k), and w - m is a group's offset from its minimum (all >= 0, so
+// the rounding errors do not cancel): 3x the KL on SmolLM2 (docs/weights.md). One group of 32 per call; the rounding is the
 // CPU's default (to nearest, ties to even), as torch.round in the reference.
 #define DENSA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define DENSA_AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -106,26 +109,22 @@ DENSA_AVX512 void quantize_group_avx512(const float* v, int8_t* q, float* dx, fl
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
   *dx = d;
-  *sumx = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
   *sumq = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  *sumx = d * static_cast<float>(*sumq);
 }
 
 DENSA_AVX2 void quantize_group_avx2(const float* v, int8_t* q, float* dx, float* sumx,
                                     int32_t* sumq) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 x[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+  __m256 x[4], amax = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
     x[i] = _mm256_loadu_ps(v + 8 * i);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x[i]));
-    total = _mm256_add_ps(total, x[i]);
   }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, amax);
   float m = 0.f;
   for (float lane : lanes) m = std::max(m, lane);
-  _mm256_store_ps(lanes, total);
-  float t = 0.f;
-  for (float lane : lanes) t += lane;
   const float d = m / 127.f;
   const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
   __m256i qi[4];
@@ -144,7 +143,7 @@ DENSA_AVX2 void quantize_group_avx2(const float* v, int8_t* q, float* dx, float*
   int32_t s = 0;
   for (int32_t lane : sums) s += lane;
   *dx = d;
-  *sumx = t;
+  *sumx = d * static_cast<float>(s);
   *sumq = s;
 }
 
