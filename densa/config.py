@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-# "auto" resolves to the compute dtype. fp8_e4m3 is the compressed format (issue: FP8 KV cache).
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
+# "auto" resolves to the compute dtype. fp8_e4m3 and int8 are the compressed formats (about half
+# BF16's bytes per token; docs/kv-cache.md compares their quality).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
 # FP8 KV scales: one per (token, kv head) chosen at write time, or one per layer from a
 # calibration file. "auto" = static when a scales file is given, else DEFAULT_KV_SCALES.
 # Why dynamic is the default: docs/kv-cache.md (quality and capacity of both, measured).

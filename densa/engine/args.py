@@ -9,6 +9,7 @@ from pathlib import Path
 from densa.config import (
     DEFAULT_KV_SCALES,
     HEAD_FORMATS,
+    KV_CACHE_DTYPES,
     KV_SCALE_POLICIES,
     WEIGHT_FORMATS,
     CacheConfig,
@@ -183,7 +184,7 @@ class EngineArgs:
         g.add_argument(
             "--kv-cache-dtype",
             default="auto",
-            choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+            choices=list(KV_CACHE_DTYPES),
         )
         g.add_argument(
             "--kv-scales",

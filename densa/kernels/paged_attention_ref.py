@@ -198,12 +198,22 @@ def write_kv_reference(
     For an fp8 cache: `scale` None means scale 1.0, a 0-dim tensor is a static scale, and a
     [num_pages, Hkv, S] tensor is filled in place with dynamic per-token-head scales: float32
     amax / 448, or int8 power-of-two exponents (`quantize_fp8_exponent`).
+    For an int8 cache `scale` is its [num_pages, Hkv, S] fp16 row-scale tensor (filled here).
     For other dtypes values are simply cast (scale must be None).
     """
     page_size = cache.shape[2]
     pos = torch.arange(start_pos, start_pos + values.shape[0])
     pages = page_row.long()[pos // page_size]
     slots = pos % page_size
+    if cache.dtype == torch.int8:  # INT8 KV: codes + one fp16 scale per row (quant.int8_kv)
+        from densa.quant.int8_kv import quantize_rows
+
+        if scale is None:
+            raise ValueError("int8 caches need their fp16 row-scale tensor")
+        codes, row_scale = quantize_rows(values)
+        cache[pages, :, slots] = codes
+        scale[pages, :, slots] = row_scale
+        return
     if cache.dtype != FP8_DTYPE:
         if scale is not None:
             raise ValueError("scales are only produced for float8 caches")

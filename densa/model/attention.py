@@ -10,9 +10,10 @@ Each group is attended as a batch padded to its longest query and context, so th
 loop over requests per layer. Backends implement the two groups; `paged_attention` stores the new
 K/V first (every layer writes before it reads) and dispatches.
 
-FP8 pages: prefill chunks attend to their own tokens' K/V in high precision (as computed) and to
-earlier context from the FP8 pages; decode reads everything from the pages. So quantization error
-does not compound through a prompt's layers, and every later step reads the same stored values.
+FP8 / INT8 pages: prefill chunks attend to their own tokens' K/V in high precision (as computed)
+and to earlier context from the quantized pages; decode reads everything from the pages. So
+quantization error does not compound through a prompt's layers, and every later step reads the
+same stored values.
 """
 
 from __future__ import annotations
@@ -24,7 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from densa.kernels.paged_attention_ref import scale_to_float
-from densa.quant import fp8_kv
+from densa.quant import fp8_kv, int8_kv
+
+# Caches whose values are quantized on store: a prefill chunk attends to its own tokens' K/V as
+# computed, earlier context from the pages (see the module docstring).
+QUANTIZED_KV_DTYPES = (fp8_kv.FP8_DTYPE, int8_kv.CODE_DTYPE)
 
 
 @dataclass
@@ -146,7 +151,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
     backend.store_kv(cache, k, v, meta)
-    fresh_prefill = cache.k.dtype == fp8_kv.FP8_DTYPE
+    fresh_prefill = cache.k.dtype in QUANTIZED_KV_DTYPES
     groups = [g for g in (meta.decode, meta.prefill) if g is not None]
     if len(groups) == 1:  # the common case: all decodes or all prefill, no output copy needed
         group = groups[0]
@@ -171,6 +176,11 @@ class TorchAttentionBackend:
         if cache.k.dtype == fp8_kv.FP8_DTYPE:  # quantize in high precision, store fp8 + scales
             fp8_kv.store_fp8(cache.k, cache.k_scale, meta.slot_pages, meta.slot_offsets, k)
             fp8_kv.store_fp8(cache.v, cache.v_scale, meta.slot_pages, meta.slot_offsets, v)
+            return
+        if cache.k.dtype == int8_kv.CODE_DTYPE:  # int8 codes + one fp16 scale per row
+            assert cache.k_scale is not None and cache.v_scale is not None
+            int8_kv.store_int8(cache.k, cache.k_scale, meta.slot_pages, meta.slot_offsets, k)
+            int8_kv.store_int8(cache.v, cache.v_scale, meta.slot_pages, meta.slot_offsets, v)
             return
         cache.k[meta.slot_pages, :, meta.slot_offsets] = k.to(cache.k.dtype)
         cache.v[meta.slot_pages, :, meta.slot_offsets] = v.to(cache.v.dtype)

@@ -6,7 +6,7 @@ RoPE, stores, attention, activations), and their dispatch, not arithmetic, was m
 returning to Python between layers, reading the same weights and writing the same KV pages.
 
 What it takes: float32 compute, dense float32 or packed (w4a8 / w8a8) projections, a float32,
-bfloat16 or fp8 KV cache, and a step with no prefill rows. Anything else runs the eager model;
+bfloat16, fp8 or int8 KV cache, and a step with no prefill rows. Anything else runs the eager model;
 `unsupported_reason` says why.
 """
 
@@ -22,7 +22,7 @@ from densa.model.attention import AttentionMetadata, LayerKVCache
 from densa.model.linear import Linear
 from densa.model.packed_linear import PackedLinear
 
-_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
 
 
 def fp8_table() -> torch.Tensor:

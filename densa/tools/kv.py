@@ -20,6 +20,7 @@ CAPACITY_FORMATS = [
     ("float16", None),
     ("fp8_e4m3", "dynamic"),
     ("fp8_e4m3", "static"),
+    ("int8", None),
 ]
 DEFAULT_SCALES_FILE = "kv_scales.json"
 

@@ -7,6 +7,7 @@ Bytes per token, all layers, K and V (L layers, H kv heads, D head dim):
     bfloat16/float16  2 * L * H * D * 2
     fp8_e4m3 static   2 * L * H * D * 1            (one float32 scale per layer: not per token)
     fp8_e4m3 dynamic  2 * L * H * (D * 1 + 1)      (one int8 exponent per token, head, K/V)
+    int8              2 * L * H * (D * 1 + 2)      (one fp16 scale per token, head, K/V)
 """
 
 from __future__ import annotations
@@ -19,19 +20,22 @@ from densa.config import DEFAULT_KV_SCALES
 from densa.memory import huge_page_zeros
 from densa.model.arch import ArchConfig
 from densa.model.attention import LayerKVCache
-from densa.quant import fp8_kv
+from densa.quant import fp8_kv, int8_kv
 
 KV_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "fp8_e4m3": torch.float8_e4m3fn,
+    "int8": int8_kv.CODE_DTYPE,
 }
 
 
 def bytes_per_token(arch: ArchConfig, kv_dtype: str, kv_scales: str = DEFAULT_KV_SCALES) -> int:
     """Bytes one cached token takes across all layers: K and V values, plus FP8 scales."""
     values = int(arch.kv_bytes_per_token(KV_DTYPES[kv_dtype].itemsize))
+    if kv_dtype == int8_kv.KV_DTYPE:
+        return values + int8_kv.scale_bytes_per_token(arch.num_layers, arch.num_kv_heads)
     if kv_dtype != fp8_kv.KV_DTYPE:
         return values
     return values + fp8_kv.scale_bytes_per_token(arch.num_layers, arch.num_kv_heads, kv_scales)
@@ -111,11 +115,17 @@ def allocate_kv_caches(
 
     FP8 caches also get their scales: with dynamic scales a second zero-filled int8 tensor of
     exponents, one per (page, head, slot) like the values; with static scales one 0-dim float32
-    tensor per layer for K and for V, from `static_scales` (1.0 when None).
+    tensor per layer for K and for V, from `static_scales` (1.0 when None). INT8 caches get one
+    fp16 scale per (page, head, slot).
     """
     shape = (arch.num_layers, 2, num_pages, arch.num_kv_heads, page_size, arch.head_dim)
     storage = _zeros(shape, KV_DTYPES[kv_dtype], device)
     caches = [LayerKVCache(k=storage[i, 0], v=storage[i, 1]) for i in range(arch.num_layers)]
+    if kv_dtype == int8_kv.KV_DTYPE:  # one fp16 scale per (page, head, slot), like the values
+        row_scales = _zeros(shape[:-1], int8_kv.SCALE_DTYPE, device)
+        for i, cache in enumerate(caches):
+            cache.k_scale, cache.v_scale = row_scales[i, 0], row_scales[i, 1]
+        return caches
     if kv_dtype != fp8_kv.KV_DTYPE:
         return caches
     if kv_scales == "dynamic":

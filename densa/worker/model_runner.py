@@ -20,7 +20,7 @@ from densa.model.attention import (
     build_group,
 )
 from densa.model.interface import CausalLM
-from densa.quant import fp8_kv
+from densa.quant import fp8_kv, int8_kv
 from densa.sched.output import ScheduledRequest, SchedulerOutput
 from densa.worker.integrity import IntegrityChecker
 from densa.worker.sampler import Sampler, SampleRequest, TokenLogprobs
@@ -248,12 +248,16 @@ def _store_pages(
     cache: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, values: torch.Tensor
 ) -> None:
     """Write real-valued pages [n, KVH, P, D] into `cache` at page ids `index`, quantizing for
-    FP8 caches (fresh per-token scales for dynamic ones) exactly as a prefill store would."""
-    if cache.dtype != fp8_kv.FP8_DTYPE:
+    FP8 / INT8 caches (fresh per-token scales for dynamic ones) exactly as a prefill store would."""
+    if cache.dtype not in (fp8_kv.FP8_DTYPE, int8_kv.CODE_DTYPE):
         cache[index] = values.to(cache.dtype)
         return
     num_pages, num_kv_heads, page_size, head_dim = values.shape
     slot_pages = index.repeat_interleave(page_size)
     slot_offsets = torch.arange(page_size, device=index.device).repeat(num_pages)
     rows = values.transpose(1, 2).reshape(num_pages * page_size, num_kv_heads, head_dim)
+    if cache.dtype == int8_kv.CODE_DTYPE:
+        assert scale is not None
+        int8_kv.store_int8(cache, scale, slot_pages, slot_offsets, rows.contiguous())
+        return
     fp8_kv.store_fp8(cache, scale, slot_pages, slot_offsets, rows.contiguous())

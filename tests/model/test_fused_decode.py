@@ -1,5 +1,5 @@
 """The fused C++ decode step against the eager model: same hidden states and the same K/V bytes
-in the pages, for dense / w4a8 / w8a8 weights, fp32 / bf16 / fp8 (dynamic and static) KV
+in the pages, for dense / w4a8 / w8a8 weights, fp32 / bf16 / fp8 (dynamic and static) / int8 KV
 caches, with and without q/k/v biases, on every code path this CPU runs (AVX2 forced too)."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ KV_FORMATS = {  # name: (kv dtype, scale policy, static scales)
     "bf16": ("bfloat16", "dynamic", None),
     "fp8-dynamic": ("fp8_e4m3", "dynamic", None),
     "fp8-static": ("fp8_e4m3", "static", fp8_kv.KVScales(k=(0.5, 0.25), v=(0.125, 1.0))),
+    "int8": ("int8", "dynamic", None),
 }
 
 
@@ -139,7 +140,8 @@ def _tolerance(kv: str) -> dict[str, float]:
     """fp32 summation order differs between the paths; on an fp8 cache that can flip the
     rounding of a stored value now and then (one e4m3 step is 6%), which moves the output by
     ~1e-3. Every stored byte is still compared above."""
-    return {"rtol": 1e-2, "atol": 3e-3} if kv.startswith("fp8") else {"rtol": 1e-4, "atol": 1e-4}
+    narrow = kv.startswith("fp8") or kv == "int8"
+    return {"rtol": 1e-2, "atol": 3e-3} if narrow else {"rtol": 1e-4, "atol": 1e-4}
 
 
 @pytest.mark.parametrize("forced_isa", PATHS[-1:], indirect=True)

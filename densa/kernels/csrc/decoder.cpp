@@ -46,6 +46,33 @@ float f32_from_bits(uint32_t b) {
   return x;
 }
 
+// IEEE half <-> float, round to nearest even (what torch's .to(torch.float16) does), written
+// out so it runs in any code path (F16C is not assumed here).
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  if (exponent == 0x1Fu) return f32_from_bits(sign | 0x7F800000u | (mantissa << 13));
+  if (exponent == 0) {
+    if (mantissa == 0) return f32_from_bits(sign);
+    return (sign ? -1.f : 1.f) * std::ldexp(static_cast<float>(mantissa), -24);  // subnormal
+  }
+  return f32_from_bits(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+uint16_t float_to_half(float x) {
+  const uint32_t bits = f32_bits(x);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const float a = std::fabs(x);
+  if (a != a) return static_cast<uint16_t>(sign | 0x7E00u);
+  if (a >= 65520.f) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to inf
+  if (a < 6.103515625e-05f) {  // subnormal half: multiples of 2**-24
+    return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.f)));
+  }
+  const uint32_t m = f32_bits(a);
+  const uint32_t rounded = m + 0xFFFu + ((m >> 13) & 1u);  // round the 13 dropped bits to even
+  return static_cast<uint16_t>(sign | ((rounded >> 13) - (112u << 10)));
+}
+
 uint16_t to_bf16(float x) {  // round to nearest even, like torch's .to(torch.bfloat16)
   const uint32_t b = f32_bits(x);
   if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40);  // NaN
@@ -89,6 +116,20 @@ void store_row(const KVSide& side, int64_t page, int64_t head, int64_t slot, con
   } else if (side.dtype == kKvBf16) {
     uint16_t* out = static_cast<uint16_t*>(side.data) + row * d;
     for (int i = 0; i < d; ++i) out[i] = to_bf16(x[i]);
+  } else if (side.dtype == kKvInt8) {  // densa.quant.int8_kv.quantize_rows
+    int8_t* out = static_cast<int8_t*>(side.data) + row * d;
+    constexpr float kRowLimit = 65504.f * 127.f;
+    float amax = 0.f;
+    for (int i = 0; i < d; ++i)
+      amax = std::max(amax, std::fabs(std::min(std::max(finite(x[i]), -kRowLimit), kRowLimit)));
+    const uint16_t scale_bits = float_to_half(amax / 127.f);
+    const float scale = half_to_float(scale_bits);
+    for (int i = 0; i < d; ++i) {
+      const float v = std::min(std::max(finite(x[i]), -kRowLimit), kRowLimit);
+      const float q = scale > 0.f ? std::nearbyint(v / scale) : 0.f;
+      out[i] = static_cast<int8_t>(std::min(std::max(q, -127.f), 127.f));
+    }
+    side.row_scales[row] = scale_bits;
   } else {
     uint8_t* out = static_cast<uint8_t*>(side.data) + row * d;
     float inv = side.inv_static;
@@ -135,13 +176,16 @@ void attend_range(const Config& cfg, const KVSide& k, const KVSide& v, const int
     std::fill(out.acc + g * d, out.acc + (g + 1) * d, 0.f);
   }
   const int64_t elem = k.dtype == kKvF32 ? 4 : (k.dtype == kKvBf16 ? 2 : 1);
+  auto row_scale = [](const KVSide& side, int64_t row) {
+    if (side.row_scales != nullptr) return half_to_float(side.row_scales[row]);
+    return side.exponents ? std::ldexp(1.f, side.exponents[row]) : side.static_scale;
+  };
   for (int64_t b0 = t0; b0 < t1; b0 += kBlockTokens) {
     const int n = static_cast<int>(std::min<int64_t>(kBlockTokens, t1 - b0));
     for (int j = 0; j < n; ++j) {
       const int64_t t = b0 + j, page = page_row[t / k.page_size], slot = t % k.page_size;
       const int64_t row = (page * k.num_kv_heads + head) * k.page_size + slot;
-      const float ks = k.exponents ? std::ldexp(1.f, k.exponents[row]) : k.static_scale;
-      const float vs = v.exponents ? std::ldexp(1.f, v.exponents[row]) : v.static_scale;
+      const float ks = row_scale(k, row), vs = row_scale(v, row);
       Ops::widen(static_cast<const uint8_t*>(k.data) + row * d * elem, k.dtype, d, ks, fp8_table,
                  kbuf + j * d);
       Ops::widen(static_cast<const uint8_t*>(v.data) + row * d * elem, v.dtype, d, vs, fp8_table,

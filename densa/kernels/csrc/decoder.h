@@ -10,7 +10,7 @@
 
 namespace densa {
 
-constexpr int kKvF32 = 0, kKvBf16 = 1, kKvFp8 = 2;
+constexpr int kKvF32 = 0, kKvBf16 = 1, kKvFp8 = 2, kKvInt8 = 3;
 
 struct Config {
   int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim;
@@ -25,6 +25,8 @@ struct KVSide {
   int64_t num_kv_heads = 0, page_size = 0;
   at::Tensor exponent_tensor;       // fp8 dynamic scales: int8 [num_pages, kv_heads, page_size]
   int8_t* exponents = nullptr;      // nullptr: a static scale
+  at::Tensor row_scale_tensor;      // int8 caches: fp16 [num_pages, kv_heads, page_size]
+  uint16_t* row_scales = nullptr;
   float static_scale = 1.f;         // fp8 static: real = stored * static_scale
   float inv_static = 1.f;           // 1 / static_scale, as float32 (what the store multiplies by)
 };

@@ -61,8 +61,18 @@ KVSide make_kv_side(const at::Tensor& cache, const std::optional<at::Tensor>& sc
     side.dtype = kKvBf16;
   } else if (dtype == at::kFloat8_e4m3fn) {
     side.dtype = kKvFp8;
+  } else if (dtype == at::kChar) {
+    side.dtype = kKvInt8;
   } else {
-    TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16 or float8_e4m3fn");
+    TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16, float8_e4m3fn or int8");
+  }
+  if (side.dtype == kKvInt8) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kHalf && scale->is_contiguous() &&
+                    scale->numel() == cache.size(0) * cache.size(1) * cache.size(2),
+                "int8 caches need contiguous fp16 row scales [pages, kv_heads, page_size]");
+    side.row_scale_tensor = *scale;
+    side.row_scales = reinterpret_cast<uint16_t*>(scale->data_ptr<at::Half>());
+    return side;
   }
   if (!scale.has_value()) return side;
   TORCH_CHECK(side.dtype == kKvFp8, "only fp8 caches have scales");
