@@ -53,8 +53,9 @@ class EngineArgs:
     # auto = as the checkpoint's metadata says; dense = dequantize at load; int4 / fp8 = quantize
     # a dense checkpoint at load time (round-to-nearest; `densa quantize` for calibrated ones).
     weight_format: str = "auto"
-    # The output head: as loaded (dense) or packed (w8a8: 8-bit groups of 32, int8 activations).
-    head_format: str = "dense"
+    # The output head: dense, w8a8 (8-bit groups of 32, int8 activations), w8 (the same weights,
+    # float activations) or auto (a GGUF's Q8_0 head as w8, else dense).
+    head_format: str = "auto"
     # Phase-aware weights: decode steps run through this checkpoint of the same model (e.g. INT4)
     # while prefill keeps `model`'s weights; both share the one KV cache.
     decode_model: str | None = None
@@ -224,16 +225,17 @@ class EngineArgs:
             "--weight-format",
             default="auto",
             choices=list(WEIGHT_FORMATS),
-            help="linear weights: as stored (auto), dequantized (dense), or quantized at load "
-            "time by round-to-nearest (int4 g128 symmetric, fp8 128x128 blocks; w4a8 / w8a8: "
-            "4-/8-bit groups of 32 with int8 activations on densa's CPU kernels, see "
-            "docs/weights.md)",
+            help="linear weights: as stored (auto: a GGUF's Q4_1 layers as w4a8, a densa "
+            "checkpoint's own format, else dense), dequantized (dense), or quantized at load "
+            "time by round-to-nearest (int4 g128 symmetric, fp8 128x128 blocks; w4a8 / w8a8 / "
+            "w8: 4-/8-bit groups of 32 on densa's CPU kernels, see docs/weights.md)",
         )
         g.add_argument(
             "--head-format",
-            default="dense",
+            default="auto",
             choices=list(HEAD_FORMATS),
-            help="the output head (also when tied to the embedding): dense, or w8a8",
+            help="the output head (also when tied to the embedding): dense, w8a8 (int8 "
+            "activations), w8 (float activations), or auto: a GGUF's Q8_0 head as w8",
         )
         g.add_argument(
             "--decode-weight-format",

@@ -1,4 +1,5 @@
-"""W4A8 and W8A8 matmuls (groups of 32): torch references, packing, and the C++ kernels.
+"""W4A8, W8A8 and weight-only W8 matmuls (groups of 32): torch references, packing, and the C++
+kernels.
 
 Arithmetic (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0), for x [M, K] and weights [N, K]:
 
@@ -25,6 +26,7 @@ from densa.kernels.int4_linear import CODE_OFFSET, expand_groups, unpack_nibbles
 
 GROUP = 32
 PANEL = 16
+W8_FLOAT = 80  # the "bits" code of weight-only W8 (csrc/qgemm.h: kFormatW8)
 
 
 def fits(in_features: int, out_features: int) -> bool:
@@ -127,7 +129,7 @@ class PackedWeight:
     blocks: torch.Tensor  # uint8, flat
     out_features: int
     in_features: int
-    bits: int  # 4 or 8
+    bits: int  # 4 (w4a8), 8 (w8a8) or W8_FLOAT (w8: float activations)
     isa: str
 
 
@@ -142,11 +144,22 @@ def pack_w8(codes: torch.Tensor, d: torch.Tensor, isa: str) -> PackedWeight:
     return PackedWeight(blocks, codes.shape[0], codes.shape[1], 8, isa)
 
 
+def pack_w8_float(codes: torch.Tensor, d: torch.Tensor, isa: str) -> PackedWeight:
+    """W8 codes for the weight-only kernel (float activations, csrc/w8float.cpp)."""
+    blocks = _ext().pack_w8float(codes.to(torch.int8).contiguous(), d.float())
+    return PackedWeight(blocks, codes.shape[0], codes.shape[1], W8_FLOAT, isa)
+
+
 def quantized_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """[M, K] float32 -> [M, N] float32 through the C++ kernel of the weight's code path."""
     ext = _ext()
-    run = ext.w4a8_linear if weight.bits == 4 else ext.w8a8_linear
+    run = {4: ext.w4a8_linear, 8: ext.w8a8_linear, W8_FLOAT: ext.w8float_linear}[weight.bits]
     return run(x.float().contiguous(), weight.blocks, weight.out_features, weight.isa)
+
+
+def w8_float_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The weight-only W8 product in float64: x times the stored weights, no activation rounding."""
+    return (x.double() @ dequantize_w8(codes, d).double().T).float()
 
 
 def _ext() -> Any:

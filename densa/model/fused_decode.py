@@ -33,8 +33,7 @@ def fp8_table() -> torch.Tensor:
 def projection_spec(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None, int, int]:
     """(bits, tensor, bias, out, in) as the C++ decoder reads a projection."""
     if isinstance(module, PackedLinear):
-        bits = 4 if module.fmt == "w4a8" else 8
-        return bits, module.blocks, module.bias, module.out_features, module.in_features
+        return module.bits, module.blocks, module.bias, module.out_features, module.in_features
     if isinstance(module, Linear) and module.weight.dtype == torch.float32:
         weight = module.weight.detach()
         return 32, weight.contiguous(), module.bias, weight.shape[0], weight.shape[1]

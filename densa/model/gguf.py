@@ -40,6 +40,7 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_LINEAR_KEYS = tuple(k for k in _LAYER_NAMES if k.endswith(".weight") and "norm" not in k)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -61,10 +62,15 @@ def converted_dir_for(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     return (cache_dir or default_cache_dir()) / "gguf" / f"{gguf_path.stem}-{digest}"
 
 
+QUANTIZATION_FILE = "gguf_quantization.json"
+
+
 def ensure_converted(gguf_path: Path, progress: Progress | None = None) -> Path:
     """Return an HF directory for the GGUF file, converting it on first use."""
     out_dir = converted_dir_for(gguf_path)
     if (out_dir / "config.json").is_file():
+        if not (out_dir / QUANTIZATION_FILE).is_file():  # converted by an older densa
+            _write_quantization(_open_reader(gguf_path), out_dir)
         return out_dir
     logger.info("converting %s to a cached safetensors copy in %s (once)", gguf_path.name, out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +119,30 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
     tensors = dict(_dequantized_tensors(reader, config, arch == "llama", progress))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _write_quantization(reader, out_dir)
     _save_tokenizer(gguf_path, out_dir)
+
+
+def _write_quantization(reader: Any, out_dir: Path) -> None:
+    """Record how the GGUF stored its weights (the converted copy is dequantized): the most
+    common type of the layers' linear weights and the type of the output head (the embedding
+    when tied). The loader's `auto` formats keep those bits where densa has kernels for them."""
+    from collections import Counter
+
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    linear = Counter(kind for name, kind in types.items() if name.endswith(_LINEAR_KEYS))
+    head = types.get("output.weight", types.get("token_embd.weight"))
+    info = {"linear": linear.most_common(1)[0][0] if linear else None, "head": head}
+    (out_dir / QUANTIZATION_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def stored_quantization(model_dir: Path) -> dict[str, str | None]:
+    """What `_write_quantization` recorded for a converted GGUF ({} for other directories)."""
+    path = model_dir / QUANTIZATION_FILE
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return {"linear": data.get("linear"), "head": data.get("head")}
 
 
 def _open_reader(path: Path) -> Any:

@@ -16,9 +16,10 @@ from pathlib import Path
 import psutil
 import torch
 
+from densa.kernels import native
 from densa.memory import rehome_on_huge_pages
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.gguf import ensure_converted
+from densa.model.gguf import ensure_converted, stored_quantization
 from densa.model.interface import CausalLM
 from densa.model.linear import (
     Linear,
@@ -167,6 +168,27 @@ def _pack(model: CausalLM, weight_format: str | None, head_format: str) -> None:
 def _describe_weights(runtime: WeightFormat | None, packed: str | None, head: str) -> str:
     linear = runtime.describe() if runtime is not None else packed or "dense"
     return linear if head == "dense" else f"{linear}, output head {head}"
+
+
+# GGUF block types that `auto` keeps as stored (bit for bit), and the packed format running them.
+AUTO_LINEAR = {"Q4_1": "w4a8"}
+AUTO_HEAD = {"Q8_0": "w8"}
+
+
+def auto_formats(
+    model_path: str, model_dir: Path, weight_format: str, head_format: str
+) -> tuple[str, str]:
+    """Resolve `auto`: a GGUF file whose linear layers are Q4_1 (and head Q8_0) runs from those
+    very bits on the C++ kernels (w4a8 linears, a w8 head) where they are built; everything
+    else loads as its checkpoint says (dense for HF directories). Returns (weights, head)."""
+    stored = stored_quantization(model_dir) if str(model_path).endswith(".gguf") else {}
+    kernels = native.is_available()
+    if weight_format == "auto" and kernels and stored.get("linear") in AUTO_LINEAR:
+        weight_format = AUTO_LINEAR[str(stored["linear"])]
+    if head_format == "auto":
+        head = stored.get("head")
+        head_format = AUTO_HEAD[head] if kernels and head in AUTO_HEAD else "dense"
+    return weight_format, head_format
 
 
 def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> WeightFormat | None:

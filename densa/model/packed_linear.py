@@ -3,6 +3,9 @@
     w4a8   4-bit weights, fp16 scale and minimum per 32 inputs (llama.cpp's Q4_1 arithmetic);
            activations quantized to int8 per token and 32 inputs at every call (its Q8_1)
     w8a8   8-bit weights, fp16 scale per 32 inputs (Q8_0); activations as above
+    w8     the same 8-bit weights with float32 activations (weight-only): the product with the
+           stored weights, no activation rounding; more arithmetic than w8a8, so meant for the
+           output head at decode (--head-format w8)
 
 Both are made at load time from dense weights. Weights that came from a GGUF file's Q4_1 / Q8_0
 blocks (the bundled model) come back as the very same codes and scales (quantize_q4_1 below,
@@ -16,8 +19,8 @@ from torch import nn
 
 from densa.kernels import native, qgemm
 
-PACKED_FORMATS = ("w4a8", "w8a8")
-_BITS = {"w4a8": 4, "w8a8": 8}
+PACKED_FORMATS = ("w4a8", "w8a8", "w8")
+_BITS = {"w4a8": 4, "w8a8": 8, "w8": qgemm.W8_FLOAT}
 
 
 class PackedFormatUnavailable(RuntimeError):
@@ -56,9 +59,14 @@ class PackedLinear(nn.Module):
         self.register_buffer("blocks", packed.blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
 
+    @property
+    def bits(self) -> int:
+        """The kernels' code for this format (csrc/qgemm.h)."""
+        return _BITS[self.fmt]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = qgemm.PackedWeight(
-            self.blocks, self.out_features, self.in_features, _BITS[self.fmt], self.isa
+            self.blocks, self.out_features, self.in_features, self.bits, self.isa
         )
         out = qgemm.quantized_linear(x.reshape(-1, self.in_features), weight).to(x.dtype)
         out = out.view(*x.shape[:-1], self.out_features)
@@ -76,6 +84,8 @@ def _pack(fmt: str, weight: torch.Tensor, isa: str) -> qgemm.PackedWeight:
         return qgemm.pack_w4(*quantize_q4_1(weight), isa)
     if fmt == "w8a8":
         return qgemm.pack_w8(*qgemm.quantize_w8(weight), isa)
+    if fmt == "w8":
+        return qgemm.pack_w8_float(*qgemm.quantize_w8(weight), isa)
     raise ValueError(f"unknown packed format {fmt!r}; choose from {PACKED_FORMATS}")
 
 
@@ -107,6 +117,8 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, fmt: str) -> torch.T
     """What a PackedLinear of `weight` computes, in float64 (tests)."""
     if fmt == "w4a8":
         return qgemm.w4a8_reference(x, *quantize_q4_1(weight))
+    if fmt == "w8":
+        return qgemm.w8_float_reference(x, *qgemm.quantize_w8(weight))
     return qgemm.w8a8_reference(x, *qgemm.quantize_w8(weight))
 
 

@@ -120,3 +120,16 @@ def test_forced_isa_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.delenv(native.ISA_ENV)
         native.isa.cache_clear()
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize("rows", ROWS)
+def test_weight_only_w8_matches_the_float_product(isa: str, rows: int) -> None:
+    """No activation rounding: the float32 product with the stored weights."""
+    n, k = 48, 96
+    gen = torch.Generator().manual_seed(rows)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+    x = torch.randn(rows, k, generator=gen)
+    got = qgemm.quantized_linear(x, qgemm.pack_w8_float(codes, d, isa))
+    torch.testing.assert_close(got, qgemm.w8_float_reference(x, codes, d), rtol=1e-5, atol=1e-5)

@@ -63,12 +63,14 @@ def forced_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     native.isa.cache_clear()
 
 
-def _step(model_dir: Path, weight_format: str, kv: str) -> tuple[torch.Tensor, torch.Tensor, list]:
+def _step(
+    model_dir: Path, weight_format: str, kv: str, head_format: str = "dense"
+) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Prefill three sequences eagerly, then run one decode step eagerly and fused from copies
     of the same caches; returns (eager hidden, fused hidden, [(eager cache, fused cache)])."""
     arch = ArchConfig.from_dir(model_dir)
     cpu = torch.device("cpu")
-    model = load_model(model_dir, arch, "float32", 512, cpu, weight_format)
+    model = load_model(model_dir, arch, "float32", 512, cpu, weight_format, head_format)
     kv_dtype, policy, static = KV_FORMATS[kv]
     caches = allocate_kv_caches(arch, 40, PAGE_SIZE, kv_dtype, cpu, policy, static)
     backend = CpuAttentionBackend()
@@ -127,7 +129,7 @@ def _assert_same_pages(pairs: list) -> None:
 
 @pytest.mark.parametrize("forced_isa", PATHS, indirect=True)
 @pytest.mark.parametrize("kv", list(KV_FORMATS))
-@pytest.mark.parametrize("weight_format", ["dense", "w4a8", "w8a8"])
+@pytest.mark.parametrize("weight_format", ["dense", "w4a8", "w8a8", "w8"])
 def test_fused_step_matches_eager(
     forced_isa: str, kv: str, weight_format: str, tiny_model_dir: Path
 ) -> None:

@@ -60,7 +60,7 @@ def test_q8_0_blocks_come_back_exactly(gguf_tensors: dict) -> None:
 
 
 @pytest.mark.skipif(not native.is_available(), reason="no C++ kernels here")
-@pytest.mark.parametrize("fmt", ["w4a8", "w8a8"])
+@pytest.mark.parametrize("fmt", ["w4a8", "w8a8", "w8"])
 def test_packed_linear_matches_reference(fmt: str) -> None:
     weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(0)) * 0.1
     bias = torch.randn(48)
@@ -69,3 +69,36 @@ def test_packed_linear_matches_reference(fmt: str) -> None:
     got = layer(x)
     want = reference_linear(x.reshape(-1, 96), weight, fmt).view(2, 3, 48) + bias
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_auto_keeps_a_ggufs_own_bits_where_kernels_run(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from densa.model import loader
+    from densa.model.gguf import QUANTIZATION_FILE
+
+    (tmp_path / QUANTIZATION_FILE).write_text(json.dumps({"linear": "Q4_1", "head": "Q8_0"}))
+    monkeypatch.setattr(loader.native, "is_available", lambda: True)
+    assert loader.auto_formats("m.gguf", tmp_path, "auto", "auto") == ("w4a8", "w8")
+    assert loader.auto_formats("m.gguf", tmp_path, "dense", "auto") == ("dense", "w8")
+    assert loader.auto_formats("m.gguf", tmp_path, "auto", "dense") == ("w4a8", "dense")
+    # An HF directory (even a GGUF's converted copy, as tests compare it with transformers)
+    # keeps its checkpoint's format.
+    assert loader.auto_formats(str(tmp_path), tmp_path, "auto", "auto") == ("auto", "dense")
+    (tmp_path / QUANTIZATION_FILE).write_text(json.dumps({"linear": "Q4_K", "head": "Q6_K"}))
+    assert loader.auto_formats("m.gguf", tmp_path, "auto", "auto") == ("auto", "dense")
+    monkeypatch.setattr(loader.native, "is_available", lambda: False)
+    (tmp_path / QUANTIZATION_FILE).write_text(json.dumps({"linear": "Q4_1", "head": "Q8_0"}))
+    assert loader.auto_formats("m.gguf", tmp_path, "auto", "auto") == ("auto", "dense")
+
+
+def test_the_bundled_gguf_records_q4_1_layers_and_a_q8_0_head() -> None:
+    from densa.model.gguf import stored_quantization
+    from densa.model.loader import resolve_model_dir
+
+    assert stored_quantization(resolve_model_dir(default_model_path())) == {
+        "linear": "Q4_1",
+        "head": "Q8_0",
+    }

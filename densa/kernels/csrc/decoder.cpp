@@ -267,8 +267,10 @@ constexpr int kDenseTile = 4;
 template <class Ops>
 void project(const Projection& p, const float* x, int64_t rows, float* y, Isa isa,
              ActivationBuffers& buffers) {
-  if (p.bits == 4 || p.bits == 8) {
+  if (p.bits == kFormatW4A8 || p.bits == kFormatW8A8) {
     quantized_linear_raw(x, rows, p.in, p.blocks, p.out, p.bits, isa, y, buffers);
+  } else if (p.bits == kFormatW8) {
+    w8float_linear_raw(x, rows, p.in, p.blocks, p.out, isa, y);
   } else if (rows > 8) {  // compute-bound: torch's blocked GEMM
     const at::Tensor xt = at::from_blob(const_cast<float*>(x), {rows, p.in});
     const at::Tensor yt = at::from_blob(y, {rows, p.out});

@@ -14,7 +14,7 @@ namespace densa {
 namespace {
 
 // (bits, tensor, bias or None, out_features, in_features): bits 32 = dense float32 [out, in],
-// 4 / 8 = packed blocks.
+// 4 / 8 / 80 = packed w4a8 / w8a8 / w8 blocks (qgemm.h).
 using ProjectionSpec = std::tuple<int64_t, at::Tensor, std::optional<at::Tensor>, int64_t, int64_t>;
 
 Projection make_projection(const ProjectionSpec& spec) {
@@ -30,10 +30,11 @@ Projection make_projection(const ProjectionSpec& spec) {
                 "dense weight: float32 [out, in]");
     p.dense = tensor;
   } else {
-    TORCH_CHECK(p.bits == 4 || p.bits == 8, "bits: 4, 8 or 32");
+    TORCH_CHECK(p.bits == kFormatW4A8 || p.bits == kFormatW8A8 || p.bits == kFormatW8,
+                "bits: 4 (w4a8), 8 (w8a8), 80 (w8) or 32 (dense)");
     TORCH_CHECK(tensor.scalar_type() == at::kByte, "packed weight: uint8 blocks");
     TORCH_CHECK(p.in % kGroup == 0 && p.out % kPanel == 0, "packed shape does not tile");
-    const int64_t block = p.bits == 4 ? kW4Block : kW8Block;
+    const int64_t block = p.bits == kFormatW4A8 ? kW4Block : kW8Block;
     TORCH_CHECK(tensor.numel() == (p.out / kPanel) * (p.in / kGroup) * block, "packed size");
     p.packed = tensor;
     p.blocks = tensor.data_ptr<uint8_t>();
@@ -221,6 +222,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
         return quantized_linear(x, packed, n, 8, isa);
       },
       "x [M,K] f32, packed W8, N, isa -> [M,N] f32");
+  module.def("pack_w8float", &pack_w8float, "W8 codes [N,K] s8, d [N,K/32] -> w8 blocks");
+  module.def("w8float_linear", &w8float_linear, "x [M,K] f32, w8 blocks, N, isa -> [M,N] f32");
   pybind11::class_<PyDecoder>(module, "Decoder")
       .def(pybind11::init<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, double>,
                           const std::string&, at::Tensor, at::Tensor, at::Tensor, at::Tensor,

@@ -15,6 +15,10 @@ constexpr int kW8Block = 544;  // bytes per W8 block: 512 codes + 32 d
 
 enum class Isa { kAvx2 = 0, kAvx512Vnni = 1 };
 
+// Projection formats, as Python passes them ("bits"): dense float32, W4A8, W8A8, and W8 with
+// float activations (w8float.cpp).
+constexpr int kFormatDense = 32, kFormatW4A8 = 4, kFormatW8A8 = 8, kFormatW8 = 80;
+
 bool cpu_has_avx512_vnni();
 bool cpu_has_avx2();
 Isa parse_isa(const std::string& name);
@@ -34,5 +38,12 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64
                             int bits, const std::string& isa_name);
 at::Tensor pack_w4(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m);
 at::Tensor pack_w8(const at::Tensor& codes, const at::Tensor& d, const std::string& isa_name);
+
+// Weight-only W8 (float activations): w8float.cpp.
+void w8float_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_t* blocks,
+                        int64_t n, Isa isa, float* y);
+at::Tensor w8float_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                          const std::string& isa_name);
+at::Tensor pack_w8float(const at::Tensor& codes, const at::Tensor& d);
 
 }  // namespace densa
