@@ -3,6 +3,7 @@ run here, size the KV cache from its memory budget, and wire the model runner.""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from densa.model.attention import AttentionBackend, LayerKVCache
 from densa.model.fused_decode import unsupported_reason
 from densa.model.interface import CausalLM
 from densa.model.linear import resident_weight_bytes
-from densa.model.loader import load_model, resolve_model_dir
+from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.model.tokenizer import Tokenizer
 from densa.quant import fp8_kv
 from densa.utils.logging import get_logger
@@ -41,6 +42,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     args.check()
     model_path = args.model or default_model_path()
     model_dir = resolve_model_dir(model_path)
+    weights, head = auto_formats(model_path, model_dir, args.weight_format, args.head_format)
+    args = dataclasses.replace(args, weight_format=weights, head_format=head)
     arch = ArchConfig.from_dir(model_dir)
     device = torch.device(args.device)
     max_len = args.resolved_max_model_len(arch)
