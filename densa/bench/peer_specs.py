@@ -3,8 +3,9 @@
 Equal bits is the comparison that matters at batch 1 (decode streams every weight once per
 token): the bundled GGUF stores its linear layers as Q4_1 (4-bit codes in blocks of 32 with an
 fp16 scale and minimum) and its tied embedding / output head as Q8_0 (8-bit, blocks of 32, fp16
-scale). densa's INT4 g32 asymmetric format is the same arithmetic as Q4_1 (it reproduces the
-stored weights exactly) and its INT8 g32 head the same as Q8_0. fp32 rows are the reference.
+scale). densa's default loads exactly those bits (w4a8 layers, a w8 head); llama.cpp and densa
+both quantize activations to int8 per 32 values for the layers, and densa keeps the head's
+activations in float32 (--head-format w8a8 matches llama.cpp there too). fp32 is the reference.
 """
 
 from __future__ import annotations
@@ -104,27 +105,34 @@ def transformers(ctx: PeerContext) -> PeerSpec:
 
 
 DENSA_FP32 = {"linear": "fp32", "head": "fp32", "kv": "fp32", "compute": "fp32"}
-DENSA_INT4 = {
+DENSA_DEFAULT = {
     "linear": "w4a8: the GGUF's Q4_1 bits",
-    "head": "w8a8: the GGUF's Q8_0 bits",
+    "head": "w8: the GGUF's Q8_0 bits, float activations",
     "kv": "fp32",
-    "compute": "int8 dot (activations Q8 per 32)",
+    "compute": "int8 dot (activations Q8 per 32); head in fp32",
+}
+DENSA_LLAMA_NUMERICS = {
+    **DENSA_DEFAULT,
+    "head": "w8a8: the GGUF's Q8_0 bits",
+    "compute": "int8 dot",
 }
 
 PEERS: dict[str, Builder] = {
     "llama.cpp": llama_cpp,
     "transformers": transformers,
-    "densa": _densa("densa (default)", ["--model", "{gguf}"], DENSA_FP32),
-    "densa-fp32": _densa(
-        "densa fp32", ["--model", "{gguf}", "--weight-format", "dense"], DENSA_FP32
+    # What scripts/serve.sh starts: the bundled GGUF with its auto formats.
+    "densa": _densa("densa (default)", ["--model", "{gguf}"], DENSA_DEFAULT),
+    # llama.cpp's numerics exactly: int8 activations for the head too.
+    "densa-w8a8-head": _densa(
+        "densa w8a8 head", ["--model", "{gguf}", "--head-format", "w8a8"], DENSA_LLAMA_NUMERICS
     ),
-    "densa-int4": _densa(
-        "densa W4A8",
-        ["--model", "{gguf}", "--weight-format", "w4a8", "--head-format", "w8a8"],
-        DENSA_INT4,
+    "densa-fp32": _densa(
+        "densa fp32",
+        ["--model", "{gguf}", "--weight-format", "dense", "--head-format", "dense"],
+        DENSA_FP32,
     ),
 }
-DEFAULT_PEERS = ("llama.cpp", "densa", "densa-int4", "transformers")
+DEFAULT_PEERS = ("llama.cpp", "densa", "densa-fp32", "transformers")
 
 
 def build_specs(names: list[str], ctx: PeerContext) -> list[PeerSpec]:

@@ -65,9 +65,9 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         arch, num_pages, args.page_size, kv_dtype, device, kv_scales, static_scales
     )
     backend = select_backend(args.attention_backend, device)
-    for weights in (model, decode_model):
-        if weights is not None and args.fused_decode:
-            enable_fused_decode(weights, kv_caches)
+    for weight_set in (model, decode_model):
+        if weight_set is not None and args.fused_decode:
+            enable_fused_decode(weight_set, kv_caches)
     runner = ModelRunner(
         model,
         kv_caches,
