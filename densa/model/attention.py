@@ -149,8 +149,21 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
+    """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]: store this step's K/V, then attend."""
     backend.store_kv(cache, k, v, meta)
+    return attend_stored(backend, q, k, v, cache, meta, scale)
+
+
+def attend_stored(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a step whose K/V (k, v: [T, KVH, D]) are already in the pages."""
     fresh_prefill = cache.k.dtype in QUANTIZED_KV_DTYPES
     groups = [g for g in (meta.decode, meta.prefill) if g is not None]
     if len(groups) == 1:  # the common case: all decodes or all prefill, no output copy needed

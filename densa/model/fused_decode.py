@@ -1,11 +1,16 @@
-"""The fused decode step: a decode-only batch through every layer in one C++ call.
+"""The fused decode step: a decode-only batch through every layer in one C++ call; other steps
+(prefill chunks, mixed) run each layer as two C++ calls around the attention backend.
 
 Why: at batch 1 a step of the eager model is ~450 small torch ops (30 layers x norms, projections,
 RoPE, stores, attention, activations), and their dispatch, not arithmetic, was most of the step
 (docs/benchmarks/peers/). densa/kernels/csrc/decoder.cpp runs the same computation without
 returning to Python between layers, reading the same weights and writing the same KV pages.
 
-What it takes: float32 compute, dense float32 or packed (w4a8 / w8a8) projections, a float32,
+Prefill chunks are compute-bound, so dispatch matters less there, but the eager layer's ~20
+elementwise ops (norms, RoPE's muls and cat, stores, SiLU, residual adds) were ~25% of prefill
+time; in C++ they are a few passes over the rows.
+
+What it takes: float32 compute, dense float32 or packed (w4a8 / w8a8 / w8) projections, a float32,
 bfloat16, fp8 or int8 KV cache, and a step with no prefill rows. Anything else runs the eager model;
 `unsupported_reason` says why.
 """
@@ -18,7 +23,7 @@ import torch
 from torch import nn
 
 from densa.kernels import native
-from densa.model.attention import AttentionMetadata, LayerKVCache
+from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, attend_stored
 from densa.model.linear import Linear
 from densa.model.packed_linear import PackedLinear
 
@@ -91,6 +96,39 @@ class FusedDecoder:
                 cache.k, cache.k_scale, cache.v, cache.v_scale,
             )  # fmt: skip
         self.key = cache_key(kv_caches)
+        self.caches = list(kv_caches)
+
+    def forward_layers(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Any step (prefill chunks, mixed): each layer's norms, projections, RoPE, K/V store
+        and MLP in two C++ calls, its attention through `backend` (SDPA for prefill chunks, as
+        the eager model) -> final hidden states [T, hidden]."""
+        cfg = model.cfg
+        q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
+        caches = self.caches
+        residual = model.embed_tokens(input_ids).contiguous()  # [T, hidden], updated in place
+        num_tokens = residual.shape[0]
+        for idx, cache in enumerate(caches):
+            qkv = self._decoder.qkv(
+                idx, residual, positions, meta.slot_pages, meta.slot_offsets
+            )  # [T, q + 2 kv]: rotated; K/V already stored
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            attn = attend_stored(
+                backend,
+                q.view(num_tokens, -1, head_dim),
+                k.view(num_tokens, -1, head_dim),
+                v.view(num_tokens, -1, head_dim),
+                cache, meta, head_dim**-0.5,
+            )  # fmt: skip
+            self._decoder.mlp(idx, attn.reshape(num_tokens, q_size).contiguous(), residual)
+        out: torch.Tensor = self._decoder.final_norm(residual)
+        return out
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -124,10 +162,9 @@ class FusedDecodeSwitch:
     def enable(self, on: bool = True) -> None:
         self.enabled = on
 
-    def decoder_for(
-        self, model: Any, kv_caches: list[LayerKVCache], meta: AttentionMetadata
-    ) -> FusedDecoder | None:
-        if not self.enabled or meta.prefill is not None or meta.decode is None:
+    def decoder_for(self, model: Any, kv_caches: list[LayerKVCache]) -> FusedDecoder | None:
+        """The decoder for these KV tensors, or None when fused steps are off."""
+        if not self.enabled:
             return None
         if self._decoder is None or self._decoder.key != cache_key(kv_caches):
             self._decoder = FusedDecoder(model, kv_caches)

@@ -110,9 +110,11 @@ class LlamaForCausalLM(CausalLM):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        fused = self.fused_decode.decoder_for(self, kv_caches, meta)
-        if fused is not None:  # decode-only step: every layer in one C++ call
-            return fused.forward(input_ids, positions, meta)
+        fused = self.fused_decode.decoder_for(self, kv_caches)
+        if fused is not None:
+            if meta.prefill is None and meta.decode is not None:  # every layer in one C++ call
+                return fused.forward(input_ids, positions, meta)
+            return fused.forward_layers(self, input_ids, positions, meta, backend)
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, hidden.dtype)
         residual = None

@@ -161,3 +161,55 @@ def test_unsupported_models_say_why(tiny_model_dir: Path) -> None:
     assert unsupported_reason(model, caches) == "compute dtype is not float32"
     int4 = load_model(tiny_model_dir, arch, "float32", 64, cpu, "int4")
     assert "Int4Linear" in str(unsupported_reason(int4, caches))
+
+
+def _mixed_meta(cpu: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A mixed step: two decode rows (contexts of 5 and 9) and a 6-token prefill chunk that
+    continues a 3-token prefix (positions 3..8), pages scattered."""
+    tables = [[7, 1], [4, 12, 20], [15, 3, 9]]
+    positions = [4, 8, 3, 4, 5, 6, 7, 8]
+    rows_table = [0, 1, 2, 2, 2, 2, 2, 2]
+    pos = torch.tensor(positions)
+    meta = AttentionMetadata(
+        slot_pages=torch.tensor(
+            [tables[r][p // PAGE_SIZE] for r, p in zip(rows_table, positions, strict=True)]
+        ),
+        slot_offsets=pos % PAGE_SIZE,
+        decode=build_group(0, tables[:2], [5, 9], [1, 1], PAGE_SIZE, cpu),
+        prefill=build_group(2, tables[2:], [9], [6], PAGE_SIZE, cpu),
+    )
+    ids = torch.randint(300, 40000, (len(positions),), generator=torch.Generator().manual_seed(3))
+    return ids, pos, meta
+
+
+@pytest.mark.parametrize("forced_isa", PATHS, indirect=True)
+@pytest.mark.parametrize("kv", ["fp32", "fp8-dynamic", "int8"])
+@pytest.mark.parametrize("weight_format", ["dense", "w4a8"])
+def test_layered_steps_match_eager(
+    forced_isa: str, kv: str, weight_format: str, tiny_model_dir: Path
+) -> None:
+    """Prefill and mixed steps: two C++ calls per layer around the attention backend."""
+    arch = ArchConfig.from_dir(tiny_model_dir)
+    cpu = torch.device("cpu")
+    model = load_model(tiny_model_dir, arch, "float32", 512, cpu, weight_format)
+    kv_dtype, policy, static = KV_FORMATS[kv]
+    caches = allocate_kv_caches(arch, 24, PAGE_SIZE, kv_dtype, cpu, policy, static)
+    backend = CpuAttentionBackend()
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        # Earlier context of the three sequences, eagerly: 4, 8 and 3 tokens.
+        for table, length in (([7, 1], 4), ([4, 12, 20], 8), ([15, 3, 9], 3)):
+            pos = torch.arange(length)
+            meta = AttentionMetadata(
+                slot_pages=torch.tensor([table[p // PAGE_SIZE] for p in range(length)]),
+                slot_offsets=pos % PAGE_SIZE,
+                decode=None,
+                prefill=build_group(0, [table], [length], [length], PAGE_SIZE, cpu),
+            )
+            model(torch.randint(300, 40000, (length,), generator=gen), pos, caches, meta, backend)
+        ids, pos, meta = _mixed_meta(cpu)
+        layered_caches = [_copy(c) for c in caches]
+        layered = FusedDecoder(model, layered_caches).forward_layers(model, ids, pos, meta, backend)
+        eager = model(ids, pos, caches, meta, backend)
+    torch.testing.assert_close(layered, eager, **_tolerance(kv))
+    _assert_same_pages(list(zip(caches, layered_caches, strict=True)))

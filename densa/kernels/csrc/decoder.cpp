@@ -313,55 +313,114 @@ void rmsnorm_rows(const float* x, const float* w, float* y, int64_t rows, int64_
   for (int64_t t = 0; t < rows; ++t) Ops::rmsnorm(x + t * n, w, y + t * n, n, eps);
 }
 
+// First half of a layer for M rows: h = rmsnorm(x); qkv = h Wqkv^T; rotate q and k; store k, v
+// in their slots. qkv: [M, q + 2 kv], rotated, q unscaled.
+template <class Ops>
+void layer_qkv(const Decoder& dec, const Layer& L, const float* x, int64_t rows,
+               const int64_t* positions, const int64_t* slot_pages, const int64_t* slot_offsets,
+               float* h, float* qkv, ActivationBuffers& buffers) {
+  const Config& cfg = dec.config;
+  const int64_t d = cfg.head_dim, q_size = cfg.num_heads * d, kv_size = cfg.num_kv_heads * d;
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  const float* cos = dec.cos.data_ptr<float>();
+  const float* sin = dec.sin.data_ptr<float>();
+  rmsnorm_rows<Ops>(x, L.input_norm, h, rows, cfg.hidden, cfg.eps);
+  project<Ops>(L.qkv, h, rows, qkv, dec.isa, buffers);
+  for (int64_t t = 0; t < rows; ++t) {
+    float* row = qkv + t * qkv_size;
+    const int64_t pos = positions[t];
+    // q and k heads are adjacent: rotate them together.
+    rope(row, cfg.num_heads + cfg.num_kv_heads, d, cos + pos * d, sin + pos * d);
+    for (int64_t kh = 0; kh < cfg.num_kv_heads; ++kh) {
+      store_row(L.k, slot_pages[t], kh, slot_offsets[t], row + q_size + kh * d, d);
+      store_row(L.v, slot_pages[t], kh, slot_offsets[t], row + q_size + kv_size + kh * d, d);
+    }
+  }
+}
+
+// Second half: x += attn Wo^T; x += (silu(h Wg^T) * h Wu^T) Wd^T with h = rmsnorm(x).
+template <class Ops>
+void layer_mlp(const Decoder& dec, const Layer& L, const float* attn, int64_t rows, float* x,
+               float* h, float* proj, float* gu, float* act, ActivationBuffers& buffers) {
+  const Config& cfg = dec.config;
+  const int64_t hid = cfg.hidden, inter = cfg.intermediate;
+  project<Ops>(L.o, attn, rows, proj, dec.isa, buffers);
+  for (int64_t i = 0; i < rows * hid; ++i) x[i] += proj[i];
+  rmsnorm_rows<Ops>(x, L.post_norm, h, rows, hid, cfg.eps);
+  project<Ops>(L.gate_up, h, rows, gu, dec.isa, buffers);
+  for (int64_t t = 0; t < rows; ++t)
+    Ops::silu_mul(gu + t * 2 * inter, gu + t * 2 * inter + inter, act + t * inter, inter);
+  project<Ops>(L.down, act, rows, proj, dec.isa, buffers);
+  for (int64_t i = 0; i < rows * hid; ++i) x[i] += proj[i];
+}
+
+// Scratch for one call: sized for `rows` tokens.
+struct Buffers {
+  std::vector<float> h, qkv, q, attn, proj, gu, act, scratch;
+  ActivationBuffers quantized;
+  Buffers(const Config& c, int64_t rows)
+      : h(rows * std::max(c.hidden, c.num_heads * c.head_dim)),
+        qkv(rows * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
+        q(rows * c.num_heads * c.head_dim),
+        attn(rows * c.num_heads * c.head_dim),
+        proj(rows * c.hidden),
+        gu(rows * 2 * c.intermediate),
+        act(rows * c.intermediate) {}
+};
+
 template <class Ops>
 at::Tensor run(const Decoder& dec, const StepInputs& step) {
   const Config& cfg = dec.config;
   const int64_t rows = step.num_tokens, hid = cfg.hidden, d = cfg.head_dim;
-  const int64_t q_size = cfg.num_heads * d, kv_size = cfg.num_kv_heads * d;
-  const int64_t qkv_size = q_size + 2 * kv_size, inter = cfg.intermediate;
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor out = at::empty({rows, hid}, f32);
-  std::vector<float> x(rows * hid), h(rows * hid), qkv(rows * qkv_size), attn(rows * q_size);
-  std::vector<float> proj(rows * hid), gu(rows * 2 * inter), act(rows * inter);
-  ActivationBuffers buffers;
-  std::vector<float> scratch;
+  const int64_t q_size = cfg.num_heads * d, qkv_size = q_size + 2 * cfg.num_kv_heads * d;
+  at::Tensor out = at::empty({rows, hid}, at::TensorOptions().dtype(at::kFloat));
+  std::vector<float> x(rows * hid);
+  Buffers buf(cfg, rows);
   const float* embed = dec.embed.data_ptr<float>();
   for (int64_t t = 0; t < rows; ++t)
     std::memcpy(&x[t * hid], embed + step.token_ids[t] * hid, hid * sizeof(float));
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
-  const float* cos = dec.cos.data_ptr<float>();
-  const float* sin = dec.sin.data_ptr<float>();
-  for (size_t layer = 0; layer < dec.layers.size(); ++layer) {
-    const Layer& L = dec.layers[layer];
-    rmsnorm_rows<Ops>(x.data(), L.input_norm, h.data(), rows, hid, cfg.eps);
-    project<Ops>(L.qkv, h.data(), rows, qkv.data(), dec.isa, buffers);
-    for (int64_t t = 0; t < rows; ++t) {
-      float* row = &qkv[t * qkv_size];
-      const int64_t pos = step.positions[t];
-      // q and k heads are adjacent: rotate them together.
-      rope(row, cfg.num_heads + cfg.num_kv_heads, d, cos + pos * d, sin + pos * d);
-      for (int64_t i = 0; i < q_size; ++i) row[i] *= scale;
-      for (int64_t kh = 0; kh < cfg.num_kv_heads; ++kh) {
-        store_row(L.k, step.slot_pages[t], kh, step.slot_offsets[t], row + q_size + kh * d, d);
-        store_row(L.v, step.slot_pages[t], kh, step.slot_offsets[t],
-                  row + q_size + kv_size + kh * d, d);
-      }
-    }
-    // Gather the scaled queries as [M, H, D] (they lead each qkv row).
+  for (const Layer& L : dec.layers) {
+    layer_qkv<Ops>(dec, L, x.data(), rows, step.positions, step.slot_pages, step.slot_offsets,
+                   buf.h.data(), buf.qkv.data(), buf.quantized);
+    // The scaled queries as [M, H, D] (they lead each qkv row).
     for (int64_t t = 0; t < rows; ++t)
-      std::memcpy(&h[t * q_size], &qkv[t * qkv_size], q_size * sizeof(float));
-    decode_attention<Ops>(cfg, L.k, L.v, h.data(), step.page_table, step.max_pages, step.seq_lens,
-                          rows, dec.fp8_table, scratch, attn.data());
-    project<Ops>(L.o, attn.data(), rows, proj.data(), dec.isa, buffers);
-    for (int64_t i = 0; i < rows * hid; ++i) x[i] += proj[i];
-    rmsnorm_rows<Ops>(x.data(), L.post_norm, h.data(), rows, hid, cfg.eps);
-    project<Ops>(L.gate_up, h.data(), rows, gu.data(), dec.isa, buffers);
-    for (int64_t t = 0; t < rows; ++t)
-      Ops::silu_mul(&gu[t * 2 * inter], &gu[t * 2 * inter + inter], &act[t * inter], inter);
-    project<Ops>(L.down, act.data(), rows, proj.data(), dec.isa, buffers);
-    for (int64_t i = 0; i < rows * hid; ++i) x[i] += proj[i];
+      for (int64_t i = 0; i < q_size; ++i) buf.q[t * q_size + i] = buf.qkv[t * qkv_size + i] * scale;
+    decode_attention<Ops>(cfg, L.k, L.v, buf.q.data(), step.page_table, step.max_pages,
+                          step.seq_lens, rows, dec.fp8_table, buf.scratch, buf.attn.data());
+    layer_mlp<Ops>(dec, L, buf.attn.data(), rows, x.data(), buf.h.data(), buf.proj.data(),
+                   buf.gu.data(), buf.act.data(), buf.quantized);
   }
   rmsnorm_rows<Ops>(x.data(), dec.final_norm, out.data_ptr<float>(), rows, hid, cfg.eps);
+  return out;
+}
+
+template <class Ops>
+at::Tensor run_qkv(const Decoder& dec, int64_t layer, at::Tensor& x, const int64_t* positions,
+                   const int64_t* slot_pages, const int64_t* slot_offsets) {
+  const Config& cfg = dec.config;
+  const int64_t rows = x.size(0);
+  Buffers buf(cfg, rows);
+  at::Tensor qkv = at::empty({rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim},
+                             at::TensorOptions().dtype(at::kFloat));
+  layer_qkv<Ops>(dec, dec.layers[layer], x.data_ptr<float>(), rows, positions, slot_pages,
+                 slot_offsets, buf.h.data(), qkv.data_ptr<float>(), buf.quantized);
+  return qkv;
+}
+
+template <class Ops>
+void run_mlp(const Decoder& dec, int64_t layer, const at::Tensor& attn, at::Tensor& x) {
+  const int64_t rows = x.size(0);
+  Buffers buf(dec.config, rows);
+  layer_mlp<Ops>(dec, dec.layers[layer], attn.data_ptr<float>(), rows, x.data_ptr<float>(),
+                 buf.h.data(), buf.proj.data(), buf.gu.data(), buf.act.data(), buf.quantized);
+}
+
+template <class Ops>
+at::Tensor run_final_norm(const Decoder& dec, const at::Tensor& x) {
+  at::Tensor out = at::empty_like(x);
+  rmsnorm_rows<Ops>(x.data_ptr<float>(), dec.final_norm, out.data_ptr<float>(), x.size(0),
+                    dec.config.hidden, dec.config.eps);
   return out;
 }
 
@@ -372,6 +431,23 @@ at::Tensor Decoder::forward(const StepInputs& step) const {
   TORCH_CHECK(config.num_heads / config.num_kv_heads <= kMaxGroup, "GQA group above ", kMaxGroup);
   if (isa == Isa::kAvx512Vnni) return run<Avx512>(*this, step);
   return run<Avx2>(*this, step);
+}
+
+at::Tensor Decoder::qkv(int64_t layer, at::Tensor& x, const int64_t* positions,
+                        const int64_t* slot_pages, const int64_t* slot_offsets) const {
+  if (isa == Isa::kAvx512Vnni)
+    return run_qkv<Avx512>(*this, layer, x, positions, slot_pages, slot_offsets);
+  return run_qkv<Avx2>(*this, layer, x, positions, slot_pages, slot_offsets);
+}
+
+void Decoder::mlp(int64_t layer, const at::Tensor& attn, at::Tensor& x) const {
+  if (isa == Isa::kAvx512Vnni) return run_mlp<Avx512>(*this, layer, attn, x);
+  run_mlp<Avx2>(*this, layer, attn, x);
+}
+
+at::Tensor Decoder::final(const at::Tensor& x) const {
+  if (isa == Isa::kAvx512Vnni) return run_final_norm<Avx512>(*this, x);
+  return run_final_norm<Avx2>(*this, x);
 }
 
 }  // namespace densa

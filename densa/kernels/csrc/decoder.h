@@ -69,6 +69,15 @@ struct Decoder {
 
   // Final hidden states [num_tokens, hidden] (normalized), K/V of the step stored in the pages.
   at::Tensor forward(const StepInputs& step) const;
+
+  // One layer in two halves around an attention computed elsewhere (prefill and mixed steps):
+  // qkv() normalizes the residual stream x [M, hidden], projects, rotates q and k (q unscaled)
+  // and stores k, v in their slots, returning qkv [M, q + 2 kv]; mlp() adds the attention's
+  // output projection and the MLP to x in place. final() is the last RMSNorm.
+  at::Tensor qkv(int64_t layer, at::Tensor& x, const int64_t* positions, const int64_t* slot_pages,
+                 const int64_t* slot_offsets) const;
+  void mlp(int64_t layer, const at::Tensor& attn, at::Tensor& x) const;
+  at::Tensor final(const at::Tensor& x) const;
 };
 
 }  // namespace densa

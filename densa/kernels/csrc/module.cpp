@@ -186,10 +186,53 @@ class PyDecoder {
 
   int64_t num_layers() const { return static_cast<int64_t>(dec_.layers.size()); }
 
+  // The two halves of one layer around an attention computed elsewhere (prefill, mixed steps).
+  at::Tensor qkv(int64_t layer, at::Tensor x, const at::Tensor& positions,
+                 const at::Tensor& slot_pages, const at::Tensor& slot_offsets) const {
+    check_stream(layer, x);
+    const int64_t rows = x.size(0);
+    check(positions, at::kLong, rows, "positions");
+    check(slot_pages, at::kLong, rows, "slot_pages");
+    check(slot_offsets, at::kLong, rows, "slot_offsets");
+    if (rows > 0) {
+      const KVSide& kv = dec_.layers[0].k;
+      TORCH_CHECK(positions.min().item<int64_t>() >= 0 &&
+                      positions.max().item<int64_t>() < dec_.cos.size(0),
+                  "position out of range");
+      TORCH_CHECK(slot_pages.min().item<int64_t>() >= 0 &&
+                      slot_pages.max().item<int64_t>() < kv.tensor.size(0),
+                  "slot page out of range");
+      TORCH_CHECK(slot_offsets.min().item<int64_t>() >= 0 &&
+                      slot_offsets.max().item<int64_t>() < kv.page_size,
+                  "slot offset out of range");
+    }
+    return dec_.qkv(layer, x, positions.data_ptr<int64_t>(), slot_pages.data_ptr<int64_t>(),
+                    slot_offsets.data_ptr<int64_t>());
+  }
+
+  void mlp(int64_t layer, const at::Tensor& attn, at::Tensor x) const {
+    check_stream(layer, x);
+    check(attn, at::kFloat, x.size(0) * dec_.config.num_heads * dec_.config.head_dim, "attn");
+    dec_.mlp(layer, attn, x);
+  }
+
+  at::Tensor final_norm(at::Tensor x) const {
+    check_stream(0, x);
+    return dec_.final(x);
+  }
+
  private:
   static at::Tensor float_rows(const at::Tensor& t, int64_t width, const char* what) {
     TORCH_CHECK(t.dim() == 2 && t.size(1) == width, what, ": [rows, ", width, "]");
     return t.contiguous().to(at::kFloat);
+  }
+
+  // The residual stream: float32 [M, hidden], contiguous, written in place.
+  void check_stream(int64_t layer, const at::Tensor& x) const {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "layer out of range");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == dec_.config.hidden && x.scalar_type() == at::kFloat &&
+                    x.is_contiguous() && x.device().is_cpu(),
+                "x: contiguous float32 [M, hidden]");
   }
 
   static void check(const at::Tensor& t, at::ScalarType dtype, int64_t n, const char* what) {
@@ -230,5 +273,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
                           at::Tensor>())
       .def("add_layer", &PyDecoder::add_layer)
       .def("forward", &PyDecoder::forward)
+      .def("qkv", &PyDecoder::qkv)
+      .def("mlp", &PyDecoder::mlp)
+      .def("final_norm", &PyDecoder::final_norm)
       .def_property_readonly("num_layers", &PyDecoder::num_layers);
 }
