@@ -308,9 +308,21 @@ void rope(float* x, int64_t heads, int64_t d, const float* cos, const float* sin
   }
 }
 
+// Rows in parallel once there are enough of them (prefill chunks); decode batches stay serial.
+template <class F>
+void for_rows(int64_t rows, const F& body) {
+  if (rows < 16) {
+    for (int64_t t = 0; t < rows; ++t) body(t);
+    return;
+  }
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) body(t);
+  });
+}
+
 template <class Ops>
 void rmsnorm_rows(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps) {
-  for (int64_t t = 0; t < rows; ++t) Ops::rmsnorm(x + t * n, w, y + t * n, n, eps);
+  for_rows(rows, [&](int64_t t) { Ops::rmsnorm(x + t * n, w, y + t * n, n, eps); });
 }
 
 // First half of a layer for M rows: h = rmsnorm(x); qkv = h Wqkv^T; rotate q and k; store k, v
@@ -326,7 +338,8 @@ void layer_qkv(const Decoder& dec, const Layer& L, const float* x, int64_t rows,
   const float* sin = dec.sin.data_ptr<float>();
   rmsnorm_rows<Ops>(x, L.input_norm, h, rows, cfg.hidden, cfg.eps);
   project<Ops>(L.qkv, h, rows, qkv, dec.isa, buffers);
-  for (int64_t t = 0; t < rows; ++t) {
+  // Rows write distinct slots (each token owns its own), so they can go in parallel.
+  for_rows(rows, [&](int64_t t) {
     float* row = qkv + t * qkv_size;
     const int64_t pos = positions[t];
     // q and k heads are adjacent: rotate them together.
@@ -335,7 +348,7 @@ void layer_qkv(const Decoder& dec, const Layer& L, const float* x, int64_t rows,
       store_row(L.k, slot_pages[t], kh, slot_offsets[t], row + q_size + kh * d, d);
       store_row(L.v, slot_pages[t], kh, slot_offsets[t], row + q_size + kv_size + kh * d, d);
     }
-  }
+  });
 }
 
 // Second half: x += attn Wo^T; x += (silu(h Wg^T) * h Wu^T) Wd^T with h = rmsnorm(x).
@@ -344,29 +357,49 @@ void layer_mlp(const Decoder& dec, const Layer& L, const float* attn, int64_t ro
                float* h, float* proj, float* gu, float* act, ActivationBuffers& buffers) {
   const Config& cfg = dec.config;
   const int64_t hid = cfg.hidden, inter = cfg.intermediate;
+  auto add_rows = [&](float* dst, const float* src) {
+    for_rows(rows, [&](int64_t t) {
+      for (int64_t i = t * hid; i < (t + 1) * hid; ++i) dst[i] += src[i];
+    });
+  };
   project<Ops>(L.o, attn, rows, proj, dec.isa, buffers);
-  for (int64_t i = 0; i < rows * hid; ++i) x[i] += proj[i];
+  add_rows(x, proj);
   rmsnorm_rows<Ops>(x, L.post_norm, h, rows, hid, cfg.eps);
   project<Ops>(L.gate_up, h, rows, gu, dec.isa, buffers);
-  for (int64_t t = 0; t < rows; ++t)
+  for_rows(rows, [&](int64_t t) {
     Ops::silu_mul(gu + t * 2 * inter, gu + t * 2 * inter + inter, act + t * inter, inter);
+  });
   project<Ops>(L.down, act, rows, proj, dec.isa, buffers);
-  for (int64_t i = 0; i < rows * hid; ++i) x[i] += proj[i];
+  add_rows(x, proj);
 }
 
-// Scratch for one call: sized for `rows` tokens.
+// Scratch for one call, reused across calls (grow-only: a fresh zero-filled allocation per call
+// was a measurable share of a prefill step).
 struct Buffers {
   std::vector<float> h, qkv, q, attn, proj, gu, act, scratch;
   ActivationBuffers quantized;
-  Buffers(const Config& c, int64_t rows)
-      : h(rows * std::max(c.hidden, c.num_heads * c.head_dim)),
-        qkv(rows * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim),
-        q(rows * c.num_heads * c.head_dim),
-        attn(rows * c.num_heads * c.head_dim),
-        proj(rows * c.hidden),
-        gu(rows * 2 * c.intermediate),
-        act(rows * c.intermediate) {}
+
+  void ensure(const Config& c, int64_t rows) {
+    grow(h, rows * std::max(c.hidden, c.num_heads * c.head_dim));
+    grow(qkv, rows * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim);
+    grow(q, rows * c.num_heads * c.head_dim);
+    grow(attn, rows * c.num_heads * c.head_dim);
+    grow(proj, rows * c.hidden);
+    grow(gu, rows * 2 * c.intermediate);
+    grow(act, rows * c.intermediate);
+  }
+
+  static void grow(std::vector<float>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+  }
 };
+
+// One set of buffers per calling thread (the engine calls from one thread at a time).
+Buffers& buffers_for(const Config& c, int64_t rows) {
+  thread_local Buffers buffers;
+  buffers.ensure(c, rows);
+  return buffers;
+}
 
 template <class Ops>
 at::Tensor run(const Decoder& dec, const StepInputs& step) {
@@ -375,7 +408,7 @@ at::Tensor run(const Decoder& dec, const StepInputs& step) {
   const int64_t q_size = cfg.num_heads * d, qkv_size = q_size + 2 * cfg.num_kv_heads * d;
   at::Tensor out = at::empty({rows, hid}, at::TensorOptions().dtype(at::kFloat));
   std::vector<float> x(rows * hid);
-  Buffers buf(cfg, rows);
+  Buffers& buf = buffers_for(cfg, rows);
   const float* embed = dec.embed.data_ptr<float>();
   for (int64_t t = 0; t < rows; ++t)
     std::memcpy(&x[t * hid], embed + step.token_ids[t] * hid, hid * sizeof(float));
@@ -400,7 +433,7 @@ at::Tensor run_qkv(const Decoder& dec, int64_t layer, at::Tensor& x, const int64
                    const int64_t* slot_pages, const int64_t* slot_offsets) {
   const Config& cfg = dec.config;
   const int64_t rows = x.size(0);
-  Buffers buf(cfg, rows);
+  Buffers& buf = buffers_for(cfg, rows);
   at::Tensor qkv = at::empty({rows, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim},
                              at::TensorOptions().dtype(at::kFloat));
   layer_qkv<Ops>(dec, dec.layers[layer], x.data_ptr<float>(), rows, positions, slot_pages,
@@ -411,7 +444,7 @@ at::Tensor run_qkv(const Decoder& dec, int64_t layer, at::Tensor& x, const int64
 template <class Ops>
 void run_mlp(const Decoder& dec, int64_t layer, const at::Tensor& attn, at::Tensor& x) {
   const int64_t rows = x.size(0);
-  Buffers buf(dec.config, rows);
+  Buffers& buf = buffers_for(dec.config, rows);
   layer_mlp<Ops>(dec, dec.layers[layer], attn.data_ptr<float>(), rows, x.data_ptr<float>(),
                  buf.h.data(), buf.proj.data(), buf.gu.data(), buf.act.data(), buf.quantized);
 }
