@@ -233,20 +233,24 @@ DENSA_AVX2 inline __m256i dot4_avx2(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
 
-// One panel as two halves of 8 rows (ymm), T tokens: 4T accumulators fit the 16 ymm registers.
+// One panel as two halves of 8 rows (ymm), one half at a time so T = 4 tokens fit the 16 ymm
+// registers (4 int + 4 float accumulators). The two nibble halves' u8 x s8 products are added
+// as int16 before widening (each is at most 2 * 15 * 127, their sum 7620: no saturation), which
+// saves one widening multiply-add per pair.
 template <int T>
 DENSA_AVX2 void w4_panel_avx2(const uint8_t* blocks, int64_t groups, const int8_t* qx,
                               const float* dx, const float* sumx, int64_t cols, float* y,
                               int64_t ldy) {
-  __m256 accf[T][2];
-  for (int t = 0; t < T; ++t) accf[t][0] = accf[t][1] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* blk = blocks + g * kW4Block;
-    __m256i acci[T][2];
-    for (int t = 0; t < T; ++t) acci[t][0] = acci[t][1] = _mm256_setzero_si256();
-    for (int o = 0; o < 4; ++o) {
-      for (int h = 0; h < 2; ++h) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 accf[T];
+    for (int t = 0; t < T; ++t) accf[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* blk = blocks + g * kW4Block;
+      __m256i acci[T];
+      for (int t = 0; t < T; ++t) acci[t] = _mm256_setzero_si256();
+      for (int o = 0; o < 4; ++o) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 * o + 32 * h));
         const __m256i lo = _mm256_and_si256(v, low4);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
@@ -255,25 +259,21 @@ DENSA_AVX2 void w4_panel_avx2(const uint8_t* blocks, int64_t groups, const int8_
           int32_t a, b;
           std::memcpy(&a, xq, 4);
           std::memcpy(&b, xq + 4, 4);
-          acci[t][h] = _mm256_add_epi32(acci[t][h], dot4_avx2(lo, _mm256_set1_epi32(a)));
-          acci[t][h] = _mm256_add_epi32(acci[t][h], dot4_avx2(hi, _mm256_set1_epi32(b)));
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b)));
+          acci[t] = _mm256_add_epi32(acci[t], _mm256_madd_epi16(pairs, ones));
         }
       }
-    }
-    for (int h = 0; h < 2; ++h) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + kW4Codes + 16 * h)));
       const __m256 m =
           _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + kW4Codes + 32 + 16 * h)));
       for (int t = 0; t < T; ++t) {
         const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[t * groups + g]));
-        accf[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[t][h]), scale, accf[t][h]);
-        accf[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sumx[t * groups + g]), accf[t][h]);
+        accf[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[t]), scale, accf[t]);
+        accf[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(sumx[t * groups + g]), accf[t]);
       }
     }
-  }
-  for (int t = 0; t < T; ++t) {
-    _mm256_storeu_ps(y + t * ldy, accf[t][0]);
-    _mm256_storeu_ps(y + t * ldy + 8, accf[t][1]);
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + t * ldy + 8 * h, accf[t]);
   }
 }
 
@@ -321,6 +321,7 @@ using PanelFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, c
 
 constexpr int kTileAvx512 = 8;  // 8 int + 8 float accumulators + temporaries: < 32 zmm
 constexpr int kTileAvx2 = 2;    // 2 x 2 int + 2 x 2 float accumulators + temporaries: < 16 ymm
+constexpr int kTileAvx2W4 = 4;  // W4 runs one 8-row half at a time: 4 int + 4 float accumulators
 
 template <int T>
 void w4_avx512(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
@@ -359,7 +360,7 @@ PanelKernels kernels_for(bool w4, Isa isa) {
              w8_avx512<7>, w8_avx512<8>},
             kTileAvx512};
   }
-  if (w4) return {{w4_avx2<1>, w4_avx2<2>}, kTileAvx2};
+  if (w4) return {{w4_avx2<1>, w4_avx2<2>, w4_avx2<3>, w4_avx2<4>}, kTileAvx2W4};
   return {{w8_avx2<1>, w8_avx2<2>}, kTileAvx2};
 }
 
