@@ -95,9 +95,7 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=scheduler)
 
     def resolved_max_model_len(self, arch: ArchConfig) -> int:
-        limit = arch.max_position_embeddings
-        if arch.sliding_window is not None:
-            limit = min(limit, arch.sliding_window)
+        limit = arch.max_position_embeddings  # sliding windows are attended as windows
         if self.max_model_len is None:
             return min(limit, 4096)  # a longer default costs KV pages nobody asked for
         if self.max_model_len > limit:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
-from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from densa.model.attention import AttentionBackend, AttentionMetadata
 
 
 class CausalLM(nn.Module, abc.ABC):
@@ -19,7 +20,7 @@ class CausalLM(nn.Module, abc.ABC):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[LayerKVCache],
+        kv_caches: list[Any],  # one per layer, of the family's KV layout (model.kv_layout)
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with q/k/v bias), written for paged KV.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k
+norms), written for paged KV.
 
 forward() takes one flattened batch of tokens from many requests ([T] ids and positions) and the
 step's attention metadata; there is no batch dimension and no padding in the dense layers.
@@ -13,16 +14,17 @@ import torch
 from torch import nn
 
 from densa.model.arch import ArchConfig
-from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, paged_attention
+from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from densa.model.interface import CausalLM
 from densa.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from densa.model.linear import Linear
+from densa.model.local_attention import paged_attention_in_window
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -36,6 +38,10 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.window = cfg.window_of(layer_idx)
+        # Qwen3: every q and k head is RMS-normalized (before RoPE); one weight for all heads.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
     def forward(
         self,
@@ -47,19 +53,25 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, -1, self.head_dim)  # [T, H + KVH, D]: q heads, then k heads
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k heads are adjacent: rotate them together, then split.
-        qk = RotaryEmbedding.rotate_heads(qk.view(num_tokens, -1, self.head_dim), rope)
+        qk = RotaryEmbedding.rotate_heads(qk, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(backend, q, k, v, cache, meta, self.scale)  # [T, H, D]
+        out = paged_attention_in_window(
+            backend, q, k, v, cache, meta, self.scale, self.window
+        )  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, qk_norm: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -83,6 +95,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    qk_norm = False  # whether attention normalizes each q and k head (Qwen3)
+
     def __init__(self, cfg: ArchConfig, max_position: int, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
@@ -90,7 +104,9 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device=device
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, self.qk_norm) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -178,6 +194,12 @@ class LlamaForCausalLM(CausalLM):
         missing = sorted(expected - loaded)
         if missing:
             raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (dense): Llama's layout, with RMSNorm on each q and k head before RoPE."""
+
+    qk_norm = True
 
 
 _FUSED = {

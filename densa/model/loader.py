@@ -81,9 +81,14 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read {path} (truncated or corrupt?): {exc}") from exc
 
 
-def check_fits(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> int:
+def num_parameters(model: torch.nn.Module) -> int:
+    """Parameters of a (meta-device) model, tied ones counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_fits(num_params: int, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes the weights need; refuse early if the machine clearly cannot hold them."""
-    needed = arch.num_parameters() * dtype.itemsize
+    needed = num_params * dtype.itemsize
     if device.type == "cpu":
         available = psutil.virtual_memory().available
     else:
@@ -114,7 +119,6 @@ def load_model(
 ) -> CausalLM:
     """Build the model and load its weights in the runtime format `weight_format` selects."""
     torch_dtype = DTYPES[dtype]
-    check_fits(arch, torch_dtype, device)
     files = safetensors_files(model_dir)
     stored = _read_stored_format(files)
     runtime = runtime_format(stored, weight_format)
@@ -122,6 +126,8 @@ def load_model(
     # Build without initializing (meta device), then allocate and fill from the checkpoint.
     with torch.device("meta"):
         model = factory(arch, max_position, device).to(dtype=torch_dtype)
+        num_params = num_parameters(model)
+        check_fits(num_params, torch_dtype, device)
         targets = _quantized_modules(model, stored, runtime)
         if runtime is not None:
             quantize_linears(model, targets, runtime)
@@ -138,7 +144,7 @@ def load_model(
         rehome_on_huge_pages(model)  # streaming weights from huge pages is ~30% faster
     logger.info(
         "loaded %s (%s parameters, %s compute, %s weights: %s resident)",
-        model_dir.name, f"{arch.num_parameters():,}", dtype,
+        model_dir.name, f"{num_params:,}", dtype,
         runtime.describe() if runtime is not None else "dense",
         format_bytes(resident_weight_bytes(model)),
     )  # fmt: skip

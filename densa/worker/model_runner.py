@@ -12,14 +12,9 @@ import torch
 
 from densa.cache.integrity import IntegrityViolation
 from densa.kernels.paged_attention_ref import dequantize_pages
-from densa.model.attention import (
-    AttentionBackend,
-    AttentionGroup,
-    AttentionMetadata,
-    LayerKVCache,
-    build_group,
-)
+from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, build_group
 from densa.model.interface import CausalLM
+from densa.model.kv_layout import LayerCache, cache_parts
 from densa.quant import fp8_kv
 from densa.sched.output import ScheduledRequest, SchedulerOutput
 from densa.worker.integrity import IntegrityChecker
@@ -52,7 +47,7 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        kv_caches: list[LayerKVCache],
+        kv_caches: list[LayerCache],
         page_size: int,
         backend: AttentionBackend,
         eos_token_ids: tuple[int, ...],
@@ -170,7 +165,7 @@ class ModelRunner:
     # ---- page copies (transfers, offload) -------------------------------------------------------
     def read_kv_pages(self, page_ids: list[int]) -> torch.Tensor:
         """K/V of whole pages, all layers, as real float32 values (FP8 scales applied):
-        [num_layers, 2, len(page_ids), KVH, P, D].
+        [num_layers, parts, len(page_ids), KVH, P, D] (parts: K and V, or MLA's one latent).
 
         Real values make a copy independent of either side's KV format: a page read from an FP8
         pool lands exactly in a BF16 pool or an FP8 pool with dynamic (or the same static) scales,
@@ -178,10 +173,8 @@ class ModelRunner:
         by the same store path as a prefill."""
         index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         layers = [
-            torch.stack(
-                [dequantize_pages(c.k, index, c.k_scale), dequantize_pages(c.v, index, c.v_scale)]
-            )
-            for c in self.kv_caches
+            torch.stack([dequantize_pages(values, index, scale) for values, scale in parts])
+            for parts in map(cache_parts, self.kv_caches)
         ]
         return torch.stack(layers)
 
@@ -199,8 +192,8 @@ class ModelRunner:
             return violation
         index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
-            _store_pages(cache.k, cache.k_scale, index, payload[layer, 0])
-            _store_pages(cache.v, cache.v_scale, index, payload[layer, 1])
+            for part, (values, scale) in enumerate(cache_parts(cache)):
+                _store_pages(values, scale, index, payload[layer, part])
         return None
 
     def _group(self, start: int, items: list[ScheduledRequest]) -> AttentionGroup | None:
