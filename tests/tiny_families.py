@@ -60,7 +60,68 @@ def gemma3() -> Any:
     )  # fmt: skip
 
 
-CONFIGS: dict[str, Callable[[], Any]] = {"qwen3": qwen3, "gemma3": gemma3}
+def mixtral() -> Any:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**_common(num_local_experts=8, num_experts_per_tok=2))
+
+
+def qwen2_moe() -> Any:
+    from transformers import Qwen2MoeConfig
+
+    # Layer 1 is dense (mlp_only_layers); the shared expert is wider than a routed one.
+    return Qwen2MoeConfig(
+        **_common(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False,
+        )
+    )  # fmt: skip
+
+
+def qwen3_moe() -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **_common(
+            head_dim=24, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+            norm_topk_prob=True,
+        )
+    )  # fmt: skip
+
+
+def deepseek_v3(**overrides: Any) -> Any:
+    from transformers import DeepseekV3Config
+
+    # Layer 0 dense, layers 1-2 MoE: 8 experts in 4 groups, the best 2 groups eligible, top 2.
+    settings = _common(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )  # fmt: skip
+    return DeepseekV3Config(**(settings | overrides))
+
+
+def deepseek_v3_yarn() -> Any:
+    """No query LoRA, and YaRN-stretched RoPE (its mscale changes the softmax scale)."""
+    yarn = {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0,
+    }  # fmt: skip
+    return deepseek_v3(q_lora_rank=None, rope_parameters=yarn)
+
+
+CONFIGS: dict[str, Callable[[], Any]] = {
+    "qwen3": qwen3,
+    "gemma3": gemma3,
+    "mixtral": mixtral,
+    "qwen2_moe": qwen2_moe,
+    "qwen3_moe": qwen3_moe,
+    "deepseek_v3": deepseek_v3,
+    "deepseek_v3_yarn": deepseek_v3_yarn,
+}
 
 
 def save_tiny(family: str, out_dir: Path, tokenizer_dir: Path | None = None, seed: int = 0) -> Path:

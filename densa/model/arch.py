@@ -170,9 +170,11 @@ def _optional_float(value: Any) -> float | None:
 
 
 def _attention_bias(cfg: dict[str, Any], architecture: str) -> bool:
-    if "attention_bias" in cfg:
-        return bool(cfg["attention_bias"])
-    return architecture == "Qwen2ForCausalLM"  # Qwen2 always has q/k/v biases
+    for key in ("attention_bias", "qkv_bias"):  # Qwen2-MoE spells it qkv_bias
+        if key in cfg:
+            return bool(cfg[key])
+    # Qwen2 and Qwen2-MoE always have q/k/v biases; older configs do not say so.
+    return architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -38,6 +38,11 @@ class CausalLM(nn.Module, abc.ABC):
         """The parameter name a Hugging Face checkpoint tensor loads into (identity unless the
         family fuses projections); quantization uses it to find the layer behind a tensor."""
         return hf_name
+
+    def normalize_checkpoint(self, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Checkpoint tensors in this family's canonical names and shapes (MoE families stack
+        per-expert weights); the stream passes through unchanged for most families."""
+        return tensors
 
     def tie_weights(self) -> None:
         """Re-share tied parameters (materializing a meta-built model unties them)."""

@@ -130,7 +130,8 @@ def _yarn_inv_freq(
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(head_dim // 2, dtype=inv_freq.dtype) - low) / (high - low)).clamp(0, 1)
+    ramp = torch.arange(head_dim // 2, dtype=inv_freq.dtype, device=inv_freq.device)
+    ramp = ((ramp - low) / (high - low)).clamp(0, 1)
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 

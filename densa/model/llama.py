@@ -68,12 +68,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, qk_norm: bool = False) -> None:
+    def __init__(
+        self, cfg: ArchConfig, layer_idx: int, qk_norm: bool = False, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_idx, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        # Any [T, hidden] -> [T, hidden] MLP: dense by default, mixture-of-experts in MoE families.
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
         self,
@@ -104,12 +107,13 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device=device
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.qk_norm) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+
+    def make_layer(self, cfg: ArchConfig, layer_idx: int) -> LlamaDecoderLayer:
+        return LlamaDecoderLayer(cfg, layer_idx, self.qk_norm)
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:

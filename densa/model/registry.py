@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.deepseek_v3 import DeepseekV3ForCausalLM
 from densa.model.gemma3 import Gemma3ForCausalLM
 from densa.model.interface import CausalLM
-from densa.model.kv_layout import DenseKVLayout, KVLayout
+from densa.model.kv_layout import DenseKVLayout, KVLayout, LatentKVLayout
 from densa.model.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from densa.model.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 ModelFactory = Callable[[ArchConfig, int, torch.device], CausalLM]
 
@@ -64,3 +66,7 @@ for _name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
     register_model(_name, LlamaForCausalLM)
 register_model("Qwen3ForCausalLM", Qwen3ForCausalLM)  # + RMSNorm on each q and k head
 register_model("Gemma3ForCausalLM", Gemma3ForCausalLM)
+register_model("MixtralForCausalLM", MixtralForCausalLM)
+register_model("Qwen2MoeForCausalLM", Qwen2MoeForCausalLM)
+register_model("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)
+register_model("DeepseekV3ForCausalLM", DeepseekV3ForCausalLM, LatentKVLayout())  # Kimi K2 too

@@ -16,6 +16,10 @@ from tests.tiny_families import CONFIGS, save_tiny
 
 from .reference import ReferenceGeneration, first_divergence, hf_greedy, run_with_invariants
 
+# deepseek_v3_yarn differs from deepseek_v3 only in its RoPE table and query projection, which
+# the logits tests (tests/model/test_moe_families.py) cover; the engine path is the same.
+FAMILIES = sorted(set(CONFIGS) - {"deepseek_v3_yarn"})
+
 TEXTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
@@ -26,12 +30,13 @@ TEXTS = [
     "SELECT name, age FROM users WHERE",
     "Q: What is 12 times 12?\nA:",
 ]
-MAX_NEW = 16
+MAX_NEW = 12
+FP8_TIE_TOLERANCE = 0.1  # logit gap FP8 KV rounding can close (logits here span ~10)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 Case = tuple[Path, list[list[int]], list[ReferenceGeneration]]
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=FAMILIES)
 def case(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
 ) -> Case:
@@ -57,8 +62,8 @@ def _num_identical(ours: list[list[int]], refs: list[ReferenceGeneration]) -> in
 def test_alone_matches_hf(case: Case) -> None:
     model_dir, prompts, refs = case
     engine = _engine(model_dir)
-    ours = [run_with_invariants(engine, [p], GREEDY)[0] for p in prompts[:3]]
-    assert _num_identical(ours, refs[:3]) == 3
+    ours = [run_with_invariants(engine, [p], GREEDY)[0] for p in prompts[3:5]]  # 2 chunks, 1
+    assert _num_identical(ours, refs[3:5]) == 2
 
 
 def test_batch_with_chunking_and_preemption_matches_hf(case: Case) -> None:
@@ -77,10 +82,14 @@ def test_fp8_kv_stays_close_to_hf(case: Case) -> None:
     model_dir, prompts, refs = case
     engine = _engine(model_dir, page_size=4, kv_cache_dtype="fp8_e4m3")
     ours = run_with_invariants(engine, prompts, GREEDY)
-    # e4m3 keeps ~2 significant digits: the first tokens must agree, later ones may drift.
-    assert all(o[:2] == r.token_ids[:2] for o, r in zip(ours, refs, strict=True))
-    assert _num_identical_prefix(ours, refs, MAX_NEW // 2) >= len(prompts) // 2
-
-
-def _num_identical_prefix(ours: list[list[int]], refs: list[ReferenceGeneration], n: int) -> int:
-    return sum(o[:n] == r.token_ids[:n] for o, r in zip(ours, refs, strict=True))
+    # e4m3 keeps 3 mantissa bits: a generation may leave HF's only where HF's top two logits
+    # were within FP8's error of each other, and most generations must not leave it at all.
+    for mine, ref in zip(ours, refs, strict=True):
+        idx = next(
+            (i for i, (a, b) in enumerate(zip(mine, ref.token_ids, strict=True)) if a != b), None
+        )
+        if idx is not None:
+            gap = float(ref.scores[idx][ref.token_ids[idx]] - ref.scores[idx][mine[idx]])
+            assert gap < FP8_TIE_TOLERANCE, f"token {idx}: FP8 KV flipped a clear choice ({gap})"
+    identical = sum(mine == ref.token_ids for mine, ref in zip(ours, refs, strict=True))
+    assert identical >= len(prompts) // 2
