@@ -124,13 +124,23 @@ CONFIGS: dict[str, Callable[[], Any]] = {
 }
 
 
-def save_tiny(family: str, out_dir: Path, tokenizer_dir: Path | None = None, seed: int = 0) -> Path:
+def save_tiny(
+    family: str,
+    out_dir: Path,
+    tokenizer_dir: Path | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
     """Build `family`'s tiny model with random weights (std 0.08, so logits are not flat and
-    greedy ties are rare) and save it, with the tokenizer files if `tokenizer_dir` is given."""
+    greedy ties are rare) and save it, with the tokenizer files if `tokenizer_dir` is given.
+    `overrides` replace config fields."""
     from transformers import AutoModelForCausalLM
 
+    config = CONFIGS[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[family]())
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("e_score_correction_bias"):
