@@ -19,6 +19,7 @@ from densa.model.interface import CausalLM
 from densa.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from densa.model.linear import Linear
 from densa.model.local_attention import paged_attention_in_window
+from densa.model.weight_loading import GATE_UP_FUSED, QKV_FUSED, FusedWeightLoader
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
@@ -111,6 +112,10 @@ class LlamaForCausalLM(CausalLM):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        self.loader = FusedWeightLoader(
+            QKV_FUSED | GATE_UP_FUSED, (cfg.q_size, cfg.kv_size, cfg.kv_size),
+            tied_head=cfg.tie_word_embeddings,
+        )  # fmt: skip
 
     def make_layer(self, cfg: ArchConfig, layer_idx: int) -> LlamaDecoderLayer:
         return LlamaDecoderLayer(cfg, layer_idx, self.qk_norm)
@@ -144,84 +149,14 @@ class LlamaForCausalLM(CausalLM):
     # ---- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must arrive."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            name, shard = _fused_target(hf_name)
-            if name.startswith("lm_head") and self.cfg.tie_word_embeddings:
-                continue  # tied: the embedding is the head
-            if name not in params:
-                raise KeyError(
-                    f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}"
-                )
-            self._copy_into(params[name], tensor, shard)
-            loaded.add(f"{name}#{shard}")
-        self._check_all_loaded(loaded)
-
-    def _copy_into(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
-        rows = self._shard_rows(shard, param.shape[0])
-        target = param.data[rows[0] : rows[1]]
-        if target.shape != tensor.shape:
-            raise ValueError(
-                f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
-
-    def _shard_rows(self, shard: str | None, num_rows: int) -> tuple[int, int]:
-        q, kv, inter = self.cfg.q_size, self.cfg.kv_size, self.cfg.intermediate_size
-        offsets = {
-            None: (0, num_rows),
-            "q": (0, q),
-            "k": (q, q + kv),
-            "v": (q + kv, q + 2 * kv),
-            "gate": (0, inter),
-            "up": (inter, 2 * inter),
-        }
-        return offsets[shard]
+        self.loader.load(self, weights)
 
     def checkpoint_target(self, hf_name: str) -> str:
         """The parameter a checkpoint tensor lands in (fused projections take several)."""
-        return _fused_target(hf_name)[0]
-
-    def _check_all_loaded(self, loaded: set[str]) -> None:
-        expected = set()
-        for name, _ in self.named_parameters():
-            # Any parameter of a fused projection (dense weight, quantized parts, bias) is
-            # filled shard by shard.
-            module = name.rpartition(".")[0]
-            if module.endswith("qkv_proj"):
-                expected |= {f"{name}#q", f"{name}#k", f"{name}#v"}
-            elif module.endswith("gate_up_proj"):
-                expected |= {f"{name}#gate", f"{name}#up"}
-            else:
-                expected.add(f"{name}#None")
-        missing = sorted(expected - loaded)
-        if missing:
-            raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        return self.loader.target(hf_name)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 (dense): Llama's layout, with RMSNorm on each q and k head before RoPE."""
 
     qk_norm = True
-
-
-_FUSED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
-
-
-def _fused_target(hf_name: str) -> tuple[str, str | None]:
-    """'model.layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 'k')."""
-    name = hf_name.removeprefix("model.")
-    parts = name.split(".")
-    for idx, part in enumerate(parts):
-        if part in _FUSED:
-            fused, shard = _FUSED[part]
-            parts[idx] = fused
-            return ".".join(parts), shard
-    return name, None

@@ -14,7 +14,7 @@ for gate/up/down); `normalize_checkpoint` renames and stacks them into the layou
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -30,7 +30,6 @@ from densa.model.moe import (
     route_softmax_normalized,
     stack_experts,
 )
-from densa.model.weight_loading import GATE_UP_FUSED, QKV_FUSED, FusedWeightLoader
 
 
 class LlamaMoeForCausalLM(LlamaForCausalLM):
@@ -44,10 +43,6 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{cfg.architecture} needs mixture-of-experts settings in its config")
         self.moe_cfg: MoEConfig = cfg.moe
         super().__init__(cfg, max_position, device)
-        self.loader = FusedWeightLoader(
-            QKV_FUSED | GATE_UP_FUSED, (cfg.q_size, cfg.kv_size, cfg.kv_size),
-            tied_head=cfg.tie_word_embeddings,
-        )  # fmt: skip
 
     def make_layer(self, cfg: ArchConfig, layer_idx: int) -> LlamaDecoderLayer:
         mlp: nn.Module
@@ -66,12 +61,6 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
 
     def canonical_name(self, hf_name: str) -> str:
         return hf_name
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.loader.load(self, weights)
-
-    def checkpoint_target(self, hf_name: str) -> str:
-        return self.loader.target(hf_name)
 
 
 _MIXTRAL_NAMES = (
