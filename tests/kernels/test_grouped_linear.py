@@ -48,3 +48,15 @@ def test_grouped_linear_with_no_rows() -> None:
         torch.empty(0, 8), torch.randn(2, 4, 8), ExpertSegments.from_counts([0, 0])
     )
     assert out.shape == (0, 4)
+
+
+@pytest.mark.parametrize("rows_per_expert", [2, 20])  # streaming kernel, GEMM per expert
+def test_inactive_experts_weights_are_never_read(rows_per_expert: int) -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(5, 32, 16)
+    weight[[1, 3]] = float("nan")  # experts no row is routed to
+    segments = ExpertSegments.from_counts([rows_per_expert, 0, 3, 0, 1])
+    x = torch.randn(segments.num_rows, 16)
+    out = grouped_linear(x, weight, segments)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, grouped_linear_ref(x, weight, segments))
