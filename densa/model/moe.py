@@ -87,13 +87,17 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         """x: [T, H] -> sum over each token's k experts of weight * expert(x): [T, H]."""
-        weights, expert_ids = routing
+        weights, expert_ids = routing  # [T, k] each
+        num_tokens, top_k = expert_ids.shape
         order, token_of_row, segments = sort_by_expert(expert_ids, self.num_experts)
-        rows = x[token_of_row]  # [T * k, H]: each token once per chosen expert, by expert
+        # index_select rather than x[...] / index_add_: on small decode batches torch runs the
+        # latter as parallel regions, which cost milliseconds when the cores are oversubscribed.
+        rows = x.index_select(0, token_of_row)  # [T * k, H]: each token once per expert, by expert
         gate, up = self.gate_up_proj(rows, segments).chunk(2, dim=-1)  # [T * k, I] each
-        out = self.down_proj(self.act(gate) * up, segments)  # [T * k, H]
-        out = out * weights.reshape(-1)[order].unsqueeze(1).to(out.dtype)
-        return x.new_zeros(x.shape).index_add_(0, token_of_row, out)
+        out = self.down_proj(self.act(gate) * up, segments)  # [T * k, H], sorted by expert
+        out = out * weights.reshape(-1).index_select(0, order).unsqueeze(1).to(out.dtype)
+        by_pair = out.index_select(0, torch.argsort(order))  # row t * k + j: token t, choice j
+        return by_pair.view(num_tokens, top_k, -1).sum(dim=1)
 
 
 class SparseMoeBlock(nn.Module):
