@@ -25,6 +25,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(ns.handler(ns))
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        # One clear line for an operator; the traceback is for whoever debugs densa itself.
+        if ns.debug:
+            raise
+        print(f"densa {ns.command}: error: {_describe(exc)}", file=sys.stderr)
+        print(f"(run `densa --debug {ns.command} ...` for the traceback)", file=sys.stderr)
+        return 2 if _is_expected(exc) else 1
+
+
+def _describe(exc: BaseException) -> str:
+    """The message of an expected error (what went wrong and what to do) as is; the type too
+    for anything else, since its message alone may not say what kind of failure it was."""
+    message = (str(exc) or type(exc).__name__).splitlines()[0]
+    return message if _is_expected(exc) else f"{type(exc).__name__}: {message}"
+
+
+def _is_expected(exc: BaseException) -> bool:
+    """Errors of the user's setup (options, files, ports, a model that cannot load), as opposed
+    to bugs in densa."""
+    from densa.model.arch import ModelLoadError
+    from densa.serve.engine_client import EngineStartError
+
+    return isinstance(exc, ModelLoadError | ValueError | OSError | EngineStartError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="An LLM inference server that packs more work into the same memory, safely.",
     )
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
-    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of an error, not just one line"
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
     _add_serve(commands)
     _add_generate(commands)
     _add_quantize(commands)
@@ -50,7 +76,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "serve", help="serve the OpenAI-compatible HTTP API", description="Serve a model over HTTP."
     )
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=_port, default=8000)
     parser.add_argument(
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger requests get 413"
     )
@@ -73,22 +99,70 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="require 'Authorization: Bearer KEY' on /v1/* (repeat for several keys)",
     )
     parser.add_argument("--api-key-file", default=None, help="more API keys, one per line")
+    parser.add_argument(
+        "--header-timeout", type=_seconds, default=10.0,
+        help="seconds a client may take to send its request headers (then 408 and close)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--body-timeout", type=_seconds, default=30.0,
+        help="seconds a client may take to send its request body (then 408)",
+    )  # fmt: skip
+    g = parser.add_argument_group("engine process")
+    g.add_argument(
+        "--engine-placement", choices=["process", "thread"], default="process",
+        help="the engine core in its own process (default), or on a thread of the HTTP front's",
+    )  # fmt: skip
+    g.add_argument(
+        "--engine-step-timeout", type=_seconds, default=120.0,
+        help="an engine step running longer means the engine is stuck: it is killed, restarted",
+    )  # fmt: skip
+    g.add_argument(
+        "--engine-restarts", type=int, default=3,
+        help="engines that die within 10 minutes of starting, in a row, before the server gives "
+        "up and exits 1 (for a supervisor to restart it)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tool-call-format",
+        default="hermes",
+        help="how the model writes tool calls: hermes (default; suits the bundled model) or "
+        "llama3_json (docs/serving.md)",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serve)
 
 
+def _port(text: str) -> int:
+    port = int(text) if text.isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0-65535)")
+    return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from densa.engine.args import EngineArgs
-    from densa.serve import run_server
-    from densa.serve.auth import load_api_keys
+    from densa.utils.net import bind_listener
 
-    try:
-        load_api_keys(ns.api_key, ns.api_key_file)  # before the model loads: fail fast
-    except (OSError, ValueError) as exc:
-        print(f"densa serve: {exc}", file=sys.stderr)
-        return 2
+    # Checked before importing the server (torch, transformers: seconds) and loading the model.
+    args = EngineArgs.from_cli(ns)
+    args.check()
+    bind_listener(ns.host, ns.port).close()
+    from densa.serve import run_server
+    from densa.serve.tools.formats import tool_format
+
+    tool_format(ns.tool_call_format)  # an unknown format: one line, before the model loads
+
     run_server(
-        EngineArgs.from_cli(ns),
+        args,
         host=ns.host,
         port=ns.port,
         max_body_bytes=ns.max_body_bytes,
@@ -96,6 +170,12 @@ def _serve(ns: argparse.Namespace) -> int:
         request_timeout=ns.request_timeout,
         api_keys=tuple(ns.api_key),
         api_key_file=ns.api_key_file,
+        header_timeout=ns.header_timeout,
+        body_timeout=ns.body_timeout,
+        engine_placement=ns.engine_placement,
+        engine_step_timeout=ns.engine_step_timeout,
+        engine_restarts=ns.engine_restarts,
+        tool_call_format=ns.tool_call_format,
     )
     return 0
 

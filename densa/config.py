@@ -72,7 +72,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64  # requests in flight per step
+    max_num_seqs: int = 32  # requests in flight per step
     # Tokens computed per step (prefill chunks + one per decode). Bounds step latency, so decode
     # requests are never stalled behind a whole long prompt.
     max_num_batched_tokens: int = 512

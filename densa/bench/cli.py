@@ -30,6 +30,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_kv_sweep(benchmarks)
     _add_weights(benchmarks)
     _add_moe(benchmarks)
+    _add_hostile(benchmarks)
+    _add_structured(benchmarks)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
 
@@ -178,6 +180,42 @@ def _serving(ns: argparse.Namespace) -> int:
     if settings is None:
         return 2
     return _write(run_serving(settings, EngineArgs.from_cli(ns)), ns.out)
+
+
+def _add_hostile(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "hostile",
+        help="a normal request's latency while oversized prompts keep arriving",
+        description="Quiet and hostile phases, interleaved: a client sends short chat requests "
+        "one after another while (in hostile phases) other processes keep sending prompts far "
+        "too long for the context. Reports the latency ratio and what the hostile ones got.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--hostile-clients", type=int, default=8)
+    g.add_argument("--hostile-bytes", type=int, default=4_000_000, help="text per hostile prompt")
+    g.add_argument("--requests-per-phase", type=int, default=8)
+    g.add_argument("--repeats", type=int, default=3, help="quiet + hostile phase pairs")
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/hostile"))
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_hostile, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _hostile(ns: argparse.Namespace) -> int:
+    from densa.bench.hostile import HostileSettings, run_hostile_bench
+
+    settings = _settings(
+        "hostile",
+        lambda: HostileSettings(
+            num_hostile=ns.hostile_clients,
+            hostile_bytes=ns.hostile_bytes,
+            requests_per_phase=ns.requests_per_phase,
+            repeats=ns.repeats,
+        ),
+    )
+    if settings is None:
+        return 2
+    report = run_hostile_bench(settings, EngineArgs.from_cli(ns))
+    return _write(report, ns.out)
 
 
 def _add_load(benchmarks: argparse._SubParsersAction) -> None:
@@ -382,3 +420,34 @@ def _moe(ns: argparse.Namespace) -> int:
     if built is None:
         return 2
     return _write(run_moe(*built, EngineArgs.from_cli(ns)), ns.out)
+
+
+def _add_structured(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "structured",
+        help="cost of grammar-constrained decoding (JSON schemas) per decode step",
+        description="Waves of JSON-schema-constrained chat requests: token-bitmask fill and "
+        "apply time as a share of the decode step, interleaved with unconstrained waves; "
+        "grammar compile times cold and cached.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests/wave")
+    g.add_argument("--max-tokens", type=int, default=160, help="cap on each answer")
+    g.add_argument("--repeats", type=int, default=3, help="timed waves per variant and level")
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/structured"), help="folder")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_structured, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _structured(ns: argparse.Namespace) -> int:
+    from densa.bench.structured import StructuredSettings, run_structured
+
+    settings = _settings(
+        "structured",
+        lambda: StructuredSettings(
+            concurrency=tuple(ns.concurrency), max_tokens=ns.max_tokens, repeats=ns.repeats
+        ),
+    )
+    if settings is None:
+        return 2
+    return _write(run_structured(settings, EngineArgs.from_cli(ns)), ns.out)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from densa.model.arch import ArchConfig
-    from densa.model.tokenizer import Tokenizer
+    from densa.text.tokenizer import Tokenizer
     from densa.worker.kv_cache import KVCapacity
 
 # (KV dtype, scale policy) rows of `densa capacity`, BF16 first: the ratio column divides by it.

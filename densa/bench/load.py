@@ -45,6 +45,9 @@ class LoadSettings:
     disconnect_fraction: float = 0.15  # close the connection after a few events
     cancel_fraction: float = 0.15  # the client task is cancelled mid-stream
     time_limit_s: float = 600.0  # the whole run; a request still open then counts as hung
+    # Tokens the engine may still sample for a client after it left (the abort crosses from the
+    # event loop to the engine between steps): more than this per leaver means it kept running.
+    max_tokens_after_leaving: int = 32
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -297,8 +300,25 @@ def find_problems(run: LoadRun) -> list[str]:
     return [
         *_client_problems(run.results),
         *_agreement_problems(run),
+        *_abandoned_work_problems(run),
         *_leak_problems(run.after),
     ]
+
+
+def _abandoned_work_problems(run: LoadRun) -> list[str]:
+    """Requests whose clients left must stop: the tokens sampled but never handed to a client
+    are bounded by a few steps' worth per client that left."""
+    num_left = sum(1 for r in run.results if r.outcome == CLIENT_CLOSED)
+    wasted = run.delta("densa_engine_generated_tokens_total") - run.delta(
+        "densa_generation_tokens_total"
+    )
+    bound = num_left * run.settings.max_tokens_after_leaving
+    if wasted > bound:
+        return [
+            f"{wasted:.0f} tokens were sampled for nobody ({num_left} clients left; at most "
+            f"{bound} expected): abandoned requests kept generating"
+        ]
+    return []
 
 
 def _client_problems(results: list[ClientResult]) -> list[str]:

@@ -22,7 +22,7 @@ from densa.bench.serving_report import build_report
 from densa.bench.timing import RequestTiming, ServingEngine, Wave
 from densa.engine.args import EngineArgs, default_model_path
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.output import RequestOutput
+from densa.ipc.messages import RequestDelta
 from densa.model.loader import resolve_model_dir
 from densa.sampling_params import SamplingParams
 from densa.utils.logging import get_logger
@@ -116,7 +116,7 @@ class DensaEngine:
         return self._stats
 
 
-def _absorb(timing: RequestTiming, out: RequestOutput, now: float) -> None:
+def _absorb(timing: RequestTiming, out: RequestDelta, now: float) -> None:
     if out.error is not None:
         raise RuntimeError(f"densa request {out.request_id} failed: {out.error}")
     timing.token_s.extend([now] * len(out.new_token_ids))

@@ -171,6 +171,11 @@ class KVCacheManager:
                 return IntegrityViolation(writer_id, kind, page_id, tag, found)
         return None
 
+    def precompute(self, request: Request) -> None:
+        """Hash the request's full prompt blocks now, at admission (see LLMEngine.add_request):
+        a request whose tokens or scope cannot be hashed is refused before it is scheduled."""
+        self._hashes(request)
+
     def forget(self, request: Request) -> None:
         """Drop per-request state once the request is finished (its pages must already be freed)."""
         self._block_hashes.pop(request.request_id, None)

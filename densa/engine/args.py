@@ -17,7 +17,11 @@ from densa.config import (
 from densa.model.arch import ArchConfig
 from densa.utils.sizes import parse_memory
 
-DEFAULT_KV_FRACTION = 0.3  # of the memory still free once the weights are loaded
+# The default KV budget: pages for max_num_seqs requests at the full max_model_len (so the
+# scheduler never has to preempt at the default settings), but never more than this share of
+# the memory free once the weights are loaded.
+AUTO_KV_MEMORY = "auto"
+AUTO_KV_MAX_FRACTION = 0.5
 
 
 def default_model_path() -> str:
@@ -49,7 +53,8 @@ class EngineArgs:
     # Phase-aware weights: decode steps run through this checkpoint of the same model (e.g. INT4)
     # while prefill keeps `model`'s weights; both share the one KV cache.
     decode_model: str | None = None
-    kv_cache_memory: str = str(DEFAULT_KV_FRACTION)  # bytes ("2GiB") or a fraction of free memory
+    # "auto" (see AUTO_KV_MEMORY), bytes ("2GiB"), or a share of free memory ("0.3", "30%").
+    kv_cache_memory: str = AUTO_KV_MEMORY
     kv_cache_dtype: str = "auto"
     kv_scales: str = "auto"  # FP8 only: dynamic | static | auto (static iff kv_scales_file)
     kv_scales_file: str | None = None  # static per-layer FP8 scales from `densa calibrate-kv`
@@ -58,11 +63,13 @@ class EngineArgs:
     page_size: int = 16
     enable_prefix_caching: bool = True
     kv_integrity: bool = True
-    max_num_seqs: int = 64
+    max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     max_waiting_requests: int = 1024
     attention_backend: str = "auto"
     device: str = "cpu"
+    # On a GPU, replay all-decode steps of up to 64 requests from CUDA graphs (Triton backend).
+    cuda_graphs: bool = True
     seed: int = 0
 
     def resolve(self, arch: ArchConfig, model_path: str, num_pages: int) -> EngineConfig:
@@ -112,8 +119,32 @@ class EngineArgs:
             return self.kv_scales
         return "static" if self.kv_scales_file else DEFAULT_KV_SCALES
 
-    def kv_budget(self) -> float | int:
+    def kv_budget(self) -> float | int | None:
+        """Bytes (int), a share of free memory (float), or None for the automatic size."""
+        if self.kv_cache_memory == AUTO_KV_MEMORY:
+            return None
         return parse_memory(self.kv_cache_memory)
+
+    def check(self) -> None:
+        """Raise ValueError for options that are wrong whatever the model: called before anything
+        slow (loading the model, binding nothing yet), so a typo costs no waiting."""
+        try:
+            self.kv_budget()
+        except ValueError as exc:
+            raise ValueError(f"--kv-cache-memory: {exc}") from exc
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("max_model_len", "num_kv_pages"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_waiting_requests < 0:
+            raise ValueError("--max-waiting-requests must be >= 0")
+        if self.model is not None and not Path(self.model).expanduser().exists():
+            raise ValueError(f"--model {self.model}: no such file or directory")
+        if self.decode_model is not None and not Path(self.decode_model).expanduser().exists():
+            raise ValueError(f"--decode-model {self.decode_model}: no such file or directory")
 
     # ---- command line --------------------------------------------------------------------------
     @staticmethod
@@ -133,8 +164,10 @@ class EngineArgs:
         )
         g.add_argument(
             "--kv-cache-memory",
-            default=str(DEFAULT_KV_FRACTION),
-            help="KV cache size: bytes like '2GiB' or a fraction of free memory like '0.3'",
+            default=AUTO_KV_MEMORY,
+            help="KV cache size: bytes like '2GiB', a share of the memory free after loading "
+            "like '0.3' or '30%%', or auto (default): room for --max-num-seqs requests of "
+            f"--max-model-len tokens, at most {AUTO_KV_MAX_FRACTION * 100:.0f}%% of free memory",
         )
         g.add_argument(
             "--kv-cache-dtype",
@@ -170,7 +203,7 @@ class EngineArgs:
             default="on",
             help="check KV page generation tags before every read and write",
         )
-        g.add_argument("--max-num-seqs", type=int, default=64, help="requests in flight per step")
+        g.add_argument("--max-num-seqs", type=int, default=32, help="requests in flight per step")
         g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
         g.add_argument(
             "--max-waiting-requests", type=int, default=1024, help="queue bound (then 429)"
@@ -188,7 +221,23 @@ class EngineArgs:
             help="a checkpoint of the same model (e.g. INT4 from densa quantize) that decode "
             "steps run through; prefill keeps --model's weights; one shared KV cache",
         )
-        g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+        g.add_argument(
+            "--attention-backend",
+            default="auto",
+            choices=["auto", "torch", "cpu", "triton"],
+            help="auto: Numba kernels on the CPU, Triton kernels on a GPU",
+        )
+        g.add_argument(
+            "--device",
+            default="cpu",
+            help="where weights, KV pages and the tag table live: cpu, cuda or cuda:N",
+        )
+        g.add_argument(
+            "--cuda-graphs",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="on a GPU, replay decode steps from CUDA graphs (batch sizes up to 64)",
+        )
         g.add_argument("--seed", type=int, default=0)
 
     @classmethod

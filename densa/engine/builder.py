@@ -4,21 +4,25 @@ run here, size the KV cache from its memory budget, and wire the model runner.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
 
 from densa.config import CacheConfig, EngineConfig
-from densa.engine.args import EngineArgs, default_model_path
+from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs, default_model_path
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.attention import AttentionBackend
+from densa.model.attention import AttentionBackend, LayerKVCache
 from densa.model.interface import CausalLM
+from densa.model.kv_layout import LayerCache
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import load_model, resolve_model_dir
-from densa.model.tokenizer import Tokenizer
 from densa.quant import fp8_kv
+from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
+from densa.worker.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker, NoopIntegrityChecker, TagTableChecker
 from densa.worker.kv_cache import allocate_kv_caches, num_pages_for_budget, page_bytes
 from densa.worker.model_runner import ModelRunner
@@ -32,9 +36,12 @@ class EngineParts:
     tokenizer: Tokenizer
     runner: ModelRunner
     arch: ArchConfig
+    kv_format: str  # e.g. "fp8_e4m3, dynamic scales"
+    weight_format: str  # e.g. "dense", "int4 g128 symmetric"
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
+    args.check()
     model_path = args.model or default_model_path()
     model_dir = resolve_model_dir(model_path)
     arch = ArchConfig.from_dir(model_dir)
@@ -42,10 +49,15 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     max_len = args.resolved_max_model_len(arch)
     kv_dtype, kv_scales = args.resolved_kv_cache_dtype(), args.resolved_kv_scales()
     static_scales = load_static_kv_scales(args, arch, device)  # fails fast, before loading
-    tokenizer = Tokenizer(model_dir, arch.eos_token_ids)
+    # A fixed size is checked before the slow load; a share of free memory only after it.
+    sized = (
+        None if _is_relative(args) else _resolve_num_pages(args, arch, kv_dtype, max_len, device)
+    )
+    logger.info("loading the model %s", model_path)
+    tokenizer = load_tokenizer(model_dir, arch.eos_token_ids)
     model = load_model(model_dir, arch, args.dtype, max_len, device, args.weight_format)
     decode_model = load_decode_model(args, arch, max_len, device)
-    num_pages = _resolve_num_pages(args, arch, kv_dtype, max_len, device)
+    num_pages, budget = sized or _resolve_num_pages(args, arch, kv_dtype, max_len, device)
     config = args.resolve(arch, model_path, num_pages)
     kv_caches = allocate_kv_caches(
         arch, num_pages, args.page_size, kv_dtype, device, kv_scales, static_scales
@@ -58,36 +70,94 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         backend,
         tokenizer.eos_token_ids,
         device,
-        make_integrity_checker(config.cache, device),
+        make_integrity_checker(config.cache, device, backend),
         args.seed,
         decode_model=decode_model,
+        decode_graphs=build_decode_graphs(args, decode_model or model, kv_caches, backend, max_len),
+        grammars=GrammarCompiler(tokenizer, arch.vocab_size),
     )
     logger.info(
-        "KV cache: %d pages x %d tokens (%s, %s), attention backend %s",
-        num_pages, args.page_size, _describe_kv(kv_dtype, static_scales),
+        "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "
+        "max_num_seqs %d, attention backend %s",
+        num_pages, args.page_size, num_pages * args.page_size,
+        _describe_kv(kv_dtype, static_scales),
         format_bytes(num_pages * page_bytes(arch, args.page_size, kv_dtype, kv_scales)),
-        backend.name,
+        budget.reason, max_len, args.max_num_seqs, backend.name,
     )  # fmt: skip
-    return EngineParts(config, tokenizer, runner, arch)
+    kv_format = _describe_kv(kv_dtype, static_scales)
+    return EngineParts(config, tokenizer, runner, arch, kv_format, model.weight_format)
 
 
-def make_integrity_checker(cache: CacheConfig, device: torch.device) -> IntegrityChecker:
+def load_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer:
+    try:
+        return Tokenizer.from_dir(model_dir, eos_token_ids)
+    except (TokenizerLoadError, OSError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
+
+
+def make_integrity_checker(
+    cache: CacheConfig, device: torch.device, backend: AttentionBackend | None = None
+) -> IntegrityChecker:
+    """The tag table lives next to the KV pages; the Triton backend brings its one-kernel check."""
     if not cache.kv_integrity:
         return NoopIntegrityChecker()
     # A fresh pool's tags are page ids (generation 0); the pool reports every change after that.
-    return TagTableChecker(list(range(cache.num_pages)), cache.page_size, device)
+    initial_tags = list(range(cache.num_pages))
+    if backend is not None and backend.name == "triton":
+        from densa.worker.triton_integrity import TritonTagTableChecker
+
+        return TritonTagTableChecker(initial_tags, cache.page_size, device)
+    return TagTableChecker(initial_tags, cache.page_size, device)
+
+
+def build_decode_graphs(
+    args: EngineArgs,
+    model: CausalLM,
+    kv_caches: list[LayerCache],
+    backend: AttentionBackend,
+    max_len: int,
+) -> DecodeGraphs | None:
+    """CUDA graphs of decode steps, on a GPU with a graph-safe backend (else None: eager).
+    Latent (MLA) pages have no graph-safe kernel yet, so those models decode eagerly."""
+    if args.device == "cpu" or not args.cuda_graphs or not getattr(backend, "graph_safe", False):
+        return None
+    layer_caches = [c for c in kv_caches if isinstance(c, LayerKVCache)]
+    if len(layer_caches) != len(kv_caches):
+        logger.info("CUDA graphs off: latent KV pages decode eagerly")
+        return None
+    sizes = [s for s in DEFAULT_BATCH_SIZES if s <= args.max_num_seqs] or [args.max_num_seqs]
+    graphs = DecodeGraphs(
+        model, layer_caches, backend, args.page_size, -(-max_len // args.page_size),
+        torch.device(args.device), sizes,
+    )  # fmt: skip
+    logger.info("CUDA graphs captured for decode batch sizes %s", sizes)
+    return graphs
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """auto: the Triton kernels on a GPU (torch's if Triton is missing), Numba's on the CPU.
+    'triton' also runs on the CPU, in Triton's interpreter (TRITON_INTERPRET=1): tests use it."""
     from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
 
-    if name == "torch" or (name == "auto" and device.type != "cpu"):
+    if name == "auto":
+        name = "cpu" if device.type == "cpu" else "triton" if _has_triton() else "torch"
+    if name == "torch":
         return TorchAttentionBackend()
-    if name in ("auto", "cpu"):
+    if name == "triton":
+        from densa.model.triton_attention import TritonAttentionBackend  # imports Triton
+
+        return TritonAttentionBackend()
+    if name == "cpu":
         if device.type != "cpu":
-            raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'torch'")
+            raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'triton'")
         return CpuAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}")
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def load_decode_model(
@@ -156,36 +226,60 @@ def _describe_kv(kv_dtype: str, static_scales: fp8_kv.KVScales | None) -> str:
     return f"{kv_dtype}, static scales: {static_scales.source}"
 
 
-def _kv_budget_bytes(
-    args: EngineArgs, arch: ArchConfig, kv_dtype: str, device: torch.device
-) -> int:
+@dataclass(frozen=True)
+class KVBudget:
+    num_bytes: int
+    reason: str  # how it was chosen, for the start-up log
+
+
+def kv_budget(args: EngineArgs, arch: ArchConfig, kv_dtype: str, device: torch.device) -> KVBudget:
+    """The KV cache's byte budget, and why (an explicit size, a share of free memory, or auto)."""
+    page = page_bytes(arch, args.page_size, kv_dtype, args.resolved_kv_scales())
     if args.num_kv_pages is not None:
-        return args.num_kv_pages * page_bytes(
-            arch, args.page_size, kv_dtype, args.resolved_kv_scales()
-        )
+        return KVBudget(args.num_kv_pages * page, f"--num-kv-pages {args.num_kv_pages}")
+    free = _free_memory(device)
     budget = args.kv_budget()
     if isinstance(budget, int):
-        return budget
-    # A fraction of what is free now that the weights are loaded.
+        if budget > free:
+            raise ModelLoadError(
+                f"--kv-cache-memory {args.kv_cache_memory} is more than the "
+                f"{format_bytes(free)} of memory free; lower it"
+            )
+        return KVBudget(budget, f"--kv-cache-memory {args.kv_cache_memory}")
+    if isinstance(budget, float):
+        return KVBudget(int(free * budget), f"{budget:.0%} of {format_bytes(free)} free")
+    max_len = args.resolved_max_model_len(arch)
+    wanted = args.max_num_seqs * -(-max_len // args.page_size) * page
+    cap = int(free * AUTO_KV_MAX_FRACTION)
+    reason = f"room for {args.max_num_seqs} requests x {max_len} tokens"
+    if wanted > cap:
+        reason += f", capped at {AUTO_KV_MAX_FRACTION:.0%} of {format_bytes(free)} free"
+    return KVBudget(min(wanted, cap), reason)
+
+
+def _is_relative(args: EngineArgs) -> bool:
+    """Whether the KV budget depends on the memory left once the weights are loaded."""
+    return args.num_kv_pages is None and not isinstance(args.kv_budget(), int)
+
+
+def _free_memory(device: torch.device) -> int:
     if device.type == "cpu":
-        free = psutil.virtual_memory().available
-    else:
-        free = torch.cuda.mem_get_info(device)[0]
-    return int(free * budget)
+        return int(psutil.virtual_memory().available)
+    return int(torch.cuda.mem_get_info(device)[0])
 
 
 def _resolve_num_pages(
     args: EngineArgs, arch: ArchConfig, kv_dtype: str, max_len: int, device: torch.device
-) -> int:
-    budget = _kv_budget_bytes(args, arch, kv_dtype, device)
+) -> tuple[int, KVBudget]:
+    budget = kv_budget(args, arch, kv_dtype, device)
     num_pages = num_pages_for_budget(
-        arch, args.page_size, kv_dtype, budget, args.resolved_kv_scales()
+        arch, args.page_size, kv_dtype, budget.num_bytes, args.resolved_kv_scales()
     )
     needed = -(-max_len // args.page_size)
     if num_pages < needed:
         raise ModelLoadError(
-            f"the KV cache budget ({format_bytes(budget)}) holds {num_pages} pages but one "
-            f"{max_len}-token request needs {needed}; "
+            f"the KV cache budget ({format_bytes(budget.num_bytes)}, {budget.reason}) holds "
+            f"{num_pages} pages but one {max_len}-token request needs {needed}; "
             "raise --kv-cache-memory or lower --max-model-len"
         )
-    return num_pages
+    return num_pages, budget

@@ -1,12 +1,13 @@
 """The engine: one loop of schedule -> execute -> update, plus request bookkeeping around it.
 
-Synchronous and single-threaded by design; `AsyncEngine` runs it on a background thread.
+Synchronous and single-threaded by design: the engine core (engine/core.py) runs it in its own
+process or thread. It speaks tokens only: each step reports every request's new tokens as a
+RequestDelta; text, stop strings and streaming are the front's (text/output.py).
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -16,16 +17,16 @@ from densa.cache.kv_manager import KVCacheManager
 from densa.config import EngineConfig
 from densa.engine.args import EngineArgs
 from densa.engine.builder import build_engine_parts
-from densa.engine.detokenizer import Detokenizer
-from densa.engine.output import RequestOutput
+from densa.engine.confinement import execute_confined
+from densa.engine.grammar_gate import GrammarGate
+from densa.ipc.messages import RequestDelta, TokenLogprobs
 from densa.model.arch import ArchConfig
-from densa.model.tokenizer import Tokenizer
 from densa.request import Request, RequestStatus
 from densa.sampling_params import SamplingParams
 from densa.sched.scheduler import Scheduler
+from densa.text.tokenizer import Tokenizer
 from densa.utils.logging import get_logger
 from densa.worker.model_runner import ModelRunner
-from densa.worker.sampler import TokenLogprobs
 
 logger = get_logger(__name__)
 
@@ -36,13 +37,11 @@ class PromptTooLong(ValueError):
 
 @dataclass
 class _Tracked:
-    """Engine-side state of one request: its scheduler record plus text and timing."""
+    """Engine-side state of one request: its scheduler record plus what is not yet reported."""
 
     request: Request
-    detokenizer: Detokenizer
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    first_token_time: float | None = None
 
 
 class LLMEngine:
@@ -52,9 +51,13 @@ class LLMEngine:
         tokenizer: Tokenizer,
         runner: ModelRunner,
         arch: ArchConfig,
+        kv_format: str = "",
+        weight_format: str = "",
     ) -> None:
         self.config = config
-        self.tokenizer = tokenizer
+        self.kv_format = kv_format  # described for people: logs, the handshake, /v1/models
+        self.weight_format = weight_format
+        self.tokenizer = tokenizer  # for whoever serves it (the handshake, the offline API)
         self.runner = runner
         self.arch = arch
         self.kv_manager = KVCacheManager(
@@ -63,7 +66,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.integrity_stats = IntegrityStats()
         self._tracked: dict[str, _Tracked] = {}
-        self._finished_outputs: list[RequestOutput] = []
+        self.grammar_gate = GrammarGate()  # structured requests whose grammar is compiling
+        self._finished_outputs: list[RequestDelta] = []
         self._ids = itertools.count()
 
     # ---- construction --------------------------------------------------------------------------
@@ -71,7 +75,10 @@ class LLMEngine:
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         """Load the model and tokenizer, size and allocate the KV cache, and wire the runner."""
         parts = build_engine_parts(args)
-        return cls(parts.config, parts.tokenizer, parts.runner, parts.arch)
+        return cls(
+            parts.config, parts.tokenizer, parts.runner, parts.arch,
+            parts.kv_format, parts.weight_format,
+        )  # fmt: skip
 
     # ---- requests ------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -85,7 +92,12 @@ class LLMEngine:
         cache_scope: str = "",
         session_id: str | None = None,
     ) -> str:
-        """Queue a request. Raises ValueError (nothing changed) if it can never run."""
+        """Queue a request. Raises ValueError (nothing changed) if it can never run.
+
+        Everything per-request that could fail is computed here, at admission, not inside a
+        step where a failure would be harder to pin on this request: the prefix-cache block
+        hashes of the prompt (the scope is hashed with them).
+        """
         self.validate_request(prompt_token_ids, params)
         request = Request(
             request_id=request_id or self.new_request_id(),
@@ -95,20 +107,59 @@ class LLMEngine:
             cache_scope=cache_scope,
             session_id=session_id,
         )
-        self.scheduler.add_request(request)
-        self._tracked[request.request_id] = _Tracked(
-            request=request,
-            detokenizer=Detokenizer(
-                self.tokenizer,
-                request.prompt_token_ids,
-                params.stop,
-                params.include_stop_str_in_output,
-                params.skip_special_tokens,
-            ),
-        )
+        if request.request_id in self._tracked:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        try:
+            self.kv_manager.precompute(request)
+        except Exception as exc:
+            self.kv_manager.forget(request)
+            raise ValueError(f"the request cannot be prepared: {exc}") from exc
+        self._submit(request)
+        self._tracked[request.request_id] = _Tracked(request=request)
         return request.request_id
 
+    def warm_up(self) -> None:
+        """Run one short request through every stage (JIT-compiled kernels load, allocators grow)
+        so the first real request is not the one that pays for it; leaves the engine as it was."""
+        request_id = self.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=2))
+        while request_id in self._tracked:
+            self.step()
+        self.kv_manager.reset_prefix_cache()
+        self.kv_manager.num_queried_tokens = self.kv_manager.num_hit_tokens = 0
+        self.scheduler.num_generated_tokens = self.scheduler.num_preemptions = 0
+
+    def _submit(self, request: Request) -> None:
+        """Schedule the request now, or once its grammar is compiled (off this thread)."""
+        spec = request.sampling_params.structured
+        grammars = self.runner.grammars
+        if spec is None or grammars is None:
+            self.scheduler.add_request(request)
+            return
+        grammar = grammars.submit(spec)
+        if grammar.done() and grammar.exception() is None:  # a cache hit: no wait
+            self.scheduler.add_request(request)
+        else:
+            self.grammar_gate.hold(request, grammar)
+
+    def _admit_compiled(self) -> None:
+        released = self.grammar_gate.release()
+        for request in released.ready:
+            self.scheduler.add_request(request)
+        for request, error in released.failed:
+            self._end_unscheduled(request, RequestStatus.FINISHED_ERROR, error)
+
+    def _end_unscheduled(self, request: Request, status: RequestStatus, error: str | None) -> None:
+        """End a request that never reached the scheduler (it holds no pages)."""
+        request.status, request.error = status, error
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None:
+            self._finished_outputs.append(self._output(tracked))
+
     def abort_request(self, request_id: str) -> None:
+        held = self.grammar_gate.drop(request_id)
+        if held is not None:
+            self._end_unscheduled(held, RequestStatus.FINISHED_ABORTED, None)
+            return
         self._finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def land_kv_pages(
@@ -131,11 +182,13 @@ class LLMEngine:
         return False
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._finished_outputs)
+        return (
+            self.scheduler.has_unfinished or bool(self._finished_outputs) or bool(self.grammar_gate)
+        )
 
     @property
     def num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished
+        return self.scheduler.num_unfinished + len(self.grammar_gate)
 
     def check_invariants(self) -> None:
         """Assert the page pool matches the requests' page tables (tests run this every step)."""
@@ -146,10 +199,13 @@ class LLMEngine:
                 "idle but pages in use"
             )
 
-    def fail_all(self, error: str) -> list[RequestOutput]:
-        """End every request with an error (after an unexpected engine failure); frees all pages."""
+    def fail_all(self, error: str) -> list[RequestDelta]:
+        """End every request with an error; frees all pages. The last resort when the engine's own
+        bookkeeping fails outside any request (faults inside one are confined to it, see step)."""
         for request_id in list(self.scheduler.requests):
             self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
+        for request in self.grammar_gate.drop_all():
+            self._end_unscheduled(request, RequestStatus.FINISHED_ERROR, error)
         outputs, self._finished_outputs = self._finished_outputs, []
         return outputs
 
@@ -157,6 +213,8 @@ class LLMEngine:
         """Raise ValueError if the request can never run. Pure: safe to call from any thread."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if params.structured is not None and self.runner.grammars is None:
+            raise ValueError("this engine was built without a grammar compiler")
         vocab = self.arch.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -172,26 +230,38 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}")
 
     # ---- the loop ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return outputs for every request that progressed or ended."""
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduled step; return outputs for every request that progressed or ended.
+
+        Fault confinement: an exception while scheduling, running or post-processing one request
+        ends that request alone with an error; everyone else continues with identical output
+        (see engine/confinement.py for the forward pass, sched/scheduler.py for bookkeeping).
+        Text (and a failure to make it) is the caller's, per request (text/output.py).
+        """
         outputs, self._finished_outputs = self._finished_outputs, []
+        self._admit_compiled()
+        if not self.scheduler.has_unfinished and self.grammar_gate:
+            self.grammar_gate.wait(timeout=0.01)  # only compiles pending: do not spin
+            self._admit_compiled()
+        outputs.extend(self._finished_outputs)
+        self._finished_outputs = []
         sched_out = self.scheduler.schedule()
         for request_id in sched_out.finished_request_ids:
             tracked = self._tracked.get(request_id)
             if tracked is not None:  # ended by the scheduler itself (e.g. outgrew the KV cache)
                 outputs.append(self._output(tracked))
-        runner_out = self.runner.execute(sched_out)
+        runner_out = execute_confined(self.runner, sched_out)
         for request_id, violation in runner_out.failed.items():
             self.integrity_stats.record(violation)
             self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
+        for request_id, error in runner_out.errors.items():
+            self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
-        now = time.monotonic()
         for request in updated:
             tracked = self._tracked.get(request.request_id)
-            if tracked is None:
-                continue
-            self._absorb_token(tracked, runner_out.logprobs.get(request.request_id), now)
-            outputs.append(self._output(tracked))
+            if tracked is not None:
+                self._absorb_token(tracked, runner_out.logprobs.get(request.request_id))
+                outputs.append(self._output(tracked))
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
         self._record_release_violations()
@@ -202,16 +272,10 @@ class LLMEngine:
             self.integrity_stats.record(violation)
         self.scheduler.release_violations.clear()
 
-    def _absorb_token(self, tracked: _Tracked, logprobs: TokenLogprobs | None, now: float) -> None:
-        request = tracked.request
-        token_id = request.output_token_ids[-1]
-        tracked.first_token_time = tracked.first_token_time or now
-        tracked.pending_token_ids.append(token_id)
+    def _absorb_token(self, tracked: _Tracked, logprobs: TokenLogprobs | None) -> None:
+        tracked.pending_token_ids.append(tracked.request.output_token_ids[-1])
         if logprobs is not None:
             tracked.pending_logprobs.append(logprobs)
-        tracked.detokenizer.add_token(token_id)
-        if not request.is_finished and tracked.detokenizer.check_stop():
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
         request = self.scheduler.finish_request(request_id, status, error)
@@ -220,13 +284,12 @@ class LLMEngine:
             return
         self._finished_outputs.append(self._output(tracked))
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
+    def _output(self, tracked: _Tracked) -> RequestDelta:
         request = tracked.request
         finished = request.is_finished
-        output = RequestOutput(
+        output = RequestDelta(
             request_id=request.request_id,
             new_token_ids=tracked.pending_token_ids,
-            new_text=tracked.detokenizer.take_delta(finished),
             new_logprobs=tracked.pending_logprobs,
             finished=finished,
             finish_reason=request.status.value if finished else None,
@@ -238,8 +301,6 @@ class LLMEngine:
         )
         tracked.pending_token_ids, tracked.pending_logprobs = [], []
         if finished:
-            output.text = tracked.detokenizer.text
-            output.token_ids = list(request.output_token_ids)
             del self._tracked[request.request_id]
         return output
 

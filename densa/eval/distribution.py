@@ -40,7 +40,7 @@ from densa.eval.stats import (
     target_nll,
     top1_agreement,
 )
-from densa.model.tokenizer import Tokenizer
+from densa.text.tokenizer import Tokenizer
 
 PASSAGE_SEPARATOR = "\n\n"
 

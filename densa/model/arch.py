@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,16 @@ class ArchConfig:
     def window_of(self, layer_idx: int) -> int | None:
         """Layer `layer_idx`'s attention window, or None for global attention."""
         return self.layer_windows[layer_idx] if self.layer_windows else None
+
+    def signature(self) -> dict[str, Any]:
+        """The shapes two workers must share to serve as one model (and exchange KV pages)."""
+        keys = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings")  # fmt: skip
+        signature: dict[str, Any] = {key: getattr(self, key) for key in keys}
+        for part in ("moe", "mla"):  # expert routing and latent KV shapes must match too
+            value = getattr(self, part)
+            signature[part] = None if value is None else asdict(value)
+        return signature
 
 
 # Families with per-layer RoPE settings (Gemma 3) key rope_parameters by layer type.

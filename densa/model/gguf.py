@@ -90,6 +90,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
 
     reader = _open_reader(gguf_path)
     fields = _read_fields(reader)
+    if "general.architecture" not in fields:
+        raise ModelLoadError(f"{gguf_path} names no architecture: truncated or not a model file?")
     arch = str(fields.get("general.architecture"))
     if arch not in GGUF_ARCHS:
         raise ModelLoadError(

@@ -15,6 +15,9 @@ from densa.model.attention import AttentionBackend, AttentionMetadata
 class CausalLM(nn.Module, abc.ABC):
     """A decoder-only language model over a flattened batch of tokens and paged KV."""
 
+    # How its linear weights are stored at run time, for people (set by the loader).
+    weight_format: str = "dense"
+
     @abc.abstractmethod
     def forward(
         self,

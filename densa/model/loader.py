@@ -137,6 +137,7 @@ def load_model(
         raise ModelLoadError(f"checkpoint in {model_dir} does not match its config: {exc}") from exc
     prepare_quantized(model)
     prepare_stacked(model)
+    model.weight_format = runtime.describe() if runtime is not None else "dense"
     if device.type == "cpu":
         rehome_on_huge_pages(model)  # streaming weights from huge pages is ~30% faster
     logger.info(

@@ -34,11 +34,11 @@ from densa.model.loader import (
 )
 from densa.model.quant_targets import QuantScope, quantization_targets
 from densa.model.registry import kv_layout, model_factory
-from densa.model.tokenizer import Tokenizer
 from densa.quant.calibration import HessianCollector, calibration_passages
 from densa.quant.checkpoint import Value, quantize_tensors, read_format, write_checkpoint
 from densa.quant.quantizer import make_quantizer
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
+from densa.text.tokenizer import Tokenizer
 
 CALIBRATION_SEQ_LEN = 512  # passages are packed into sequences of at most this many tokens
 
@@ -103,7 +103,7 @@ def collect_hessians(
     number of calibration tokens. All from the dense float32 model (not layer by layer through
     the already-quantized layers, as the original GPTQ does: simpler, and close in quality)."""
     model = load_model(src_dir, arch, "float32", CALIBRATION_SEQ_LEN, torch.device("cpu"), "dense")
-    tokenizer = Tokenizer(src_dir, arch.eos_token_ids)
+    tokenizer = Tokenizer.from_dir(src_dir, arch.eos_token_ids)
     passages = calibration_passages(settings.calibration_passages)
     sequences = pack_sequences([tokenizer.encode(p) for p in passages], CALIBRATION_SEQ_LEN)
     modules = {name: model.get_submodule(name) for name in targets}

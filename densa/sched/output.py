@@ -44,6 +44,9 @@ class SchedulerOutput:
     # Requests that ended or were preempted since the last step: the worker drops their state.
     finished_request_ids: list[str]
     preempted_request_ids: list[str]
+    # Requests admitted (first scheduled, or re-admitted after preemption) in this step: the first
+    # suspects when a step fails and the fault cannot be attributed (engine fault confinement).
+    new_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -10,10 +10,15 @@ Policy (first come, first served; never deadlocks, never starves):
 
 Since the pool always holds at least one max_model_len request (checked at start-up), the oldest
 request can always make progress.
+
+Fault confinement: the per-request parts of a step (admitting one request, growing one request's
+pages, indexing one request's full pages) are guarded one request at a time. If one raises, that
+request alone ends with an `engine_error` (its pages freed); the rest of the step goes on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 from densa.cache.integrity import IntegrityViolation
@@ -21,6 +26,10 @@ from densa.cache.kv_manager import NO_HIT, KVCacheManager
 from densa.config import SchedulerConfig
 from densa.request import Request, RequestStatus
 from densa.sched.output import ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+# The error a request ends with when its own bookkeeping raised (a bug, confined to it).
+INTERNAL_ERROR = "engine_error: internal error while {what} this request; it was ended alone"
 
 
 class Scheduler:
@@ -32,7 +41,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self._preempted_since_step: list[str] = []
+        self._admitted_this_step: list[str] = []
         self.num_preemptions = 0  # lifetime total, for metrics
+        # Lifetime total of tokens sampled, delivered or not: with the tokens handed to clients
+        # it shows how much work abandoned requests cost before they were aborted.
+        self.num_generated_tokens = 0
         # Pages a request failed to release cleanly (not its own any more); the engine drains these.
         self.release_violations: list[IntegrityViolation] = []
 
@@ -56,16 +69,22 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
+        self._unqueue(request)
         request.status = status
         request.error = error
         self.release_violations.extend(self.kv.free(request))
         self.kv.forget(request)
         self._finished_since_step.append(request_id)
         return request
+
+    def _unqueue(self, request: Request) -> None:
+        # By identity, and wherever it is: a request that failed half-way through admission may
+        # have left the waiting queue before it was marked running.
+        for queue in (self.running, self.waiting):
+            for idx, queued in enumerate(queue):
+                if queued is request:
+                    del queue[idx]
+                    return
 
     @property
     def num_unfinished(self) -> int:
@@ -87,8 +106,10 @@ class Scheduler:
             tag_updates=self.kv.pool.drain_tag_updates(),
             finished_request_ids=self._finished_since_step,
             preempted_request_ids=self._preempted_since_step,
+            new_request_ids=self._admitted_this_step,
         )
         self._finished_since_step, self._preempted_since_step = [], []
+        self._admitted_this_step = []
         return output
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
@@ -96,7 +117,12 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new):
+            try:
+                fits = self._allocate_or_preempt(request, num_new)
+            except Exception:
+                self._fail_alone(request, "scheduling")
+                continue  # the list shrank: idx now points at the next request
+            if not fits:
                 break  # the request preempted itself: everything after it is gone too
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
@@ -123,20 +149,40 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hit = self.kv.find_prefix(request) if request.num_computed_tokens == 0 else NO_HIT
-            num_hit_tokens = hit.num_tokens(self.kv.page_size)
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv.allocate_slots(request, num_new, hit) is None:
+            try:
+                num_new = self._admit(request, budget)
+            except Exception:
+                self._fail_alone(request, "admitting")
+                continue
+            if num_new is None:
                 return  # no room for the queue head; later arrivals wait behind it
-            self.waiting.popleft()
-            if request.num_preemptions == 0:
-                self.kv.record_prefix_query(request, hit)
-                request.num_cached_tokens = num_hit_tokens
-            request.num_computed_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Move the queue head to running with its first chunk; None (nothing changed) if the
+        pool cannot hold it yet. Returns the number of tokens it computes this step."""
+        hit = self.kv.find_prefix(request) if request.num_computed_tokens == 0 else NO_HIT
+        num_hit_tokens = hit.num_tokens(self.kv.page_size)
+        num_new = min(request.num_tokens - num_hit_tokens, budget)
+        if self.kv.allocate_slots(request, num_new, hit) is None:
+            return None
+        self.waiting.popleft()
+        if request.num_preemptions == 0:
+            self.kv.record_prefix_query(request, hit)
+            request.num_cached_tokens = num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._admitted_this_step.append(request.request_id)
+        return num_new
+
+    def _fail_alone(self, request: Request, what: str) -> None:
+        """End one request whose own bookkeeping raised; its pages go back (checked by tag)."""
+        logger.exception("error while %s request %s; ending it alone", what, request.request_id)
+        self.finish_request(
+            request.request_id, RequestStatus.FINISHED_ERROR, INTERNAL_ERROR.format(what=what)
+        )
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -175,17 +221,27 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished (e.g. aborted) after the step was scheduled
-            request.num_computed_tokens = item.end_pos
-            self.kv.cache_full_pages(request)
-            token_id = sampled_token_ids.get(item.request_id)
-            if token_id is None:
+            try:
+                has_token = self._advance(request, item, sampled_token_ids.get(item.request_id))
+            except Exception:
+                self._fail_alone(request, "updating")
                 continue
-            request.output_token_ids.append(token_id)
-            status = self._stop_status(request, token_id)
-            if status is not None:
-                self.finish_request(request.request_id, status)
-            updated.append(request)
+            if has_token:
+                updated.append(request)
         return updated
+
+    def _advance(self, request: Request, item: ScheduledRequest, token_id: int | None) -> bool:
+        """Take in one request's step: computed tokens, newly full pages, its sampled token."""
+        request.num_computed_tokens = item.end_pos
+        self.kv.cache_full_pages(request)
+        if token_id is None:
+            return False
+        request.output_token_ids.append(token_id)
+        self.num_generated_tokens += 1
+        status = self._stop_status(request, token_id)
+        if status is not None:
+            self.finish_request(request.request_id, status)
+        return True
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from densa.engine.output import RequestOutput
 from densa.serve.tracking import note_error
+from densa.text.output import RequestOutput
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -24,7 +24,7 @@ logger = get_logger(__name__)
 # A status nginx made common for "the client closed the connection"; nobody reads the response.
 STATUS_CLIENT_CLOSED = 499
 # Error codes the engine reports that mean the request itself was bad, not the server.
-_CLIENT_ERROR_CODES = {"invalid_request"}
+_CLIENT_ERROR_CODES = {"invalid_request", "invalid_grammar"}
 
 
 class ErrorInfo(BaseModel):
@@ -52,12 +52,20 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
+        # Messages may quote what the client sent (a field name, a model id): never let that
+        # make the error itself unencodable.
+        message, param = _encodable(message), None if param is None else _encodable(param)
         self.info = ErrorInfo(message=message, type=error_type, param=param, code=code)
         self.headers = headers
 
     def to_response(self) -> JSONResponse:
         body = ErrorResponse(error=self.info).model_dump()
         return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+
+
+def _encodable(text: str) -> str:
+    """Lone surrogates spelled out as `\\udXXX`, so the text can always be sent as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class ClientDisconnected(Exception):
@@ -106,12 +114,21 @@ def unauthorized(has_key: bool) -> APIError:
     return APIError(401, message, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+def engine_unavailable(detail: str) -> APIError:
+    message = f"no engine is serving right now ({detail})"
+    return APIError(
+        503, message, "engine_unavailable", error_type="server_error", headers=_RETRY_SOON
+    )
+
+
 def from_engine_output(output: RequestOutput) -> APIError:
     """The error for a request the engine ended with finish_reason "error"."""
     code = output.error_code or "engine_error"
     message = output.error or "the engine failed this request"
     if code in _CLIENT_ERROR_CODES:
         return APIError(400, message, code=code)
+    if code == "engine_unavailable":  # the engine died under it: retrying may well work
+        return APIError(503, message, code=code, error_type="server_error", headers=_RETRY_SOON)
     return APIError(500, message, code=code, error_type="server_error")
 
 
@@ -120,9 +137,17 @@ def from_validation_error(exc: ValidationError | RequestValidationError) -> APIE
     errors = list(exc.errors())
     problems = [f"{_param(e['loc'])}: {_message(e)}" if e["loc"] else _message(e) for e in errors]
     first = errors[0] if errors else {"loc": (), "type": ""}
-    code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
+    code = _CODE_OF_ERROR_TYPE.get(str(first["type"]), "invalid_value")
     message = "; ".join(problems[:3]) or "invalid request"
     return bad_request(message, code=code, param=_param(first["loc"]) or None)
+
+
+# pydantic error types with an OpenAI code of their own; every other problem is "invalid_value".
+_CODE_OF_ERROR_TYPE = {
+    "missing": "missing_required_parameter",
+    "extra_forbidden": "unknown_parameter",
+    "unsupported_parameter": "unsupported_parameter",
+}
 
 
 def _param(loc: Sequence[Any]) -> str:
@@ -138,6 +163,8 @@ def _message(error: Any) -> str:
     # A ValueError raised in a validator reads "Value error, <ours>"; the prefix adds nothing.
     if error["type"] == "value_error" and "error" in error.get("ctx", {}):
         return str(error["ctx"]["error"])
+    if error["type"] == "extra_forbidden":
+        return "unrecognized request argument (this server does not know this parameter)"
     return str(error["msg"])
 
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, WithJsonSchema
+from pydantic import (
+    BeforeValidator,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    WithJsonSchema,
+)
+from pydantic_core import PydanticCustomError, core_schema
 
 from densa.sampling_params import MAX_STOP_STRINGS
 
@@ -118,16 +125,35 @@ def _unsupported(accepted: dict[str, Any], feature: str) -> WithJsonSchema:
     return WithJsonSchema(schema)
 
 
+class Unsupported:
+    """Marks an OpenAI parameter densa does not implement: `Annotated[Any, Unsupported(...)]`.
+
+    null (or one of `accepted`, values that ask for nothing, e.g. `store: false`) passes; anything
+    else is a 400 naming the parameter, never silently ignored.
+    """
+
+    def __init__(self, feature: str, *accepted: Any) -> None:
+        self.feature = feature
+        self.accepted = accepted
+
+    def _check(self, value: Any) -> Any:
+        if value is None or any(value == a and type(value) is type(a) for a in self.accepted):
+            return value
+        message = "{feature} is not supported by this server"
+        raise PydanticCustomError("unsupported_parameter", message, {"feature": self.feature})
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: Any, handler: GetJsonSchemaHandler) -> Any:
+        published = [{"const": a} for a in self.accepted]
+        description = f"{self.feature}: not supported"
+        return {"anyOf": [*published, {"type": "null"}], "description": description}
+
+
 OnlyOne = Annotated[Int | None, _unsupported({"const": 1}, "several choices")]
 NoLogitBias = Annotated[
     dict[str, float] | None, _unsupported({"type": "object", "maxProperties": 0}, "logit_bias")
-]
-NoTools = Annotated[list[Any] | None, _unsupported({"type": "array", "maxItems": 0}, "tools")]
-TextFormat = Annotated[
-    dict[str, Any] | None,
-    _unsupported(
-        {"type": "object", "properties": {"type": {"const": "text"}}}, "JSON mode and schemas"
-    ),
 ]
 NoEcho = Annotated[bool, WithJsonSchema({"const": False, "description": "echo: not supported"})]
 NoSuffix = Annotated[str | None, _unsupported({"type": "string", "maxLength": 0}, "suffix")]

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from densa.engine.metrics import EngineStats
+from densa.ipc.messages import EngineStats
 from densa.serve.tracking import RequestRecord
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -134,6 +134,12 @@ class _EngineCollector(Collector):
         )
         yield _counter("densa_preemptions", "Requests preempted for KV pages", s.num_preemptions)
         yield _counter("densa_engine_steps", "Engine steps run", s.num_steps)
+        yield _counter(
+            "densa_engine_generated_tokens",
+            "Tokens the engine sampled, including any whose client had gone (compare with "
+            "densa_generation_tokens: the difference is work done for nobody)",
+            s.num_generated_tokens,
+        )
         violations = CounterMetricFamily(
             "densa_kv_integrity_violations", "KV page tag mismatches by kind", labels=["kind"]
         )

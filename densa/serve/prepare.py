@@ -7,31 +7,63 @@ changes nothing on the server.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
+import re
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
-from densa.model.tokenizer import ChatTemplateError, Tokenizer
-from densa.serve.errors import APIError, bad_request, from_validation_error
+from densa.cache.scope import CacheScope
+from densa.ipc.messages import ServedModel
+from densa.sampling_params import SamplingParams
+from densa.serve.errors import APIError, ClientDisconnected, bad_request, from_validation_error
 from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
+from densa.serve.tools.formats import HERMES, ToolCallFormat
+from densa.serve.tools.plan import NO_TOOLS, ToolPlan, ToolRequestError, plan_tools
+from densa.serve.tools.render import render_messages
+from densa.text.tokenizer import ChatTemplateError, Tokenizer
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
+# Valid JSON can spell a lone UTF-16 surrogate ("\ud800"); no UTF-8 text can hold one.
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # ---- the body -----------------------------------------------------------------------------------
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The body as JSON, refusing oversized (413), non-UTF-8 and malformed (400) bodies."""
+async def read_json(request: Request, max_bytes: int, timeout: float | None = None) -> Any:
+    """The body as JSON, refusing oversized (413), slow (408), non-UTF-8 and malformed (400)
+    bodies, and bodies holding text no UTF-8 encoder can write (400 naming the field)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
+    try:
+        async with asyncio.timeout(timeout):
+            body = await _read_body(request, max_bytes)
+    except TimeoutError as exc:
+        message = f"the request body did not arrive within {timeout:g} s; send it at once"
+        raise APIError(408, message, code="request_body_timeout") from exc
+    except ClientDisconnect as exc:  # gone mid-body: nobody to answer (499, not a server error)
+        raise ClientDisconnected() from exc
+    data = _decode_json(body)
+    field = first_unencodable_field(data)
+    if field is not None:
+        message = f"{field} holds a lone UTF-16 surrogate, which is not text; send valid Unicode"
+        raise bad_request(message, code="invalid_encoding", param=field)
+    return data
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytearray:
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > max_bytes:  # a chunked body has no Content-Length to check up front
             raise _too_large(max_bytes)
+    return body
+
+
+def _decode_json(body: bytearray) -> Any:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -43,6 +75,34 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         raise bad_request(f"the request body is not valid JSON: {exc}", "invalid_json") from exc
     except RecursionError as exc:  # [[[[...]]]] nested deeper than the parser's stack
         raise bad_request("the request body nests too deeply", "invalid_json") from exc
+
+
+def first_unencodable_field(data: Any) -> str | None:
+    """The first field (OpenAI spelling, e.g. `messages[0].content`) whose text, or key, holds a
+    lone surrogate; None if every string can be encoded as UTF-8."""
+    for path, value in _strings(data):
+        if _SURROGATE.search(value):
+            return path or "the request body"
+    return None
+
+
+def _strings(data: Any) -> Iterator[tuple[str, str]]:
+    """(path, text) of every string in parsed JSON, keys included, in document order. Iterative:
+    the parser already bounded the depth, and a deep body must not exhaust the stack here."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            yield path, value
+        elif isinstance(value, dict):
+            items = []
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else key
+                yield child, key
+                items.append((child, item))
+            stack.extend(reversed(items))
+        elif isinstance(value, list):
+            stack.extend(reversed([(f"{path}[{i}]", item) for i, item in enumerate(value)]))
 
 
 def _reject_constant(name: str) -> Any:
@@ -64,23 +124,91 @@ def parse(model: type[RequestT], data: Any) -> RequestT:
 
 
 # ---- prompts and lengths ------------------------------------------------------------------------
-async def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest) -> list[int]:
-    messages = [m.to_template() for m in body.messages]
+def max_prompt_bytes(max_model_len: int, max_token_bytes: int) -> int:
+    """Text longer than this cannot fit the context, whatever the tokenizer makes of it.
+
+    No token spells more than `max_token_bytes` bytes of text, so N bytes need at least
+    N / max_token_bytes tokens. The factor 2 leaves room for normalizers that shorten text
+    (Unicode composition) before it is split.
+    """
+    return 2 * max_model_len * max_token_bytes
+
+
+def tool_plan(fmt: ToolCallFormat, body: ChatCompletionRequest) -> ToolPlan:
+    """What tools the prompt shows and what constrains the answer (400 naming the field)."""
     try:
-        # Tokenizing a long prompt takes milliseconds: keep the event loop free meanwhile.
-        return await asyncio.to_thread(tokenizer.encode_chat, messages)
+        return plan_tools(
+            fmt, body.tools, body.tool_choice, body.parallel_tool_calls, body.response_format
+        )
+    except ToolRequestError as exc:
+        raise bad_request(str(exc), code="invalid_value", param=exc.param) from exc
+
+
+async def chat_prompt(
+    tokenizer: Tokenizer,
+    body: ChatCompletionRequest,
+    max_model_len: int,
+    plan: ToolPlan = NO_TOOLS,
+    fmt: ToolCallFormat = HERMES,
+) -> list[int]:
+    """The conversation as prompt tokens, with the plan's tools rendered (serve/tools/render.py).
+    A final assistant message is continued, not answered: the prompt ends inside that message,
+    so the model writes on from its last word (one that made tool calls is answered instead)."""
+    if len(body.messages) > max_model_len:
+        message = f"{len(body.messages)} messages cannot fit a {max_model_len}-token context"
+        raise bad_request(message, code="context_length_exceeded", param="messages")
+    num_bytes = sum(len((m.content or "").encode()) + len(m.name or "") for m in body.messages)
+    _check_text_size(tokenizer, num_bytes, max_model_len, "messages")
+    renders_tools = tokenizer.template_renders_tools
+    messages = render_messages(
+        [m.to_template() for m in body.messages], plan.tools, fmt, renders_tools
+    )
+    tools = plan.tools if renders_tools and plan.tools else None
+    last = body.messages[-1]
+    continue_final = last.role == "assistant" and not last.tool_calls
+    try:
+        # Rendering and tokenizing a long prompt takes milliseconds: keep the event loop free.
+        return await asyncio.to_thread(tokenizer.encode_chat, messages, tools, continue_final)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), code="invalid_messages", param="messages") from exc
 
 
-async def completion_prompt(tokenizer: Tokenizer, body: CompletionRequest) -> list[int]:
+async def completion_prompt(
+    tokenizer: Tokenizer, body: CompletionRequest, max_model_len: int
+) -> list[int]:
     if isinstance(body.prompt, str):
+        _check_text_size(tokenizer, len(body.prompt.encode()), max_model_len, "prompt")
         prompt_ids = await asyncio.to_thread(tokenizer.encode, body.prompt)
     else:
         prompt_ids = body.prompt
     if not prompt_ids:
         raise bad_request("the prompt is empty", param="prompt")
     return prompt_ids
+
+
+def _check_text_size(tokenizer: Tokenizer, num_bytes: int, max_model_len: int, param: str) -> None:
+    """Refuse text that cannot fit before paying to tokenize it (a 4 MB prompt takes seconds of
+    CPU and a gigabyte of tokenizer memory just to learn it is too long)."""
+    limit = max_prompt_bytes(max_model_len, tokenizer.max_token_bytes)
+    if num_bytes > limit:
+        message = (
+            f"the {param} hold {num_bytes} bytes of text, more than this model's "
+            f"{max_model_len}-token context can take (at most {limit} bytes); shorten the {param}"
+        )
+        raise bad_request(message, code="context_length_exceeded", param=param)
+
+
+def check_token_ids(served: ServedModel, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Token ids the model has (the engine checks again: this only answers sooner)."""
+    vocab = served.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        message = f"token ids out of range [0, {vocab}): {bad[:5]}"
+        raise bad_request(message, code="invalid_value", param="prompt")
+    bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+    if bad_stop:
+        message = f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}"
+        raise bad_request(message, code="invalid_value", param="stop_token_ids")
 
 
 def check_lengths(
@@ -109,21 +237,14 @@ def check_lengths(
 
 
 # ---- the prefix-cache scope ---------------------------------------------------------------------
-def cache_scope(request: Request, body: ChatCompletionRequest | CompletionRequest) -> str:
-    """The prefix-cache namespace: requests reuse each other's cached pages only within one scope.
+def cache_scope(tenant: str | None, body: ChatCompletionRequest | CompletionRequest) -> str:
+    """The prefix-cache namespace (densa/cache/scope.py): requests reuse each other's cached pages
+    only within one scope.
 
-    Each part narrows it: the API key (hashed, as the scope is kept in memory and may be logged)
-    separates tenants, `user` separates a tenant's end users, and `cache_salt` lets a client opt
-    out of sharing altogether. Parts combine rather than replace, so no salt reaches across keys.
-    Because a foreign scope never hits, a tenant cannot learn from response times whether another
-    tenant sent a given prompt.
+    Each part narrows it: the tenant (the identity of the bearer key the request authenticated
+    with) separates tenants, `user` separates a tenant's end users, and `cache_salt` lets a client
+    opt out of sharing altogether. Parts combine rather than replace, so no salt reaches across
+    keys. Because a foreign scope never hits, a tenant cannot learn from response times whether
+    another tenant sent a given prompt.
     """
-    parts = []
-    authorization = request.headers.get("authorization")
-    if authorization:
-        parts.append("key:" + hashlib.sha256(authorization.encode()).hexdigest()[:32])
-    if body.user:
-        parts.append("user:" + body.user)
-    if body.cache_salt:
-        parts.append("salt:" + body.cache_salt)
-    return "|".join(parts)
+    return CacheScope(tenant=tenant, user=body.user, salt=body.cache_salt).digest()

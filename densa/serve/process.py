@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import signal
 import socket
@@ -19,11 +20,17 @@ import uvicorn
 from fastapi import FastAPI
 
 from densa.engine.args import EngineArgs
-from densa.engine.async_engine import AsyncEngine
-from densa.engine.llm_engine import LLMEngine
-from densa.serve.api_server import DEFAULT_MAX_BODY_BYTES, build_app, start_draining
+from densa.serve.api_server import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    build_app,
+    start_draining,
+)
 from densa.serve.auth import load_api_keys
+from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
+from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
 from densa.utils.logging import configure_logging, get_logger
+from densa.utils.net import bind_listener
 
 logger = get_logger(__name__)
 
@@ -35,73 +42,140 @@ class ServerOptions:
     request_timeout: float | None = None  # seconds one request may take, then it is aborted (504)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no key needed
     api_key_file: str | None = None  # more keys, one per line
+    tool_call_format: str = "hermes"  # serve/tools/formats.py: TOOL_FORMATS
     log_level: str = "info"
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT  # seconds to receive request headers (408)
+    body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds to receive a request body (408)
+    engine_placement: str = "process"  # the engine core in its own process, or "thread"
+    engine_step_timeout: float = ClientOptions.step_timeout_s  # one step longer: stuck, restart
+    engine_restarts: int = ClientOptions.max_restarts  # engines dying young, then exit 1
 
 
 def run_server(
     engine_args: EngineArgs, host: str = "127.0.0.1", port: int = 8000, **server_options: Any
 ) -> None:
-    """Load the model, serve until SIGINT/SIGTERM, then drain running requests and return."""
+    """Load the model, serve until SIGINT/SIGTERM, then drain running requests and return.
+
+    Everything that can be checked without the model is checked first (options, API keys, the
+    listening port), so a typo fails in milliseconds, not after a model load.
+    """
     options = ServerOptions(**server_options)
     configure_logging(options.log_level)
-    api_keys = load_api_keys(options.api_keys, options.api_key_file)  # fail before the slow load
-    logger.info("loading the model %s", engine_args.model or "(bundled SmolLM2-135M)")
-    started = time.monotonic()
-    engine = LLMEngine.from_args(engine_args)
-    name = engine.config.model.served_model_name
-    logger.info("model %r loaded in %.1f s", name, time.monotonic() - started)
-    if api_keys.is_enabled:
-        logger.info("API keys required on /v1/*")
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    app = build_app(
-        async_engine,
-        name,
-        max_body_bytes=options.max_body_bytes,
-        request_timeout=options.request_timeout,
-        api_keys=api_keys,
-    )
-    asyncio.run(_serve(app, async_engine, host, port, options))
+    engine_args.check()
+    api_keys = load_api_keys(options.api_keys, options.api_key_file)
+    sock = bind_listener(host, port)
+    try:
+        _load_and_serve(engine_args, sock, options, api_keys)
+    finally:
+        sock.close()
     logger.info("server stopped")
 
 
-async def _serve(
-    app: FastAPI, engine: AsyncEngine, host: str, port: int, options: ServerOptions
+class EngineGaveUp(RuntimeError):
+    """The engine kept dying and the client stopped restarting it: exit non-zero."""
+
+
+def _load_and_serve(
+    engine_args: EngineArgs, sock: socket.socket, options: ServerOptions, api_keys: Any
 ) -> None:
+    client = make_engine_client(engine_args, options)
+    if api_keys.is_enabled:
+        logger.info("API keys required on /v1/*")
+    app = build_app(
+        client,
+        max_body_bytes=options.max_body_bytes,
+        request_timeout=options.request_timeout,
+        api_keys=api_keys,
+        body_timeout=options.body_timeout,
+        drain_timeout=options.drain_timeout,
+        tool_call_format=options.tool_call_format,
+    )
+    asyncio.run(_serve(app, client, sock, options))
+    if client.has_failed:
+        raise EngineGaveUp(f"the engine failed and was not restarted: {client.failure}")
+
+
+def make_engine_client(engine_args: EngineArgs, options: ServerOptions) -> EngineClient:
+    """An engine core in its own process (the default), or on a thread of this one."""
+    client_options = ClientOptions(
+        step_timeout_s=options.engine_step_timeout, max_restarts=options.engine_restarts
+    )
+    if options.engine_placement == "thread":
+        from densa.engine.inproc import ThreadLauncher  # imports torch: only in this placement
+        from densa.engine.llm_engine import LLMEngine
+
+        return EngineClient(ThreadLauncher(LLMEngine.from_args(engine_args)), client_options)
+    launcher = ProcessLauncher(dataclasses.asdict(engine_args), log_level=options.log_level)
+    return EngineClient(launcher, client_options)
+
+
+async def _serve(
+    app: FastAPI, engine: EngineClient, sock: socket.socket, options: ServerOptions
+) -> None:
+    started = time.monotonic()
+    served = await engine.start()  # before uvicorn: a failed start is one line, not a traceback
+    logger.info("engine ready in %.1f s: serving %r", time.monotonic() - started, served.name)
     config = uvicorn.Config(
         app,
-        host=host,
-        port=port,
         log_level=options.log_level,
         timeout_graceful_shutdown=math.ceil(options.drain_timeout),
+        http=with_header_timeout(options.header_timeout),
     )
+    state = app.state.densa
 
     def on_signal() -> None:
         logger.info(
-            "shutting down: refusing new requests, draining %d (up to %.0f s)",
+            "shutting down: refusing new requests (503), draining %d (up to %.0f s)",
             engine.num_in_flight, options.drain_timeout,
         )  # fmt: skip
         start_draining(app)
 
+    def is_drained() -> bool:
+        return engine.num_in_flight == 0 and state.num_open_responses == 0
+
+    server = _DrainingServer(config, on_signal, is_drained, options.drain_timeout)
+    engine.on_failed = lambda: setattr(server, "should_exit", True)
     try:
-        await _DrainingServer(config, on_signal).serve()
+        await server.serve(sockets=[sock])
     finally:
-        await engine.shutdown(options.drain_timeout)
+        await engine.shutdown(options.drain_timeout)  # a no-op if the app's lifespan did it
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's graceful shutdown (stop listening, wait for open requests), plus two changes:
-    the app refuses new requests from the first signal on, and the process exits normally after
-    draining instead of re-raising the signal as uvicorn does."""
+    """uvicorn with a drain phase in front of its shutdown.
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+    The first SIGINT/SIGTERM does not stop listening: the app answers new requests with 503
+    (so a load balancer retries them elsewhere instead of seeing refused connections) while the
+    running ones finish. Once none is left, or after the drain timeout, uvicorn's own shutdown
+    runs (stop listening, close idle connections) and the process exits normally instead of
+    re-raising the signal. A second signal skips the drain.
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_signal: Callable[[], None],
+        is_drained: Callable[[], bool],
+        drain_timeout: float,
+    ) -> None:
         super().__init__(config)
         self._on_signal = on_signal
+        self._is_drained = is_drained
+        self._drain_timeout = drain_timeout
+        self._drain_deadline: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self._drain_timeout
             self._on_signal()
-        super().handle_exit(sig, frame)
+            return
+        super().handle_exit(sig, frame)  # a second signal: stop now
+
+    async def on_tick(self, counter: int) -> bool:
+        deadline = self._drain_deadline
+        if deadline is not None and (self._is_drained() or time.monotonic() > deadline):
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -118,17 +192,26 @@ class _DrainingServer(uvicorn.Server):
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: FastAPI, log_level: str = "warning") -> Iterator[str]:
+def serve_in_thread(
+    app: FastAPI, log_level: str = "warning", header_timeout: float = DEFAULT_HEADER_TIMEOUT
+) -> Iterator[str]:
     """Serve `app` with uvicorn on a free loopback port from a thread; yield the base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # binding here, not in uvicorn, avoids a port race
     port = sock.getsockname()[1]
-    # A deep backlog: load tests open dozens of connections at the same instant.
-    config = uvicorn.Config(app, log_level=log_level, lifespan="off", backlog=512)
+    # A deep backlog: load tests open dozens of connections at the same instant. The lifespan
+    # starts the app's engine on the server's loop (and stops it with the server).
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="on",
+        backlog=512,
+        http=with_header_timeout(header_timeout),
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 300  # the engine loads its model first
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start")
@@ -139,3 +222,14 @@ def serve_in_thread(app: FastAPI, log_level: str = "warning") -> Iterator[str]:
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+@contextlib.contextmanager
+def serve_engine_in_thread(
+    engine_args: EngineArgs, placement: str = "process", **app_options: Any
+) -> Iterator[tuple[str, EngineClient]]:
+    """An engine (its own process by default) behind an app served from a thread: (base URL,
+    client). Benchmarks use it to measure the server as `densa serve` runs it."""
+    client = make_engine_client(engine_args, ServerOptions(engine_placement=placement))
+    with serve_in_thread(build_app(client, **app_options)) as base_url:
+        yield base_url, client

@@ -1,7 +1,10 @@
 """OpenAI API bodies (pydantic v2): requests validated field by field, responses and stream chunks.
 
-Requests ignore unknown fields (as OpenAI-compatible servers commonly do) but reject the known ones
-this server would otherwise silently ignore with a wrong result (tools, JSON mode, logit_bias, n).
+Requests follow the OpenAI API on its edges: `null` means "the default" for every optional field
+(clients send explicit nulls), an unknown field is a 400 naming it (as OpenAI answers
+"unrecognized request argument"), and every OpenAI parameter densa does not implement is a 400
+naming it unless its value asks for nothing (`store: false`), never silently ignored.
+Tool and response-format models live in serve/tools/models.py.
 """
 
 from __future__ import annotations
@@ -10,19 +13,34 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from densa.sampling_params import MAX_LOGPROBS, SamplingParams
+from densa.sampling_params import (
+    MAX_COUNT,
+    MAX_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+    StructuredOutput,
+)
+from densa.serve.body import RequestBody as _RequestBody
+from densa.serve.body import publish_nullable as _publish_nullable
 from densa.serve.fields import (
     INTEGRAL,
     NoEcho,
     NoLogitBias,
     NoSuffix,
-    NoTools,
     OnlyOne,
     Prompt,
     Role,
     StopStrings,
     TextContent,
-    TextFormat,
+    Unsupported,
+)
+from densa.serve.tools.models import (
+    AssistantToolCall,
+    ResponseFormat,
+    ResponseToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolDefinition,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -34,40 +52,45 @@ def _or(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
-# "stop" | "length", or "abort" when the server drops a request it could not finish while draining.
+# "stop" | "length" | "tool_calls", or "abort" when the server drops a request it could not finish
+# while draining.
 FinishReason = str
 
 
 # ---- requests -----------------------------------------------------------------------------------
-class _RequestBody(BaseModel):
-    # Strict: JSON types must match (true is not 1, "0.5" is not 0.5); ints pass as floats, and
-    # integral floats as ints (fields.INTEGRAL).
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
 class StreamOptions(_RequestBody):
     include_usage: bool = False
+    include_obfuscation: Annotated[
+        Any, Unsupported("stream_options.include_obfuscation", False)
+    ] = None
+
+
+def _publish_message(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    # Every role but "assistant" needs non-null content (see _content_present).
+    _publish_nullable(schema, model)
+    schema["if"] = {"properties": {"role": {"not": {"const": "assistant"}}}}
+    schema["then"] = {
+        "required": ["content"],
+        "properties": {"content": {"not": {"type": "null"}}},
+    }
 
 
 class ChatMessage(_RequestBody):
-    # Published: every role but "assistant" needs non-null content (see _content_present).
-    model_config = ConfigDict(
-        json_schema_extra={
-            "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
-            "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
-        }
-    )
+    model_config = ConfigDict(json_schema_extra=_publish_message)
 
     role: Role
     content: TextContent = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # calls an earlier assistant turn made
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
         # Only an assistant turn may omit content (OpenAI: it then carried tool calls instead).
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs 'content'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message can carry tool_calls")
         return self
 
     def to_template(self) -> dict[str, Any]:
@@ -80,6 +103,8 @@ class ChatMessage(_RequestBody):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         return message
 
 
@@ -91,22 +116,33 @@ class SamplingFields(_RequestBody):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: OnlyOne = None
-    stop: StopStrings = []
+    stop: StopStrings = Field(default_factory=list)
     # What torch.Generator accepts.
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64), INTEGRAL] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # OpenAI's spelling of the same idea as x-session-affinity (the header wins when both come).
+    prompt_cache_key: str | None = None
+    # Who is behind the request, for abuse tracing: written to the request log line.
+    safety_identifier: str | None = None
+    store: Annotated[Any, Unsupported("store (keeping completions on the server)", False)] = None
+    metadata: Annotated[Any, Unsupported("metadata (it tags stored completions)")] = None
+    service_tier: Annotated[Any, Unsupported("service_tier", "auto", "default")] = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
     logit_bias: NoLogitBias = None
     # Extensions (vLLM spells them the same way).
-    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT), INTEGRAL] | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(
+        None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1]
+    )
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 0
-    stop_token_ids: list[Annotated[int, Field(ge=0), INTEGRAL]] = []
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT), INTEGRAL] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_COUNT), INTEGRAL]] = Field(
+        default_factory=list
+    )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
@@ -129,7 +165,9 @@ class SamplingFields(_RequestBody):
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int, logprobs: int | None, structured: StructuredOutput | None = None
+    ) -> SamplingParams:
         """Raises ValueError (naming the field) for what the field constraints cannot check."""
         return SamplingParams(
             max_tokens=max_tokens,
@@ -148,6 +186,7 @@ class SamplingFields(_RequestBody):
             logprobs=logprobs,
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
+            structured=structured,
         )
 
 
@@ -156,22 +195,22 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
-    tools: NoTools = None
-    response_format: TextFormat = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tool calling is not supported by this server yet")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(f"response_format type {value.get('type')!r} is not supported")
-        return value
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    functions: Annotated[Any, Unsupported("functions (the deprecated form of tools)")] = None
+    function_call: Annotated[
+        Any, Unsupported("function_call (the deprecated form of tool_choice)", "none")
+    ] = None
+    modalities: Annotated[Any, Unsupported("modalities other than text", ["text"])] = None
+    audio: Annotated[Any, Unsupported("audio output")] = None
+    prediction: Annotated[Any, Unsupported("prediction (predicted outputs)")] = None
+    web_search_options: Annotated[Any, Unsupported("web_search_options (web search)")] = None
+    reasoning_effort: Annotated[
+        Any, Unsupported("reasoning_effort (this is not a reasoning model)")
+    ] = None
+    verbosity: Annotated[Any, Unsupported("verbosity")] = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -254,7 +293,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -276,6 +316,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from densa.engine.output import RequestOutput
+from densa.text.output import RequestOutput
 from densa.utils.logging import get_logger
 
 logger = get_logger("densa.requests")
@@ -37,7 +37,9 @@ class RequestRecord:
 
     request_id: str
     endpoint: str
-    session_id: str | None = None
+    session_id: str | None = None  # x-session-affinity, else the body's prompt_cache_key
+    session_header: str | None = None  # x-session-affinity as sent (echoed back as a header)
+    safety_identifier: str | None = None  # the client's end-user id for abuse tracing (logged)
     arrival_time: float = field(default_factory=time.monotonic)
     status: int | None = None  # the HTTP status sent (200 for a stream, even one that failed)
     error_code: str | None = None  # set for any error, before or during the response
@@ -104,6 +106,7 @@ class RequestRecord:
             "tpot_ms": _ms(self.tpot_s),
             "e2e_ms": _ms(self.e2e_s),
             "session": self.session_id,
+            "safety_identifier": self.safety_identifier,
         }
         return "request finished " + " ".join(
             f"{key}={_logfmt(value)}" for key, value in fields.items() if value is not None
@@ -155,7 +158,7 @@ class RequestTracking:
             await self.app(scope, receive, send)
             return
         record = RequestRecord(f"{prefix}-{uuid.uuid4().hex}", scope["path"])
-        record.session_id = _header(scope, SESSION_HEADER)
+        record.session_id = record.session_header = _header(scope, SESSION_HEADER)
         scope.setdefault("state", {})[_STATE_KEY] = record
         self.on_started(record)
 
@@ -187,6 +190,6 @@ def _header(scope: Scope, name: str) -> str | None:
 def _echo_headers(record: RequestRecord) -> list[tuple[bytes, bytes]]:
     """The request id on every response; the session id back so a router can see the binding."""
     headers = [(REQUEST_ID_HEADER.encode(), record.request_id.encode())]
-    if record.session_id is not None:
-        headers.append((SESSION_HEADER.encode(), record.session_id.encode("latin-1")))
+    if record.session_header is not None:
+        headers.append((SESSION_HEADER.encode(), record.session_header.encode("latin-1")))
     return headers

@@ -11,14 +11,18 @@ from dataclasses import dataclass, field
 import torch
 
 from densa.cache.integrity import IntegrityViolation
+from densa.ipc.messages import TokenLogprobs
 from densa.kernels.paged_attention_ref import dequantize_pages
 from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, build_group
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache, cache_parts
 from densa.quant import fp8_kv
 from densa.sched.output import ScheduledRequest, SchedulerOutput
+from densa.worker.cuda_graphs import DecodeGraphs
+from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker
-from densa.worker.sampler import Sampler, SampleRequest, TokenLogprobs
+from densa.worker.sampler import Sampler, SampleRequest
+from densa.worker.structured import StructuredSampler
 
 
 def _is_generated(item: ScheduledRequest) -> bool:
@@ -31,6 +35,10 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # Requests the runner refused to compute: they touched a KV page they no longer own.
     failed: dict[str, IntegrityViolation] = field(default_factory=dict)
+    # Requests that got no token for a reason of their own ("code: message"), e.g. logits with
+    # no finite value to sample from, or a grammar that refused the token ("grammar_error: ...").
+    # The engine ends exactly these with an error.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,8 @@ class ModelRunner:
         integrity: IntegrityChecker,
         seed: int = 0,
         decode_model: CausalLM | None = None,
+        decode_graphs: DecodeGraphs | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
         # Phase-aware weights: decode rows run through decode_model (e.g. INT4), prefill rows
@@ -66,7 +76,11 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.integrity = integrity
-        self.sampler = Sampler(seed)
+        # Compiles constraints (structured outputs, tool calls); None: unconstrained only.
+        self.grammars = grammars
+        self.sampler = Sampler(seed, StructuredSampler(grammars) if grammars else None)
+        # CUDA graphs of all-decode steps through one of the models (None: always eager).
+        self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
@@ -109,6 +123,9 @@ class ModelRunner:
     def _run(
         self, model: CausalLM, items: list[ScheduledRequest]
     ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+        graphs = self.decode_graphs
+        if graphs is not None and model is graphs.model and graphs.can_run(items):
+            return graphs.run(items)
         inputs = self.prepare_inputs(items)
         hidden = model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
@@ -223,12 +240,16 @@ class ModelRunner:
             for s in samplers
         ]
         result = self.sampler.sample(logits.cpu(), rows)
-        for item, token_id, logprobs in zip(
-            samplers, result.token_ids, result.logprobs, strict=True
+        for idx, (item, token_id, logprobs) in enumerate(
+            zip(samplers, result.token_ids, result.logprobs, strict=True)
         ):
+            if idx in result.failed:
+                output.errors[item.request_id] = f"sampling_error: {result.failed[idx]}"
+                continue
             output.sampled_token_ids[item.request_id] = token_id
             if logprobs is not None:
                 output.logprobs[item.request_id] = logprobs
+        output.errors.update(result.errors)
 
 
 def _store_pages(

@@ -6,11 +6,14 @@ seed and its own logits only -- not on which other requests share the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
+from densa.ipc.messages import TokenLogprobs
 from densa.sampling_params import SamplingParams
+from densa.worker.structured import StructuredRow, StructuredSampler, apply_bitmask
 
 
 @dataclass(frozen=True)
@@ -25,30 +28,48 @@ class SampleRequest:
 
 
 @dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the N most likely tokens under the model, best first
-
-
-@dataclass(frozen=True)
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # Rows whose logits held no finite value to choose from (NaN/inf from the model, or from a
+    # sampling setting): row index -> why. Their token ids are meaningless; the engine fails
+    # exactly those requests and nobody else.
+    failed: dict[int, str] = field(default_factory=dict)
+    # Requests whose grammar refused the sampled token (only on a grammar resource limit).
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class Sampler:
-    def __init__(self, default_seed: int = 0) -> None:
+    def __init__(self, default_seed: int = 0, structured: StructuredSampler | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
         self._seed_source = torch.Generator().manual_seed(default_seed)
+        self.structured = structured  # None: the engine serves no structured outputs
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.structured is not None:
+            self.structured.forget(request_id)
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
-        """logits: [N, V] float32, one row per entry of `rows`."""
+        """logits: [N, V] float32, one row per entry of `rows`.
+
+        All or nothing for the random state: if sampling raises, every generator is put back as
+        it was, so retrying the step (engine fault confinement) draws the same tokens.
+        """
+        saved = self._save_rng(rows)
+        try:
+            return self._sample(logits, rows)
+        except BaseException:
+            self._restore_rng(saved)
+            raise
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
+        failed = _non_finite_rows(logits, "the model's logits are not finite")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
         logits = _apply_penalties(logits, rows)
+        constrained = _constrained_rows(rows)
+        if constrained:
+            logits = self._apply_grammar(logits, constrained)
         logits = _apply_min_tokens(logits, rows)
         token_ids = torch.argmax(logits, dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -56,8 +77,48 @@ class Sampler:
             token_ids[random_rows] = self._sample_random(
                 logits[random_rows], [rows[i] for i in random_rows]
             )
+        no_choice = _non_finite_rows(logits, "no token is left to sample after penalties")
         chosen = token_ids.tolist()
-        return SampleResult(chosen, _logprobs(raw_logprobs, rows, chosen))
+        errors = self._structured().accept(constrained, chosen) if constrained else {}
+        logprobs = _logprobs(raw_logprobs, rows, chosen)
+        return SampleResult(chosen, logprobs, no_choice | failed, errors)
+
+    def _save_rng(self, rows: list[SampleRequest]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        states = {
+            r.request_id: self._generators[r.request_id].get_state()
+            for r in rows
+            if not r.params.is_greedy and r.request_id in self._generators
+        }
+        return self._seed_source.get_state(), states
+
+    def _restore_rng(self, saved: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+        seed_state, states = saved
+        self._seed_source.set_state(seed_state)
+        for request_id in list(self._generators):
+            if request_id in states:
+                self._generators[request_id].set_state(states[request_id])
+
+    def _apply_grammar(
+        self, logits: torch.Tensor, constrained: list[StructuredRow]
+    ) -> torch.Tensor:
+        structured = self._structured()
+        start = time.perf_counter()
+        bitmask = structured.fill_bitmask(constrained, logits.shape[0])
+        filled = time.perf_counter()
+        logits = apply_bitmask(logits, bitmask, [c.row for c in constrained])
+        times = structured.times
+        times.fill_s += filled - start
+        times.apply_s += time.perf_counter() - filled
+        times.num_masks += len(constrained)
+        times.num_steps += 1
+        return logits
+
+    def _structured(self) -> StructuredSampler:
+        if self.structured is None:
+            raise RuntimeError(
+                "a structured output reached an engine built without a grammar compiler"
+            )
+        return self.structured
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         temperatures = torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)
@@ -80,6 +141,24 @@ class Sampler:
             generator = torch.Generator().manual_seed(seed)
             self._generators[row.request_id] = generator
         return generator
+
+
+def _non_finite_rows(logits: torch.Tensor, reason: str) -> dict[int, str]:
+    """Rows with a NaN or +inf (softmax turns either into NaN), or with no finite logit at all
+    (nothing to choose from). -inf alone is normal: it is how tokens are masked."""
+    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)
+    bad |= ~torch.isfinite(logits).any(dim=-1)
+    if not bool(bad.any()):  # the common case: one reduction, one check
+        return {}
+    return {int(i): reason for i in bad.nonzero().flatten().tolist()}
+
+
+def _constrained_rows(rows: list[SampleRequest]) -> list[StructuredRow]:
+    return [
+        StructuredRow(i, r.request_id, r.params.structured, r.output_token_ids)
+        for i, r in enumerate(rows)
+        if r.params.structured is not None
+    ]
 
 
 def _wants_logprobs(rows: list[SampleRequest]) -> bool:
@@ -122,8 +201,12 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.
         if not r.params.ignore_eos:
             stop_ids |= set(r.eos_token_ids)
         ids = [t for t in stop_ids if t < logits.shape[1]]
-        if ids:
-            logits[i, ids] = float("-inf")
+        if not ids:
+            continue
+        blocked_row = logits[i].index_fill(0, torch.tensor(ids), float("-inf"))
+        # A grammar that allows only EOS wins over min_tokens: a row of -inf has no token.
+        if not bool(torch.isneginf(blocked_row).all()):
+            logits[i] = blocked_row
     return logits
 
 
@@ -143,8 +226,10 @@ def _filter_top_p(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tens
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Drop a token when the tokens before it already reach top_p (so the first is always kept).
+    # Drop a token when the tokens before it already reach top_p. The most likely token is always
+    # kept, even when top_p underflows float32 (1e-300 is 0 here, and 0 >= 0 would drop it).
     drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+    drop_sorted[:, 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

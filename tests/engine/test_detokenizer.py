@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from densa.engine.detokenizer import Detokenizer
-from densa.model.tokenizer import Tokenizer
+from densa.text.detokenizer import Detokenizer
+from densa.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world! This is a test of incremental decoding.",
@@ -18,7 +18,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir: Path) -> Tokenizer:
-    return Tokenizer(smollm2_dir)
+    return Tokenizer.from_dir(smollm2_dir)
 
 
 def stream(
@@ -59,3 +59,36 @@ def test_text_that_only_starts_like_a_stop_string_is_released(tokenizer: Tokeniz
     deltas, detok = stream(tokenizer, "an ENDLESS ENvelope", stop=("ENDX",))
     assert not detok.stopped
     assert "".join(deltas) == "an ENDLESS ENvelope"
+
+
+class _CharTokenizer:
+    """Token id = a character's code point."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+
+def _stream(stop: tuple[str, ...], text: str) -> list[str]:
+    from densa.text.detokenizer import Detokenizer
+
+    detok = Detokenizer(_CharTokenizer(), [], stop, False, True)  # type: ignore[arg-type]
+    deltas = []
+    for char in text:
+        detok.add_token(ord(char))
+        detok.check_stop()
+        deltas.append(detok.take_delta(False))
+    return deltas
+
+
+def test_hold_back_only_text_that_could_still_start_a_stop_string() -> None:
+    long_stop = "x" * 3000
+    deltas = _stream((long_stop, "STOP"), "hello ST world")
+    # Nothing waits for the 3000-character stop string; "ST" waits until it cannot be "STOP".
+    assert deltas[:6] == ["h", "e", "l", "l", "o", " "]
+    assert deltas[6:8] == ["", ""]
+    assert deltas[8] == "ST "
+    assert "".join(deltas) == "hello ST world"
+
+
+def test_overlapping_stop_prefixes_are_held_exactly() -> None:
+    assert _stream(("abc",), "aababx") == ["", "a", "", "ab", "", "abx"]

@@ -10,8 +10,8 @@ import pytest
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
-from densa.model.tokenizer import Tokenizer
 from densa.sampling_params import SamplingParams
+from densa.text.tokenizer import Tokenizer
 from tests.tiny_families import CONFIGS, save_tiny
 
 from .reference import ReferenceGeneration, first_divergence, hf_greedy, run_with_invariants
@@ -42,7 +42,7 @@ def case(
 ) -> Case:
     family = request.param
     model_dir = save_tiny(family, tmp_path_factory.mktemp(family), smollm2_dir)
-    tokenizer = Tokenizer(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
     # 5 to ~60 tokens: several 16-token chunks, and longer than Gemma's 8-token window.
     prompts = [tokenizer.encode(t * (1 + (i % 4) * 2)) for i, t in enumerate(TEXTS)]
     return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_NEW)

@@ -9,8 +9,8 @@ import pytest
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
-from densa.model.tokenizer import Tokenizer
 from densa.sampling_params import SamplingParams
+from densa.text.tokenizer import Tokenizer
 
 from .reference import ReferenceGeneration, first_divergence, hf_greedy, run_with_invariants
 
@@ -36,7 +36,7 @@ MAX_NEW = 24
 
 
 def _prompts(model_dir: Path) -> list[list[int]]:
-    tokenizer = Tokenizer(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
     # Vary the lengths a lot: from 5 tokens to ~90 (several budget-sized chunks).
     return [tokenizer.encode(t * (1 + (i % 4) * 3)) for i, t in enumerate(TEXTS)]
 
@@ -75,6 +75,17 @@ def test_tiny_model_alone_matches_hf(tiny_model_dir: Path, tiny_case) -> None:  
     _assert_matches(ours, refs, min_identical=len(prompts) - 1)
 
 
+def test_tiny_model_alone_with_chunked_prefill_matches_hf(tiny_model_dir: Path, tiny_case) -> None:  # type: ignore[no-untyped-def]
+    """One request at a time, its prompt computed in chunks of 7 tokens over pages of 4: every
+    chunk after the first attends to K/V that earlier steps left in the pages."""
+    prompts, refs = tiny_case
+    engine = _engine(tiny_model_dir, page_size=4, max_num_batched_tokens=7)
+    long = [i for i, p in enumerate(prompts) if len(p) > 3 * 7]
+    assert len(long) >= 4, "the test must chunk prefills"
+    ours = [run_with_invariants(engine, [prompts[i]], GREEDY)[0] for i in long]
+    _assert_matches(ours, [refs[i] for i in long], min_identical=len(long) - 1)
+
+
 def test_tiny_model_batch_with_chunking_and_preemption_matches_hf(
     tiny_model_dir: Path,
     tiny_case,  # type: ignore[no-untyped-def]
@@ -101,7 +112,7 @@ def test_output_does_not_depend_on_batch_composition(tiny_model_dir: Path, tiny_
 
 @pytest.mark.slow
 def test_smollm2_batch_matches_hf(smollm2_dir: Path) -> None:
-    tokenizer = Tokenizer(smollm2_dir)
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
     chats = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in TEXTS[:12]]
     refs = hf_greedy(smollm2_dir, chats, MAX_NEW)
     engine = _engine(

@@ -9,7 +9,7 @@ import pytest
 
 from densa.cache.integrity import ViolationKind
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.output import RequestOutput
+from tests.outputs import Final
 from tests.tiny_families import save_tiny
 
 from .faults import corrupt_next_page_table, release_behind_owner
@@ -22,7 +22,7 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Pa
 
 
 @pytest.fixture(scope="module")
-def mla_clean(mla_model: Path) -> dict[int, RequestOutput]:
+def mla_clean(mla_model: Path) -> dict[int, Final]:
     return run(make_engine(mla_model))
 
 

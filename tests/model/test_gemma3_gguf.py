@@ -17,8 +17,8 @@ from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.model.arch import ArchConfig
 from densa.model.loader import resolve_model_dir
-from densa.model.tokenizer import Tokenizer
 from densa.sampling_params import SamplingParams
+from densa.text.tokenizer import Tokenizer
 from tests.engine.reference import first_divergence, hf_greedy, run_with_invariants
 from tests.serve.test_lifecycle import free_port, wait_healthy
 
@@ -55,7 +55,7 @@ def test_gguf_config_is_gemma3_270m(gemma_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_gemma3_greedy_matches_transformers(gemma_dir: Path) -> None:
-    tokenizer = Tokenizer(gemma_dir)
+    tokenizer = Tokenizer.from_dir(gemma_dir)
     assert tokenizer.encode("The capital of France is") == [2, 818, 5279, 529, 7001, 563]
     # A ~700-token prompt: its last tokens see only the window in the local layers.
     long_text = " ".join(f"Item {i} is a {'red' if i % 3 else 'blue'} box." for i in range(100))
@@ -94,7 +94,7 @@ def test_densa_serve_gguf_through_the_openai_client(gemma_gguf: Path, gemma_dir:
             model=model, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
-        tokenizer = Tokenizer(gemma_dir)
+        tokenizer = Tokenizer.from_dir(gemma_dir)
         expected = hf_greedy(gemma_dir, [tokenizer.encode(PROMPTS[0])], MAX_NEW)[0]
         assert completion.choices[0].text == tokenizer.decode(expected.token_ids)
         assert completion.usage is not None and completion.usage.prompt_tokens == 6

@@ -12,21 +12,37 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
-from densa.engine.async_engine import AsyncEngine
+from densa.serve.auth import ApiKeys
 from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
 
-from .support import RunningServer, make_engine, running_server
+from .support import RunningServer, engine_client, running_server
 
 FUZZ_MAX_MODEL_LEN = 64  # short generations keep a fuzzing run to seconds
+FUZZ_KEY = "fuzz-key"
 FUZZ_EXAMPLES = 100  # per generation mode, spread over every operation
+# Beyond "no 5xx": every status is one the schema lists, every body matches its schema, and
+# schema-violating requests (negative mode) are refused with a 4xx.
+_CONFORMANCE = [not_a_server_error, status_code_conformance, response_schema_conformance,
+                content_type_conformance]  # fmt: skip
+CHECKS = {
+    GenerationMode.POSITIVE: _CONFORMANCE,
+    GenerationMode.NEGATIVE: [*_CONFORMANCE, negative_data_rejection],
+}
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir: Path) -> Iterator[RunningServer]:
-    engine = make_engine(tiny_model_dir, max_model_len=FUZZ_MAX_MODEL_LEN, max_num_seqs=4)
-    with running_server(AsyncEngine(engine)) as running:
+    engine = engine_client(tiny_model_dir, max_model_len=FUZZ_MAX_MODEL_LEN, max_num_seqs=4)
+    # With a key, a request without one (negative mode drops the header) must be a 401.
+    with running_server(engine, api_keys=ApiKeys([FUZZ_KEY])) as running:
         yield running
     # After every fuzzed request: nothing left in flight, every page free.
     running.wait_idle()
@@ -75,8 +91,49 @@ def test_fuzzing_the_api_finds_no_server_error(
         database=None,
     )
     def call(case: Any) -> None:
-        case.call_and_validate(checks=[not_a_server_error], timeout=30)
+        # A valid key, so the body is what gets tested -- except where negative mode dropped
+        # the header on purpose (then the answer must be 401).
+        headers = dict(case.headers or {})
+        if "Authorization" in headers or mode == GenerationMode.POSITIVE:
+            headers["Authorization"] = f"Bearer {FUZZ_KEY}"
+        case.call_and_validate(checks=CHECKS[mode], timeout=30, headers=headers)
 
     call()
     fuzz_server.wait_idle()
     assert httpx.get(fuzz_server.base_url + "/health").status_code == 200
+
+
+# ---- the edges of every published bound ---------------------------------------------------------
+def _bounded_fields(schema: dict[str, Any], name: str) -> list[tuple[str, int, int]]:
+    """(field, minimum, maximum) of the integer fields the schema bounds on both sides, array
+    items included (`prompt[]`, `stop_token_ids[]`)."""
+    fields = []
+    for field, prop in schema["components"]["schemas"][name]["properties"].items():
+        for option in [prop, *prop.get("anyOf", [])]:
+            items = option.get("items", {}) if option.get("type") == "array" else {}
+            for target, suffix in ((option, ""), (items, "[]")):
+                if target.get("type") == "integer" and "maximum" in target:
+                    fields.append((field + suffix, target.get("minimum", 0), target["maximum"]))
+    return sorted(set(fields))
+
+
+def test_every_published_bound_is_enforced_exactly(fuzz_server: RunningServer) -> None:
+    """Values at each bound are accepted, one past it refused with a 400 -- the token-id range of
+    `prompt` included, which the random fuzzing above rarely reaches."""
+    base = fuzz_server.base_url
+    schema = httpx.get(base + "/openapi.json").json()
+    fields = _bounded_fields(schema, "CompletionRequest")
+    assert {"prompt[]", "stop_token_ids[]", "max_tokens"} <= {f for f, _, _ in fields}
+    for field, low, high in fields:
+        for value, ok in ((low, True), (high, True), (low - 1, False), (high + 1, False)):
+            body: dict[str, Any] = {"model": "tiny", "prompt": [7, 8], "max_tokens": 1}
+            if field.endswith("[]"):
+                body[field[:-2]] = [7, value] if field == "prompt[]" else [value]
+            else:
+                body[field] = value
+            if field == "max_tokens" and ok:
+                body["prompt"] = [7]  # the longest answer still needs room for the prompt
+            auth = {"Authorization": f"Bearer {FUZZ_KEY}"}
+            response = httpx.post(base + "/v1/completions", json=body, headers=auth, timeout=30)
+            assert response.status_code == (200 if ok else 400), (field, value, response.text)
+    fuzz_server.wait_idle()

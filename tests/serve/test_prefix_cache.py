@@ -18,9 +18,9 @@ import pytest
 from densa.cli import build_parser
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.output import RequestOutput
 from densa.sampling_params import SamplingParams
 
+from ..outputs import Collector, Final
 from .support import MODEL_NAME, RunningServer, make_engine
 
 PAGE = 16  # tokens per KV page (EngineArgs' default)
@@ -44,15 +44,14 @@ def run(
     params: SamplingParams = GREEDY,
     session_id: str | None = None,
     scope: str = "",
-) -> RequestOutput:
+) -> Final:
     """Run one request to completion, checking the page pool after every step."""
     request_id = engine.add_request(prompt_ids, params, cache_scope=scope, session_id=session_id)
-    final = None
+    collector = Collector()
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.request_id == request_id and output.finished:
-                final = output
+        collector.add(engine.step())
         engine.check_invariants()
+    final = collector.finals.get(request_id)
     assert final is not None and final.finish_reason in ("stop", "length"), final
     return final
 
@@ -239,3 +238,61 @@ def test_multi_turn_chat_with_session_affinity_caches_more_each_turn(
         ]
     assert cached_per_turn[0] == 0
     assert all(a < b for a, b in itertools.pairwise(cached_per_turn))
+
+
+def _cached_tokens(
+    server: RunningServer, messages: list[Any], headers: dict[str, str], **body: Any
+) -> int:
+    import httpx
+
+    request = {"model": MODEL_NAME, "messages": messages, "max_tokens": 1, **body}
+    response = httpx.post(
+        server.base_url + "/v1/chat/completions", json=request, headers=headers, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_header_spellings_of_one_key_share_one_scope(server: RunningServer, api_keys: Any) -> None:
+    api_keys("key-c")
+    messages = long_messages()
+    assert _cached_tokens(server, messages, {"authorization": "Bearer key-c"}) == 0
+    for spelling in ("bearer key-c", "BEARER key-c", "Bearer  key-c"):
+        assert _cached_tokens(server, messages, {"authorization": spelling}) > 0, spelling
+
+
+def test_user_and_salt_cannot_be_spelled_into_each_other(server: RunningServer) -> None:
+    messages, headers = long_messages(), {"authorization": "Bearer k"}
+    assert _cached_tokens(server, messages, headers, user="u", cache_salt="s") == 0
+    # The old "|"-joined scope made these two the same string.
+    assert _cached_tokens(server, messages, headers, user="u|salt:s") == 0
+    assert _cached_tokens(server, messages, headers, user="u", cache_salt="s") > 0
+
+
+def test_pages_shared_by_running_requests_are_released_by_both(
+    engines: tuple[LLMEngine, LLMEngine],
+) -> None:
+    """Two requests hold the same prefix pages at once (reference count 2); each release drops
+    one reference, and once both are done every page is free again."""
+    engine, _ = engines
+    prefix = random_ids(21, 4 * PAGE)
+    first = engine.add_request(prefix + random_ids(22, 5), GREEDY)
+    while engine.scheduler.requests[first].num_output_tokens == 0:  # prefill done, pages indexed
+        engine.step()
+        engine.check_invariants()
+    second = engine.add_request(prefix + random_ids(23, 9), GREEDY)
+    engine.step()
+    engine.check_invariants()
+    a, b = engine.scheduler.requests[first], engine.scheduler.requests[second]
+    shared = set(a.page_ids) & set(b.page_ids)
+    assert len(shared) == 4 and b.num_cached_tokens == 4 * PAGE
+    assert all(engine.kv_manager.pool.ref_count(p) == 2 for p in shared)
+    engine.abort_request(first)  # one owner leaves early: the pages stay with the other
+    engine.check_invariants()
+    assert all(engine.kv_manager.pool.ref_count(p) == 1 for p in shared)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+    pool = engine.kv_manager.pool
+    assert all(pool.ref_count(p) == 0 for p in range(pool.num_pages))
+    assert engine.kv_manager.num_free_pages == engine.kv_manager.num_pages

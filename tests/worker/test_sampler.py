@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -97,3 +98,68 @@ def test_logprobs_are_the_models_log_softmax() -> None:
     assert math.isclose(entry.logprob, float(expected[1]), rel_tol=1e-6)
     assert [t for t, _ in entry.top] == [1, 2]
     assert math.isclose(entry.top[1][1], float(expected[2]), rel_tol=1e-6)
+
+
+def test_top_p_keeps_the_most_likely_tokens_whatever_their_order() -> None:
+    """Shuffled logits: the kept set is defined by probability, not by position (a mask left in
+    sorted order would keep the *least* likely tokens here)."""
+    probs = {7: 0.45, 2: 0.3, 5: 0.15, 0: 0.06, 3: 0.04}  # token id -> probability
+    logits = [float("-inf")] * 8
+    for token, prob in probs.items():
+        logits[token] = math.log(prob)
+    assert set(draw({"top_p": 0.7}, logits, 400)) == {7, 2}
+    assert set(draw({"top_p": 0.8}, logits, 400)) == {7, 2, 5}
+    many = torch.randn(4, 64, generator=torch.Generator().manual_seed(3))
+    sampler = Sampler()
+    for _ in range(30):
+        rows = [row(f"r{i}", top_p=0.5, seed=i) for i in range(4)]
+        chosen = sampler.sample(many, rows).token_ids
+        for i, token in enumerate(chosen):
+            ordered = torch.softmax(many[i], -1).sort(descending=True)
+            cutoff = int((ordered.values.cumsum(0) - ordered.values < 0.5).sum())
+            assert token in ordered.indices[:cutoff].tolist()
+
+
+def test_extreme_settings_sample_sanely_never_nan() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5]])
+    assert set(draw({"temperature": 1e-45}, logits[0].tolist(), 20)) == {1}  # greedy in the limit
+    assert set(draw({"top_p": 1e-300}, logits[0].tolist(), 20)) == {1}  # underflows: top-1 kept
+    assert set(draw({"top_p": 1e-300, "temperature": 2.0}, logits[0].tolist(), 20)) == {1}
+    result = Sampler().sample(logits, [row("r", prompt=[1, 2], repetition_penalty=0.01)])
+    assert not result.failed and 0 <= result.token_ids[0] < 4
+
+
+def test_rows_without_a_finite_logit_fail_alone() -> None:
+    logits = torch.tensor(
+        [[1.0, float("nan"), 0.0], [0.0, 2.0, 1.0], [float("inf"), 0.0, 0.0], [float("-inf")] * 3]
+    )
+    result = Sampler().sample(logits, [row(f"r{i}", temperature=0.0) for i in range(4)])
+    assert set(result.failed) == {0, 2, 3}
+    assert result.token_ids[1] == 1
+
+
+def test_a_failed_sample_leaves_every_generator_where_it_was() -> None:
+    """Fault confinement re-runs a failed step: seeded rows must draw the same tokens again."""
+    logits = torch.randn(2, 32, generator=torch.Generator().manual_seed(5))
+    rows = [row("a", seed=1, temperature=1.0), row("b", temperature=1.0)]
+    sampler = Sampler()
+    sampler.sample(logits, rows)  # both generators exist now
+    expected = Sampler()
+    expected.sample(logits, rows)
+    reference = expected.sample(logits, rows).token_ids[0]
+
+    original = torch.Tensor.exponential_
+    calls = iter(range(100))
+
+    def failing(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if next(calls) == 1:  # after row "a" drew its noise
+            raise RuntimeError("injected")
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    torch.Tensor.exponential_ = failing  # type: ignore[method-assign]
+    try:
+        with contextlib.suppress(RuntimeError):
+            sampler.sample(logits, rows)
+    finally:
+        torch.Tensor.exponential_ = original  # type: ignore[method-assign]
+    assert sampler.sample(logits, rows).token_ids[0] == reference

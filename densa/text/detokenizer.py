@@ -4,14 +4,15 @@ Decoding the whole output every step is quadratic, and decoding each token alone
 characters and word-boundary spaces. So each step decodes a short window: tokens from
 `prefix_offset` (already emitted context) to the end, and emits what extends past the text of the
 window's prefix. Text is held back while it ends in an incomplete UTF-8 character ("\ufffd"), or
-while it could be the start of a stop string.
+while it could still be the start of a stop string -- exactly the longest tail of the text that
+begins some stop string, so a long stop string delays nothing that cannot become it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from densa.model.tokenizer import Tokenizer
+from densa.text.tokenizer import Tokenizer
 
 # Context tokens re-decoded with each window, so spaces and merges at the boundary come out right.
 _CONTEXT_TOKENS = 6
@@ -79,15 +80,27 @@ class Detokenizer:
     def take_delta(self, finished: bool) -> str:
         """Text not yet handed out; holds back a possible stop-string prefix unless finished."""
         state = self._state
-        end = (
-            len(state.text)
-            if finished or self.stopped
-            else max(len(state.text) - self._holdback, 0)
-        )
+        end = len(state.text)
+        if not (finished or self.stopped):
+            end -= self._stop_prefix_len(state.text, state.num_emitted_chars)
         end = max(end, state.num_emitted_chars)
         delta = state.text[state.num_emitted_chars : end]
         state.num_emitted_chars = end
         return delta
+
+    def _stop_prefix_len(self, text: str, start: int) -> int:
+        """Length of the longest tail of text[start:] that a stop string begins with (a proper
+        prefix: a whole stop string would have been cut by check_stop)."""
+        longest = 0
+        for stop in self._stop:
+            first = max(start, len(text) - len(stop) + 1)
+            idx = text.find(stop[0], first)
+            while idx != -1 and len(text) - idx > longest:
+                if stop.startswith(text[idx:]):
+                    longest = len(text) - idx
+                    break
+                idx = text.find(stop[0], idx + 1)
+        return longest
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
