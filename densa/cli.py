@@ -42,10 +42,12 @@ def _describe(exc: BaseException) -> str:
 
 
 def _is_expected(exc: BaseException) -> bool:
-    """Errors of the user's setup (options, files, ports), as opposed to bugs in densa."""
+    """Errors of the user's setup (options, files, ports, a model that cannot load), as opposed
+    to bugs in densa."""
     from densa.model.arch import ModelLoadError
+    from densa.serve.engine_client import EngineStartError
 
-    return isinstance(exc, ModelLoadError | ValueError | OSError)
+    return isinstance(exc, ModelLoadError | ValueError | OSError | EngineStartError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +106,26 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--body-timeout", type=_seconds, default=30.0,
         help="seconds a client may take to send its request body (then 408)",
     )  # fmt: skip
+    g = parser.add_argument_group("engine process")
+    g.add_argument(
+        "--engine-placement", choices=["process", "thread"], default="process",
+        help="the engine core in its own process (default), or on a thread of the HTTP front's",
+    )  # fmt: skip
+    g.add_argument(
+        "--engine-step-timeout", type=_seconds, default=120.0,
+        help="an engine step running longer means the engine is stuck: it is killed, restarted",
+    )  # fmt: skip
+    g.add_argument(
+        "--engine-restarts", type=int, default=3,
+        help="engines that die within 10 minutes of starting, in a row, before the server gives "
+        "up and exits 1 (for a supervisor to restart it)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tool-call-format",
+        default="hermes",
+        help="how the model writes tool calls: hermes (default; suits the bundled model) or "
+        "llama3_json (docs/serving.md)",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serve)
 
@@ -134,6 +156,9 @@ def _serve(ns: argparse.Namespace) -> int:
     args.check()
     bind_listener(ns.host, ns.port).close()
     from densa.serve import run_server
+    from densa.serve.tools.formats import tool_format
+
+    tool_format(ns.tool_call_format)  # an unknown format: one line, before the model loads
 
     run_server(
         args,
@@ -146,6 +171,10 @@ def _serve(ns: argparse.Namespace) -> int:
         api_key_file=ns.api_key_file,
         header_timeout=ns.header_timeout,
         body_timeout=ns.body_timeout,
+        engine_placement=ns.engine_placement,
+        engine_step_timeout=ns.engine_step_timeout,
+        engine_restarts=ns.engine_restarts,
+        tool_call_format=ns.tool_call_format,
     )
     return 0
 

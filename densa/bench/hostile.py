@@ -9,7 +9,6 @@ oversized prompts are refused before they cost anything, so the ratio stays <= 1
 
 from __future__ import annotations
 
-import asyncio
 import json
 import multiprocessing
 import time
@@ -19,9 +18,9 @@ from typing import Any
 import httpx
 import psutil
 
-from densa.bench.common import latency_stats
-from densa.bench.report import BenchReport, Table
 from densa.engine.args import EngineArgs
+from densa.measure.report import BenchReport, Table
+from densa.measure.stats import latency_stats
 
 
 @dataclass(frozen=True)
@@ -41,19 +40,10 @@ NORMAL = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def run_hostile_bench(settings: HostileSettings, engine_args: EngineArgs) -> BenchReport:
-    from densa.engine.async_engine import AsyncEngine
-    from densa.engine.llm_engine import LLMEngine
-    from densa.serve import build_app, serve_in_thread
+    from densa.serve.process import serve_engine_in_thread
 
-    engine = LLMEngine.from_args(engine_args)
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    name = engine.config.model.served_model_name
-    try:
-        with serve_in_thread(build_app(async_engine, name)) as base_url:
-            samples = _run_phases(base_url, name, settings)
-    finally:
-        asyncio.run(async_engine.shutdown(drain_timeout=1.0))
+    with serve_engine_in_thread(engine_args) as (base_url, client):
+        samples = _run_phases(base_url, client.served.name, settings)
     return _report(settings, engine_args, samples)
 
 

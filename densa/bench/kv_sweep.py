@@ -145,7 +145,7 @@ def load_engines(settings: KVSweepSettings, engine_args: EngineArgs) -> list[Pro
         args = replace(
             engine_args,
             kv_cache_dtype=kv_dtype,
-            kv_cache_memory=str(budget),
+            kv_cache_memory=f"{budget}B",
             num_kv_pages=None,
             max_model_len=engine_args.max_model_len or settings.request_len,
             enable_prefix_caching=False,  # random prompts share nothing; keep the runs alike

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from dataclasses import asdict
 from typing import Any
@@ -11,11 +10,9 @@ import httpx
 
 from densa.bench.load import ClientResult, LoadRun, LoadSettings, find_problems, run_load
 from densa.engine.args import EngineArgs
-from densa.engine.async_engine import AsyncEngine
-from densa.engine.llm_engine import LLMEngine
 from densa.measure.report import BenchReport, LinePlot, Series, Table
 from densa.measure.stats import latency_stats, spread
-from densa.serve import build_app, serve_in_thread
+from densa.serve.process import serve_engine_in_thread
 
 
 def run_load_bench(
@@ -27,16 +24,10 @@ def run_load_bench(
         run = run_load(url.rstrip("/"), model or _served_model(url), settings)
         problems = find_problems(run)
         return build_report(run, settings, {"url": url}, problems), problems
-    engine = LLMEngine.from_args(engine_args)
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
-    name = engine.config.model.served_model_name
-    try:
-        with serve_in_thread(build_app(async_engine, name)) as base_url:
-            run = run_load(base_url, name, settings)
-    finally:
-        asyncio.run(async_engine.shutdown(drain_timeout=1.0))
-    server = {"engine_args": asdict(engine_args), "kv_pages": engine.kv_manager.num_pages}
+    with serve_engine_in_thread(engine_args) as (base_url, client):
+        run = run_load(base_url, client.served.name, settings)
+        num_pages = client.served.num_kv_pages
+    server = {"engine_args": asdict(engine_args), "kv_pages": num_pages}
     problems = find_problems(run)
     return build_report(run, settings, server, problems), problems
 

@@ -53,7 +53,7 @@ def _peers(ns: argparse.Namespace) -> int:
     from densa.engine.args import default_model_path
     from densa.measure.data import lambada_passages
     from densa.model.loader import resolve_model_dir
-    from densa.model.tokenizer import Tokenizer
+    from densa.text.tokenizer import Tokenizer
     from densa.utils.cpu import usable_cpus
 
     try:
@@ -75,7 +75,7 @@ def _peers(ns: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"densa bench peers: {exc}", file=sys.stderr)
         return 2
-    tokenizer = Tokenizer(hf_dir)
+    tokenizer = Tokenizer.from_dir(hf_dir)
     prompts = PromptMaker(
         lambada_passages(),
         lambda text: tokenizer.encode(text, add_special_tokens=False),

@@ -85,7 +85,7 @@ class PrefixBench:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         submit_s = time.perf_counter()
         request_id = self.engine.add_request(prompt, params, cache_scope=scope, session_id=session)
-        first_s, final = None, None
+        first_s, final, tokens = None, None, []
         while final is None:
             for out in self.engine.step():
                 if out.request_id != request_id:
@@ -93,9 +93,10 @@ class PrefixBench:
                 if out.error is not None:
                     raise RuntimeError(f"request {request_id} failed: {out.error}")
                 first_s = first_s or (time.perf_counter() if out.new_token_ids else None)
+                tokens += out.new_token_ids
                 final = out if out.finished else None
-        assert first_s is not None and final.token_ids is not None
-        return Timed(first_s - submit_s, len(prompt), final.num_cached_tokens, final.token_ids)
+        assert first_s is not None
+        return Timed(first_s - submit_s, len(prompt), final.num_cached_tokens, tokens)
 
     # ---- experiment 1 --------------------------------------------------------------------------
     def shared_prefix(self, prefix: list[int], variant: str) -> Timed:

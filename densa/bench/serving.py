@@ -20,7 +20,7 @@ from densa.bench.serving_report import build_report
 from densa.bench.timing import RequestTiming, ServingEngine, Wave
 from densa.engine.args import EngineArgs, default_model_path
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.output import RequestOutput
+from densa.ipc.messages import RequestDelta
 from densa.measure.hardware import PeakRSS
 from densa.measure.progress import progress
 from densa.measure.report import BenchReport
@@ -118,7 +118,7 @@ class DensaEngine:
         return self._stats
 
 
-def _absorb(timing: RequestTiming, out: RequestOutput, now: float) -> None:
+def _absorb(timing: RequestTiming, out: RequestDelta, now: float) -> None:
     if out.error is not None:
         raise RuntimeError(f"densa request {out.request_id} failed: {out.error}")
     timing.token_s.extend([now] * len(out.new_token_ids))

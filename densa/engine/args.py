@@ -79,6 +79,8 @@ class EngineArgs:
     # Decode-only steps through the fused C++ step (densa/model/fused_decode.py) where it runs.
     fused_decode: bool = True
     device: str = "cpu"
+    # On a GPU, replay all-decode steps of up to 64 requests from CUDA graphs (Triton backend).
+    cuda_graphs: bool = True
     seed: int = 0
 
     def resolve(self, arch: ArchConfig, model_path: str, num_pages: int) -> EngineConfig:
@@ -113,9 +115,7 @@ class EngineArgs:
         return EngineConfig(model=model, cache=cache, scheduler=scheduler)
 
     def resolved_max_model_len(self, arch: ArchConfig) -> int:
-        limit = arch.max_position_embeddings
-        if arch.sliding_window is not None:
-            limit = min(limit, arch.sliding_window)
+        limit = arch.max_position_embeddings  # sliding windows are attended as windows
         if self.max_model_len is None:
             return min(limit, 4096)  # a longer default costs KV pages nobody asked for
         if self.max_model_len > limit:
@@ -250,7 +250,23 @@ class EngineArgs:
             help="a checkpoint of the same model (e.g. INT4 from densa quantize) that decode "
             "steps run through; prefill keeps --model's weights; one shared KV cache",
         )
-        g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+        g.add_argument(
+            "--attention-backend",
+            default="auto",
+            choices=["auto", "torch", "cpu", "triton"],
+            help="auto: Numba kernels on the CPU, Triton kernels on a GPU",
+        )
+        g.add_argument(
+            "--device",
+            default="cpu",
+            help="where weights, KV pages and the tag table live: cpu, cuda or cuda:N",
+        )
+        g.add_argument(
+            "--cuda-graphs",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="on a GPU, replay decode steps from CUDA graphs (batch sizes up to 64)",
+        )
         g.add_argument(
             "--fused-decode",
             action=argparse.BooleanOptionalAction,

@@ -17,12 +17,15 @@ from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, LayerKVCache
 from densa.model.fused_decode import unsupported_reason
 from densa.model.interface import CausalLM
+from densa.model.kv_layout import LayerCache
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
-from densa.model.tokenizer import Tokenizer
 from densa.quant import fp8_kv
+from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
+from densa.worker.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker, NoopIntegrityChecker, TagTableChecker
 from densa.worker.kv_cache import allocate_kv_caches, num_pages_for_budget, page_bytes
 from densa.worker.model_runner import ModelRunner
@@ -36,6 +39,8 @@ class EngineParts:
     tokenizer: Tokenizer
     runner: ModelRunner
     arch: ArchConfig
+    kv_format: str  # e.g. "fp8_e4m3, dynamic scales"
+    weight_format: str  # e.g. "dense", "int4 g128 symmetric"
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
@@ -54,7 +59,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         None if _is_relative(args) else _resolve_num_pages(args, arch, kv_dtype, max_len, device)
     )
     logger.info("loading the model %s", model_path)
-    tokenizer = Tokenizer(model_dir, arch.eos_token_ids)
+    tokenizer = load_tokenizer(model_dir, arch.eos_token_ids)
     model = load_model(
         model_dir, arch, args.dtype, max_len, device, args.weight_format, args.head_format
     )
@@ -75,9 +80,11 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         backend,
         tokenizer.eos_token_ids,
         device,
-        make_integrity_checker(config.cache, device),
+        make_integrity_checker(config.cache, device, backend),
         args.seed,
         decode_model=decode_model,
+        decode_graphs=build_decode_graphs(args, decode_model or model, kv_caches, backend, max_len),
+        grammars=GrammarCompiler(tokenizer, arch.vocab_size),
     )
     logger.info(
         "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "
@@ -87,10 +94,11 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         format_bytes(num_pages * page_bytes(arch, args.page_size, kv_dtype, kv_scales)),
         budget.reason, max_len, args.max_num_seqs, backend.name,
     )  # fmt: skip
-    return EngineParts(config, tokenizer, runner, arch)
+    kv_format = _describe_kv(kv_dtype, static_scales)
+    return EngineParts(config, tokenizer, runner, arch, kv_format, model.weight_format)
 
 
-def enable_fused_decode(model: CausalLM, kv_caches: list[LayerKVCache]) -> None:
+def enable_fused_decode(model: CausalLM, kv_caches: list[LayerCache]) -> None:
     """Decode-only steps of `model` run through the fused C++ step, if it can run them."""
     switch = getattr(model, "fused_decode", None)
     if switch is None:
@@ -104,23 +112,76 @@ def enable_fused_decode(model: CausalLM, kv_caches: list[LayerKVCache]) -> None:
     logger.info("fused decode on (%s code path)", native.isa())
 
 
-def make_integrity_checker(cache: CacheConfig, device: torch.device) -> IntegrityChecker:
+def load_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer:
+    try:
+        return Tokenizer.from_dir(model_dir, eos_token_ids)
+    except (TokenizerLoadError, OSError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
+
+
+def make_integrity_checker(
+    cache: CacheConfig, device: torch.device, backend: AttentionBackend | None = None
+) -> IntegrityChecker:
+    """The tag table lives next to the KV pages; the Triton backend brings its one-kernel check."""
     if not cache.kv_integrity:
         return NoopIntegrityChecker()
     # A fresh pool's tags are page ids (generation 0); the pool reports every change after that.
-    return TagTableChecker(list(range(cache.num_pages)), cache.page_size, device)
+    initial_tags = list(range(cache.num_pages))
+    if backend is not None and backend.name == "triton":
+        from densa.worker.triton_integrity import TritonTagTableChecker
+
+        return TritonTagTableChecker(initial_tags, cache.page_size, device)
+    return TagTableChecker(initial_tags, cache.page_size, device)
+
+
+def build_decode_graphs(
+    args: EngineArgs,
+    model: CausalLM,
+    kv_caches: list[LayerCache],
+    backend: AttentionBackend,
+    max_len: int,
+) -> DecodeGraphs | None:
+    """CUDA graphs of decode steps, on a GPU with a graph-safe backend (else None: eager).
+    Latent (MLA) pages have no graph-safe kernel yet, so those models decode eagerly."""
+    if args.device == "cpu" or not args.cuda_graphs or not getattr(backend, "graph_safe", False):
+        return None
+    layer_caches = [c for c in kv_caches if isinstance(c, LayerKVCache)]
+    if len(layer_caches) != len(kv_caches):
+        logger.info("CUDA graphs off: latent KV pages decode eagerly")
+        return None
+    sizes = [s for s in DEFAULT_BATCH_SIZES if s <= args.max_num_seqs] or [args.max_num_seqs]
+    graphs = DecodeGraphs(
+        model, layer_caches, backend, args.page_size, -(-max_len // args.page_size),
+        torch.device(args.device), sizes,
+    )  # fmt: skip
+    logger.info("CUDA graphs captured for decode batch sizes %s", sizes)
+    return graphs
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """auto: the Triton kernels on a GPU (torch's if Triton is missing), Numba's on the CPU.
+    'triton' also runs on the CPU, in Triton's interpreter (TRITON_INTERPRET=1): tests use it."""
     from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
 
-    if name == "torch" or (name == "auto" and device.type != "cpu"):
+    if name == "auto":
+        name = "cpu" if device.type == "cpu" else "triton" if _has_triton() else "torch"
+    if name == "torch":
         return TorchAttentionBackend()
-    if name in ("auto", "cpu"):
+    if name == "triton":
+        from densa.model.triton_attention import TritonAttentionBackend  # imports Triton
+
+        return TritonAttentionBackend()
+    if name == "cpu":
         if device.type != "cpu":
-            raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'torch'")
+            raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'triton'")
         return CpuAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}")
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def load_decode_model(

@@ -69,7 +69,13 @@ def calibrate_kv_scales(
     attention backend is restored afterwards even if a text fails.
     """
     runner = engine.runner
-    observer = AmaxObserver(runner.backend, runner.kv_caches)
+    caches = [c for c in runner.kv_caches if isinstance(c, LayerKVCache)]
+    if len(caches) != len(runner.kv_caches):
+        raise ValueError(
+            "static scales are calibrated for K/V pages; this model caches MLA latents, "
+            "whose FP8 pages use dynamic scales (--kv-scales dynamic)"
+        )
+    observer = AmaxObserver(runner.backend, caches)
     runner.backend = observer
     try:
         for token_ids in texts:

@@ -1,4 +1,7 @@
-"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+The engine runs in this process, stepped directly; its token deltas become text exactly as in the
+server (text/output.TextStream: incremental detokenization, stop strings)."""
 
 from __future__ import annotations
 
@@ -8,9 +11,9 @@ from typing import Any, cast
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.output import RequestOutput
+from densa.ipc.messages import TokenLogprobs
 from densa.sampling_params import SamplingParams
-from densa.worker.sampler import TokenLogprobs
+from densa.text.output import RequestOutput, TextStream
 
 Prompt = str | list[int]
 
@@ -44,11 +47,12 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
         token_lists = [self._tokens(p) for p in prompt_list]
-        request_ids = [
-            self.engine.add_request(tokens, sp)
-            for tokens, sp in zip(token_lists, params_list, strict=True)
-        ]
-        finals = self._run_to_completion(set(request_ids), use_tqdm)
+        streams = {}
+        for tokens, sp in zip(token_lists, params_list, strict=True):
+            request_id = self.engine.add_request(tokens, sp)
+            streams[request_id] = TextStream(self.tokenizer, request_id, tokens, sp)
+        request_ids = list(streams)
+        finals = self._run_to_completion(streams, use_tqdm)
         return [
             self._result(finals[rid], tokens)
             for rid, tokens in zip(request_ids, token_lists, strict=True)
@@ -71,13 +75,20 @@ class LLM:
     def _tokens(self, prompt: Prompt) -> list[int]:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def _run_to_completion(self, request_ids: set[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run_to_completion(
+        self, streams: dict[str, TextStream], use_tqdm: bool
+    ) -> dict[str, RequestOutput]:
         finals: dict[str, RequestOutput] = {}
-        logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in request_ids}
-        progress = _progress(len(request_ids), use_tqdm)
-        while len(finals) < len(request_ids):
-            for out in self.engine.step():
+        logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in streams}
+        progress = _progress(len(streams), use_tqdm)
+        while len(finals) < len(streams):
+            for delta in self.engine.step():
+                out = streams[delta.request_id].process(delta)
+                if out is None:
+                    continue  # late tokens of a request a stop string ended
                 logprobs[out.request_id].extend(out.new_logprobs)
+                if streams[delta.request_id].stopped and not delta.finished:
+                    self.engine.abort_request(delta.request_id)
                 if out.finished:
                     out.new_logprobs = logprobs[out.request_id]
                     finals[out.request_id] = out

@@ -1,12 +1,13 @@
 """The engine: one loop of schedule -> execute -> update, plus request bookkeeping around it.
 
-Synchronous and single-threaded by design; `AsyncEngine` runs it on a background thread.
+Synchronous and single-threaded by design: the engine core (engine/core.py) runs it in its own
+process or thread. It speaks tokens only: each step reports every request's new tokens as a
+RequestDelta; text, stop strings and streaming are the front's (text/output.py).
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -17,16 +18,15 @@ from densa.config import EngineConfig
 from densa.engine.args import EngineArgs
 from densa.engine.builder import build_engine_parts
 from densa.engine.confinement import execute_confined
-from densa.engine.detokenizer import Detokenizer
-from densa.engine.output import RequestOutput
+from densa.engine.grammar_gate import GrammarGate
+from densa.ipc.messages import RequestDelta, TokenLogprobs
 from densa.model.arch import ArchConfig
-from densa.model.tokenizer import Tokenizer
 from densa.request import Request, RequestStatus
 from densa.sampling_params import SamplingParams
 from densa.sched.scheduler import Scheduler
+from densa.text.tokenizer import Tokenizer
 from densa.utils.logging import get_logger
 from densa.worker.model_runner import ModelRunner
-from densa.worker.sampler import TokenLogprobs
 
 logger = get_logger(__name__)
 
@@ -37,14 +37,11 @@ class PromptTooLong(ValueError):
 
 @dataclass
 class _Tracked:
-    """Engine-side state of one request: its scheduler record plus text and timing."""
+    """Engine-side state of one request: its scheduler record plus what is not yet reported."""
 
     request: Request
-    detokenizer: Detokenizer
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    first_token_time: float | None = None
-    detokenizer_failed: bool = False  # it raised: no more text is taken from it
 
 
 class LLMEngine:
@@ -54,9 +51,13 @@ class LLMEngine:
         tokenizer: Tokenizer,
         runner: ModelRunner,
         arch: ArchConfig,
+        kv_format: str = "",
+        weight_format: str = "",
     ) -> None:
         self.config = config
-        self.tokenizer = tokenizer
+        self.kv_format = kv_format  # described for people: logs, the handshake, /v1/models
+        self.weight_format = weight_format
+        self.tokenizer = tokenizer  # for whoever serves it (the handshake, the offline API)
         self.runner = runner
         self.arch = arch
         self.kv_manager = KVCacheManager(
@@ -65,7 +66,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.integrity_stats = IntegrityStats()
         self._tracked: dict[str, _Tracked] = {}
-        self._finished_outputs: list[RequestOutput] = []
+        self.grammar_gate = GrammarGate()  # structured requests whose grammar is compiling
+        self._finished_outputs: list[RequestDelta] = []
         self._ids = itertools.count()
 
     # ---- construction --------------------------------------------------------------------------
@@ -73,7 +75,10 @@ class LLMEngine:
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         """Load the model and tokenizer, size and allocate the KV cache, and wire the runner."""
         parts = build_engine_parts(args)
-        return cls(parts.config, parts.tokenizer, parts.runner, parts.arch)
+        return cls(
+            parts.config, parts.tokenizer, parts.runner, parts.arch,
+            parts.kv_format, parts.weight_format,
+        )  # fmt: skip
 
     # ---- requests ------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -91,7 +96,7 @@ class LLMEngine:
 
         Everything per-request that could fail is computed here, at admission, not inside a
         step where a failure would be harder to pin on this request: the prefix-cache block
-        hashes of the prompt (the scope is hashed with them) and the detokenizer (stop strings).
+        hashes of the prompt (the scope is hashed with them).
         """
         self.validate_request(prompt_token_ids, params)
         request = Request(
@@ -105,22 +110,56 @@ class LLMEngine:
         if request.request_id in self._tracked:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         try:
-            detokenizer = Detokenizer(
-                self.tokenizer,
-                request.prompt_token_ids,
-                params.stop,
-                params.include_stop_str_in_output,
-                params.skip_special_tokens,
-            )
             self.kv_manager.precompute(request)
         except Exception as exc:
             self.kv_manager.forget(request)
             raise ValueError(f"the request cannot be prepared: {exc}") from exc
-        self.scheduler.add_request(request)
-        self._tracked[request.request_id] = _Tracked(request=request, detokenizer=detokenizer)
+        self._submit(request)
+        self._tracked[request.request_id] = _Tracked(request=request)
         return request.request_id
 
+    def warm_up(self) -> None:
+        """Run one short request through every stage (JIT-compiled kernels load, allocators grow)
+        so the first real request is not the one that pays for it; leaves the engine as it was."""
+        request_id = self.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=2))
+        while request_id in self._tracked:
+            self.step()
+        self.kv_manager.reset_prefix_cache()
+        self.kv_manager.num_queried_tokens = self.kv_manager.num_hit_tokens = 0
+        self.scheduler.num_generated_tokens = self.scheduler.num_preemptions = 0
+
+    def _submit(self, request: Request) -> None:
+        """Schedule the request now, or once its grammar is compiled (off this thread)."""
+        spec = request.sampling_params.structured
+        grammars = self.runner.grammars
+        if spec is None or grammars is None:
+            self.scheduler.add_request(request)
+            return
+        grammar = grammars.submit(spec)
+        if grammar.done() and grammar.exception() is None:  # a cache hit: no wait
+            self.scheduler.add_request(request)
+        else:
+            self.grammar_gate.hold(request, grammar)
+
+    def _admit_compiled(self) -> None:
+        released = self.grammar_gate.release()
+        for request in released.ready:
+            self.scheduler.add_request(request)
+        for request, error in released.failed:
+            self._end_unscheduled(request, RequestStatus.FINISHED_ERROR, error)
+
+    def _end_unscheduled(self, request: Request, status: RequestStatus, error: str | None) -> None:
+        """End a request that never reached the scheduler (it holds no pages)."""
+        request.status, request.error = status, error
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None:
+            self._finished_outputs.append(self._output(tracked))
+
     def abort_request(self, request_id: str) -> None:
+        held = self.grammar_gate.drop(request_id)
+        if held is not None:
+            self._end_unscheduled(held, RequestStatus.FINISHED_ABORTED, None)
+            return
         self._finish(request_id, RequestStatus.FINISHED_ABORTED)
 
     def land_kv_pages(
@@ -143,11 +182,13 @@ class LLMEngine:
         return False
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._finished_outputs)
+        return (
+            self.scheduler.has_unfinished or bool(self._finished_outputs) or bool(self.grammar_gate)
+        )
 
     @property
     def num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished
+        return self.scheduler.num_unfinished + len(self.grammar_gate)
 
     def check_invariants(self) -> None:
         """Assert the page pool matches the requests' page tables (tests run this every step)."""
@@ -158,11 +199,13 @@ class LLMEngine:
                 "idle but pages in use"
             )
 
-    def fail_all(self, error: str) -> list[RequestOutput]:
+    def fail_all(self, error: str) -> list[RequestDelta]:
         """End every request with an error; frees all pages. The last resort when the engine's own
         bookkeeping fails outside any request (faults inside one are confined to it, see step)."""
         for request_id in list(self.scheduler.requests):
             self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
+        for request in self.grammar_gate.drop_all():
+            self._end_unscheduled(request, RequestStatus.FINISHED_ERROR, error)
         outputs, self._finished_outputs = self._finished_outputs, []
         return outputs
 
@@ -170,6 +213,8 @@ class LLMEngine:
         """Raise ValueError if the request can never run. Pure: safe to call from any thread."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if params.structured is not None and self.runner.grammars is None:
+            raise ValueError("this engine was built without a grammar compiler")
         vocab = self.arch.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -185,14 +230,21 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}")
 
     # ---- the loop ------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
         """Run one scheduled step; return outputs for every request that progressed or ended.
 
         Fault confinement: an exception while scheduling, running or post-processing one request
         ends that request alone with an error; everyone else continues with identical output
         (see engine/confinement.py for the forward pass, sched/scheduler.py for bookkeeping).
+        Text (and a failure to make it) is the caller's, per request (text/output.py).
         """
         outputs, self._finished_outputs = self._finished_outputs, []
+        self._admit_compiled()
+        if not self.scheduler.has_unfinished and self.grammar_gate:
+            self.grammar_gate.wait(timeout=0.01)  # only compiles pending: do not spin
+            self._admit_compiled()
+        outputs.extend(self._finished_outputs)
+        self._finished_outputs = []
         sched_out = self.scheduler.schedule()
         for request_id in sched_out.finished_request_ids:
             tracked = self._tracked.get(request_id)
@@ -205,48 +257,25 @@ class LLMEngine:
         for request_id, error in runner_out.errors.items():
             self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
-        now = time.monotonic()
         for request in updated:
             tracked = self._tracked.get(request.request_id)
             if tracked is not None:
-                outputs.extend(
-                    self._emit(tracked, runner_out.logprobs.get(request.request_id), now)
-                )
+                self._absorb_token(tracked, runner_out.logprobs.get(request.request_id))
+                outputs.append(self._output(tracked))
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
         self._record_release_violations()
         return outputs
-
-    def _emit(
-        self, tracked: _Tracked, logprobs: TokenLogprobs | None, now: float
-    ) -> list[RequestOutput]:
-        """Detokenize one request's new token and build its output; if that raises, the request
-        alone ends with an error (its final output comes through _finished_outputs)."""
-        try:
-            self._absorb_token(tracked, logprobs, now)
-            return [self._output(tracked)]
-        except Exception:
-            request_id = tracked.request.request_id
-            logger.exception("error while detokenizing request %s; ending it alone", request_id)
-            tracked.detokenizer_failed = True
-            self._finish(request_id, RequestStatus.FINISHED_ERROR, _DETOKENIZE_ERROR)
-            return []
 
     def _record_release_violations(self) -> None:
         for violation in self.scheduler.release_violations:
             self.integrity_stats.record(violation)
         self.scheduler.release_violations.clear()
 
-    def _absorb_token(self, tracked: _Tracked, logprobs: TokenLogprobs | None, now: float) -> None:
-        request = tracked.request
-        token_id = request.output_token_ids[-1]
-        tracked.first_token_time = tracked.first_token_time or now
-        tracked.pending_token_ids.append(token_id)
+    def _absorb_token(self, tracked: _Tracked, logprobs: TokenLogprobs | None) -> None:
+        tracked.pending_token_ids.append(tracked.request.output_token_ids[-1])
         if logprobs is not None:
             tracked.pending_logprobs.append(logprobs)
-        tracked.detokenizer.add_token(token_id)
-        if not request.is_finished and tracked.detokenizer.check_stop():
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
         request = self.scheduler.finish_request(request_id, status, error)
@@ -255,14 +284,12 @@ class LLMEngine:
             return
         self._finished_outputs.append(self._output(tracked))
 
-    def _output(self, tracked: _Tracked) -> RequestOutput:
+    def _output(self, tracked: _Tracked) -> RequestDelta:
         request = tracked.request
         finished = request.is_finished
-        broken = tracked.detokenizer_failed
-        output = RequestOutput(
+        output = RequestDelta(
             request_id=request.request_id,
             new_token_ids=tracked.pending_token_ids,
-            new_text="" if broken else tracked.detokenizer.take_delta(finished),
             new_logprobs=tracked.pending_logprobs,
             finished=finished,
             finish_reason=request.status.value if finished else None,
@@ -274,15 +301,8 @@ class LLMEngine:
         )
         tracked.pending_token_ids, tracked.pending_logprobs = [], []
         if finished:
-            output.text = "" if broken else tracked.detokenizer.text
-            output.token_ids = list(request.output_token_ids)
             del self._tracked[request.request_id]
         return output
-
-
-_DETOKENIZE_ERROR = (
-    "engine_error: internal error while detokenizing this request; it was ended alone"
-)
 
 
 def _error_code(error: str | None) -> str | None:

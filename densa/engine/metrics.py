@@ -1,48 +1,12 @@
-"""Engine gauges and lifetime counters as one plain snapshot, for /metrics and benchmarks.
-
-The engine thread takes a snapshot after every step (see AsyncEngine), so readers on other threads
-never walk the scheduler's or the page pool's structures while the engine mutates them.
-"""
+"""Engine gauges and lifetime counters as one plain snapshot (ipc.EngineStats), for /metrics and
+benchmarks. The engine core takes one after every step and sends it with the step's outputs, so
+nobody else ever walks the scheduler's or the page pool's structures."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from densa.cache.integrity import ViolationKind
 from densa.engine.llm_engine import LLMEngine
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What the engine looks like right now, plus totals since it started."""
-
-    num_running: int = 0  # requests holding pages and scheduled every step
-    num_waiting: int = 0  # queued or preempted requests (no pages)
-    num_session_requests: int = 0  # running + waiting requests that carry x-session-affinity
-    num_kv_pages: int = 0
-    num_free_kv_pages: int = 0  # includes free pages still holding a reusable cached prefix
-    num_cached_kv_pages: int = 0  # pages indexed by the prefix cache (owned or free)
-    page_size: int = 0
-    # Tokens whose K/V the running requests hold; a prefix shared by n requests counts n times.
-    num_resident_tokens: int = 0
-    # Lifetime totals.
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_generated_tokens: int = 0  # sampled by the engine, including any nobody received
-    num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
-    num_prefix_hit_tokens: int = 0  # ... of which were found there
-    integrity_violations: dict[str, int] = field(default_factory=dict)  # by ViolationKind value
-
-    @property
-    def num_used_kv_pages(self) -> int:
-        return self.num_kv_pages - self.num_free_kv_pages
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """Share of looked-up prompt tokens served from the cache (0 before any lookup)."""
-        if not self.num_prefix_queried_tokens:
-            return 0.0
-        return self.num_prefix_hit_tokens / self.num_prefix_queried_tokens
+from densa.ipc.messages import EngineStats
 
 
 def snapshot(engine: LLMEngine, num_steps: int = 0) -> EngineStats:

@@ -37,6 +37,8 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
     _add_distribution(evaluations)
     _add_choice(evaluations)
     _add_greedy(evaluations)
+    _add_gsm8k(evaluations)
+    _add_tools(evaluations)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
 
@@ -110,6 +112,37 @@ def _add_greedy(evaluations: argparse._SubParsersAction) -> None:
     _add_common(parser, "greedy", _greedy)
 
 
+def _add_gsm8k(evaluations: argparse._SubParsersAction) -> None:
+    parser = evaluations.add_parser(
+        "gsm8k",
+        help="GSM8K exact match, greedy and over sampled trials",
+        description="Grade-school math (GSM8K test, few-shot chat) by exact match of the final "
+        "number: greedy once and sampled under several seeds per format, paired deltas.",
+    )
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--limit", type=int, default=60, help="problems scored")
+    g.add_argument("--num-seeds", type=int, default=5, help="sampled trials per problem")
+    g.add_argument("--max-tokens", type=int, default=192)
+    g.add_argument("--temperature", type=float, default=0.7)
+    g.add_argument("--top-p", type=float, default=0.95)
+    _add_common(parser, "gsm8k", _gsm8k)
+
+
+def _add_tools(evaluations: argparse._SubParsersAction) -> None:
+    parser = evaluations.add_parser(
+        "tools",
+        help="tool-call validity and AST match on BFCL cases, constrained vs unconstrained",
+        description="Berkeley function-calling cases (simple_python, multiple), asked with "
+        "tool_choice auto (unconstrained) and required (grammar-constrained) per format.",
+    )
+    g = parser.add_argument_group("evaluation")
+    g.add_argument("--limit-simple", type=int, default=70, help="simple_python cases")
+    g.add_argument("--limit-multiple", type=int, default=30, help="multiple cases")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--sample-seed", type=int, default=0, help="seed of the case sample")
+    _add_common(parser, "tools", _tools)
+
+
 # ---- handlers --------------------------------------------------------------------------------
 # Each handler validates every option (formats, settings, data) before loading any engine, so a
 # typo is one line on stderr and exit code 2, not a traceback minutes into a run.
@@ -168,6 +201,44 @@ def _greedy(ns: argparse.Namespace) -> int:
         return lambda: run_greedy(ref, tests, settings)
 
     return _run("greedy", prepare, ns.out)
+
+
+def _gsm8k(ns: argparse.Namespace) -> int:
+    from densa.eval.gsm8k import GSM8KSettings, gsm8k_path, run_gsm8k
+
+    def prepare() -> Callable[[], Any]:
+        settings = GSM8KSettings(
+            limit=ns.limit,
+            num_seeds=ns.num_seeds,
+            max_tokens=ns.max_tokens,
+            temperature=ns.temperature,
+            top_p=ns.top_p,
+            bootstrap=_bootstrap(ns),
+        )
+        gsm8k_path()
+        ref, tests = _formats(ns)
+        return lambda: run_gsm8k(ref, tests, settings)
+
+    return _run("gsm8k", prepare, ns.out)
+
+
+def _tools(ns: argparse.Namespace) -> int:
+    from densa.eval.bfcl import data_dir
+    from densa.eval.tool_calls import ToolEvalSettings, run_tool_eval
+
+    def prepare() -> Callable[[], Any]:
+        settings = ToolEvalSettings(
+            limit_simple=ns.limit_simple,
+            limit_multiple=ns.limit_multiple,
+            max_tokens=ns.max_tokens,
+            sample_seed=ns.sample_seed,
+            bootstrap=_bootstrap(ns),
+        )
+        data_dir()
+        ref, tests = _formats(ns)
+        return lambda: run_tool_eval(ref, tests, settings)
+
+    return _run("tools", prepare, ns.out)
 
 
 def _run(name: str, prepare: Callable[[], Callable[[], Any]], out: Path) -> int:

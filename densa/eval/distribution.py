@@ -41,7 +41,7 @@ from densa.eval.stats import (
 from densa.measure.data import TEXT_SOURCE, lambada_passages
 from densa.measure.progress import progress
 from densa.measure.report import Table
-from densa.model.tokenizer import Tokenizer
+from densa.text.tokenizer import Tokenizer
 
 PASSAGE_SEPARATOR = "\n\n"
 

@@ -17,6 +17,7 @@ bfloat16, fp8 or int8 KV cache, and a step with no prefill rows. Anything else r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ def projection_spec(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor 
 
 # The model is duck-typed (`Any`): any Llama-shaped decoder (embed_tokens, layers with
 # self_attn.qkv_proj / o_proj and mlp.gate_up_proj / down_proj, norm, rotary) can run fused.
-def unsupported_reason(model: Any, kv_caches: list[LayerKVCache]) -> str | None:
+def unsupported_reason(model: Any, kv_caches: Sequence[object]) -> str | None:
     """Why the fused step cannot run this model and cache (None: it can)."""
     if not native.is_available():
         return "densa's C++ kernels are not built here"
@@ -55,6 +56,9 @@ def unsupported_reason(model: Any, kv_caches: list[LayerKVCache]) -> str | None:
         return "not a Llama-family model"
     if model.embed_tokens.weight.dtype != torch.float32:
         return "compute dtype is not float32"
+    family = _family_reason(model)
+    if family is not None:
+        return family
     for layer in model.layers:
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                      layer.mlp.down_proj):  # fmt: skip
@@ -63,10 +67,24 @@ def unsupported_reason(model: Any, kv_caches: list[LayerKVCache]) -> str | None:
             except TypeError as exc:
                 return str(exc)
     for cache in kv_caches:
+        if not isinstance(cache, LayerKVCache):
+            return "latent (MLA) KV pages have no fused-decode form"
         if cache.k.dtype not in _KV_DTYPES or not cache.k.is_contiguous():
             return f"KV cache dtype {cache.k.dtype} has no fused-decode form"
         if cache.k.device.type != "cpu":
             return "the KV cache is not on the CPU"
+    return None
+
+
+def _family_reason(model: Any) -> str | None:
+    """The C++ step computes plain Llama layers: anything a subclass adds runs eagerly."""
+    if getattr(model, "qk_norm", False):
+        return "q/k head norms (Qwen3) have no fused-decode form"
+    if any(w is not None for w in getattr(model.cfg, "layer_windows", ())):
+        return "sliding-window layers have no fused-decode form"
+    for layer in model.layers:
+        if not hasattr(layer.mlp, "gate_up_proj"):
+            return f"{type(layer.mlp).__name__} MLPs (mixture of experts) have no fused-decode form"
     return None
 
 

@@ -122,6 +122,13 @@ class Fp8Linear(nn.Module):
         """Nothing to convert: the kernels read the loaded layout directly."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from densa.kernels import triton_fp8_linear  # imports Triton: only on a GPU
+
+            if triton_fp8_linear.triton is not None:
+                return triton_fp8_linear.fp8_linear_triton(
+                    x, self.weight, self.weight_scale, self.fmt.block_size, self.bias
+                )
         return fp8_linear(x, self.weight, self.weight_scale, self.fmt.block_size, self.bias)
 
     def extra_repr(self) -> str:

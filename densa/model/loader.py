@@ -22,13 +22,14 @@ from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.gguf import ensure_converted, stored_quantization
 from densa.model.interface import CausalLM
 from densa.model.linear import (
-    Linear,
     prepare_quantized,
     quantize_linears,
     resident_weight_bytes,
 )
 from densa.model.packed_linear import PACKED_FORMATS, PackedFormatUnavailable, pack_linears
+from densa.model.quant_targets import OUTPUT_HEAD, QuantScope, quantization_targets
 from densa.model.registry import model_factory
+from densa.model.stacked_linear import StackedLinear, prepare_stacked, quantize_stacked
 from densa.quant.checkpoint import Quantized, group_parts, read_format
 from densa.quant.quantizer import make_quantizer
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
@@ -83,9 +84,14 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read {path} (truncated or corrupt?): {exc}") from exc
 
 
-def check_fits(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> int:
+def num_parameters(model: torch.nn.Module) -> int:
+    """Parameters of a (meta-device) model, tied ones counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_fits(num_params: int, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes the weights need; refuse early if the machine clearly cannot hold them."""
-    needed = arch.num_parameters() * dtype.itemsize
+    needed = num_params * dtype.itemsize
     if device.type == "cpu":
         available = psutil.virtual_memory().available
     else:
@@ -103,7 +109,6 @@ ON_THE_FLY_FORMATS = {
     "int4": WeightFormat("int4", group_size=128, symmetric=True),
     "fp8": WeightFormat("fp8", block_size=128),
 }
-OUTPUT_HEAD = "lm_head"  # kept in high precision unless asked (it shapes every logit)
 
 
 def load_model(
@@ -119,7 +124,6 @@ def load_model(
     packed CPU formats (w4a8, w8a8) are made from the loaded dense weights, and `head_format`
     w8a8 packs the output head too (tied or not)."""
     torch_dtype = DTYPES[dtype]
-    check_fits(arch, torch_dtype, device)
     files = safetensors_files(model_dir)
     stored = _read_stored_format(files)
     packed = weight_format if weight_format in PACKED_FORMATS else None
@@ -128,9 +132,11 @@ def load_model(
     # Build without initializing (meta device), then allocate and fill from the checkpoint.
     with torch.device("meta"):
         model = factory(arch, max_position, device).to(dtype=torch_dtype)
+        num_params = num_parameters(model)
+        check_fits(num_params, torch_dtype, device)
         targets = _quantized_modules(model, stored, runtime)
         if runtime is not None:
-            quantize_linears(model, targets, runtime)
+            _swap_quantized(model, targets, runtime)
     model = model.to_empty(device=device)
     model.tie_weights()
     tensors = runtime_tensors(iter_checkpoint(files), model, stored, runtime, targets)
@@ -141,12 +147,13 @@ def load_model(
         raise ModelLoadError(f"checkpoint in {model_dir} does not match its config: {exc}") from exc
     prepare_quantized(model)
     _pack(model, packed, head_format)
+    prepare_stacked(model)
+    model.weight_format = _describe_weights(runtime, packed, head_format)
     if device.type == "cpu":
         rehome_on_huge_pages(model)  # streaming weights from huge pages is ~30% faster
     logger.info(
         "loaded %s (%s parameters, %s compute, %s weights: %s resident)",
-        model_dir.name, f"{arch.num_parameters():,}", dtype,
-        _describe_weights(runtime, packed, head_format),
+        model_dir.name, f"{num_params:,}", dtype, model.weight_format,
         format_bytes(resident_weight_bytes(model)),
     )  # fmt: skip
     return model.eval()
@@ -208,16 +215,16 @@ def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> Weigh
 
 
 def quantizable_linears(model: CausalLM, include_head: bool = False) -> set[str]:
-    """Names of the Linear modules a quantized format replaces: every one except the output
-    head (unless asked) and any whose weight is tied to an embedding."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    return {
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, Linear)
-        and id(module.weight) not in embeddings
-        and (include_head or name != OUTPUT_HEAD)
-    }
+    """Names of the modules a quantized format replaces by default (densa.model.quant_targets):
+    linear and stacked expert layers, but not the output head (unless asked), routers, or
+    weights tied to an embedding."""
+    return quantization_targets(model, QuantScope(include_head=include_head))
+
+
+def _swap_quantized(model: CausalLM, targets: set[str], fmt: WeightFormat) -> None:
+    stacked = {n for n in targets if isinstance(model.get_submodule(n), StackedLinear)}
+    quantize_linears(model, targets - stacked, fmt)
+    quantize_stacked(model, stacked, fmt)
 
 
 def linear_module_of(model: CausalLM, hf_name: str) -> str | None:
@@ -238,11 +245,11 @@ def runtime_tensors(
     and dense weights of quantized layers are quantized on the way (round-to-nearest)."""
     stored_quantizer = make_quantizer(stored.format) if stored is not None else None
     runtime_quantizer = make_quantizer(runtime) if runtime is not None else None
-    for name, value in group_parts(raw, stored):
+    for name, value in model.normalize_checkpoint(group_parts(raw, stored)):
         if isinstance(value, Quantized):
             assert stored_quantizer is not None  # group_parts only makes these from metadata
             if runtime_quantizer is None:
-                yield name, stored_quantizer.dequantize(value.parts, value.shape[1])
+                yield name, stored_quantizer.dequantize(value.parts, value.shape[-1])
             else:
                 yield from _parts_of(name, runtime_quantizer.to_runtime(value.parts))
         elif runtime_quantizer is not None and linear_module_of(model, name) in targets:

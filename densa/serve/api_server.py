@@ -1,15 +1,19 @@
 """The OpenAI-compatible HTTP app: its state, its routes and its published OpenAPI schema.
 
-    build_app(async_engine, name)  -> a FastAPI app over an already started AsyncEngine
-    run_server(engine_args, ...)   -> (process.py) load the model, serve, drain on SIGTERM, exit
+    build_app(engine_client)       -> a FastAPI app over an EngineClient (started by the app's
+                                      lifespan, on the server's event loop; stopped with it)
+    run_server(engine_args, ...)   -> (process.py) start the engine, serve, drain on SIGTERM, exit
 
-The app never owns the engine: whoever started the AsyncEngine shuts it down.
+The app knows the engine only through the client and what the engine's handshake said
+(ServedModel: name, context, vocabulary, tokenizer): nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
@@ -20,10 +24,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
 from densa.cache.scope import tenant_of
-from densa.engine.async_engine import AsyncEngine
-from densa.model.tokenizer import Tokenizer
+from densa.ipc.messages import ServedModel
 from densa.serve import generation, prepare
 from densa.serve.auth import ApiKeys
+from densa.serve.engine_client import EngineClient
 from densa.serve.errors import (
     APIError,
     ErrorResponse,
@@ -44,7 +48,10 @@ from densa.serve.protocol import (
     SamplingFields,
 )
 from densa.serve.responses import ChatFormatter, CompletionFormatter, Generation, TokenTexts
+from densa.serve.tools.formats import DEFAULT_TOOL_FORMAT, ToolCallFormat, tool_format
+from densa.serve.tools.plan import NO_TOOLS, ToolPlan
 from densa.serve.tracking import SESSION_HEADER, RequestRecord, RequestTracking, record_of
+from densa.text.tokenizer import Tokenizer
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -56,35 +63,47 @@ DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may take to send its whole body 
 
 @dataclass
 class ServerState:
-    """What the routes share; lives on `app.state.densa`."""
+    """What the routes share; lives on `app.state.densa`. The engine's facts (served, tokenizer,
+    token_texts) are filled in when the engine has started (the app's lifespan)."""
 
-    engine: AsyncEngine
-    served_model_name: str
+    engine: EngineClient
     max_body_bytes: int
-    token_texts: TokenTexts
     metrics: ServerMetrics
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     request_timeout: float | None = None  # seconds per request, then it is aborted (504)
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT  # seconds to receive a body (then 408)
+    tool_format: ToolCallFormat = field(default_factory=lambda: tool_format(DEFAULT_TOOL_FORMAT))
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False  # set on SIGINT/SIGTERM: new requests get 503 while old ones finish
     num_open_responses: int = 0  # generation responses started and not yet counted and logged
+    tokenizer: Tokenizer | None = None  # the front's own copy of the engine's tokenizer
+    token_texts: TokenTexts | None = None
+
+    def on_engine_started(self, served: ServedModel) -> None:
+        self.tokenizer = Tokenizer(served.tokenizer, served.eos_token_ids)
+        self.token_texts = TokenTexts(self.tokenizer)
 
     @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine.engine.tokenizer
+    def served(self) -> ServedModel:
+        return self.engine.served
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served.name
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.config.scheduler.max_model_len
+        return self.served.max_model_len
 
-    def check_can_serve(self, model: str) -> None:
+    def check_can_serve(self, model: str) -> Tokenizer:
+        """Raise the 503 / 404 this request gets; else the tokenizer to prepare it with."""
         if self.is_draining:
             raise shutting_down()
-        if not self.engine.is_alive:
-            raise _engine_not_running()
+        if not self.engine.is_alive or self.tokenizer is None:
+            raise _engine_not_running(self.engine)
         if model != self.served_model_name:
             raise model_not_found(model, self.served_model_name)
+        return self.tokenizer
 
     def start(self, record: RequestRecord) -> None:
         self.num_open_responses += 1
@@ -97,24 +116,36 @@ class ServerState:
 
 
 def build_app(
-    async_engine: AsyncEngine,
-    served_model_name: str,
+    engine: EngineClient,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     request_timeout: float | None = None,
     api_keys: ApiKeys | None = None,
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
+    drain_timeout: float = 30.0,
+    tool_call_format: str = DEFAULT_TOOL_FORMAT,
 ) -> FastAPI:
-    app = FastAPI(title="densa", version="0.1.0", docs_url=None, redoc_url=None)
+    """The app; its lifespan starts the engine (and waits for its handshake) before the server
+    accepts requests, and shuts it down (draining first) when the server stops."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        served = await engine.start() if engine.state == "new" else engine.served
+        state.on_engine_started(served)
+        try:
+            yield
+        finally:
+            await engine.shutdown(drain_timeout)
+
+    app = FastAPI(title="densa", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
     state = ServerState(
-        engine=async_engine,
-        served_model_name=served_model_name,
+        engine=engine,
         max_body_bytes=max_body_bytes,
-        token_texts=TokenTexts(async_engine.engine.tokenizer),
-        metrics=ServerMetrics(lambda: async_engine.stats),
+        metrics=ServerMetrics(lambda: engine.stats),
         api_keys=api_keys or ApiKeys(),
         request_timeout=request_timeout,
         body_timeout=body_timeout,
+        tool_format=tool_format(tool_call_format),
     )
     app.state.densa = state
     install_error_handlers(app)
@@ -134,9 +165,14 @@ def _state(request: Request) -> ServerState:
     return request.app.state.densa
 
 
-def _engine_not_running() -> APIError:
-    message = "the engine thread has stopped; restart the server (its log says why)"
-    return APIError(503, message, "engine_not_running", error_type="server_error")
+def _engine_not_running(engine: EngineClient) -> APIError:
+    if engine.has_failed:
+        message = f"the engine failed and was not restarted ({engine.failure}); see the log"
+    else:
+        message = f"the engine is not running ({engine.state}); retry shortly"
+    return APIError(
+        503, message, "engine_not_running", error_type="server_error", headers={"Retry-After": "1"}
+    )
 
 
 # ---- routes anyone may call ---------------------------------------------------------------------
@@ -149,8 +185,14 @@ async def health(request: Request) -> Response:
     if state.is_draining:
         raise shutting_down()
     if not state.engine.is_alive:
-        raise _engine_not_running()
-    return JSONResponse({"status": "ok"})
+        raise _engine_not_running(state.engine)
+    engine = state.engine
+    body = {
+        "status": "ok",
+        "engine_pid": engine.served.engine_pid,
+        "engine_restarts": engine.num_restarts,
+    }
+    return JSONResponse(body)
 
 
 @open_router.get(
@@ -237,15 +279,23 @@ def _model_card(state: ServerState) -> ModelCard:
 async def chat_completions(request: Request, session_id: SessionHeader = None) -> Response:
     state, deadline = _state(request), _deadline(request)
     body = prepare.parse(ChatCompletionRequest, await _read(request))
-    state.check_can_serve(body.model)
-    prompt_ids = await prepare.chat_prompt(state.tokenizer, body, state.max_model_len)
+    tokenizer = state.check_can_serve(body.model)
+    plan = prepare.tool_plan(state.tool_format, body)
+    prompt_ids = await prepare.chat_prompt(
+        tokenizer, body, state.max_model_len, plan, state.tool_format
+    )
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.requested_max_tokens
     prepare.check_lengths(state.max_model_len, len(prompt_ids), max_tokens, ("messages", param))
     max_tokens = max_tokens or state.max_model_len - len(prompt_ids)
-    call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline)
+    call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline, plan)
     formatter = ChatFormatter(
-        call.request_id, int(time.time()), body.model, state.token_texts, body.num_logprobs
+        call.request_id,
+        int(time.time()),
+        body.model,
+        _token_texts(state),
+        body.num_logprobs,
+        tool_format=state.tool_format if plan.parse_calls else None,
     )
     return await _respond(request, call, formatter, body)
 
@@ -258,15 +308,15 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
 async def completions(request: Request, session_id: SessionHeader = None) -> Response:
     state, deadline = _state(request), _deadline(request)
     body = prepare.parse(CompletionRequest, await _read(request))
-    state.check_can_serve(body.model)
-    prompt_ids = await prepare.completion_prompt(state.tokenizer, body, state.max_model_len)
+    tokenizer = state.check_can_serve(body.model)
+    prompt_ids = await prepare.completion_prompt(tokenizer, body, state.max_model_len)
     prepare.check_lengths(
         state.max_model_len, len(prompt_ids), body.max_tokens, ("prompt", "max_tokens")
     )
     max_tokens = min(body.requested_max_tokens, state.max_model_len - len(prompt_ids))
     call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline)
     formatter = CompletionFormatter(
-        call.request_id, int(time.time()), body.model, state.token_texts, body.num_logprobs
+        call.request_id, int(time.time()), body.model, _token_texts(state), body.num_logprobs
     )
     return await _respond(request, call, formatter, body)
 
@@ -278,8 +328,9 @@ class _Formatter(StreamFormatter, Protocol):
 async def _respond(
     request: Request, call: EngineCall, formatter: _Formatter, body: SamplingFields
 ) -> Response:
-    record = _record(request)
-    first, outputs = await generation.start(request, _state(request).engine, call, record)
+    record, state = _record(request), _state(request)
+    assert state.tokenizer is not None  # checked by check_can_serve
+    first, outputs = await generation.start(request, state.engine, state.tokenizer, call, record)
     if body.stream:
         events = generation.sse_events(call, record, first, outputs, formatter, body.include_usage)
         return SSEResponse(events)
@@ -290,6 +341,11 @@ async def _respond(
 async def _read(request: Request) -> Any:
     state = _state(request)
     return await prepare.read_json(request, state.max_body_bytes, state.body_timeout)
+
+
+def _token_texts(state: ServerState) -> TokenTexts:
+    assert state.token_texts is not None  # set with the tokenizer when the engine started
+    return state.token_texts
 
 
 def _deadline(request: Request) -> float | None:
@@ -311,11 +367,13 @@ def _engine_call(
     max_tokens: int,
     session_id: str | None,
     deadline: float | None,
+    plan: ToolPlan = NO_TOOLS,
 ) -> EngineCall:
     try:
-        params = body.to_sampling_params(max_tokens, body.num_logprobs)
+        params = body.to_sampling_params(max_tokens, body.num_logprobs, plan.constraint)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+    prepare.check_token_ids(_state(request).served, prompt_ids, params)
     record = _record(request)
     record.session_id = session_id or body.prompt_cache_key or None
     record.safety_identifier = body.safety_identifier
@@ -352,7 +410,7 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
 def _publish_limits(properties: dict[str, Any], state: ServerState) -> None:
     """Limits that depend on the served model: its name, its vocabulary and its context."""
     properties["model"]["enum"] = [state.served_model_name]
-    max_token_id = state.engine.engine.arch.vocab_size - 1
+    max_token_id = state.served.vocab_size - 1
     _cap_integers(properties.get("prompt", {}), max_token_id)
     _cap_integers(properties["stop_token_ids"], max_token_id)
     for name in ("max_tokens", "max_completion_tokens"):

@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from densa.engine.output import RequestOutput
 from densa.serve.tracking import note_error
+from densa.text.output import RequestOutput
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -24,7 +24,7 @@ logger = get_logger(__name__)
 # A status nginx made common for "the client closed the connection"; nobody reads the response.
 STATUS_CLIENT_CLOSED = 499
 # Error codes the engine reports that mean the request itself was bad, not the server.
-_CLIENT_ERROR_CODES = {"invalid_request"}
+_CLIENT_ERROR_CODES = {"invalid_request", "invalid_grammar"}
 
 
 class ErrorInfo(BaseModel):
@@ -114,12 +114,21 @@ def unauthorized(has_key: bool) -> APIError:
     return APIError(401, message, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
+def engine_unavailable(detail: str) -> APIError:
+    message = f"no engine is serving right now ({detail})"
+    return APIError(
+        503, message, "engine_unavailable", error_type="server_error", headers=_RETRY_SOON
+    )
+
+
 def from_engine_output(output: RequestOutput) -> APIError:
     """The error for a request the engine ended with finish_reason "error"."""
     code = output.error_code or "engine_error"
     message = output.error or "the engine failed this request"
     if code in _CLIENT_ERROR_CODES:
         return APIError(400, message, code=code)
+    if code == "engine_unavailable":  # the engine died under it: retrying may well work
+        return APIError(503, message, code=code, error_type="server_error", headers=_RETRY_SOON)
     return APIError(500, message, code=code, error_type="server_error")
 
 

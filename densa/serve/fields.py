@@ -155,18 +155,5 @@ OnlyOne = Annotated[Int | None, _unsupported({"const": 1}, "several choices")]
 NoLogitBias = Annotated[
     dict[str, float] | None, _unsupported({"type": "object", "maxProperties": 0}, "logit_bias")
 ]
-NoTools = Annotated[list[Any] | None, _unsupported({"type": "array", "maxItems": 0}, "tools")]
-TextFormat = Annotated[
-    dict[str, Any] | None,
-    _unsupported(
-        {
-            "type": "object",
-            "properties": {"type": {"const": "text"}},
-            "required": ["type"],
-            "additionalProperties": False,
-        },
-        "JSON mode and schemas",
-    ),
-]
 NoEcho = Annotated[bool, WithJsonSchema({"const": False, "description": "echo: not supported"})]
 NoSuffix = Annotated[str | None, _unsupported({"type": "string", "maxLength": 0}, "suffix")]

@@ -1,8 +1,13 @@
-"""One HTTP request on the AsyncEngine: start it, then gather it whole or stream it as SSE.
+"""One HTTP request on the engine: start it, then gather it whole or stream it as SSE.
 
-Starting waits for the first engine output, so that refusals (overload, shutdown, a prompt that can
+The engine (behind EngineClient) streams token deltas; `text_outputs` turns them into text here,
+in the front, per request (text/output.TextStream): detokenization and stop strings run beside
+the engine's forward pass, not in it. A stop string ends the request here and aborts it in the
+engine; a failure to detokenize ends this request alone.
+
+Starting waits for the first output, so that refusals (overload, shutdown, a prompt that can
 never run) still become proper HTTP statuses instead of an error inside a 200 stream. From then on,
-a client that goes away cancels the iteration, and leaving `AsyncEngine.generate` aborts the
+a client that goes away cancels the iteration, and leaving `EngineClient.generate` aborts the
 request, which frees its KV pages. A request past its deadline (`--request-timeout`) is left the
 same way, so it is aborted too, and the client gets a `request_timeout` error.
 
@@ -23,14 +28,20 @@ from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from densa.engine.async_engine import AsyncEngine, EngineOverloaded, EngineShuttingDown
-from densa.engine.output import RequestOutput
+from densa.ipc.messages import AddRequest
 from densa.sampling_params import SamplingParams
+from densa.serve.engine_client import (
+    EngineClient,
+    EngineOverloaded,
+    EngineShuttingDown,
+    EngineUnavailable,
+)
 from densa.serve.errors import (
     APIError,
     ClientDisconnected,
     ErrorResponse,
     bad_request,
+    engine_unavailable,
     from_engine_output,
     overloaded,
     shutting_down,
@@ -38,14 +49,21 @@ from densa.serve.errors import (
 )
 from densa.serve.responses import Generation
 from densa.serve.tracking import RequestRecord
+from densa.text.output import RequestOutput, TextStream, error_output
+from densa.text.tokenizer import Tokenizer
+from densa.utils.logging import get_logger
 
 T = TypeVar("T")
 Outputs = AsyncGenerator[RequestOutput, None]
+logger = get_logger(__name__)
+DETOKENIZE_ERROR = (
+    "engine_error: internal error while detokenizing this request; it was ended alone"
+)
 
 
 @dataclass(frozen=True)
 class EngineCall:
-    """Everything `AsyncEngine.generate` needs for one request, and how long it may take."""
+    """Everything the engine needs for one request, and how long it may take."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -61,22 +79,44 @@ class StreamFormatter(Protocol):
 
     def stream_start(self) -> list[BaseModel]: ...
 
-    def stream_chunk(self, output: RequestOutput) -> BaseModel | None: ...
+    def stream_chunks(self, output: RequestOutput) -> list[BaseModel]: ...
 
     def usage_chunk(self, final: RequestOutput) -> BaseModel: ...
 
 
+async def text_outputs(
+    engine: EngineClient, tokenizer: Tokenizer, call: EngineCall
+) -> AsyncGenerator[RequestOutput, None]:
+    """The request's text outputs, until the final one. Leaving early (or a stop string) aborts
+    the engine request."""
+    stream = TextStream(tokenizer, call.request_id, call.prompt_token_ids, call.params)
+    request = AddRequest(
+        call.request_id, call.prompt_token_ids, call.params, call.cache_scope, call.session_id
+    )
+    async with contextlib.aclosing(engine.generate(request)) as deltas:
+        async for delta in deltas:
+            try:
+                output = stream.process(delta)
+            except Exception:  # this request's text alone is broken: end it, nobody else
+                logger.exception("detokenizing request %s failed; ending it", call.request_id)
+                yield error_output(call.request_id, DETOKENIZE_ERROR, "engine_error")
+                return
+            if output is None:
+                continue
+            yield output
+            if output.finished:
+                return  # a stop string finished it: closing `deltas` aborts it in the engine
+
+
 async def start(
-    request: Request, engine: AsyncEngine, call: EngineCall, record: RequestRecord
+    request: Request,
+    engine: EngineClient,
+    tokenizer: Tokenizer,
+    call: EngineCall,
+    record: RequestRecord,
 ) -> tuple[RequestOutput, Outputs]:
     """Submit the request and wait for its first output; raise APIError if it is refused."""
-    outputs = engine.generate(
-        call.prompt_token_ids,
-        call.params,
-        request_id=call.request_id,
-        cache_scope=call.cache_scope,
-        session_id=call.session_id,
-    )
+    outputs = text_outputs(engine, tokenizer, call)
     try:
         async with asyncio.timeout_at(call.deadline):
             first = await until_disconnected(request, anext(outputs))
@@ -87,7 +127,9 @@ async def start(
         raise overloaded(str(exc)) from exc
     except EngineShuttingDown as exc:
         raise shutting_down() from exc
-    except ValueError as exc:  # validate_request: a prompt that can never run
+    except EngineUnavailable as exc:
+        raise engine_unavailable(str(exc)) from exc
+    except ValueError as exc:  # a request id already in use
         raise bad_request(str(exc)) from exc
     record.observe(first)
     if first.finish_reason == "error":
@@ -146,8 +188,7 @@ async def sse_events(
             if output.finish_reason == "error":
                 yield _error_event(record, from_engine_output(output))
                 return
-            body = formatter.stream_chunk(output)
-            if body is not None:
+            for body in formatter.stream_chunks(output):
                 yield _event(body)
             if output.finished:
                 break

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from densa.engine.metrics import EngineStats
+from densa.ipc.messages import EngineStats
 from densa.serve.tracking import RequestRecord
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST

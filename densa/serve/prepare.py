@@ -17,9 +17,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from densa.cache.scope import CacheScope
-from densa.model.tokenizer import ChatTemplateError, Tokenizer
+from densa.ipc.messages import ServedModel
+from densa.sampling_params import SamplingParams
 from densa.serve.errors import APIError, ClientDisconnected, bad_request, from_validation_error
 from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
+from densa.serve.tools.formats import HERMES, ToolCallFormat
+from densa.serve.tools.plan import NO_TOOLS, ToolPlan, ToolRequestError, plan_tools
+from densa.serve.tools.render import render_messages
+from densa.text.tokenizer import ChatTemplateError, Tokenizer
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 # Valid JSON can spell a lone UTF-16 surrogate ("\ud800"); no UTF-8 text can hold one.
@@ -129,21 +134,41 @@ def max_prompt_bytes(max_model_len: int, max_token_bytes: int) -> int:
     return 2 * max_model_len * max_token_bytes
 
 
+def tool_plan(fmt: ToolCallFormat, body: ChatCompletionRequest) -> ToolPlan:
+    """What tools the prompt shows and what constrains the answer (400 naming the field)."""
+    try:
+        return plan_tools(
+            fmt, body.tools, body.tool_choice, body.parallel_tool_calls, body.response_format
+        )
+    except ToolRequestError as exc:
+        raise bad_request(str(exc), code="invalid_value", param=exc.param) from exc
+
+
 async def chat_prompt(
-    tokenizer: Tokenizer, body: ChatCompletionRequest, max_model_len: int
+    tokenizer: Tokenizer,
+    body: ChatCompletionRequest,
+    max_model_len: int,
+    plan: ToolPlan = NO_TOOLS,
+    fmt: ToolCallFormat = HERMES,
 ) -> list[int]:
-    """The conversation as prompt tokens. A final assistant message is continued, not answered:
-    the prompt ends inside that message, so the model writes on from its last word."""
+    """The conversation as prompt tokens, with the plan's tools rendered (serve/tools/render.py).
+    A final assistant message is continued, not answered: the prompt ends inside that message,
+    so the model writes on from its last word (one that made tool calls is answered instead)."""
     if len(body.messages) > max_model_len:
         message = f"{len(body.messages)} messages cannot fit a {max_model_len}-token context"
         raise bad_request(message, code="context_length_exceeded", param="messages")
     num_bytes = sum(len((m.content or "").encode()) + len(m.name or "") for m in body.messages)
     _check_text_size(tokenizer, num_bytes, max_model_len, "messages")
-    messages = [m.to_template() for m in body.messages]
-    continue_final = body.messages[-1].role == "assistant"
+    renders_tools = tokenizer.template_renders_tools
+    messages = render_messages(
+        [m.to_template() for m in body.messages], plan.tools, fmt, renders_tools
+    )
+    tools = plan.tools if renders_tools and plan.tools else None
+    last = body.messages[-1]
+    continue_final = last.role == "assistant" and not last.tool_calls
     try:
         # Rendering and tokenizing a long prompt takes milliseconds: keep the event loop free.
-        return await asyncio.to_thread(tokenizer.encode_chat, messages, None, continue_final)
+        return await asyncio.to_thread(tokenizer.encode_chat, messages, tools, continue_final)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), code="invalid_messages", param="messages") from exc
 
@@ -171,6 +196,19 @@ def _check_text_size(tokenizer: Tokenizer, num_bytes: int, max_model_len: int, p
             f"{max_model_len}-token context can take (at most {limit} bytes); shorten the {param}"
         )
         raise bad_request(message, code="context_length_exceeded", param=param)
+
+
+def check_token_ids(served: ServedModel, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Token ids the model has (the engine checks again: this only answers sooner)."""
+    vocab = served.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        message = f"token ids out of range [0, {vocab}): {bad[:5]}"
+        raise bad_request(message, code="invalid_value", param="prompt")
+    bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+    if bad_stop:
+        message = f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}"
+        raise bad_request(message, code="invalid_value", param="stop_token_ids")
 
 
 def check_lengths(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import signal
 import socket
@@ -19,8 +20,6 @@ import uvicorn
 from fastapi import FastAPI
 
 from densa.engine.args import EngineArgs
-from densa.engine.async_engine import AsyncEngine
-from densa.engine.llm_engine import LLMEngine
 from densa.serve.api_server import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
@@ -28,6 +27,7 @@ from densa.serve.api_server import (
     start_draining,
 )
 from densa.serve.auth import load_api_keys
+from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
 from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
 from densa.utils.logging import configure_logging, get_logger
 from densa.utils.net import bind_listener
@@ -42,9 +42,13 @@ class ServerOptions:
     request_timeout: float | None = None  # seconds one request may take, then it is aborted (504)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no key needed
     api_key_file: str | None = None  # more keys, one per line
+    tool_call_format: str = "hermes"  # serve/tools/formats.py: TOOL_FORMATS
     log_level: str = "info"
     header_timeout: float = DEFAULT_HEADER_TIMEOUT  # seconds to receive request headers (408)
     body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds to receive a request body (408)
+    engine_placement: str = "process"  # the engine core in its own process, or "thread"
+    engine_step_timeout: float = ClientOptions.step_timeout_s  # one step longer: stuck, restart
+    engine_restarts: int = ClientOptions.max_restarts  # engines dying young, then exit 1
 
 
 def run_server(
@@ -67,31 +71,50 @@ def run_server(
     logger.info("server stopped")
 
 
+class EngineGaveUp(RuntimeError):
+    """The engine kept dying and the client stopped restarting it: exit non-zero."""
+
+
 def _load_and_serve(
     engine_args: EngineArgs, sock: socket.socket, options: ServerOptions, api_keys: Any
 ) -> None:
-    started = time.monotonic()
-    engine = LLMEngine.from_args(engine_args)
-    name = engine.config.model.served_model_name
-    logger.info("model %r loaded in %.1f s", name, time.monotonic() - started)
+    client = make_engine_client(engine_args, options)
     if api_keys.is_enabled:
         logger.info("API keys required on /v1/*")
-    async_engine = AsyncEngine(engine)
-    async_engine.start()
     app = build_app(
-        async_engine,
-        name,
+        client,
         max_body_bytes=options.max_body_bytes,
         request_timeout=options.request_timeout,
         api_keys=api_keys,
         body_timeout=options.body_timeout,
+        drain_timeout=options.drain_timeout,
+        tool_call_format=options.tool_call_format,
     )
-    asyncio.run(_serve(app, async_engine, sock, options))
+    asyncio.run(_serve(app, client, sock, options))
+    if client.has_failed:
+        raise EngineGaveUp(f"the engine failed and was not restarted: {client.failure}")
+
+
+def make_engine_client(engine_args: EngineArgs, options: ServerOptions) -> EngineClient:
+    """An engine core in its own process (the default), or on a thread of this one."""
+    client_options = ClientOptions(
+        step_timeout_s=options.engine_step_timeout, max_restarts=options.engine_restarts
+    )
+    if options.engine_placement == "thread":
+        from densa.engine.inproc import ThreadLauncher  # imports torch: only in this placement
+        from densa.engine.llm_engine import LLMEngine
+
+        return EngineClient(ThreadLauncher(LLMEngine.from_args(engine_args)), client_options)
+    launcher = ProcessLauncher(dataclasses.asdict(engine_args), log_level=options.log_level)
+    return EngineClient(launcher, client_options)
 
 
 async def _serve(
-    app: FastAPI, engine: AsyncEngine, sock: socket.socket, options: ServerOptions
+    app: FastAPI, engine: EngineClient, sock: socket.socket, options: ServerOptions
 ) -> None:
+    started = time.monotonic()
+    served = await engine.start()  # before uvicorn: a failed start is one line, not a traceback
+    logger.info("engine ready in %.1f s: serving %r", time.monotonic() - started, served.name)
     config = uvicorn.Config(
         app,
         log_level=options.log_level,
@@ -111,10 +134,11 @@ async def _serve(
         return engine.num_in_flight == 0 and state.num_open_responses == 0
 
     server = _DrainingServer(config, on_signal, is_drained, options.drain_timeout)
+    engine.on_failed = lambda: setattr(server, "should_exit", True)
     try:
         await server.serve(sockets=[sock])
     finally:
-        await engine.shutdown(options.drain_timeout)
+        await engine.shutdown(options.drain_timeout)  # a no-op if the app's lifespan did it
 
 
 class _DrainingServer(uvicorn.Server):
@@ -175,18 +199,19 @@ def serve_in_thread(
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))  # binding here, not in uvicorn, avoids a port race
     port = sock.getsockname()[1]
-    # A deep backlog: load tests open dozens of connections at the same instant.
+    # A deep backlog: load tests open dozens of connections at the same instant. The lifespan
+    # starts the app's engine on the server's loop (and stops it with the server).
     config = uvicorn.Config(
         app,
         log_level=log_level,
-        lifespan="off",
+        lifespan="on",
         backlog=512,
         http=with_header_timeout(header_timeout),
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 300  # the engine loads its model first
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start")
@@ -197,3 +222,14 @@ def serve_in_thread(
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+@contextlib.contextmanager
+def serve_engine_in_thread(
+    engine_args: EngineArgs, placement: str = "process", **app_options: Any
+) -> Iterator[tuple[str, EngineClient]]:
+    """An engine (its own process by default) behind an app served from a thread: (base URL,
+    client). Benchmarks use it to measure the server as `densa serve` runs it."""
+    client = make_engine_client(engine_args, ServerOptions(engine_placement=placement))
+    with serve_in_thread(build_app(client, **app_options)) as base_url:
+        yield base_url, client

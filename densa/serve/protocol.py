@@ -4,6 +4,7 @@ Requests follow the OpenAI API on its edges: `null` means "the default" for ever
 (clients send explicit nulls), an unknown field is a 400 naming it (as OpenAI answers
 "unrecognized request argument"), and every OpenAI parameter densa does not implement is a 400
 naming it unless its value asks for nothing (`store: false`), never silently ignored.
+Tool and response-format models live in serve/tools/models.py.
 """
 
 from __future__ import annotations
@@ -11,22 +12,35 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
-from densa.sampling_params import MAX_LOGPROBS, REPETITION_PENALTY_RANGE, SamplingParams
+from densa.sampling_params import (
+    MAX_COUNT,
+    MAX_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+    StructuredOutput,
+)
+from densa.serve.body import RequestBody as _RequestBody
+from densa.serve.body import publish_nullable as _publish_nullable
 from densa.serve.fields import (
     INTEGRAL,
     NoEcho,
     NoLogitBias,
     NoSuffix,
-    NoTools,
     OnlyOne,
     Prompt,
     Role,
     StopStrings,
     TextContent,
-    TextFormat,
     Unsupported,
+)
+from densa.serve.tools.models import (
+    AssistantToolCall,
+    ResponseFormat,
+    ResponseToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolDefinition,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -38,41 +52,12 @@ def _or(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
-# "stop" | "length", or "abort" when the server drops a request it could not finish while draining.
+# "stop" | "length" | "tool_calls", or "abort" when the server drops a request it could not finish
+# while draining.
 FinishReason = str
 
 
 # ---- requests -----------------------------------------------------------------------------------
-def _publish_nullable(schema: dict[str, Any], model: type[BaseModel]) -> None:
-    """Every optional field also accepts null (what the before-validator below reads as unset)."""
-    required = set(schema.get("required", []))
-    for name, prop in schema.get("properties", {}).items():
-        if name in required or _allows_null(prop):
-            continue
-        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}]}
-
-
-def _allows_null(prop: dict[str, Any]) -> bool:
-    return prop.get("type") == "null" or any(
-        option.get("type") == "null" for option in prop.get("anyOf", [])
-    )
-
-
-class _RequestBody(BaseModel):
-    # Strict: JSON types must match (true is not 1, "0.5" is not 0.5); ints pass as floats, and
-    # integral floats as ints (fields.INTEGRAL). Unknown fields are refused, as OpenAI does.
-    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_publish_nullable)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_unset(cls, data: Any) -> Any:
-        """OpenAI clients send `"stream": null` for "not given": drop nulls of optional fields."""
-        if not isinstance(data, dict):
-            return data
-        optional = {name for name, f in cls.model_fields.items() if not f.is_required()}
-        return {k: v for k, v in data.items() if not (v is None and k in optional)}
-
-
 class StreamOptions(_RequestBody):
     include_usage: bool = False
     include_obfuscation: Annotated[
@@ -97,12 +82,15 @@ class ChatMessage(_RequestBody):
     content: TextContent = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # calls an earlier assistant turn made
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
         # Only an assistant turn may omit content (OpenAI: it then carried tool calls instead).
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs 'content'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message can carry tool_calls")
         return self
 
     def to_template(self) -> dict[str, Any]:
@@ -115,6 +103,8 @@ class ChatMessage(_RequestBody):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         return message
 
 
@@ -126,7 +116,7 @@ class SamplingFields(_RequestBody):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: OnlyOne = None
-    stop: StopStrings = []
+    stop: StopStrings = Field(default_factory=list)
     # What torch.Generator accepts.
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64), INTEGRAL] | None = None
     stream: bool = False
@@ -143,14 +133,16 @@ class SamplingFields(_RequestBody):
     user: str | None = None
     logit_bias: NoLogitBias = None
     # Extensions (vLLM spells them the same way).
-    top_k: Annotated[int, Field(ge=-1), INTEGRAL] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT), INTEGRAL] | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(
         None, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1]
     )
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0), INTEGRAL] = 0
-    stop_token_ids: list[Annotated[int, Field(ge=0), INTEGRAL]] = []
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT), INTEGRAL] = 0
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_COUNT), INTEGRAL]] = Field(
+        default_factory=list
+    )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
@@ -173,7 +165,9 @@ class SamplingFields(_RequestBody):
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int, logprobs: int | None, structured: StructuredOutput | None = None
+    ) -> SamplingParams:
         """Raises ValueError (naming the field) for what the field constraints cannot check."""
         return SamplingParams(
             max_tokens=max_tokens,
@@ -192,6 +186,7 @@ class SamplingFields(_RequestBody):
             logprobs=logprobs,
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
+            structured=structured,
         )
 
 
@@ -200,14 +195,14 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
-    tools: NoTools = None
-    tool_choice: Annotated[Any, Unsupported("tool_choice (tool calling)", "none")] = None
-    parallel_tool_calls: Annotated[Any, Unsupported("parallel_tool_calls (tool calling)")] = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     functions: Annotated[Any, Unsupported("functions (the deprecated form of tools)")] = None
     function_call: Annotated[
         Any, Unsupported("function_call (the deprecated form of tool_choice)", "none")
     ] = None
-    response_format: TextFormat = None
     modalities: Annotated[Any, Unsupported("modalities other than text", ["text"])] = None
     audio: Annotated[Any, Unsupported("audio output")] = None
     prediction: Annotated[Any, Unsupported("prediction (predicted outputs)")] = None
@@ -216,30 +211,6 @@ class ChatCompletionRequest(SamplingFields):
         Any, Unsupported("reasoning_effort (this is not a reasoning model)")
     ] = None
     verbosity: Annotated[Any, Unsupported("verbosity")] = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise PydanticCustomError(
-                "unsupported_parameter", "tool calling is not supported by this server yet"
-            )
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is None:
-            return value
-        if "type" not in value:
-            raise ValueError("response_format needs a 'type' (only 'text' is supported)")
-        if value["type"] != "text" or len(value) > 1:
-            raise PydanticCustomError(
-                "unsupported_parameter",
-                "response_format type {kind!r} is not supported (only 'text')",
-                {"kind": value["type"]},
-            )
-        return value
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -322,7 +293,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -344,6 +316,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

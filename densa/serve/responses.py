@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from densa.engine.output import RequestOutput
-from densa.model.tokenizer import Tokenizer
+from densa.ipc.messages import TokenLogprobs
 from densa.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -29,7 +28,12 @@ from densa.serve.protocol import (
     TopLogprob,
     Usage,
 )
-from densa.worker.sampler import TokenLogprobs
+from densa.serve.tools.deltas import to_deltas
+from densa.serve.tools.formats import ToolCallFormat
+from densa.serve.tools.models import ResponseFunctionCall, ResponseToolCall
+from densa.serve.tools.parser import ParsedOutput, ToolCallParser, parse_output
+from densa.text.output import RequestOutput
+from densa.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -103,12 +107,31 @@ class ChatFormatter:
     model: str
     tokens: TokenTexts
     num_logprobs: int | None  # None = the client did not ask for logprobs
+    # Set when the request offers tools: the answer is read for calls in this format.
+    tool_format: ToolCallFormat | None = None
+    _parser: ToolCallParser | None = field(default=None, init=False)
+    _num_calls: int = field(default=0, init=False)  # calls streamed so far
 
     def response(self, generation: Generation) -> ChatCompletionResponse:
+        parsed = (
+            parse_output(self.tool_format, generation.text)
+            if self.tool_format is not None
+            else ParsedOutput(generation.text)
+        )
+        calls = [
+            ResponseToolCall(
+                id=c.call_id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments)
+            )
+            for c in parsed.tool_calls
+        ]
+        message = AssistantMessage(
+            content=parsed.content if parsed.content or not calls else None,
+            tool_calls=calls or None,
+        )
         choice = ChatChoice(
-            message=AssistantMessage(content=generation.text),
+            message=message,
             logprobs=self._logprobs(generation.logprobs),
-            finish_reason=generation.final.finish_reason,
+            finish_reason=_finish_reason(generation.final.finish_reason, len(calls)),
         )
         return ChatCompletionResponse(
             id=self.response_id,
@@ -122,15 +145,43 @@ class ChatFormatter:
         # OpenAI's first chunk announces the role before any content arrives.
         return [self._chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")))]
 
-    def stream_chunk(self, output: RequestOutput) -> BaseModel | None:
+    def stream_chunks(self, output: RequestOutput) -> list[BaseModel]:
+        if self.tool_format is not None:
+            return self._tool_chunks(output)
         if not (output.new_text or output.new_logprobs or output.finished):
-            return None  # text held back (a partial character or a possible stop string)
+            return []  # text held back (a partial character or a possible stop string)
         choice = ChatChunkChoice(
             delta=ChatDelta(content=output.new_text) if output.new_text else ChatDelta(),
             logprobs=self._logprobs(output.new_logprobs),
             finish_reason=output.finish_reason if output.finished else None,
         )
-        return self._chunk(choice)
+        return [self._chunk(choice)]
+
+    def _tool_chunks(self, output: RequestOutput) -> list[BaseModel]:
+        """Content and tool-call deltas as the parser finds them; the finish reason last."""
+        assert self.tool_format is not None
+        if self._parser is None:
+            self._parser = ToolCallParser(self.tool_format)
+        events = self._parser.feed(output.new_text)
+        if output.finished:
+            events += self._parser.finish()
+        choices = [
+            ChatChunkChoice(
+                delta=ChatDelta(
+                    content=d.content, tool_calls=[d.tool_call] if d.tool_call else None
+                )
+            )
+            for d in to_deltas(events)
+        ]
+        logprobs = self._logprobs(output.new_logprobs)
+        if logprobs is not None and not choices:
+            choices.append(ChatChunkChoice(delta=ChatDelta()))
+        if choices:
+            choices[0].logprobs = logprobs
+        if output.finished:
+            reason = _finish_reason(output.finish_reason, len(self._parser.calls))
+            choices.append(ChatChunkChoice(delta=ChatDelta(), finish_reason=reason))
+        return [self._chunk(choice) for choice in choices]
 
     def usage_chunk(self, final: RequestOutput) -> BaseModel:
         return ChatCompletionChunk(
@@ -161,6 +212,11 @@ class ChatFormatter:
         return TopLogprob(token=text, logprob=logprob, bytes=raw)
 
 
+def _finish_reason(reason: str | None, num_calls: int) -> str | None:
+    """OpenAI says "tool_calls" when the answer ended by making calls."""
+    return "tool_calls" if reason == "stop" and num_calls else reason
+
+
 # ---- legacy completions -------------------------------------------------------------------------
 @dataclass
 class CompletionFormatter:
@@ -182,15 +238,15 @@ class CompletionFormatter:
     def stream_start(self) -> list[BaseModel]:
         return []
 
-    def stream_chunk(self, output: RequestOutput) -> BaseModel | None:
+    def stream_chunks(self, output: RequestOutput) -> list[BaseModel]:
         if not (output.new_text or output.new_logprobs or output.finished):
-            return None
+            return []
         choice = CompletionChoice(
             text=output.new_text,
             logprobs=self._logprobs(output.new_logprobs),
             finish_reason=output.finish_reason if output.finished else None,
         )
-        return self._body(choice)
+        return [self._body(choice)]
 
     def usage_chunk(self, final: RequestOutput) -> BaseModel:
         return CompletionResponse(

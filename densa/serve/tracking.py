@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from densa.engine.output import RequestOutput
+from densa.text.output import RequestOutput
 from densa.utils.logging import get_logger
 
 logger = get_logger("densa.requests")

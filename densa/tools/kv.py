@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from densa.model.arch import ArchConfig
-    from densa.model.tokenizer import Tokenizer
+    from densa.text.tokenizer import Tokenizer
     from densa.worker.kv_cache import KVCapacity
 
 # (KV dtype, scale policy) rows of `densa capacity`, BF16 first: the ratio column divides by it.
@@ -74,7 +74,7 @@ def format_capacity(arch: ArchConfig, rows: list[KVCapacity], budget: int, conte
 
     lines = [
         f"KV budget {format_bytes(budget)} ({budget} bytes), page {rows[0].page_size} tokens; "
-        f"{arch.num_layers} layers x {arch.num_kv_heads} KV heads x head_dim {arch.head_dim}",
+        f"{_describe_kv_shape(arch)}",
         "",
         f"| KV dtype | scales | bytes/token | of which scales | pages | resident tokens "
         f"| requests @ {context_len} tokens | tokens vs bfloat16 |",
@@ -88,6 +88,16 @@ def format_capacity(arch: ArchConfig, rows: list[KVCapacity], budget: int, conte
             f"| {row.resident_tokens / max(rows[0].resident_tokens, 1):.3f}x |"
         )
     return "\n".join(lines)
+
+
+def _describe_kv_shape(arch: ArchConfig) -> str:
+    if arch.mla is not None:  # one latent row per token and layer (densa.model.kv_layout)
+        m = arch.mla
+        return (
+            f"{arch.num_layers} layers x MLA latent {m.latent_dim} values "
+            f"(kv_lora_rank {m.kv_lora_rank} + rope {m.rope_head_dim}), no separate V"
+        )
+    return f"{arch.num_layers} layers x {arch.num_kv_heads} KV heads x head_dim {arch.head_dim}"
 
 
 # ---- densa calibrate-kv ------------------------------------------------------------------------

@@ -39,6 +39,14 @@ def add_quantize_parser(commands: argparse._SubParsersAction) -> None:
         "--calibration-passages", type=int, default=128,
         help="gptq: LAMBADA passages (~80 tokens each) of calibration text",
     )  # fmt: skip
+    moe = parser.add_argument_group("mixture-of-experts models (routers always stay dense)")
+    moe.add_argument(
+        "--keep-shared-experts", action="store_true", help="keep shared experts in --keep-dtype"
+    )
+    moe.add_argument(
+        "--experts-only", action="store_true",
+        help="quantize only the routed experts (attention and dense layers stay in --keep-dtype)",
+    )  # fmt: skip
     parser.set_defaults(handler=_quantize)
 
 
@@ -58,7 +66,10 @@ def _quantize(ns: argparse.Namespace) -> int:
                 scale_dtype=ns.scale_dtype, block_size=ns.block_size, method=ns.method,
             )  # fmt: skip
         keep = "bfloat16" if ns.weights == "bf16" else ns.keep_dtype
-        settings = QuantizeSettings(fmt, keep, ns.include_lm_head, ns.calibration_passages)
+        settings = QuantizeSettings(
+            fmt, keep, ns.include_lm_head, ns.calibration_passages,
+            keep_shared_experts=ns.keep_shared_experts, experts_only=ns.experts_only,
+        )  # fmt: skip
         result = quantize_checkpoint(ns.src, Path(ns.dst), settings)
     except (ValueError, OSError, ModelLoadError) as exc:
         print(f"densa quantize: {exc}", file=sys.stderr)

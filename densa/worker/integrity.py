@@ -74,11 +74,19 @@ class TagTableChecker:
             expected.extend(item.page_tags[:num_pages])
         if not page_ids:
             return {}
+        bad_rows = self.mismatching_rows(page_ids, expected)
+        if not bad_rows:  # the common case
+            return {}
+        found = self.tags[torch.tensor(page_ids, dtype=torch.int64, device=self.device)]
+        return self._violations(scheduled, bad_rows, found.tolist())
+
+    def mismatching_rows(self, page_ids: list[int], expected: list[int]) -> list[int]:
+        """Rows i with tags[page_ids[i]] != expected[i]: one gather, one compare, one sync."""
         found = self.tags[torch.tensor(page_ids, dtype=torch.int64, device=self.device)]
         mismatch = found != torch.tensor(expected, dtype=torch.int64, device=self.device)
-        if not bool(mismatch.any()):  # the common case: one comparison, one sync
-            return {}
-        return self._violations(scheduled, mismatch.nonzero().flatten().tolist(), found.tolist())
+        if not bool(mismatch.any()):
+            return []
+        return mismatch.nonzero().flatten().tolist()
 
     def _violations(
         self, scheduled: list[ScheduledRequest], bad_rows: list[int], found: list[int]

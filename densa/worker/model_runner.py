@@ -11,19 +11,18 @@ from dataclasses import dataclass, field
 import torch
 
 from densa.cache.integrity import IntegrityViolation
+from densa.ipc.messages import TokenLogprobs
 from densa.kernels.paged_attention_ref import dequantize_pages
-from densa.model.attention import (
-    AttentionBackend,
-    AttentionGroup,
-    AttentionMetadata,
-    LayerKVCache,
-    build_group,
-)
+from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, build_group
 from densa.model.interface import CausalLM
+from densa.model.kv_layout import LayerCache, cache_parts
 from densa.quant import fp8_kv, int8_kv
 from densa.sched.output import ScheduledRequest, SchedulerOutput
+from densa.worker.cuda_graphs import DecodeGraphs
+from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker
-from densa.worker.sampler import Sampler, SampleRequest, TokenLogprobs
+from densa.worker.sampler import Sampler, SampleRequest
+from densa.worker.structured import StructuredSampler
 
 
 def _is_generated(item: ScheduledRequest) -> bool:
@@ -37,7 +36,8 @@ class RunnerOutput:
     # Requests the runner refused to compute: they touched a KV page they no longer own.
     failed: dict[str, IntegrityViolation] = field(default_factory=dict)
     # Requests that got no token for a reason of their own ("code: message"), e.g. logits with
-    # no finite value to sample from. The engine ends exactly these with an error.
+    # no finite value to sample from, or a grammar that refused the token ("grammar_error: ...").
+    # The engine ends exactly these with an error.
     errors: dict[str, str] = field(default_factory=dict)
 
 
@@ -55,7 +55,7 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        kv_caches: list[LayerKVCache],
+        kv_caches: list[LayerCache],
         page_size: int,
         backend: AttentionBackend,
         eos_token_ids: tuple[int, ...],
@@ -63,6 +63,8 @@ class ModelRunner:
         integrity: IntegrityChecker,
         seed: int = 0,
         decode_model: CausalLM | None = None,
+        decode_graphs: DecodeGraphs | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.model = model
         # Phase-aware weights: decode rows run through decode_model (e.g. INT4), prefill rows
@@ -74,7 +76,11 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.integrity = integrity
-        self.sampler = Sampler(seed)
+        # Compiles constraints (structured outputs, tool calls); None: unconstrained only.
+        self.grammars = grammars
+        self.sampler = Sampler(seed, StructuredSampler(grammars) if grammars else None)
+        # CUDA graphs of all-decode steps through one of the models (None: always eager).
+        self.decode_graphs = decode_graphs
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
@@ -117,6 +123,9 @@ class ModelRunner:
     def _run(
         self, model: CausalLM, items: list[ScheduledRequest]
     ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+        graphs = self.decode_graphs
+        if graphs is not None and model is graphs.model and graphs.can_run(items):
+            return graphs.run(items)
         inputs = self.prepare_inputs(items)
         hidden = model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
@@ -173,7 +182,7 @@ class ModelRunner:
     # ---- page copies (transfers, offload) -------------------------------------------------------
     def read_kv_pages(self, page_ids: list[int]) -> torch.Tensor:
         """K/V of whole pages, all layers, as real float32 values (FP8 scales applied):
-        [num_layers, 2, len(page_ids), KVH, P, D].
+        [num_layers, parts, len(page_ids), KVH, P, D] (parts: K and V, or MLA's one latent).
 
         Real values make a copy independent of either side's KV format: a page read from an FP8
         pool lands exactly in a BF16 pool or an FP8 pool with dynamic (or the same static) scales,
@@ -181,10 +190,8 @@ class ModelRunner:
         by the same store path as a prefill."""
         index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         layers = [
-            torch.stack(
-                [dequantize_pages(c.k, index, c.k_scale), dequantize_pages(c.v, index, c.v_scale)]
-            )
-            for c in self.kv_caches
+            torch.stack([dequantize_pages(values, index, scale) for values, scale in parts])
+            for parts in map(cache_parts, self.kv_caches)
         ]
         return torch.stack(layers)
 
@@ -202,8 +209,8 @@ class ModelRunner:
             return violation
         index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
-            _store_pages(cache.k, cache.k_scale, index, payload[layer, 0])
-            _store_pages(cache.v, cache.v_scale, index, payload[layer, 1])
+            for part, (values, scale) in enumerate(cache_parts(cache)):
+                _store_pages(values, scale, index, payload[layer, part])
         return None
 
     def _group(self, start: int, items: list[ScheduledRequest]) -> AttentionGroup | None:
@@ -242,6 +249,7 @@ class ModelRunner:
             output.sampled_token_ids[item.request_id] = token_id
             if logprobs is not None:
                 output.logprobs[item.request_id] = logprobs
+        output.errors.update(result.errors)
 
 
 def _store_pages(

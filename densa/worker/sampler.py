@@ -6,11 +6,14 @@ seed and its own logits only -- not on which other requests share the batch.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
+from densa.ipc.messages import TokenLogprobs
 from densa.sampling_params import SamplingParams
+from densa.worker.structured import StructuredRow, StructuredSampler, apply_bitmask
 
 
 @dataclass(frozen=True)
@@ -25,13 +28,6 @@ class SampleRequest:
 
 
 @dataclass(frozen=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the N most likely tokens under the model, best first
-
-
-@dataclass(frozen=True)
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
@@ -39,15 +35,20 @@ class SampleResult:
     # sampling setting): row index -> why. Their token ids are meaningless; the engine fails
     # exactly those requests and nobody else.
     failed: dict[int, str] = field(default_factory=dict)
+    # Requests whose grammar refused the sampled token (only on a grammar resource limit).
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class Sampler:
-    def __init__(self, default_seed: int = 0) -> None:
+    def __init__(self, default_seed: int = 0, structured: StructuredSampler | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
         self._seed_source = torch.Generator().manual_seed(default_seed)
+        self.structured = structured  # None: the engine serves no structured outputs
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.structured is not None:
+            self.structured.forget(request_id)
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         """logits: [N, V] float32, one row per entry of `rows`.
@@ -66,6 +67,9 @@ class Sampler:
         failed = _non_finite_rows(logits, "the model's logits are not finite")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
         logits = _apply_penalties(logits, rows)
+        constrained = _constrained_rows(rows)
+        if constrained:
+            logits = self._apply_grammar(logits, constrained)
         logits = _apply_min_tokens(logits, rows)
         token_ids = torch.argmax(logits, dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
@@ -75,7 +79,9 @@ class Sampler:
             )
         no_choice = _non_finite_rows(logits, "no token is left to sample after penalties")
         chosen = token_ids.tolist()
-        return SampleResult(chosen, _logprobs(raw_logprobs, rows, chosen), no_choice | failed)
+        errors = self._structured().accept(constrained, chosen) if constrained else {}
+        logprobs = _logprobs(raw_logprobs, rows, chosen)
+        return SampleResult(chosen, logprobs, no_choice | failed, errors)
 
     def _save_rng(self, rows: list[SampleRequest]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         states = {
@@ -91,6 +97,28 @@ class Sampler:
         for request_id in list(self._generators):
             if request_id in states:
                 self._generators[request_id].set_state(states[request_id])
+
+    def _apply_grammar(
+        self, logits: torch.Tensor, constrained: list[StructuredRow]
+    ) -> torch.Tensor:
+        structured = self._structured()
+        start = time.perf_counter()
+        bitmask = structured.fill_bitmask(constrained, logits.shape[0])
+        filled = time.perf_counter()
+        logits = apply_bitmask(logits, bitmask, [c.row for c in constrained])
+        times = structured.times
+        times.fill_s += filled - start
+        times.apply_s += time.perf_counter() - filled
+        times.num_masks += len(constrained)
+        times.num_steps += 1
+        return logits
+
+    def _structured(self) -> StructuredSampler:
+        if self.structured is None:
+            raise RuntimeError(
+                "a structured output reached an engine built without a grammar compiler"
+            )
+        return self.structured
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         temperatures = torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)
@@ -123,6 +151,14 @@ def _non_finite_rows(logits: torch.Tensor, reason: str) -> dict[int, str]:
     if not bool(bad.any()):  # the common case: one reduction, one check
         return {}
     return {int(i): reason for i in bad.nonzero().flatten().tolist()}
+
+
+def _constrained_rows(rows: list[SampleRequest]) -> list[StructuredRow]:
+    return [
+        StructuredRow(i, r.request_id, r.params.structured, r.output_token_ids)
+        for i, r in enumerate(rows)
+        if r.params.structured is not None
+    ]
 
 
 def _wants_logprobs(rows: list[SampleRequest]) -> bool:
@@ -165,8 +201,12 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.
         if not r.params.ignore_eos:
             stop_ids |= set(r.eos_token_ids)
         ids = [t for t in stop_ids if t < logits.shape[1]]
-        if ids:
-            logits[i, ids] = float("-inf")
+        if not ids:
+            continue
+        blocked_row = logits[i].index_fill(0, torch.tensor(ids), float("-inf"))
+        # A grammar that allows only EOS wins over min_tokens: a row of -inf has no token.
+        if not bool(torch.isneginf(blocked_row).all()):
+            logits[i] = blocked_row
     return logits
 
 

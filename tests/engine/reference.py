@@ -10,6 +10,8 @@ import torch
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
 
+from ..outputs import Collector
+
 # Logit gap below which two tokens count as tied: fp32 summation-order differences between two
 # correct implementations reach ~1e-4 on logits of magnitude ~10-40.
 TIE_TOLERANCE = 2e-3
@@ -66,12 +68,10 @@ def run_with_invariants(
     """Run requests to completion, checking the page pool after every step; tokens in prompt order."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-    finished: dict[str, list[int]] = {}
+    collector = Collector()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                assert out.error is None, out.error
-                finished[out.request_id] = out.token_ids or []
+        for final in collector.add(engine.step()):
+            assert final.error is None, final.error
         engine.check_invariants()
     engine.check_invariants()
-    return [finished[i] for i in ids]
+    return [collector.finals[i].token_ids for i in ids]

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from densa.engine.detokenizer import Detokenizer
-from densa.model.tokenizer import Tokenizer
+from densa.text.detokenizer import Detokenizer
+from densa.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world! This is a test of incremental decoding.",
@@ -18,7 +18,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir: Path) -> Tokenizer:
-    return Tokenizer(smollm2_dir)
+    return Tokenizer.from_dir(smollm2_dir)
 
 
 def stream(
@@ -69,7 +69,7 @@ class _CharTokenizer:
 
 
 def _stream(stop: tuple[str, ...], text: str) -> list[str]:
-    from densa.engine.detokenizer import Detokenizer
+    from densa.text.detokenizer import Detokenizer
 
     detok = Detokenizer(_CharTokenizer(), [], stop, False, True)  # type: ignore[arg-type]
     deltas = []

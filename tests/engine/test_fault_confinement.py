@@ -22,12 +22,15 @@ from hypothesis import strategies as st
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.output import RequestOutput
 from densa.sampling_params import SamplingParams
+
+from ..outputs import Collector, Final
 
 POISON_ID = "poison"
 POISON_TOKEN = 4242  # only the poisoned prompt holds it (checked against every reference run)
-PHASES = ["admission", "prefill", "decode", "sampling", "detokenization", "prefix_indexing"]
+# Detokenization is not the engine's: the front's per-request TextStream does it
+# (tests/serve/test_fault_isolation.py poisons it there).
+PHASES = ["admission", "prefill", "decode", "sampling", "prefix_indexing"]
 MAX_NEW = 10
 
 
@@ -65,12 +68,12 @@ def run(
     cases: list[tuple[list[int], SamplingParams]],
     poison_at: int | None = None,
     on_poison_added: Callable[[], None] = lambda: None,
-) -> dict[str, RequestOutput]:
+) -> dict[str, Final]:
     """Run the cases (and the poisoned request, added before step `poison_at`) to the end,
     checking the page pool after every step; the final output of each request."""
     engine.kv_manager.reset_prefix_cache()
     ids = [engine.add_request(p, params, request_id=f"v{i}") for i, (p, params) in enumerate(cases)]
-    finals: dict[str, RequestOutput] = {}
+    collector = Collector()
     step = 0
     while engine.has_unfinished_requests() or (poison_at is not None and step <= poison_at):
         if step == poison_at:
@@ -78,21 +81,18 @@ def run(
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=MAX_NEW),
                                request_id=POISON_ID)  # fmt: skip
             on_poison_added()
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+        collector.add(engine.step())
         engine.check_invariants()
         step += 1
         assert step < 500, "the engine did not finish"
-    assert set(ids) <= set(finals)
-    return finals
+    assert set(ids) <= set(collector.finals)
+    return collector.finals
 
 
 @contextlib.contextmanager
 def poisoned(engine: LLMEngine, phase: str) -> Iterator[Callable[[], None]]:
     """Install the fault for `phase`; yields what to call once the poisoned request is added."""
     runner, kv = engine.runner, engine.kv_manager
-    added: Callable[[], None] = lambda: None  # noqa: E731
     patches: list[Any] = []
     if phase == "admission":
         patches.append(mock.patch.object(kv, "find_prefix", _raise_for(kv.find_prefix, _req_id)))
@@ -106,25 +106,11 @@ def poisoned(engine: LLMEngine, phase: str) -> Iterator[Callable[[], None]]:
     elif phase == "prefix_indexing":
         index = kv.cache_full_pages
         patches.append(mock.patch.object(kv, "cache_full_pages", _raise_for(index, _req_id)))
-    elif phase == "detokenization":
-
-        def added() -> None:
-            tracked = engine._tracked[POISON_ID]
-            detok = tracked.detokenizer
-            calls = iter(range(10**6))
-            original = detok.add_token
-
-            def add_token(token_id: int) -> None:
-                if next(calls) >= 2:  # fail on its third token, mid-generation
-                    raise Poisoned("detokenizer failure")
-                original(token_id)
-
-            detok.add_token = add_token  # type: ignore[method-assign]
 
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
-        yield added
+        yield lambda: None
 
 
 def _req_id(args: tuple[Any, ...]) -> set[str]:
@@ -171,10 +157,10 @@ class _PoisonedModel:
         return getattr(self._model, name)
 
 
-_REFERENCES: dict[tuple[int, int], dict[str, RequestOutput]] = {}
+_REFERENCES: dict[tuple[int, int], dict[str, Final]] = {}
 
 
-def reference_run(engine: LLMEngine, num_victims: int, seed: int) -> dict[str, RequestOutput]:
+def reference_run(engine: LLMEngine, num_victims: int, seed: int) -> dict[str, Final]:
     key = (num_victims, seed)
     if key not in _REFERENCES:
         _REFERENCES[key] = run(engine, victims(num_victims, seed))

@@ -9,8 +9,8 @@ import pytest
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
-from densa.model.tokenizer import Tokenizer
 from densa.sampling_params import SamplingParams
+from densa.text.tokenizer import Tokenizer
 
 from .reference import ReferenceGeneration, first_divergence, hf_greedy, run_with_invariants
 
@@ -36,7 +36,7 @@ MAX_NEW = 24
 
 
 def _prompts(model_dir: Path) -> list[list[int]]:
-    tokenizer = Tokenizer(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
     # Vary the lengths a lot: from 5 tokens to ~90 (several budget-sized chunks).
     return [tokenizer.encode(t * (1 + (i % 4) * 3)) for i, t in enumerate(TEXTS)]
 
@@ -112,7 +112,7 @@ def test_output_does_not_depend_on_batch_composition(tiny_model_dir: Path, tiny_
 
 @pytest.mark.slow
 def test_smollm2_batch_matches_hf(smollm2_dir: Path) -> None:
-    tokenizer = Tokenizer(smollm2_dir)
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
     chats = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in TEXTS[:12]]
     refs = hf_greedy(smollm2_dir, chats, MAX_NEW)
     engine = _engine(

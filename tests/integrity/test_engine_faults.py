@@ -12,9 +12,9 @@ import torch
 from densa.cache.integrity import ViolationKind
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.output import RequestOutput
 from densa.sampling_params import SamplingParams
 
+from ..outputs import Collector, Final
 from .faults import corrupt_next_page_table, release_behind_owner
 
 PROMPTS = [list(range(100, 111)), list(range(200, 207)), list(range(300, 318))]
@@ -34,33 +34,29 @@ def make_engine(model_dir: Path, integrity: bool = True) -> LLMEngine:
     return LLMEngine.from_args(args)
 
 
-def run(
-    engine: LLMEngine, fault: Fault | None = None, extra_at: int = 3
-) -> dict[int, RequestOutput]:
+def run(engine: LLMEngine, fault: Fault | None = None, extra_at: int = 3) -> dict[int, Final]:
     """Run PROMPTS (+ one late arrival) to completion; `fault(engine, step, ids)` runs before each step."""
     ids = [engine.add_request(p, PARAMS) for p in PROMPTS]
-    finals: dict[str, RequestOutput] = {}
+    collector = Collector()
     step = 0
     while engine.has_unfinished_requests() or step <= extra_at:
         if step == extra_at:
             ids.append(engine.add_request(list(range(400, 409)), PARAMS))
         if fault is not None:
             fault(engine, step, ids)
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+        collector.add(engine.step())
         step += 1
     engine.check_invariants()  # every page free again, ref counts consistent
-    return {i: finals[rid] for i, rid in enumerate(ids)}
+    return {i: collector.finals[rid] for i, rid in enumerate(ids)}
 
 
 @pytest.fixture(scope="module")
-def clean(tiny_model_dir: Path) -> dict[int, RequestOutput]:
+def clean(tiny_model_dir: Path) -> dict[int, Final]:
     return run(make_engine(tiny_model_dir))
 
 
 def assert_only_victim_failed(
-    outputs: dict[int, RequestOutput], clean: dict[int, RequestOutput], victim: int
+    outputs: dict[int, Final], clean: dict[int, Final], victim: int
 ) -> None:
     assert outputs[victim].finish_reason == "error"
     assert outputs[victim].error_code == "kv_integrity_violation"

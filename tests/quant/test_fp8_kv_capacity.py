@@ -111,7 +111,7 @@ def test_fp8_pool_fills_to_its_resident_tokens(tiny_model_dir: Path) -> None:
     assert (capacity.num_pages, capacity.resident_tokens) == (90, 360)
     engine = LLMEngine.from_args(
         EngineArgs(model=str(tiny_model_dir), kv_cache_dtype="fp8_e4m3",
-                   kv_cache_memory=str(budget), page_size=page_size, max_model_len=64,
+                   kv_cache_memory=f"{budget}B", page_size=page_size, max_model_len=64,
                    max_num_seqs=256, max_num_batched_tokens=4096, enable_prefix_caching=False)
     )  # fmt: skip
     assert engine.kv_manager.num_pages == capacity.num_pages

@@ -1,7 +1,7 @@
-"""Server fixtures, each a real uvicorn server over its own tiny-model engine.
+"""Server fixtures, each a real uvicorn server over its own engine core process (tiny model).
 
 `server` is the plain one most tests share. `limited_server` admits one request at a time, takes
-bodies up to 64 KiB and runs a `ScriptedEngine`, so tests can overload it, fail requests the way
+bodies up to 64 KiB and runs a `ScriptedClient`, so tests can overload it, fail requests the way
 an integrity violation would, and see what the HTTP layer passed to the engine.
 """
 
@@ -12,48 +12,50 @@ from pathlib import Path
 
 import pytest
 
-from densa.engine.async_engine import AsyncEngine
 from densa.serve.auth import ApiKeys
 
-from .support import (
-    RunningServer,
-    ScriptedEngine,
-    SlowDown,
-    make_engine,
-    running_server,
-    slow_down_steps,
-)
+from .support import RunningServer, ScriptedClient, engine_client, running_server
+
+SlowDown = Callable[[RunningServer], None]
 
 
 @pytest.fixture(scope="session")
 def server(tiny_model_dir: Path) -> Iterator[RunningServer]:
-    with running_server(AsyncEngine(make_engine(tiny_model_dir))) as running:
+    with running_server(engine_client(tiny_model_dir)) as running:
         yield running
 
 
 @pytest.fixture(scope="session")
 def limited_server(tiny_model_dir: Path) -> Iterator[RunningServer]:
-    engine = make_engine(tiny_model_dir, max_num_seqs=1)
-    with running_server(ScriptedEngine(engine), max_body_bytes=64 * 1024) as running:
+    client = engine_client(tiny_model_dir, ScriptedClient, max_num_seqs=1, max_waiting_requests=0)
+    with running_server(client, max_body_bytes=64 * 1024) as running:
         yield running
 
 
 @pytest.fixture
-def scripted(limited_server: RunningServer) -> Iterator[ScriptedEngine]:
-    """The limited server's engine, reset after each test (the server is shared)."""
-    engine = limited_server.async_engine
-    assert isinstance(engine, ScriptedEngine)
-    engine.calls.clear()
-    yield engine
-    engine.fail_after, engine.refuse_with = None, None
+def scripted(limited_server: RunningServer) -> Iterator[ScriptedClient]:
+    """The limited server's engine client, reset after each test (the server is shared)."""
+    client = limited_server.engine
+    assert isinstance(client, ScriptedClient)
+    client.calls.clear()
+    yield client
+    client.fail_after, client.refuse_with = None, None
     limited_server.app.state.densa.is_draining = False
     limited_server.wait_idle()
 
 
 @pytest.fixture
-def slow_steps(monkeypatch: pytest.MonkeyPatch) -> SlowDown:
-    """Call with a server to slow its engine down for this test only."""
-    return lambda server: slow_down_steps(server, monkeypatch)
+def slow_steps() -> Iterator[SlowDown]:
+    """Call with a server to make its engine steps 10 ms longer, for this test only."""
+    slowed: list[RunningServer] = []
+
+    def slow(server: RunningServer) -> None:
+        server.set_step_delay(0.01)
+        slowed.append(server)
+
+    yield slow
+    for server in slowed:
+        server.set_step_delay(0.0)
 
 
 @pytest.fixture

@@ -1,39 +1,64 @@
-"""Helpers for the server tests: a real uvicorn server on a free loopback port, on a thread."""
+"""Helpers for the server tests: a real uvicorn server on a free loopback port (on a thread of the
+test process), over a real engine core in its own process -- the split `densa serve` runs."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import openai
-import pytest
 from fastapi import FastAPI
 
 from densa.engine.args import EngineArgs
-from densa.engine.async_engine import AsyncEngine
-from densa.engine.llm_engine import LLMEngine
-from densa.engine.output import RequestOutput
-from densa.sampling_params import SamplingParams
+from densa.ipc.messages import AddRequest, EngineStats, RequestDelta
 from densa.serve import build_app, serve_in_thread
+from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
+from densa.text.tokenizer import Tokenizer
 
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 512
+
+
+def engine_args(model_dir: Path, **overrides: Any) -> EngineArgs:
+    settings: dict[str, Any] = {
+        "model": str(model_dir),
+        "served_model_name": MODEL_NAME,
+        "kv_cache_memory": "64MiB",
+        "max_model_len": MAX_MODEL_LEN,
+    }
+    settings.update(overrides)
+    return EngineArgs(**settings)
+
+
+def make_engine(model_dir: Path, **overrides: Any) -> Any:
+    """An in-process LLMEngine with the servers' settings (engine-level tests)."""
+    from densa.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_args(engine_args(model_dir, **overrides))
+
+
+def engine_client(
+    model_dir: Path,
+    client_class: type[EngineClient] = EngineClient,
+    options: ClientOptions | None = None,
+    **overrides: Any,
+) -> EngineClient:
+    """A client for an engine core in its own process, with debug controls (step delays)."""
+    launcher = ProcessLauncher(asdict(engine_args(model_dir, **overrides)), debug_controls=True,
+                               log_level="warning")  # fmt: skip
+    return client_class(launcher, options or ClientOptions())
 
 
 @dataclass
 class RunningServer:
     base_url: str
     app: FastAPI
-    async_engine: AsyncEngine
-
-    @property
-    def engine(self) -> LLMEngine:
-        return self.async_engine.engine
+    engine: EngineClient
 
     def client(self, api_key: str = "test-key", **kwargs: Any) -> openai.OpenAI:
         # No retries: a test that expects 429 or 500 must see the first answer.
@@ -41,103 +66,105 @@ class RunningServer:
             base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **kwargs
         )
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        tokenizer = self.app.state.densa.tokenizer
+        assert tokenizer is not None
+        return tokenizer
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.engine.stats
+
     def wait_idle(self, timeout: float = 5.0) -> None:
-        """Wait until no request is in flight, every response is counted and logged, and every KV
-        page is free (the engine thread owns the engine, so poll)."""
-        kv = self.engine.kv_manager
+        """Wait until no request is in flight, every response is counted and logged, and the
+        engine reports every KV page free (its stats arrive with each step and heartbeat)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            stats = self.engine.stats
             if (
-                self.async_engine.num_in_flight == 0
+                self.engine.num_in_flight == 0
                 # a client can hold its whole answer before the server has counted and logged it
                 and self.app.state.densa.num_open_responses == 0
-                and not self.engine.has_unfinished_requests()
-                and kv.num_free_pages == kv.num_pages
+                and stats.num_unfinished == 0
+                and stats.num_free_kv_pages == stats.num_kv_pages
             ):
                 return
             time.sleep(0.02)
+        stats = self.engine.stats
         raise AssertionError(
-            f"not idle after {timeout} s: {self.async_engine.num_in_flight} in flight, "
-            f"{kv.num_free_pages}/{kv.num_pages} pages free"
+            f"not idle after {timeout} s: {self.engine.num_in_flight} in flight, "
+            f"{stats.num_unfinished} in the engine, {stats.num_free_kv_pages}/"
+            f"{stats.num_kv_pages} pages free"
         )
 
+    def set_step_delay(self, seconds: float) -> None:
+        """Make every engine step take `seconds` more (the engine core honours it in tests)."""
+        future = asyncio.run_coroutine_threadsafe(self.engine.set_step_delay(seconds), self.loop)
+        future.result(10)
+        # The delay applies from the engine's next message poll: let it arrive.
+        time.sleep(0.2)
 
-class ScriptedEngine(AsyncEngine):
-    """An AsyncEngine that records each generate() call and can be told to misbehave."""
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        loop = self.app.state.densa_loop
+        assert isinstance(loop, asyncio.AbstractEventLoop)
+        return loop
 
-    def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine, max_waiting_requests=0)  # with max_num_seqs=1: one in flight
+
+class ScriptedClient(EngineClient):
+    """An EngineClient that records each request and can be told to misbehave."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.calls: list[dict[str, Any]] = []
         self.fail_after: int | None = None  # end the request with an engine error after N outputs
-        self.refuse_with: Exception | None = None  # raise this from generate() instead of running
+        self.refuse_with: Exception | None = None  # raise this instead of running the request
 
-    async def generate(
-        self,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        request_id: str | None = None,
-        cache_scope: str = "",
-        session_id: str | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        self.calls.append(
-            {"request_id": request_id, "cache_scope": cache_scope, "session_id": session_id}
-        )
+    async def generate(self, request: AddRequest) -> AsyncGenerator[RequestDelta, None]:
+        call = {"request_id": request.request_id, "cache_scope": request.cache_scope}
+        self.calls.append({**call, "session_id": request.session_id})
         if self.refuse_with is not None:
             raise self.refuse_with
-        outputs = super().generate(prompt_token_ids, params, request_id, cache_scope, session_id)
-        async with contextlib.aclosing(outputs):  # type: ignore[type-var]
+        async with contextlib.aclosing(super().generate(request)) as deltas:
             num_seen = 0
-            async for output in outputs:
+            async for delta in deltas:
                 if num_seen == self.fail_after:
-                    yield _integrity_failure(output)
+                    yield _integrity_failure(delta)
                     return
-                yield output
+                yield delta
                 num_seen += 1
 
 
-def _integrity_failure(output: RequestOutput) -> RequestOutput:
-    return RequestOutput(
-        request_id=output.request_id,
+def _integrity_failure(delta: RequestDelta) -> RequestDelta:
+    return RequestDelta(
+        request_id=delta.request_id,
         new_token_ids=[],
-        new_text="",
         finished=True,
         finish_reason="error",
         error="kv_integrity_violation: page 3 was reallocated under this request",
         error_code="kv_integrity_violation",
-        num_prompt_tokens=output.num_prompt_tokens,
+        num_prompt_tokens=delta.num_prompt_tokens,
     )
 
 
-SlowDown = Callable[[RunningServer], None]
-
-
-def slow_down_steps(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make each engine step take 10 ms more, so a long request stays in flight for seconds."""
-    step = server.engine.step
-
-    def slow_step() -> list[RequestOutput]:
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(server.engine, "step", slow_step)
-
-
-def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
-    settings: dict[str, Any] = {
-        "served_model_name": MODEL_NAME,
-        "kv_cache_memory": "64MiB",
-        "max_model_len": MAX_MODEL_LEN,
-    }
-    settings.update(overrides)
-    return LLMEngine.from_args(EngineArgs(model=str(model_dir), **settings))
-
-
 @contextlib.contextmanager
-def running_server(async_engine: AsyncEngine, **app_options: Any) -> Iterator[RunningServer]:
-    async_engine.start()
-    app = build_app(async_engine, MODEL_NAME, **app_options)
-    try:
-        with serve_in_thread(app) as base_url:
-            yield RunningServer(base_url, app, async_engine)
-    finally:
-        asyncio.run(async_engine.shutdown(drain_timeout=1.0))
+def running_server(engine: EngineClient, **app_options: Any) -> Iterator[RunningServer]:
+    """Serve `engine` (started by the app's lifespan) until the block ends."""
+    app = build_app(engine, **app_options)
+    _remember_loop(app)
+    with serve_in_thread(app) as base_url:
+        yield RunningServer(base_url, app, engine)
+
+
+def _remember_loop(app: FastAPI) -> None:
+    """Keep the server's event loop on the app, so tests can run client calls on it."""
+    original = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app_: FastAPI) -> Any:
+        app.state.densa_loop = asyncio.get_running_loop()
+        async with original(app_) as state:
+            yield state
+
+    app.router.lifespan_context = lifespan

@@ -11,18 +11,12 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from densa.engine.async_engine import AsyncEngine, EngineShuttingDown
 from densa.serve import build_app
 from densa.serve.api_server import start_draining
+from densa.serve.engine_client import EngineShuttingDown
 
-from .support import (
-    MAX_MODEL_LEN,
-    MODEL_NAME,
-    RunningServer,
-    ScriptedEngine,
-    SlowDown,
-    make_engine,
-)
+from .conftest import SlowDown
+from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer, ScriptedClient, engine_client
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -98,8 +92,13 @@ def test_unreadable_bodies(server: RunningServer, content: bytes, code: str) -> 
         ({"messages": [{"role": "user"}]}, "messages[0]"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
         ({"messages": "hi"}, "messages"),
-        ({"response_format": {}}, "response_format"),
         ({"repetition_penalty": 1e-320}, "repetition_penalty"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "no spaces"}}]},
+            "tools[0].function.name",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"tool_choice": "required"}, "tool_choice"),
     ],
 )
 def test_invalid_chat_fields(server: RunningServer, overrides: dict[str, Any], param: str) -> None:
@@ -156,12 +155,12 @@ def test_invalid_completion_fields(
 
 
 def test_engine_not_running(tiny_model_dir: Path) -> None:
-    """An engine whose thread is not alive: /health and requests answer 503, not a hang."""
-    app = build_app(AsyncEngine(make_engine(tiny_model_dir)), MODEL_NAME)  # never started
-    with TestClient(app) as client:  # its responses are httpx2's, which mypy tells apart
-        assert_error(client.get("/health"), 503, "engine_not_running")  # type: ignore[arg-type]
-        response = client.post(CHAT, json=chat_body())
-        assert_error(response, 503, "engine_not_running")  # type: ignore[arg-type]
+    """An app whose engine has not started: /health and requests answer 503, not a hang."""
+    app = build_app(engine_client(tiny_model_dir))
+    client = TestClient(app)  # not entered: the lifespan never runs, the engine never starts
+    assert_error(client.get("/health"), 503, "engine_not_running")  # type: ignore[arg-type]
+    response = client.post(CHAT, json=chat_body())
+    assert_error(response, 503, "engine_not_running")  # type: ignore[arg-type]
 
 
 def test_unknown_model(server: RunningServer) -> None:
@@ -234,7 +233,7 @@ def test_engine_shutting_down_is_503(limited_server: RunningServer, scripted: An
     assert_error(post(limited_server, CHAT, json=chat_body()), 503, "server_shutting_down")
 
 
-def test_engine_failure_is_500(limited_server: RunningServer, scripted: ScriptedEngine) -> None:
+def test_engine_failure_is_500(limited_server: RunningServer, scripted: ScriptedClient) -> None:
     scripted.fail_after = 2
     body = chat_body(max_tokens=10, ignore_eos=True)
     error = assert_error(post(limited_server, CHAT, json=body), 500, "kv_integrity_violation")
@@ -246,7 +245,7 @@ def test_engine_failure_is_500(limited_server: RunningServer, scripted: Scripted
     )
 
 
-def test_engine_failure_mid_stream(limited_server: RunningServer, scripted: ScriptedEngine) -> None:
+def test_engine_failure_mid_stream(limited_server: RunningServer, scripted: ScriptedClient) -> None:
     scripted.fail_after = 3
     body = chat_body(max_tokens=10, ignore_eos=True, stream=True)
     with httpx.stream("POST", limited_server.base_url + CHAT, json=body) as response:

@@ -20,10 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from densa.engine.async_engine import AsyncEngine
 from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
 
-from .support import MODEL_NAME, RunningServer, make_engine, running_server
+from .support import MODEL_NAME, RunningServer, engine_client, running_server
 
 MAX_LEN = 64
 # Raw JSON text, so values json.dumps would refuse (infinity via 1e400) or rewrite get through.
@@ -70,8 +69,8 @@ def cases() -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir: Path) -> Iterator[RunningServer]:
-    engine = make_engine(tiny_model_dir, max_model_len=MAX_LEN, max_num_seqs=8)
-    with running_server(AsyncEngine(engine)) as running:
+    client = engine_client(tiny_model_dir, max_model_len=MAX_LEN, max_num_seqs=8)
+    with running_server(client) as running:
         yield running
 
 

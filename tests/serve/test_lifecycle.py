@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import socket
@@ -15,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from densa.engine.async_engine import AsyncEngine
 from densa.serve import build_app, serve_in_thread
 
-from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer, SlowDown, make_engine, running_server
+from .conftest import SlowDown
+from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer, engine_client, running_server
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
@@ -37,29 +36,29 @@ def long_chat(stream: bool) -> dict[str, Any]:
 
 def test_disconnect_mid_stream_frees_pages(server: RunningServer, slow_steps: SlowDown) -> None:
     slow_steps(server)
-    kv = server.engine.kv_manager
-    steps_before = server.async_engine.num_steps
+    steps_before = server.stats.num_steps
     with httpx.stream("POST", server.base_url + CHAT, json=long_chat(stream=True)) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(6)]
         assert all(line.startswith("data: ") or not line for line in received)
-        assert kv.num_free_pages < kv.num_pages  # the request holds pages right now
+        stats = server.stats
+        assert stats.num_free_kv_pages < stats.num_kv_pages  # the request holds pages now
     server.wait_idle(timeout=2.0)
     # Aborted: far fewer steps than the LONG tokens it asked for.
-    assert server.async_engine.num_steps - steps_before < LONG // 2
+    assert server.stats.num_steps - steps_before < LONG // 2
 
 
 def test_disconnect_while_waiting_for_a_whole_response(
     server: RunningServer, slow_steps: SlowDown
 ) -> None:
     slow_steps(server)
-    steps_before = server.async_engine.num_steps
+    steps_before = server.stats.num_steps
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             server.base_url + CHAT, json=long_chat(stream=False), timeout=httpx.Timeout(5, read=0.3)
         )
     server.wait_idle(timeout=2.0)
-    assert server.async_engine.num_steps - steps_before < LONG // 2
+    assert server.stats.num_steps - steps_before < LONG // 2
 
 
 def test_server_still_serves_after_disconnects(server: RunningServer) -> None:
@@ -142,29 +141,25 @@ def test_run_server_drains_on_sigterm(tiny_model_dir: Path) -> None:
 def test_slow_headers_get_408_and_the_connection_closed(tiny_model_dir: Path) -> None:
     """A client that opens a connection and sends its headers too slowly is cut off, and the
     server goes on serving others."""
-    engine = AsyncEngine(make_engine(tiny_model_dir))
-    engine.start()
-    try:
-        with serve_in_thread(build_app(engine, MODEL_NAME), header_timeout=0.3) as base_url:
-            host, port = base_url.removeprefix("http://").split(":")
-            with socket.create_connection((host, int(port)), timeout=15) as sock:
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # never ends
-                started = time.monotonic()
-                reply = sock.recv(4096)
-                waited = time.monotonic() - started
-            assert reply.startswith(b"HTTP/1.1 408"), reply
-            assert b"request_header_timeout" in reply
-            assert waited < 14  # closed by the server, not by this socket's own timeout
-            with socket.create_connection((host, int(port)), timeout=15) as idle:
-                assert idle.recv(4096).startswith(b"HTTP/1.1 408")  # silent after connecting
-            assert httpx.get(base_url + "/health", timeout=5).status_code == 200
-    finally:
-        asyncio.run(engine.shutdown(drain_timeout=1.0))
+    app = build_app(engine_client(tiny_model_dir))  # its lifespan starts and stops the engine
+    with serve_in_thread(app, header_timeout=0.3) as base_url:
+        host, port = base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=15) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # never ends
+            started = time.monotonic()
+            reply = sock.recv(4096)
+            waited = time.monotonic() - started
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert b"request_header_timeout" in reply
+        assert waited < 14  # closed by the server, not by this socket's own timeout
+        with socket.create_connection((host, int(port)), timeout=15) as idle:
+            assert idle.recv(4096).startswith(b"HTTP/1.1 408")  # silent after connecting
+        assert httpx.get(base_url + "/health", timeout=5).status_code == 200
 
 
 @pytest.mark.slow
 def test_smollm2_knows_the_capital_of_france(smollm2_dir: Path) -> None:
-    with running_server(AsyncEngine(make_engine(smollm2_dir))) as real:
+    with running_server(engine_client(smollm2_dir)) as real:
         response = real.client().chat.completions.create(
             model=MODEL_NAME,
             messages=[{"role": "user", "content": "What is the capital of France?"}],

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from densa.bench.load import CLIENT_CLOSED, LoadSettings, find_problems, run_load
-from densa.engine.async_engine import AsyncEngine
 
-from .support import MODEL_NAME, RunningServer, make_engine, running_server
+from .support import MODEL_NAME, RunningServer, engine_client, running_server
 
 SETTINGS = LoadSettings(
     num_clients=64,
@@ -27,8 +26,10 @@ SETTINGS = LoadSettings(
 def busy_server(tiny_model_dir: Path) -> Iterator[RunningServer]:
     """16 running + 24 waiting requests at most (then 429), and too few KV pages for all of them
     at full length, so preemption happens too."""
-    engine = make_engine(tiny_model_dir, max_num_seqs=16, num_kv_pages=48)
-    with running_server(AsyncEngine(engine, max_waiting_requests=24)) as running:
+    engine = engine_client(
+        tiny_model_dir, max_num_seqs=16, num_kv_pages=48, max_waiting_requests=24
+    )
+    with running_server(engine) as running:
         yield running
 
 

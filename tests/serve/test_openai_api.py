@@ -34,7 +34,7 @@ def test_chat_completion_shape_and_usage(server: RunningServer) -> None:
     assert choice.message.content
     assert choice.finish_reason == "length"
     assert choice.logprobs is None
-    prompt_ids = server.engine.tokenizer.encode_chat(MESSAGES)
+    prompt_ids = server.tokenizer.encode_chat(MESSAGES)
     usage = response.usage
     assert usage is not None
     assert usage.prompt_tokens == len(prompt_ids)
@@ -75,7 +75,7 @@ def test_completion_shape_usage_and_stream(server: RunningServer) -> None:
     [choice] = response.choices
     assert choice.finish_reason == "length"
     assert response.usage is not None
-    assert response.usage.prompt_tokens == len(server.engine.tokenizer.encode(prompt))
+    assert response.usage.prompt_tokens == len(server.tokenizer.encode(prompt))
     assert response.usage.completion_tokens == 6
     assert response.usage.total_tokens == response.usage.prompt_tokens + 6
     chunks = list(
@@ -97,7 +97,7 @@ def test_completion_shape_usage_and_stream(server: RunningServer) -> None:
 def test_completion_accepts_token_ids(server: RunningServer) -> None:
     client = server.client()
     prompt = "The sea is"
-    ids = server.engine.tokenizer.encode(prompt)
+    ids = server.tokenizer.encode(prompt)
     by_text = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5, **GREEDY)
     by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=5, **GREEDY)
     assert by_ids.choices[0].text == by_text.choices[0].text
@@ -221,7 +221,7 @@ def test_content_parts_and_developer_role(server: RunningServer) -> None:
     response = server.client().chat.completions.create(
         model=MODEL_NAME, messages=messages, max_tokens=1
     )
-    expected = server.engine.tokenizer.encode_chat(
+    expected = server.tokenizer.encode_chat(
         [
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Tell me\nabout the sea."},
@@ -234,7 +234,7 @@ def test_content_parts_and_developer_role(server: RunningServer) -> None:
 def test_token_bytes_rebuild_split_characters(server: RunningServer) -> None:
     """Tokens may hold part of a UTF-8 character: their bytes, joined, give back the text."""
     text = "héllo 日本語 🙂"
-    token_texts = TokenTexts(server.engine.tokenizer)
-    token_ids = server.engine.tokenizer.encode(text, add_special_tokens=False)
+    token_texts = TokenTexts(server.tokenizer)
+    token_ids = server.tokenizer.encode(text, add_special_tokens=False)
     assert any(token_texts.text(t) == "\ufffd" for t in token_ids)  # some token is a split char
     assert b"".join(bytes(token_texts.get(t)[1]) for t in token_ids).decode() == text

@@ -20,11 +20,10 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from densa.engine.async_engine import AsyncEngine
 from densa.serve.auth import ApiKeys
 from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
 
-from .support import RunningServer, make_engine, running_server
+from .support import RunningServer, engine_client, running_server
 
 FUZZ_MAX_MODEL_LEN = 64  # short generations keep a fuzzing run to seconds
 FUZZ_KEY = "fuzz-key"
@@ -41,9 +40,9 @@ CHECKS = {
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_model_dir: Path) -> Iterator[RunningServer]:
-    engine = make_engine(tiny_model_dir, max_model_len=FUZZ_MAX_MODEL_LEN, max_num_seqs=4)
+    engine = engine_client(tiny_model_dir, max_model_len=FUZZ_MAX_MODEL_LEN, max_num_seqs=4)
     # With a key, a request without one (negative mode drops the header) must be a 401.
-    with running_server(AsyncEngine(engine), api_keys=ApiKeys([FUZZ_KEY])) as running:
+    with running_server(engine, api_keys=ApiKeys([FUZZ_KEY])) as running:
         yield running
     # After every fuzzed request: nothing left in flight, every page free.
     running.wait_idle()

@@ -18,9 +18,9 @@ import pytest
 from densa.cli import build_parser
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.output import RequestOutput
 from densa.sampling_params import SamplingParams
 
+from ..outputs import Collector, Final
 from .support import MODEL_NAME, RunningServer, make_engine
 
 PAGE = 16  # tokens per KV page (EngineArgs' default)
@@ -44,15 +44,14 @@ def run(
     params: SamplingParams = GREEDY,
     session_id: str | None = None,
     scope: str = "",
-) -> RequestOutput:
+) -> Final:
     """Run one request to completion, checking the page pool after every step."""
     request_id = engine.add_request(prompt_ids, params, cache_scope=scope, session_id=session_id)
-    final = None
+    collector = Collector()
     while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.request_id == request_id and output.finished:
-                final = output
+        collector.add(engine.step())
         engine.check_invariants()
+    final = collector.finals.get(request_id)
     assert final is not None and final.finish_reason in ("stop", "length"), final
     return final
 

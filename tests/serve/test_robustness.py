@@ -12,7 +12,8 @@ import pytest
 from densa.sampling_params import MAX_STOP_STRINGS
 from densa.serve.scrape import scrape
 
-from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer, SlowDown
+from .conftest import SlowDown
+from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -44,14 +45,14 @@ def deadline(server: RunningServer, slow_steps: SlowDown) -> Iterator[float]:
 
 def test_a_request_past_its_deadline_is_aborted(server: RunningServer, deadline: float) -> None:
     long = chat_body(max_tokens=300, ignore_eos=True)
-    steps_before = server.async_engine.num_steps
+    steps_before = server.stats.num_steps
     response = post(server, CHAT, json=long)
     assert response.status_code == 504
     error = response.json()["error"]
     assert error["code"] == "request_timeout"
     assert "0.3 s" in error["message"]
     server.wait_idle(timeout=2.0)  # aborted: every page is free again
-    assert server.async_engine.num_steps - steps_before < 150
+    assert server.stats.num_steps - steps_before < 150
 
 
 def test_a_stream_past_its_deadline_ends_with_an_error_event(
@@ -111,14 +112,14 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str]] = [
 
 def test_bad_inputs_get_a_clear_4xx_and_change_nothing(server: RunningServer) -> None:
     server.wait_idle()
-    engine_before = server.async_engine.stats
+    engine_before = server.stats
     for path, kwargs, status, code in BAD_REQUESTS:
         response = post(server, path, **kwargs)
         assert response.status_code == status, (kwargs, response.text)
         error = response.json()["error"]
         assert error["code"] == code, (kwargs, error)
         assert error["message"]
-    engine_after = server.async_engine.stats
+    engine_after = server.stats
     # The engine never saw them: no step ran, no page or prefix-cache entry changed.
     assert engine_after == engine_before
     assert httpx.get(server.base_url + "/health").status_code == 200

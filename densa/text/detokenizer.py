@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from densa.model.tokenizer import Tokenizer
+from densa.text.tokenizer import Tokenizer
 
 # Context tokens re-decoded with each window, so spaces and merges at the boundary come out right.
 _CONTEXT_TOKENS = 6

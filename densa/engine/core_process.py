@@ -1,0 +1,87 @@
+"""The engine core's own process: `python -m densa.engine.core_process --engine-args JSON ...`.
+
+Started by the front (serve/engine_client.py ProcessLauncher), or by hand on another host with tcp://
+addresses. It loads the model, says Hello, and serves until Shutdown. If loading fails it sends
+EngineFailed with a one-line reason (the front shows it and exits) and exits 2.
+
+Signals: SIGINT is ignored (Ctrl-C reaches the whole process group; the front drains first, then
+sends Shutdown); SIGTERM ends the process at once. If the front dies, the heartbeat thread notices
+its parent is gone and the process exits, so no engine is ever orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from densa.ipc import codec, transport
+from densa.ipc.messages import EngineFailed
+from densa.utils.logging import configure_logging, get_logger
+
+if TYPE_CHECKING:
+    from densa.engine.llm_engine import LLMEngine
+
+logger = get_logger("densa.engine.core_process")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    configure_logging(ns.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    addresses = transport.Addresses(ns.requests, ns.outputs)
+    context = zmq.Context()
+    try:
+        engine = _load(json.loads(ns.engine_args), addresses, context)
+        if engine is None:
+            return 2
+        from densa.engine.core import CoreOptions, EngineCore
+
+        options = CoreOptions(ns.debug_controls, ns.parent_pid)
+        EngineCore(engine, addresses, context, options).run()
+        return 0
+    finally:
+        context.term()
+
+
+def _load(
+    engine_args: dict[str, Any], addresses: transport.Addresses, context: zmq.Context
+) -> LLMEngine | None:
+    """The engine, or None after telling the front why it could not be built."""
+    from densa.engine.args import EngineArgs
+    from densa.engine.llm_engine import LLMEngine
+
+    try:
+        return LLMEngine.from_args(EngineArgs(**engine_args))
+    except Exception as exc:
+        reason = (str(exc) or type(exc).__name__).splitlines()[0]
+        # One line for whoever reads the log; the traceback only at --log-level debug.
+        logger.error("the engine failed to start: %s", reason)
+        logger.debug("the engine failed to start", exc_info=True)
+        socket = transport.configure(context.socket(zmq.PUSH))
+        socket.setsockopt(zmq.LINGER, 2000)  # make sure the reason gets out before we exit
+        socket.connect(addresses.outputs)
+        socket.send(codec.encode(EngineFailed(reason)))
+        socket.close()
+        return None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="densa-engine-core", description=__doc__)
+    parser.add_argument("--engine-args", required=True, help="EngineArgs fields as JSON")
+    parser.add_argument("--requests", required=True, help="address the front sends requests to")
+    parser.add_argument("--outputs", required=True, help="address the front reads outputs from")
+    parser.add_argument("--parent-pid", type=int, default=os.getppid(), help="exit if it exits")
+    parser.add_argument("--debug-controls", action="store_true", help="honour SetStepDelay")
+    parser.add_argument("--log-level", default="info")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

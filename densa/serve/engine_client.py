@@ -1,0 +1,477 @@
+"""The front's handle on an engine core: typed messages over ZeroMQ, liveness, restarts.
+
+Torch-free: it knows the engine only through the contract (ipc/messages.py). One client owns one
+engine "life" at a time -- a launched engine (a process, by default) and the two sockets it talks
+through. Requests stream RequestDeltas back on per-request asyncio queues.
+
+Failure semantics (docs/architecture.md):
+- the engine process exits, or sends nothing for `heartbeat_timeout_s` (it beats every 0.5 s,
+  even mid-step), or one step runs for `step_timeout_s` (stuck: it is killed) -> every request in
+  flight ends at once with `engine_unavailable`, `/health` answers 503, and a new engine is
+  started; new requests get 503 until it has loaded;
+- more than `max_restarts` lives that each ended within `restart_window_s` -> the client gives up
+  (`has_failed`), and `densa serve` exits non-zero so a supervisor can take over.
+A new life gets new sockets, so nothing a dead engine left queued reaches its successor.
+
+Threads: outputs are received and decoded on a thread of their own (blocking ZeroMQ reads; the
+decoded messages are handed to the event loop in batches), so the event loop never waits on the
+socket and never misses a wake-up; requests are sent from the event loop (sends never block:
+the queues are unbounded and the client caps the requests in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import zmq
+
+from densa.ipc import codec, transport
+from densa.ipc.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineStats,
+    FromEngine,
+    Heartbeat,
+    Hello,
+    RequestDelta,
+    ServedModel,
+    SetStepDelay,
+    Shutdown,
+    StepOutputs,
+    ToEngine,
+)
+from densa.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+ENGINE_UNAVAILABLE = "engine_unavailable"
+_MONITOR_INTERVAL_S = 0.1
+
+
+class EngineOverloaded(RuntimeError):
+    """Too many requests are in flight; the caller should retry later (HTTP 429)."""
+
+
+class EngineShuttingDown(RuntimeError):
+    """The server is draining and accepts no new requests (HTTP 503)."""
+
+
+class EngineUnavailable(RuntimeError):
+    """No engine is running right now (it is starting, restarting, or gave up) (HTTP 503)."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine could not be started (its one-line reason is the message)."""
+
+
+# ---- launching an engine ------------------------------------------------------------------------
+class EngineHandle(Protocol):
+    def is_running(self) -> bool: ...
+
+    def exit_code(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float) -> None: ...
+
+
+class EngineLauncher(Protocol):
+    """Starts an engine core that connects to `addresses` (the client has bound them)."""
+
+    can_restart: bool
+
+    def start(self, addresses: transport.Addresses, context: zmq.Context) -> EngineHandle: ...
+
+    def make_addresses(self) -> transport.Addresses: ...
+
+
+class _ProcessHandle:
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def exit_code(self) -> int | None:
+        return self.process.poll()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+
+    def wait(self, timeout: float) -> None:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+@dataclass
+class ProcessLauncher:
+    """The engine core in its own process on this host (`python -m densa.engine.core_process`)."""
+
+    engine_args: dict[str, Any]  # EngineArgs fields
+    debug_controls: bool = False  # let tests slow steps down (SetStepDelay)
+    log_level: str = "info"
+    can_restart: bool = True
+
+    def make_addresses(self) -> transport.Addresses:
+        return transport.Addresses.ipc()
+
+    def start(self, addresses: transport.Addresses, context: zmq.Context) -> EngineHandle:
+        command = [
+            sys.executable, "-m", "densa.engine.core_process",
+            "--engine-args", json.dumps(self.engine_args),
+            "--requests", addresses.requests, "--outputs", addresses.outputs,
+            "--parent-pid", str(os.getpid()), "--log-level", self.log_level,
+        ]  # fmt: skip
+        if self.debug_controls:
+            command.append("--debug-controls")
+        return _ProcessHandle(subprocess.Popen(command))
+
+
+# ---- the client ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClientOptions:
+    heartbeat_timeout_s: float = 3.0  # silence this long: the engine is gone
+    step_timeout_s: float = 120.0  # one step this long: the engine is stuck (killed)
+    start_timeout_s: float = 900.0  # loading the model (a first GGUF conversion takes minutes)
+    max_restarts: int = 3  # engines that died young in a row before the client gives up
+    restart_window_s: float = 600.0  # an engine that lived longer than this resets the count
+
+
+class _Gone:
+    """Put on a stream whose engine went away."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+@dataclass
+class _Life:
+    """One running engine and the sockets it talks through."""
+
+    addresses: transport.Addresses
+    requests: Any  # PUSH, used by the event loop only
+    receiver: _Receiver
+    handle: EngineHandle | None = None
+    started_at: float = 0.0
+    last_heard: float = 0.0
+    step_running_s: float = 0.0
+
+
+class _Receiver:
+    """Reads the outputs socket on its own thread and hands what it decodes to the event loop."""
+
+    def __init__(
+        self,
+        socket: Any,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Callable[[list[FromEngine]], None],
+    ) -> None:
+        self._socket = socket  # PULL; from start() on, only this thread touches it
+        self._loop = loop
+        self._deliver = deliver
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="densa-engine-outputs", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if not self._socket.poll(50):
+                    continue
+                batch = []
+                while True:
+                    try:
+                        batch.append(codec.decode_from_engine(self._socket.recv(zmq.NOBLOCK)))
+                    except zmq.Again:
+                        break
+                self._loop.call_soon_threadsafe(self._deliver, batch)
+        except RuntimeError:  # the event loop closed under us: the client is gone
+            pass
+        finally:
+            self._socket.close(linger=0)
+
+
+class EngineClient:
+    def __init__(self, launcher: EngineLauncher, options: ClientOptions = ClientOptions()) -> None:
+        self.launcher = launcher
+        self.options = options
+        self.context = zmq.Context()
+        self._life: _Life | None = None
+        self._served: ServedModel | None = None
+        self.stats = EngineStats()
+        self.state = "new"  # new | starting | running | restarting | stopping | stopped | failed
+        self.failure: str | None = None  # why the client gave up (state "failed")
+        self._streams: dict[str, asyncio.Queue[RequestDelta | _Gone]] = {}
+        self._hello: asyncio.Future[ServedModel] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._short_lives = 0
+        self.num_restarts = 0
+        self.on_failed: Callable[[], None] = lambda: None  # the server exits non-zero
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> ServedModel:
+        """Launch the engine and wait for its Hello (raises EngineStartError)."""
+        self.state = "starting"
+        self._served = await self._start_life()
+        self.state = "running"
+        self._tasks.append(asyncio.create_task(self._monitor(), name="densa-engine-monitor"))
+        return self._served
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Let running requests finish (up to drain_timeout), then stop the engine cleanly."""
+        if self.state in ("stopped", "new"):
+            return
+        deadline = time.monotonic() + drain_timeout
+        while self._streams and self.state == "running" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        failed = self.state == "failed"
+        self.state = "stopping"
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        life, self._life = self._life, None
+        if life is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                life.requests.send(codec.encode(Shutdown()), zmq.NOBLOCK)
+            if life.handle is not None:
+                await asyncio.to_thread(life.handle.wait, 10.0)
+            self._close(life)
+        self._fail_streams("the server shut down before the request finished")
+        self.state = "failed" if failed else "stopped"  # a failure stays visible to the caller
+
+    @property
+    def served(self) -> ServedModel:
+        if self._served is None:
+            raise EngineUnavailable("the engine has not started yet")
+        return self._served
+
+    @property
+    def is_alive(self) -> bool:
+        return self.state == "running"
+
+    @property
+    def has_failed(self) -> bool:
+        return self.state == "failed"
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.served.max_num_seqs + self.served.max_waiting_requests
+
+    # ---- requests --------------------------------------------------------------------------------
+    async def generate(self, request: AddRequest) -> AsyncGenerator[RequestDelta, None]:
+        """Send the request and yield its deltas until the final one. Leaving early aborts it.
+        If the engine goes away meanwhile, the last delta is an `engine_unavailable` error."""
+        queue = self._open(request.request_id)
+        finished = False
+        try:
+            self._send(request)
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, _Gone):
+                    finished = True
+                    yield _unavailable(request.request_id, item.reason)
+                    return
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self._life is not None and self.state == "running":
+            self._send(AbortRequests([request_id]))
+
+    async def set_step_delay(self, seconds: float) -> None:
+        """Tests: slow every engine step (honoured only by engines started with debug controls)."""
+        self._send(SetStepDelay(seconds))
+
+    def _open(self, request_id: str) -> asyncio.Queue[RequestDelta | _Gone]:
+        if self.state == "stopping":
+            raise EngineShuttingDown("the server is shutting down")
+        if self.state != "running":
+            raise EngineUnavailable(self._unavailable_reason())
+        if len(self._streams) >= self.max_in_flight:
+            raise EngineOverloaded(f"{len(self._streams)} requests in flight; retry shortly")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        queue: asyncio.Queue[RequestDelta | _Gone] = asyncio.Queue()
+        self._streams[request_id] = queue
+        return queue
+
+    def _send(self, message: ToEngine) -> None:
+        """Queue a message for the engine; never blocks (unbounded queue, requests capped)."""
+        if self._life is None:
+            raise EngineUnavailable(self._unavailable_reason())
+        self._life.requests.send(codec.encode(message), zmq.NOBLOCK)
+
+    def _unavailable_reason(self) -> str:
+        if self.state == "failed":
+            return f"the engine failed and was not restarted: {self.failure}"
+        return "the engine is starting; retry shortly"
+
+    # ---- one engine life -------------------------------------------------------------------------
+    async def _start_life(self) -> ServedModel:
+        addresses = self.launcher.make_addresses()
+        requests = transport.configure(self.context.socket(zmq.PUSH))
+        outputs = transport.configure(self.context.socket(zmq.PULL))
+        addresses = transport.Addresses(
+            transport.bound_address(requests, addresses.requests),
+            transport.bound_address(outputs, addresses.outputs),
+        )
+        loop = asyncio.get_running_loop()
+        life = _Life(addresses, requests, _Receiver(outputs, loop, lambda b: self._take(life, b)))
+        self._life = life
+        self._hello = loop.create_future()
+        life.receiver.start()
+        life.handle = self.launcher.start(addresses, self.context)
+        life.started_at = life.last_heard = time.monotonic()
+        try:
+            served = await self._await_hello(life)
+        except BaseException:
+            if life.handle is not None:
+                await asyncio.to_thread(life.handle.kill)
+            self._close(life)
+            self._life = None
+            raise
+        life.last_heard = time.monotonic()
+        return served
+
+    async def _await_hello(self, life: _Life) -> ServedModel:
+        assert self._hello is not None
+        deadline = time.monotonic() + self.options.start_timeout_s
+        while True:
+            done, _ = await asyncio.wait({self._hello}, timeout=0.2)
+            if done:
+                return self._hello.result()
+            assert life.handle is not None
+            if not life.handle.is_running():
+                code = life.handle.exit_code()
+                raise EngineStartError(f"the engine exited with code {code} before it was ready")
+            if time.monotonic() > deadline:
+                raise EngineStartError(
+                    f"the engine was not ready within {self.options.start_timeout_s:g} s"
+                )
+
+    def _take(self, life: _Life, batch: list[FromEngine]) -> None:
+        """On the event loop: route one batch of the engine's messages."""
+        if life is not self._life:
+            return  # a dead life's last words
+        life.last_heard = time.monotonic()
+        for message in batch:
+            if isinstance(message, StepOutputs):
+                self.stats = message.stats
+                for delta in message.deltas:
+                    queue = self._streams.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+            elif isinstance(message, Heartbeat):
+                self.stats = message.stats
+                life.step_running_s = message.step_running_s
+            else:
+                self._answer_hello(message)
+
+    def _answer_hello(self, message: Hello | EngineFailed) -> None:
+        if self._hello is None or self._hello.done():
+            return
+        if isinstance(message, Hello):
+            self._hello.set_result(message.served)
+        else:
+            self._hello.set_exception(EngineStartError(message.message))
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(_MONITOR_INTERVAL_S)
+            life = self._life
+            if self.state != "running" or life is None:
+                continue
+            problem = self._problem(life)
+            if problem is not None:
+                await self._lost(life, problem)
+
+    def _problem(self, life: _Life) -> str | None:
+        assert life.handle is not None
+        if not life.handle.is_running():
+            return f"the engine exited (code {life.handle.exit_code()})"
+        silent = time.monotonic() - life.last_heard
+        if silent > self.options.heartbeat_timeout_s:
+            return f"the engine sent nothing for {silent:.1f} s"
+        if life.step_running_s > self.options.step_timeout_s:
+            return f"an engine step has run for {life.step_running_s:.0f} s (stuck)"
+        return None
+
+    async def _lost(self, life: _Life, problem: str) -> None:
+        logger.error("%s: failing %d requests in flight", problem, len(self._streams))
+        self.state = "restarting"
+        self._fail_streams(f"{problem}; the request could not be completed, retry it")
+        if life.handle is not None:
+            await asyncio.to_thread(life.handle.kill)
+        self._close(life)
+        self._life = None
+        short = time.monotonic() - life.started_at < self.options.restart_window_s
+        self._short_lives = self._short_lives + 1 if short else 1
+        if not self.launcher.can_restart or self._short_lives > self.options.max_restarts:
+            self._give_up(problem)
+            return
+        try:
+            served = await self._start_life()
+        except (EngineStartError, OSError) as exc:
+            self._give_up(f"{problem}, and restarting it failed: {exc}")
+            return
+        if served.name != self.served.name or served.vocab_size != self.served.vocab_size:
+            self._give_up("the restarted engine serves another model")
+            return
+        self._served = served
+        self.num_restarts += 1
+        self.state = "running"
+        logger.info("engine restarted (%d restarts so far)", self.num_restarts)
+
+    def _give_up(self, reason: str) -> None:
+        logger.error("giving up on the engine: %s", reason)
+        self.state, self.failure = "failed", reason
+        self.on_failed()
+
+    def _fail_streams(self, reason: str) -> None:
+        for queue in self._streams.values():
+            queue.put_nowait(_Gone(reason))
+
+    def _close(self, life: _Life) -> None:
+        life.receiver.stop()  # closes the outputs socket on its own thread
+        life.requests.close(linger=0)
+        transport.remove_ipc_files(life.addresses)
+
+
+def _unavailable(request_id: str, reason: str) -> RequestDelta:
+    return RequestDelta(
+        request_id=request_id,
+        new_token_ids=[],
+        finished=True,
+        finish_reason="error",
+        error=f"{ENGINE_UNAVAILABLE}: {reason}",
+        error_code=ENGINE_UNAVAILABLE,
+    )

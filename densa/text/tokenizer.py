@@ -1,0 +1,208 @@
+"""Text <-> token ids and chat templates, torch-free: the `tokenizers` library and a sandboxed Jinja
+environment, nothing else.
+
+The HTTP front, the router and the engine all use this class, so a prompt tokenizes to the same
+ids wherever it is seen, and importing it costs milliseconds (no transformers, no torch). It reads
+what Hugging Face tokenizer folders hold: `tokenizer.json` (the whole tokenizer), and
+`tokenizer_config.json` (special tokens, the chat template) or `chat_template.jinja`. Tests check
+it against transformers' AutoTokenizer on the same folder, token for token and text for text.
+
+The files can also come as bytes (`TokenizerFiles`), which is how the engine process hands its
+tokenizer to a front on another host in the handshake.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                       "mask_token")  # fmt: skip
+# Appended to the final message to find where it ends once rendered (as transformers does).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered by the model's chat template."""
+
+
+class TokenizerLoadError(ValueError):
+    """The tokenizer files are missing or unreadable."""
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """A tokenizer as data: the text of its files (None: the file is absent)."""
+
+    tokenizer_json: str
+    config_json: str | None = None
+    chat_template: str | None = None
+
+    @classmethod
+    def read(cls, folder: Path) -> TokenizerFiles:
+        def text(name: str) -> str | None:
+            path = folder / name
+            return path.read_text(encoding="utf-8") if path.is_file() else None
+
+        tokenizer_json = text(TOKENIZER_FILE)
+        if tokenizer_json is None:
+            raise TokenizerLoadError(f"{folder} has no {TOKENIZER_FILE}")
+        return cls(tokenizer_json, text(CONFIG_FILE), text(TEMPLATE_FILE))
+
+
+class Tokenizer:
+    """The few calls densa needs: encode, decode, token pieces, and chat rendering."""
+
+    def __init__(self, files: TokenizerFiles, eos_token_ids: tuple[int, ...] = ()) -> None:
+        from tokenizers import Tokenizer as RustTokenizer
+
+        try:
+            self._tok = RustTokenizer.from_str(files.tokenizer_json)
+            config = json.loads(files.config_json) if files.config_json else {}
+        except (ValueError, Exception) as exc:  # the Rust side raises its own exception type
+            raise TokenizerLoadError(f"cannot read the tokenizer: {exc}") from exc
+        self.files = files
+        self._special_tokens = {k: _token_text(config.get(k)) for k in _SPECIAL_TOKEN_KEYS}
+        self.chat_template: str | None = files.chat_template or _config_template(config)
+        eos = self._special_tokens.get("eos_token")
+        eos_id = self._tok.token_to_id(eos) if eos is not None else None
+        ids = set(eos_token_ids) | ({int(eos_id)} if eos_id is not None else set())
+        self.eos_token_ids = tuple(sorted(ids))
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        added = self._tok.get_added_tokens_decoder()  # id -> AddedToken
+        self.all_special_ids: set[int] = {i for i, token in added.items() if token.special}
+
+    @classmethod
+    def from_dir(cls, folder: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        return cls(TokenizerFiles.read(folder), eos_token_ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template itself renders `tools` (else densa renders them as text)."""
+        return bool(self.chat_template) and "tools" in str(self.chat_template)
+
+    # ---- tokens ----------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        return [self._tok.id_to_token(t) or "" for t in token_ids]
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound on the bytes of text one token stands for (special tokens included).
+
+        Byte-level pieces spell each byte as one character of at most 2 UTF-8 bytes, so measuring
+        the pieces can only overestimate, which keeps `serve.prepare.max_prompt_bytes` safe.
+        """
+        pieces = (self._tok.id_to_token(i) for i in range(self.vocab_size))
+        return max(len(piece.encode("utf-8")) for piece in pieces if piece is not None)
+
+    # ---- chat ------------------------------------------------------------------------------------
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        continue_final: bool = False,
+    ) -> str:
+        """The prompt text for a conversation, ending where the assistant's answer begins -- or,
+        with continue_final, inside the final message, so generation extends it."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template; use /v1/completions instead")
+        import jinja2
+
+        chat = json.loads(json.dumps(messages))  # plain JSON data only, and a private copy
+        if continue_final:
+            if not chat or not isinstance(chat[-1].get("content"), str):
+                raise ChatTemplateError("the final message has no text content to continue")
+            final = chat[-1]["content"]
+            chat[-1]["content"] = final + _CONTINUE_TAG
+        try:
+            rendered = _compile(self.chat_template).render(
+                messages=chat,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=not continue_final,
+                **{k: v for k, v in self._special_tokens.items() if v is not None},
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"cannot apply the chat template: {exc}") from exc
+        except Exception as exc:  # templates are code: any error is the template's
+            raise ChatTemplateError(f"cannot apply the chat template: {exc!r}") from exc
+        return _cut_at_continue_tag(rendered, final) if continue_final else rendered
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        continue_final: bool = False,
+    ) -> list[int]:
+        # The template already contains the special tokens; do not add a BOS on top of it.
+        return self.encode(self.render_chat(messages, tools, continue_final), False)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _config_template(config: dict[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # several named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _cut_at_continue_tag(rendered: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise ChatTemplateError(
+            "the chat template drops part of the final message, so it cannot be continued"
+        )
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the message's trailing space
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> Any:
+    """The template in a sandbox with the helpers chat templates expect (as transformers sets
+    them up): `raise_exception`, `strftime_now`, a `tojson` that does not escape HTML, and
+    `{% break %}` / `{% continue %}`."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
+               separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)  # fmt: skip
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
