@@ -62,6 +62,8 @@ class Request:
     # Invariant: len(page_ids) == len(page_tags); page_ids[i] holds positions [i*P, (i+1)*P).
     page_ids: list[int] = field(default_factory=list)
     page_tags: list[int] = field(default_factory=list)
+    # How many page-table entries the runner has been sent since this request's admission.
+    num_pages_sent: int = 0
     error: str | None = None
 
     @property

@@ -34,6 +34,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_hostile(benchmarks)
     add_peers_parser(benchmarks)
     _add_structured(benchmarks)
+    _add_step_bytes(benchmarks)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
 
@@ -453,3 +454,33 @@ def _structured(ns: argparse.Namespace) -> int:
     if settings is None:
         return 2
     return _write(run_structured(settings, EngineArgs.from_cli(ns)), ns.out)
+
+
+def _add_step_bytes(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "step-bytes",
+        help="bytes per step of the scheduler -> runner contract: deltas vs whole snapshots",
+        description="One run of --concurrency requests; every step's SchedulerOutput encoded "
+        "with msgpack, next to the whole per-request snapshot the previous contract sent.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--concurrency", type=int, default=32, help="requests in the run")
+    g.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
+    g.add_argument("--output-len", type=int, default=64, help="output tokens (EOS ignored)")
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/step_bytes"), help="folder")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_step_bytes, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _step_bytes(ns: argparse.Namespace) -> int:
+    from densa.bench.step_bytes import StepBytesSettings, run_step_bytes
+
+    settings = _settings(
+        "step-bytes",
+        lambda: StepBytesSettings(
+            concurrency=ns.concurrency, prompt_len=ns.prompt_len, output_len=ns.output_len
+        ),
+    )
+    if settings is None:
+        return 2
+    return _write(run_step_bytes(settings, EngineArgs.from_cli(ns)), ns.out)

@@ -24,9 +24,9 @@ from densa.measure.progress import progress
 from densa.measure.report import BenchReport, LinePlot, Series, Table
 from densa.measure.stats import format_spread, interleave, latency_stats, median, spread
 from densa.sampling_params import SamplingParams
-from densa.sched.output import ScheduledRequest
 from densa.utils.logging import get_logger
 from densa.worker.integrity import TagTableChecker
+from densa.worker.request_states import ScheduledRequest
 
 logger = get_logger(__name__)
 

@@ -17,16 +17,13 @@ from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMet
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache, cache_parts
 from densa.quant import fp8_kv, int8_kv
-from densa.sched.output import ScheduledRequest, SchedulerOutput
+from densa.sched.output import SchedulerOutput
 from densa.worker.cuda_graphs import DecodeGraphs
 from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker
+from densa.worker.request_states import RequestStates, ScheduledRequest, UnknownRequest
 from densa.worker.sampler import Sampler, SampleRequest
 from densa.worker.structured import StructuredSampler
-
-
-def _is_generated(item: ScheduledRequest) -> bool:
-    return item.start_pos >= len(item.prompt_token_ids)
 
 
 @dataclass
@@ -81,14 +78,38 @@ class ModelRunner:
         self.sampler = Sampler(seed, StructuredSampler(grammars) if grammars else None)
         # CUDA graphs of all-decode steps through one of the models (None: always eager).
         self.decode_graphs = decode_graphs
+        # The runner's mirror of each running request, kept from the scheduler's deltas.
+        self.requests = RequestStates()
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        """Take in the step's deltas, then compute it."""
+        items, errors = self.begin(step)
+        output = self.compute(items)
+        output.errors.update(errors)
+        return output
+
+    def begin(self, step: SchedulerOutput) -> tuple[list[ScheduledRequest], dict[str, str]]:
+        """Apply the step's deltas (ended and new requests, tags, pages) exactly once; the
+        chunks resolved to full views, and the requests whose chunk could not be resolved."""
         for request_id in step.finished_request_ids:
             self.sampler.forget(request_id)
         self.integrity.apply_tag_updates(step.tag_updates)
-        failed = self.integrity.check_step(step.scheduled)
-        scheduled = [s for s in step.scheduled if s.request_id not in failed]
+        self.requests.apply_lifecycle(step)
+        items: list[ScheduledRequest] = []
+        errors: dict[str, str] = {}
+        for chunk in step.scheduled:
+            try:
+                items.append(self.requests.resolve(chunk))
+            except UnknownRequest as exc:  # a broken delta: that request alone cannot run
+                errors[chunk.request_id] = f"engine_error: {exc}"
+        return items, errors
+
+    @torch.inference_mode()
+    def compute(self, items: list[ScheduledRequest]) -> RunnerOutput:
+        """Check the pages' tags, run the forward pass, sample. Touches no bookkeeping, so a
+        failed compute can be re-run on a subset (engine/confinement.py)."""
+        failed = self.integrity.check_step(items)
+        scheduled = [s for s in items if s.request_id not in failed]
         output = RunnerOutput(failed=failed)
         if not scheduled:
             return output
@@ -107,8 +128,7 @@ class ModelRunner:
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
         for item in scheduled:
-            is_decode = item.num_tokens == 1 and _is_generated(item)
-            (decodes if is_decode else prefills).append(item)
+            (decodes if item.is_decode else prefills).append(item)
         # Two passes over disjoint requests (each writes only its own KV slots), so their order
         # does not matter; decode rows first, as in a mixed batch.
         runs = [
@@ -135,10 +155,13 @@ class ModelRunner:
         return inputs.samplers, model.compute_logits(hidden[inputs.sample_rows])
 
     @torch.inference_mode()
-    def score(self, item: ScheduledRequest) -> torch.Tensor:
-        """Logits for every token of one chunk ([num_tokens, vocab], fp32): row i predicts the
-        token after item.token_ids[i]. K/V is written and read exactly as in generation, so the
-        cache format's effect on the distributions is what gets measured."""
+    def score(self, step: SchedulerOutput) -> torch.Tensor:
+        """Logits for every token of the step's one chunk ([num_tokens, vocab], fp32): row i
+        predicts the token after chunk.token_ids[i]. K/V is written and read exactly as in
+        generation, so the cache format's effect on the distributions is what gets measured."""
+        (item,), errors = self.begin(step)
+        if errors:
+            raise RuntimeError(next(iter(errors.values())))
         violation = self.integrity.check_step([item]).get(item.request_id)
         if violation is not None:
             raise RuntimeError(violation.message)
@@ -149,8 +172,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        decodes = [s for s in scheduled if s.num_tokens == 1]
-        prefills = [s for s in scheduled if s.num_tokens > 1]
+        decodes = [s for s in scheduled if s.is_decode]
+        prefills = [s for s in scheduled if not s.is_decode]
         order = decodes + prefills
         token_ids: list[int] = []
         positions: list[int] = []
