@@ -94,6 +94,8 @@ class SchedulerConfig:
     max_waiting_requests: int = (
         1024  # beyond this, new requests are refused (429), never queued forever
     )
+    # The model's end-of-sequence tokens (the tokenizer's): the engine's one source of them.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

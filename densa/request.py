@@ -48,7 +48,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
     cache_scope: str = ""  # prefix-cache namespace (tenant); pages are shared only within a scope
     session_id: str | None = None  # x-session-affinity
     arrival_time: float = field(default_factory=time.monotonic)

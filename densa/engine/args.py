@@ -83,7 +83,13 @@ class EngineArgs:
     cuda_graphs: bool = True
     seed: int = 0
 
-    def resolve(self, arch: ArchConfig, model_path: str, num_pages: int) -> EngineConfig:
+    def resolve(
+        self,
+        arch: ArchConfig,
+        model_path: str,
+        num_pages: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> EngineConfig:
         """Freeze the options once the model (arch) and the page count are known."""
         max_len = self.resolved_max_model_len(arch)
         model = ModelConfig(
@@ -111,6 +117,7 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_len,
             max_waiting_requests=self.max_waiting_requests,
+            eos_token_ids=eos_token_ids,
         )
         return EngineConfig(model=model, cache=cache, scheduler=scheduler)
 

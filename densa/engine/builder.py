@@ -21,6 +21,7 @@ from densa.model.kv_layout import LayerCache
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.quant import fp8_kv
+from densa.sched.stop import StopRule
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
@@ -65,7 +66,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     )
     decode_model = load_decode_model(args, arch, model_dir, max_len, device)
     num_pages, budget = sized or _resolve_num_pages(args, arch, kv_dtype, max_len, device)
-    config = args.resolve(arch, model_path, num_pages)
+    config = args.resolve(arch, model_path, num_pages, tokenizer.eos_token_ids)
     kv_caches = allocate_kv_caches(
         arch, num_pages, args.page_size, kv_dtype, device, kv_scales, static_scales
     )
@@ -78,7 +79,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         kv_caches,
         args.page_size,
         backend,
-        tokenizer.eos_token_ids,
+        StopRule.of(config.scheduler),
         device,
         make_integrity_checker(config.cache, device, backend),
         args.seed,

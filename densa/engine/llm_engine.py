@@ -121,7 +121,6 @@ class LLMEngine:
             request_id=request_id or self.new_request_id(),
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
-            eos_token_ids=self.tokenizer.eos_token_ids,
             cache_scope=cache_scope,
             session_id=session_id,
         )

@@ -26,6 +26,7 @@ from densa.config import SchedulerConfig
 from densa.request import Request, RequestStatus
 from densa.sched.events import ReleaseViolation, RequestEnded, SchedulerEvent
 from densa.sched.output import NewRequest, PageGrant, ScheduledChunk, SchedulerOutput
+from densa.sched.stop import StopRule
 
 logger = logging.getLogger(__name__)
 # The error a request ends with when its own bookkeeping raised (a bug, confined to it).
@@ -36,6 +37,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_manager
+        self.stop = StopRule.of(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -242,17 +244,9 @@ class Scheduler:
         return True
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return self.stop.status(
+            request.sampling_params, request.num_output_tokens, request.num_tokens, token_id
+        )
 
 
 def new_request_of(request: Request) -> NewRequest:

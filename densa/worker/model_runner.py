@@ -18,6 +18,7 @@ from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache, cache_parts
 from densa.quant import fp8_kv, int8_kv
 from densa.sched.output import SchedulerOutput
+from densa.sched.stop import StopRule
 from densa.worker.cuda_graphs import DecodeGraphs
 from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker
@@ -55,7 +56,7 @@ class ModelRunner:
         kv_caches: list[LayerCache],
         page_size: int,
         backend: AttentionBackend,
-        eos_token_ids: tuple[int, ...],
+        stop_rule: StopRule,
         device: torch.device,
         integrity: IntegrityChecker,
         seed: int = 0,
@@ -70,7 +71,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.backend = backend
-        self.eos_token_ids = eos_token_ids
+        self.stop_rule = stop_rule  # the scheduler's stop rule: min_tokens keeps its tokens out
         self.device = device
         self.integrity = integrity
         # Compiles constraints (structured outputs, tool calls); None: unconstrained only.
@@ -258,7 +259,7 @@ class ModelRunner:
                 s.sampling_params,
                 s.prompt_token_ids,
                 s.output_token_ids,
-                self.eos_token_ids,
+                self.stop_rule.ending_tokens(s.sampling_params),
             )
             for s in samplers
         ]

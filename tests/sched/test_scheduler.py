@@ -13,14 +13,15 @@ from densa.sched.scheduler import Scheduler
 def make_scheduler(
     num_pages: int = 16, page_size: int = 4, budget: int = 8, max_seqs: int = 8
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64)
+    config = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64, eos_token_ids=(2,)
+    )
     return Scheduler(config, KVCacheManager(num_pages, page_size, enable_prefix_caching=False))
 
 
 def make_request(rid: str, num_prompt: int, max_tokens: int = 4, **params: object) -> Request:
-    return Request(
-        rid, list(range(10, 10 + num_prompt)), SamplingParams(max_tokens=max_tokens, **params), (2,)
-    )  # type: ignore[arg-type]
+    params_ = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
+    return Request(rid, list(range(10, 10 + num_prompt)), params_)
 
 
 def step(scheduler: Scheduler, token: int = 7) -> list[tuple[str, int, int]]:
