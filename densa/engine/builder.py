@@ -71,9 +71,12 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         arch, num_pages, args.page_size, kv_dtype, device, kv_scales, static_scales
     )
     backend = select_backend(args.attention_backend, device)
-    for weight_set in (model, decode_model):
-        if weight_set is not None and args.fused_decode:
-            enable_fused_decode(weight_set, kv_caches)
+    # The fused step attends in C++ for decodes: with another backend asked for by name (torch,
+    # triton), that backend is what runs.
+    if args.fused_decode and backend.name == "cpu":
+        for weight_set in (model, decode_model):
+            if weight_set is not None:
+                enable_fused_decode(weight_set, kv_caches)
     runner = ModelRunner(
         model,
         kv_caches,
