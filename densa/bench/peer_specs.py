@@ -126,6 +126,12 @@ PEERS: dict[str, Builder] = {
     "densa-w8a8-head": _densa(
         "densa w8a8 head", ["--model", "{gguf}", "--head-format", "w8a8"], DENSA_LLAMA_NUMERICS
     ),
+    # The engine core in the server's process (a thread) instead of its own: the split's cost.
+    "densa-thread": _densa(
+        "densa single process",
+        ["--model", "{gguf}", "--engine-placement", "thread"],
+        DENSA_DEFAULT,
+    ),
     "densa-fp32": _densa(
         "densa fp32",
         ["--model", "{gguf}", "--weight-format", "dense", "--head-format", "dense"],
