@@ -77,6 +77,11 @@ def calibrate_kv_scales(
         )
     observer = AmaxObserver(runner.backend, caches)
     runner.backend = observer
+    # The fused C++ step stores K/V itself, past the backend: the eager layers must run here.
+    fused = getattr(runner.model, "fused_decode", None)
+    was_fused = fused is not None and fused.enabled
+    if fused is not None:
+        fused.enable(False)
     try:
         for token_ids in texts:
             for _ in iter_logits(engine, token_ids):
@@ -85,6 +90,8 @@ def calibrate_kv_scales(
                 on_text(len(token_ids))
     finally:
         runner.backend = observer.inner
+        if fused is not None:
+            fused.enable(was_fused)
     info = {
         "model": engine.config.model.served_model_name,
         "kv_cache_dtype_observed": engine.config.cache.kv_cache_dtype,
