@@ -94,11 +94,11 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "
         "max_num_seqs %d, attention backend %s",
         num_pages, args.page_size, num_pages * args.page_size,
-        _describe_kv(kv_dtype, static_scales),
+        kv_caches[0].kv_format.describe(),
         format_bytes(num_pages * page_bytes(arch, args.page_size, kv_dtype, kv_scales)),
         budget.reason, max_len, args.max_num_seqs, backend.name,
     )  # fmt: skip
-    kv_format = _describe_kv(kv_dtype, static_scales)
+    kv_format = kv_caches[0].kv_format.describe()
     return EngineParts(config, tokenizer, runner, arch, kv_format, model.weight_format)
 
 
@@ -256,14 +256,6 @@ def load_static_kv_scales(
         return fp8_kv.KVScales.load(args.kv_scales_file, arch.num_layers)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-
-
-def _describe_kv(kv_dtype: str, static_scales: fp8_kv.KVScales | None) -> str:
-    if kv_dtype != fp8_kv.KV_DTYPE:
-        return kv_dtype
-    if static_scales is None:
-        return f"{kv_dtype}, dynamic scales"
-    return f"{kv_dtype}, static scales: {static_scales.source}"
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from numba import njit, prange
 from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
 from densa.kernels.cpu_prefill_attention import paged_prefill_attention
 from densa.kernels.numba_intrinsics import FASTMATH, dynamic_scale, exp_neg, prefetch, widen
-from densa.kernels.paged_attention_ref import EXPONENT_SCALE_DTYPE
+from densa.quant.fp8_kv import EXPONENT_SCALE_DTYPE
 
 __all__ = ["paged_attention", "paged_decode_attention", "paged_prefill_attention"]
 

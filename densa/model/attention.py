@@ -25,11 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from densa.kernels.paged_attention_ref import scale_to_float
-from densa.quant import fp8_kv, int8_kv
-
-# Caches whose values are quantized on store: a prefill chunk attends to its own tokens' K/V as
-# computed, earlier context from the pages (see the module docstring).
-QUANTIZED_KV_DTYPES = (fp8_kv.FP8_DTYPE, int8_kv.CODE_DTYPE)
+from densa.quant.kv_format import KVFormat
 
 
 @dataclass
@@ -45,6 +41,13 @@ class LayerKVCache:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    # How the pages store values. The engine's allocator always passes it; pages made by hand
+    # (tests, kernel benchmarks) get it read off their tensors, once, here.
+    kv_format: KVFormat = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.kv_format is None:
+            self.kv_format = KVFormat.of_tensors(self.k, self.k_scale)
 
     @property
     def page_size(self) -> int:
@@ -164,7 +167,7 @@ def attend_stored(
     scale: float,
 ) -> torch.Tensor:
     """Attention of a step whose K/V (k, v: [T, KVH, D]) are already in the pages."""
-    fresh_prefill = cache.k.dtype in QUANTIZED_KV_DTYPES
+    fresh_prefill = cache.kv_format.is_quantized
     groups = [g for g in (meta.decode, meta.prefill) if g is not None]
     if len(groups) == 1:  # the common case: all decodes or all prefill, no output copy needed
         group = groups[0]
@@ -186,17 +189,9 @@ class TorchAttentionBackend:
     def store_kv(
         self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        if cache.k.dtype == fp8_kv.FP8_DTYPE:  # quantize in high precision, store fp8 + scales
-            fp8_kv.store_fp8(cache.k, cache.k_scale, meta.slot_pages, meta.slot_offsets, k)
-            fp8_kv.store_fp8(cache.v, cache.v_scale, meta.slot_pages, meta.slot_offsets, v)
-            return
-        if cache.k.dtype == int8_kv.CODE_DTYPE:  # int8 codes + one fp16 scale per row
-            assert cache.k_scale is not None and cache.v_scale is not None
-            int8_kv.store_int8(cache.k, cache.k_scale, meta.slot_pages, meta.slot_offsets, k)
-            int8_kv.store_int8(cache.v, cache.v_scale, meta.slot_pages, meta.slot_offsets, v)
-            return
-        cache.k[meta.slot_pages, :, meta.slot_offsets] = k.to(cache.k.dtype)
-        cache.v[meta.slot_pages, :, meta.slot_offsets] = v.to(cache.v.dtype)
+        fmt = cache.kv_format  # quantizes in high precision for FP8 / INT8 pages
+        fmt.store(cache.k, cache.k_scale, meta.slot_pages, meta.slot_offsets, k)
+        fmt.store(cache.v, cache.v_scale, meta.slot_pages, meta.slot_offsets, v)
 
     def attend(
         self,

@@ -21,6 +21,7 @@ import torch
 
 from densa.model.arch import ArchConfig
 from densa.model.attention import LayerKVCache
+from densa.quant.kv_format import KVFormat
 
 CachePart = tuple[torch.Tensor, torch.Tensor | None]  # (page values, their FP8 scales or None)
 
@@ -50,6 +51,11 @@ class LatentKVCache:
 
     latent: torch.Tensor
     scale: torch.Tensor | None = None
+    kv_format: KVFormat = None  # type: ignore[assignment]  # None: read off the tensors
+
+    def __post_init__(self) -> None:
+        if self.kv_format is None:
+            self.kv_format = KVFormat.of_tensors(self.latent, self.scale)
 
     @property
     def page_size(self) -> int:
@@ -69,8 +75,8 @@ class KVLayout(Protocol):
 
     def geometry(self, arch: ArchConfig) -> KVGeometry: ...
 
-    def layer_cache(self, parts: list[CachePart]) -> LayerCache:
-        """Wrap one layer's `num_parts` (values, scale) pairs. Mutates nothing."""
+    def layer_cache(self, parts: list[CachePart], kv_format: KVFormat) -> LayerCache:
+        """Wrap one layer's `num_parts` (values, scale) pairs stored in `kv_format`."""
         ...
 
 
@@ -80,9 +86,9 @@ class DenseKVLayout:
     def geometry(self, arch: ArchConfig) -> KVGeometry:
         return KVGeometry(arch.num_layers, 2, arch.num_kv_heads, arch.head_dim)
 
-    def layer_cache(self, parts: list[CachePart]) -> LayerKVCache:
+    def layer_cache(self, parts: list[CachePart], kv_format: KVFormat) -> LayerKVCache:
         (k, k_scale), (v, v_scale) = parts
-        return LayerKVCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+        return LayerKVCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale, kv_format=kv_format)
 
 
 class LatentKVLayout:
@@ -93,9 +99,9 @@ class LatentKVLayout:
             raise ValueError(f"{arch.architecture} has no latent-attention settings")
         return KVGeometry(arch.num_layers, 1, 1, arch.mla.latent_dim)
 
-    def layer_cache(self, parts: list[CachePart]) -> LatentKVCache:
+    def layer_cache(self, parts: list[CachePart], kv_format: KVFormat) -> LatentKVCache:
         ((latent, scale),) = parts
-        return LatentKVCache(latent=latent, scale=scale)
+        return LatentKVCache(latent=latent, scale=scale, kv_format=kv_format)
 
 
 def cache_parts(cache: LayerCache) -> list[CachePart]:
@@ -111,7 +117,10 @@ def scratch_caches(
     """Zero-filled unquantized caches for one offline pass (calibration), no engine needed."""
     geo = layout.geometry(arch)
     shape = (num_pages, geo.num_heads, page_size, geo.head_dim)
+    kv_format = KVFormat.of_tensors(torch.empty(0, dtype=dtype), None)
     return [
-        layout.layer_cache([(torch.zeros(shape, dtype=dtype), None) for _ in range(geo.num_parts)])
+        layout.layer_cache(
+            [(torch.zeros(shape, dtype=dtype), None) for _ in range(geo.num_parts)], kv_format
+        )
         for _ in range(geo.num_layers)
     ]

@@ -29,17 +29,13 @@ from densa.model.attention import (
     query_positions,
 )
 from densa.model.kv_layout import LatentKVCache
-from densa.quant import fp8_kv
 
 
 def store_latent(cache: LatentKVCache, latent: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Write this step's latent rows [T, kv_lora_rank + rope] into their slots (FP8: quantized,
-    one power-of-two scale per row with dynamic scales)."""
+    """Write this step's latent rows [T, kv_lora_rank + rope] into their slots (quantized as
+    the cache's format says: FP8 with one power-of-two scale per row when dynamic, INT8)."""
     rows = latent.unsqueeze(1)  # [T, 1, D]: one "head" per token, like a K/V page row
-    if cache.latent.dtype == fp8_kv.FP8_DTYPE:
-        fp8_kv.store_fp8(cache.latent, cache.scale, meta.slot_pages, meta.slot_offsets, rows)
-        return
-    cache.latent[meta.slot_pages, :, meta.slot_offsets] = rows.to(cache.latent.dtype)
+    cache.kv_format.store(cache.latent, cache.scale, meta.slot_pages, meta.slot_offsets, rows)
 
 
 def gather_latent(cache: LatentKVCache, group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:

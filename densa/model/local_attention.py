@@ -28,7 +28,6 @@ from densa.model.attention import (
     paged_attention,
     query_positions,
 )
-from densa.quant import fp8_kv
 
 
 def paged_attention_in_window(
@@ -45,7 +44,7 @@ def paged_attention_in_window(
     if window is None or not _outgrows(meta, window):
         return paged_attention(backend, q, k, v, cache, meta, scale)
     backend.store_kv(cache, k, v, meta)
-    fresh_prefill = cache.k.dtype == fp8_kv.FP8_DTYPE  # prefill reads its own K/V unquantized
+    fresh_prefill = cache.kv_format.is_quantized  # prefill reads its own K/V unquantized
     out = torch.empty_like(q)
     for group in (meta.decode, meta.prefill):
         if group is None:

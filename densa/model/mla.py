@@ -23,7 +23,6 @@ from densa.model.kv_layout import LatentKVCache
 from densa.model.latent_attention import absorbed_decode, expanded_prefill, store_latent
 from densa.model.layers import RMSNorm, RotaryEmbedding, yarn_mscale
 from densa.model.linear import Linear
-from densa.quant import fp8_kv
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 LORA_NORM_EPS = 1e-6  # the reference implementation's q_a / kv_a norms ignore the config's eps
@@ -87,7 +86,7 @@ class MLAttention(nn.Module):
         if meta.prefill is not None:
             group = meta.prefill
             rows = slice(group.start, group.end)
-            fresh = latent[rows] if cache.latent.dtype == fp8_kv.FP8_DTYPE else None
+            fresh = latent[rows] if cache.kv_format.is_quantized else None
             out[rows] = expanded_prefill(
                 torch.cat([q_nope[rows], q_rope[rows]], dim=-1), cache, group, self.scale,
                 self.kv_b_proj, (m.kv_lora_rank, m.nope_head_dim, m.v_head_dim), fresh,

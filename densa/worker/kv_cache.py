@@ -24,6 +24,7 @@ from densa.model.arch import ArchConfig
 from densa.model.kv_layout import KVGeometry, LayerCache
 from densa.model.registry import kv_layout
 from densa.quant import fp8_kv, int8_kv
+from densa.quant.kv_format import KVFormat
 
 KV_DTYPES = {
     "float32": torch.float32,
@@ -143,9 +144,11 @@ def allocate_kv_caches(
     shape = (geo.num_layers, geo.num_parts, num_pages, geo.num_heads, page_size, geo.head_dim)
     storage = _zeros(shape, KV_DTYPES[kv_dtype], device)
     scales = _scales(geo, shape, kv_dtype, kv_scales, static_scales, device)
+    kv_format = KVFormat.of(kv_dtype, kv_scales, static_scales.source if static_scales else None)
     return [
         layout.layer_cache(
-            [(storage[layer, part], scales[layer][part]) for part in range(geo.num_parts)]
+            [(storage[layer, part], scales[layer][part]) for part in range(geo.num_parts)],
+            kv_format,
         )
         for layer in range(geo.num_layers)
     ]

@@ -16,7 +16,7 @@ from densa.kernels.paged_attention_ref import dequantize_pages
 from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, build_group
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache, cache_parts
-from densa.quant import fp8_kv, int8_kv
+from densa.quant.kv_format import KVFormat
 from densa.sched.output import SchedulerOutput
 from densa.sched.stop import StopRule
 from densa.worker.cuda_graphs import DecodeGraphs
@@ -234,7 +234,7 @@ class ModelRunner:
         index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
             for part, (values, scale) in enumerate(cache_parts(cache)):
-                _store_pages(values, scale, index, payload[layer, part])
+                _store_pages(cache.kv_format, values, scale, index, payload[layer, part])
         return None
 
     def _group(self, start: int, items: list[ScheduledRequest]) -> AttentionGroup | None:
@@ -277,19 +277,19 @@ class ModelRunner:
 
 
 def _store_pages(
-    cache: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, values: torch.Tensor
+    kv_format: KVFormat,
+    cache: torch.Tensor,
+    scale: torch.Tensor | None,
+    index: torch.Tensor,
+    values: torch.Tensor,
 ) -> None:
-    """Write real-valued pages [n, KVH, P, D] into `cache` at page ids `index`, quantizing for
-    FP8 / INT8 caches (fresh per-token scales for dynamic ones) exactly as a prefill store would."""
-    if cache.dtype not in (fp8_kv.FP8_DTYPE, int8_kv.CODE_DTYPE):
+    """Write real-valued pages [n, KVH, P, D] into `cache` at page ids `index`, quantized as
+    `kv_format` says (fresh per-token scales for dynamic ones), exactly as a prefill store."""
+    if not kv_format.is_quantized:
         cache[index] = values.to(cache.dtype)
         return
     num_pages, num_kv_heads, page_size, head_dim = values.shape
     slot_pages = index.repeat_interleave(page_size)
     slot_offsets = torch.arange(page_size, device=index.device).repeat(num_pages)
     rows = values.transpose(1, 2).reshape(num_pages * page_size, num_kv_heads, head_dim)
-    if cache.dtype == int8_kv.CODE_DTYPE:
-        assert scale is not None
-        int8_kv.store_int8(cache, scale, slot_pages, slot_offsets, rows.contiguous())
-        return
-    fp8_kv.store_fp8(cache, scale, slot_pages, slot_offsets, rows.contiguous())
+    kv_format.store(cache, scale, slot_pages, slot_offsets, rows.contiguous())

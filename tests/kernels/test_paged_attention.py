@@ -19,13 +19,15 @@ from densa.kernels.cpu_paged_attention import (
 )
 from densa.kernels.numba_intrinsics import widen
 from densa.kernels.paged_attention_ref import (
-    FP8_MAX,
     paged_attention_reference,
+    write_kv_reference,
+)
+from densa.quant.fp8_kv import (
+    FP8_MAX,
     quantize_fp8,
     quantize_fp8_exponent,
     quantize_fp8_static,
     scale_exponents,
-    write_kv_reference,
 )
 
 ATOL, RTOL = 1e-5, 1e-4

@@ -85,7 +85,7 @@ float finite(float x) {  // NaN -> 0, +-inf -> +-FLT_MAX (torch.nan_to_num)
   return std::max(std::min(x, big), -big);
 }
 
-uint8_t encode_e4m3(float y) {  // |y| <= 448; round to nearest even (fp8_kv._encode_e4m3)
+uint8_t encode_e4m3(float y) {  // |y| <= 448; round to nearest even (fp8_store._encode_e4m3)
   const uint32_t bits = f32_bits(y);
   const uint32_t sign = (bits >> 24) & 0x80u;
   const uint32_t magnitude = bits & 0x7FFFFFFFu;
@@ -99,7 +99,7 @@ uint8_t encode_e4m3(float y) {  // |y| <= 448; round to nearest even (fp8_kv._en
   return static_cast<uint8_t>(sign | code);
 }
 
-int row_exponent(float amax) {  // fp8_kv._row_exponent: amax lands in (224, 448] * 2**e
+int row_exponent(float amax) {  // fp8_store._row_exponent: amax lands in (224, 448] * 2**e
   if (amax == 0.f) return 0;
   const uint32_t bits = f32_bits(amax);
   const int biased = static_cast<int>(bits >> 23);
