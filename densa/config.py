@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# auto: densa's Numba kernels on the CPU, its Triton kernels on a GPU (torch's without Triton).
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # "auto" resolves to the compute dtype. fp8_e4m3 and int8 are the compressed formats (about half
 # BF16's bytes per token; docs/kv-cache.md compares their quality).
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")

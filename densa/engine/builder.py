@@ -21,6 +21,7 @@ from densa.model.kv_layout import LayerCache
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.quant import fp8_kv
+from densa.quant.kv_format import KVFormat
 from densa.sched.stop import StopRule
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
@@ -53,11 +54,12 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     arch = ArchConfig.from_dir(model_dir)
     device = torch.device(args.device)
     max_len = args.resolved_max_model_len(arch)
-    kv_dtype, kv_scales = args.resolved_kv_cache_dtype(), args.resolved_kv_scales()
-    static_scales = load_static_kv_scales(args, arch, device)  # fails fast, before loading
+    kv_format = args.kv_format()  # resolved once: sizing, allocation and the config use it
+    kv_dtype, kv_scales = kv_format.name, kv_format.fp8_policy
+    static_scales = load_static_kv_scales(args, kv_format, arch, device)  # fails fast
     # A fixed size is checked before the slow load; a share of free memory only after it.
     sized = (
-        None if _is_relative(args) else _resolve_num_pages(args, arch, kv_dtype, max_len, device)
+        None if _is_relative(args) else _resolve_num_pages(args, arch, kv_format, max_len, device)
     )
     logger.info("loading the model %s", model_path)
     tokenizer = load_tokenizer(model_dir, arch.eos_token_ids)
@@ -65,8 +67,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         model_dir, arch, args.dtype, max_len, device, args.weight_format, args.head_format
     )
     decode_model = load_decode_model(args, arch, model_dir, max_len, device)
-    num_pages, budget = sized or _resolve_num_pages(args, arch, kv_dtype, max_len, device)
-    config = args.resolve(arch, model_path, num_pages, tokenizer.eos_token_ids)
+    num_pages, budget = sized or _resolve_num_pages(args, arch, kv_format, max_len, device)
+    config = args.resolve(arch, model_path, num_pages, tokenizer.eos_token_ids, kv_format)
     kv_caches = allocate_kv_caches(
         arch, num_pages, args.page_size, kv_dtype, device, kv_scales, static_scales
     )
@@ -94,12 +96,12 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "
         "max_num_seqs %d, attention backend %s",
         num_pages, args.page_size, num_pages * args.page_size,
-        kv_caches[0].kv_format.describe(),
+        kv_format.describe(),
         format_bytes(num_pages * page_bytes(arch, args.page_size, kv_dtype, kv_scales)),
         budget.reason, max_len, args.max_num_seqs, backend.name,
     )  # fmt: skip
-    kv_format = kv_caches[0].kv_format.describe()
-    return EngineParts(config, tokenizer, runner, arch, kv_format, model.weight_format)
+    described = kv_format.describe()
+    return EngineParts(config, tokenizer, runner, arch, described, model.weight_format)
 
 
 def enable_fused_decode(model: CausalLM, kv_caches: list[LayerCache]) -> None:
@@ -233,19 +235,19 @@ def same_shapes(a: ArchConfig, b: ArchConfig) -> bool:
 
 
 def load_static_kv_scales(
-    args: EngineArgs, arch: ArchConfig, device: torch.device
+    args: EngineArgs, kv_format: KVFormat, arch: ArchConfig, device: torch.device
 ) -> fp8_kv.KVScales | None:
     """Check an FP8 KV cache can run here; the static scales it uses (None: not needed).
 
     Raises ModelLoadError naming the alternative when this build cannot run FP8, and when the
     scales file does not fit the model. Options that do not fit together raise ValueError.
     """
-    if args.resolved_kv_cache_dtype() != fp8_kv.KV_DTYPE:
+    if not kv_format.is_fp8:
         return None
     problem = fp8_kv.fp8_support_error(device)
     if problem is not None:
         raise ModelLoadError(problem)
-    scales = args.resolved_kv_scales()
+    scales = kv_format.scales
     if args.kv_scales_file is not None and scales != "static":
         raise ValueError("a KV scales file holds static per-layer scales: use --kv-scales static")
     if scales != "static":
@@ -264,9 +266,11 @@ class KVBudget:
     reason: str  # how it was chosen, for the start-up log
 
 
-def kv_budget(args: EngineArgs, arch: ArchConfig, kv_dtype: str, device: torch.device) -> KVBudget:
+def kv_budget(
+    args: EngineArgs, arch: ArchConfig, kv_format: KVFormat, device: torch.device
+) -> KVBudget:
     """The KV cache's byte budget, and why (an explicit size, a share of free memory, or auto)."""
-    page = page_bytes(arch, args.page_size, kv_dtype, args.resolved_kv_scales())
+    page = page_bytes(arch, args.page_size, kv_format.name, kv_format.fp8_policy)
     if args.num_kv_pages is not None:
         return KVBudget(args.num_kv_pages * page, f"--num-kv-pages {args.num_kv_pages}")
     free = _free_memory(device)
@@ -301,11 +305,11 @@ def _free_memory(device: torch.device) -> int:
 
 
 def _resolve_num_pages(
-    args: EngineArgs, arch: ArchConfig, kv_dtype: str, max_len: int, device: torch.device
+    args: EngineArgs, arch: ArchConfig, kv_format: KVFormat, max_len: int, device: torch.device
 ) -> tuple[int, KVBudget]:
-    budget = kv_budget(args, arch, kv_dtype, device)
+    budget = kv_budget(args, arch, kv_format, device)
     num_pages = num_pages_for_budget(
-        arch, args.page_size, kv_dtype, budget.num_bytes, args.resolved_kv_scales()
+        arch, args.page_size, kv_format.name, budget.num_bytes, kv_format.fp8_policy
     )
     needed = -(-max_len // args.page_size)
     if num_pages < needed:

@@ -76,6 +76,12 @@ class KVFormat:
     def is_fp8(self) -> bool:
         return self.name == fp8_kv.KV_DTYPE
 
+    @property
+    def fp8_policy(self) -> str:
+        """The FP8 scale policy (dynamic | static) the sizing functions take; dynamic otherwise,
+        where it is not read."""
+        return self.scales if self.is_fp8 else DYNAMIC
+
     def scale_bytes_per_row(self) -> int:
         """Bytes of scale each [head_dim] row of a token adds."""
         return {NO_SCALES: 0, STATIC: 0, DYNAMIC: 1, ROW: int8_kv.SCALE_BYTES}[self.scales]
