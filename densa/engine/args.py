@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from densa.config import (
     ATTENTION_BACKENDS,
@@ -20,8 +21,10 @@ from densa.config import (
     SchedulerConfig,
 )
 from densa.model.arch import ArchConfig
-from densa.quant.kv_format import KVFormat
 from densa.utils.sizes import parse_memory
+
+if TYPE_CHECKING:  # the front builds its command line from here: no torch at import
+    from densa.quant.kv_format import KVFormat
 
 # The default KV budget: pages for max_num_seqs requests at the full max_model_len (so the
 # scheduler never has to preempt at the default settings), but never more than this share of
@@ -139,6 +142,8 @@ class EngineArgs:
     def kv_format(self) -> KVFormat:
         """The KV pages' format from these options, resolved once per engine (the builder
         threads it through sizing, allocation and the config)."""
+        from densa.quant.kv_format import KVFormat
+
         return KVFormat.of(self.resolved_kv_cache_dtype(), self.resolved_kv_scales(),
                            self.kv_scales_file)  # fmt: skip
 
