@@ -499,6 +499,8 @@ def _router(ns: argparse.Namespace) -> int:
     if settings is None:
         return 2
     return _write(run_router_bench(settings, ns.work_dir), ns.out)
+
+
 def _add_step_bytes(benchmarks: argparse._SubParsersAction) -> None:
     parser = benchmarks.add_parser(
         "step-bytes",

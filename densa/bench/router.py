@@ -31,7 +31,6 @@ from typing import Any
 
 import httpx
 
-from densa.bench.common import interleave, latency_stats, median, spread
 from densa.bench.local_workers import (
     REPO,
     WorkerProcess,
@@ -39,7 +38,8 @@ from densa.bench.local_workers import (
     free_port,
     running_workers,
 )
-from densa.bench.report import BenchReport, LinePlot, Series, Table
+from densa.measure.report import BenchReport, LinePlot, Series, Table
+from densa.measure.stats import interleave, latency_stats, median, spread
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
