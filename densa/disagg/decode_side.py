@@ -1,10 +1,10 @@
 """The decode worker's side of a KV handoff. D drives, so destination pages exist and are tagged
 before any byte moves:
 
-    WAITING_PEER --handshake ok--> WAITING_PAGES --pages reserved--> REQUESTED --KVPages ok--> LANDED
-         |                              |                               |  (damaged: KVResend, stay)
-         +--refused/timeout-> CLOSED    +--gone/timeout--> CLOSED       +--PrefillFailed--> CLOSED
-                                                                        +--gone/timeout--> ABORTING
+    WAITING_PEER --handshake ok--> WAITING_PAGES --pages reserved--> REQUESTED --KVPages--> LANDED
+      |                              |                             | (damaged: KVResend, stay)
+      +--refused/timeout-> CLOSED    +--gone/timeout--> CLOSED     +--PrefillFailed--> CLOSED
+                                                                   +--gone/timeout--> ABORTING
     ABORTING --AbortAck / late KVPages (dropped) / PrefillFailed / timeout--> CLOSED
 
 Ownership: from REQUESTED on, P may be writing into the destination pages, so the request holds
@@ -159,13 +159,20 @@ class DecodeAgent:
             self._after_handshake(transfer, peer)
         return transfer
 
-    def poll(self) -> None:
-        """Take every message in, then advance every transfer (deadlines included)."""
-        for peer_id, frames in self.transport.receive():
+    def poll(self) -> bool:
+        """Take every message in, then advance every transfer (deadlines included). Returns
+        whether anything happened (the engine then reports its stats afresh)."""
+        before = self._fingerprint()
+        received = self.transport.receive()
+        for peer_id, frames in received:
             self._receive(peer_id, frames)
         now = self.clock()
         for transfer in list(self.transfers.values()):
             self._advance(transfer, now)
+        return bool(received) or self._fingerprint() != before
+
+    def _fingerprint(self) -> list[tuple[str, DecodeState]]:
+        return [(t.transfer_id, t.state) for t in self.transfers.values()]
 
     def is_busy(self) -> bool:
         return any(t.state not in _TERMINAL for t in self.transfers.values())

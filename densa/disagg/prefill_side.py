@@ -2,10 +2,10 @@
 acknowledges (or the ack's deadline passes), so a resend can be served and nothing is freed while
 D may still ask for it.
 
-    (PrefillRequest) --> COMPUTING --first token--> HOLDING --KVAck / AbortTransfer / timeout--> RELEASED
-                            |                          +--KVResend: send again, stay
-                            +--AbortTransfer: stop, free, AbortAck --> RELEASED
-                            +--error / timeout: free, PrefillFailed --> RELEASED
+    (PrefillRequest) -> COMPUTING --first token--> HOLDING --KVAck/AbortTransfer/timeout--> RELEASED
+                          |                         +--KVResend: send again, stay
+                          +--AbortTransfer: stop, free, AbortAck --> RELEASED
+                          +--error / timeout: free, PrefillFailed --> RELEASED
 
 The prompt runs as an ordinary engine request with max_tokens=1 whose pages are held when it
 ends (`hold_pages`), so the engine's scheduling, prefix cache and integrity checks all apply.
@@ -94,13 +94,16 @@ class PrefillAgent:
         self._by_request: dict[str, str] = {}
 
     # ---- entry points ----------------------------------------------------------------------------
-    def poll(self) -> None:
-        for peer_id, frames in self.transport.receive():
+    def poll(self) -> bool:
+        """Take every message in, then fire due deadlines. Returns whether anything happened."""
+        received = self.transport.receive()
+        for peer_id, frames in received:
             self._receive(peer_id, frames)
         now = self.clock()
-        for transfer in list(self.transfers.values()):
-            if now > transfer.deadline:
-                self._on_deadline(transfer)
+        due = [t for t in self.transfers.values() if now > t.deadline]
+        for transfer in due:
+            self._on_deadline(transfer)
+        return bool(received or due)
 
     def take_outputs(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
         """Consume the engine outputs of remote prefills; return everyone else's."""

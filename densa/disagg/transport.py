@@ -37,7 +37,8 @@ class KVTransport(Protocol):
         ...
 
     def send(self, peer: str, frames: Frames) -> None:
-        """Queue one message for `peer`. Never blocks; may be lost (no error if the peer is gone)."""
+        """Queue one message for `peer`. Never blocks; may be lost (silently if the peer is
+        gone)."""
         ...
 
     def receive(self) -> Received:
@@ -163,7 +164,7 @@ class ZmqTransport:
 
 
 def _drain(socket: zmq.Socket) -> list[list[memoryview]]:
-    out = []
+    out: list[list[memoryview]] = []
     while True:
         try:
             parts = socket.recv_multipart(zmq.NOBLOCK, copy=False)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import warnings
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -115,7 +116,9 @@ def land_pages(
         exponents = _tensor(frames[1], EXPONENT_SCALE_DTYPE, layout.shape[:-1])
     byte_copy = _can_copy_bytes(caches, layout)
     for layer, cache in enumerate(caches):
-        for kv, (dest, dest_scale) in enumerate(((cache.k, cache.k_scale), (cache.v, cache.v_scale))):
+        for kv, (dest, dest_scale) in enumerate(
+            ((cache.k, cache.k_scale), (cache.v, cache.v_scale))
+        ):
             src = values[layer, kv].to(device)  # [n, KVH, P, D]
             if byte_copy:
                 dest[index] = src
@@ -170,7 +173,8 @@ def _scale(scale: torch.Tensor | None) -> torch.Tensor:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    array: Any = flat.numpy()
+    return memoryview(array).cast("B")
 
 
 def _tensor(frame: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:

@@ -149,11 +149,14 @@ class KVAgents:
         transport = None if role == "both" else ZmqTransport(context)
         return cls(engine, role, transport, timeout_s, listen)
 
-    def poll(self) -> None:
+    def poll(self) -> bool:
+        """Run the agents; whether anything happened."""
+        happened = False
         if self.prefill is not None:
-            self.prefill.poll()
+            happened = self.prefill.poll()
         if self.decode is not None:
-            self.decode.poll()
+            happened = self.decode.poll() or happened
+        return happened
 
     def take_outputs(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
         """The deltas for the front: remote prefills' own outputs never leave the engine."""
@@ -181,4 +184,3 @@ class KVAgents:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-

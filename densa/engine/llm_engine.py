@@ -234,6 +234,15 @@ class LLMEngine:
             self.scheduler.has_unfinished or bool(self._finished_outputs) or bool(self.grammar_gate)
         )
 
+    def has_runnable_work(self) -> bool:
+        """Would a step compute or report anything? (Requests waiting for a KV transfer to land
+        would not: the loop then waits for messages instead of spinning.)"""
+        return (
+            self.scheduler.has_schedulable
+            or bool(self._finished_outputs)
+            or bool(self.grammar_gate)
+        )
+
     @property
     def num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished + len(self.grammar_gate)
