@@ -199,7 +199,7 @@ class DecodeAgent:
         peer = next((p for p in self._peers.values() if p.peer_id == peer_id), None)
         if peer is None or peer.ready:
             return
-        peer.error = welcome.error or mismatch(self.model, welcome.model)
+        peer.error = mismatch(self.model, welcome.model) or welcome.error
         peer.ready = peer.error is None
         if peer.error:
             self.stats.add("handshake_failures")
@@ -212,7 +212,9 @@ class DecodeAgent:
                 self._after_handshake(transfer, peer)
 
     def _after_handshake(self, transfer: DecodeTransfer, peer: _Peer) -> None:
-        if peer.error:
+        if not self.engine.is_receiving(transfer.request_id):  # ended meanwhile
+            self._close_unreserved(transfer, None)
+        elif peer.error:
             self._close_unreserved(transfer, peer.error)
         else:
             self._enter(transfer, DecodeState.WAITING_PAGES)
@@ -326,6 +328,12 @@ class DecodeAgent:
         message: m.KVPages,
         frames: list[memoryview],
     ) -> None:
+        if (
+            transfer is not None
+            and transfer.state == DecodeState.REQUESTED
+            and not self.engine.is_receiving(transfer.request_id)
+        ):
+            self._enter(transfer, DecodeState.ABORTING)  # it ended since the last poll
         if transfer is None or transfer.state != DecodeState.REQUESTED:
             self._drop_late_pages(peer_id, transfer, message)
             return

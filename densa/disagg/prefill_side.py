@@ -14,12 +14,13 @@ Released transfers stay as tombstones for a while: a duplicate PrefillRequest is
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from densa.disagg import messages as m
 from densa.disagg.decode_side import TOMBSTONE_S, UNKNOWN_PEER
@@ -200,7 +201,7 @@ class PrefillAgent:
         packed = self.engine.pack(held[transfer.request.first_block :])
         message = transfer.message
         assert message is not None
-        transfer.message = dataclasses.replace(message, layout=packed.layout)
+        transfer.message = msgspec.structs.replace(message, layout=packed.layout)
         self._send_pages(transfer, packed)
 
     def _on_abort(self, transfer: PrefillTransfer) -> None:

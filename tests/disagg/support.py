@@ -41,10 +41,13 @@ class Pair:
         assert self.d_agents.decode is not None
         self.d_agents.decode.start(request_id, self.address)
 
-    def turn(self) -> None:
-        """One turn of both engine loops: agents first, then a step where there is work."""
+    def turn(self, run_prefill: bool = True) -> None:
+        """One turn of both engine loops: agents first, then a step where there is work.
+        run_prefill=False: the prefill engine computes nothing (a slow or stuck worker)."""
         for engine, agents in ((self.prefill, self.p_agents), (self.decode, self.d_agents)):
             agents.poll()
+            if engine is self.prefill and not run_prefill:
+                continue
             if engine.has_unfinished_requests():
                 for delta in agents.take_outputs(engine.step()):
                     self.outputs.setdefault(delta.request_id, []).append(delta)
@@ -57,6 +60,31 @@ class Pair:
             if self.is_idle():
                 return
         raise AssertionError("the pair did not go idle")
+
+    def assert_all_free(self) -> None:
+        """Both sides: no request, no held page, every page free, no transfer in flight."""
+        for engine in (self.prefill, self.decode):
+            assert not engine.scheduler.requests and not engine.scheduler.held
+            assert engine.kv_manager.num_free_pages == engine.kv_manager.num_pages
+            assert engine.integrity_stats.total == 0
+        assert not self.p_agents.is_busy() and not self.d_agents.is_busy()
+
+    @property
+    def d_agent(self) -> Any:
+        return self.d_agents.decode
+
+    @property
+    def p_agent(self) -> Any:
+        return self.p_agents.prefill
+
+    def run_until_answered(self, request_id: str, max_turns: int = 200) -> None:
+        """Turn until the request's final output is out (the agents may still hold pages)."""
+        for _ in range(max_turns):
+            self.turn()
+            outputs = self.outputs.get(request_id)
+            if outputs and outputs[-1].finished:
+                return
+        raise AssertionError(f"{request_id} got no final answer")
 
     def is_idle(self) -> bool:
         return not (
