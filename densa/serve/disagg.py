@@ -23,7 +23,7 @@ from densa.serve.errors import APIError, bad_request
 PREFILL_HEADER = "x-densa-prefill"
 PEER_PATH = "/disagg/peer"
 _LOOKUP_TIMEOUT_S = 5.0
-_CACHE_S = 30.0  # a prefill worker restarted on the same URL gets a new KV port: look again
+_CACHE_S = 2.0  # a prefill worker restarted on the same URL gets a new KV port: look again soon
 
 disagg_router = APIRouter()
 
