@@ -23,15 +23,13 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from densa.disagg import messages as m
 from densa.disagg.handshake import mismatch
+from densa.disagg.ports import DecodeEngine, Landing, Reservation
 from densa.disagg.stats import AgentStats
 from densa.disagg.transport import KVTransport
 from densa.disagg.wire import WireError, check_frames
-from densa.ipc.messages import TokenLogprobs
-from densa.sampling_params import SamplingParams
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -52,52 +50,6 @@ class DecodeState(enum.Enum):
 
 
 _TERMINAL = (DecodeState.LANDED, DecodeState.CLOSED)
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Pages the engine allocated for a request's prompt, minus the prefix it already caches."""
-
-    first_block: int
-    dest_page_ids: list[int]
-    dest_tags: list[int]
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_scope: str
-
-
-@dataclass(frozen=True)
-class Landing:
-    dest_page_ids: list[int]
-    dest_tags: list[int]
-    layout: m.WireLayout
-    frames: list[memoryview]
-    first_token_id: int
-    first_logprobs: TokenLogprobs | None
-    num_cached_tokens: int
-
-
-class DecodeEngine(Protocol):
-    """What the decode agent needs from its engine (engine/disagg_port.py implements it)."""
-
-    def is_receiving(self, request_id: str) -> bool:
-        """Is the request alive and still waiting for its prompt's K/V?"""
-        ...
-
-    def reserve_remote(self, request_id: str) -> Reservation | None:
-        """Allocate and tag destination pages (the request then holds them); None: no room yet."""
-        ...
-
-    def land_remote(self, request_id: str, landing: Landing) -> str | None:
-        """Check the tags, write the pages, run the request from its first token. Returns why
-        it was refused (the engine then ended the request), or None."""
-        ...
-
-    def fail_remote(self, request_id: str, error: str) -> None:
-        """End the request with this error (its destination pages stay held)."""
-        ...
-
-    def release_held(self, request_id: str) -> None: ...
 
 
 @dataclass

@@ -18,13 +18,13 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import msgspec
 
 from densa.disagg import messages as m
 from densa.disagg.decode_side import TOMBSTONE_S, UNKNOWN_PEER
 from densa.disagg.handshake import mismatch
+from densa.disagg.ports import PrefillEngine
 from densa.disagg.stats import AgentStats
 from densa.disagg.transport import KVTransport
 from densa.disagg.wire import Packed
@@ -40,24 +40,6 @@ class PrefillState(enum.Enum):
     COMPUTING = "computing"
     HOLDING = "holding"
     RELEASED = "released"
-
-
-class PrefillEngine(Protocol):
-    """What the prefill agent needs from its engine (engine/disagg_port.py implements it)."""
-
-    def start_prefill(self, request_id: str, request: m.PrefillRequest) -> str | None:
-        """Queue the prompt (max_tokens=1, pages held at the end); why not, or None."""
-        ...
-
-    def held_page_ids(self, request_id: str) -> list[int] | None:
-        """The finished request's held pages in block order (None: it holds none)."""
-        ...
-
-    def pack(self, page_ids: list[int]) -> Packed: ...
-
-    def abort(self, request_id: str) -> None: ...
-
-    def release_held(self, request_id: str) -> None: ...
 
 
 @dataclass

@@ -123,7 +123,8 @@ class EngineCore:
                 # show in the stats the heartbeat sends, even if no step follows.
                 if self.kv_agents.poll():
                     self.stats = self._snapshot()
-                if not self._stopping and self.engine.has_unfinished_requests():
+                # Requests waiting only for their KV pages to land need no step.
+                if not self._stopping and self.engine.has_runnable_work():
                     self._send(outputs, self._step())
         finally:
             self._stopping = True

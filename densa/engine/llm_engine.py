@@ -215,12 +215,12 @@ class LLMEngine:
             # Releases since the last step have not reached the device tag table yet: sync first.
             self.runner.integrity.apply_tag_updates(self.kv_manager.pool.drain_tag_updates())
             violation = self.runner.integrity.check_write(request_id, page_ids, tags)
-        tracked = self._tracked.get(request_id)
-        if violation is not None or request is None or tracked is None:
-            if violation is not None:
-                self.integrity_stats.record(violation)
-                self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
+        if violation is not None:
+            self.integrity_stats.record(violation)
+            self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
             return violation
+        assert request is not None  # check_writer refuses a writer that maps no pages
+        tracked = self._tracked[request_id]
         write()
         self.runner.sampler.skip_draw(request_id, request.sampling_params, self.arch.vocab_size)
         request.num_cached_tokens = max(request.num_cached_tokens, num_cached_tokens)

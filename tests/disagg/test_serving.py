@@ -4,9 +4,17 @@ afterwards every page free on both sides, no integrity violation."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -130,3 +138,71 @@ def test_a_prefill_url_that_is_not_a_prefill_worker_is_a_502(
         complete(decode, "Hi", extra_headers={PREFILL_HEADER: reference.base_url})
     assert info.value.status_code == 502
     assert "not a prefill worker" in str(info.value)
+
+
+def test_metrics_show_every_page_free_and_the_transfer_counters(
+    prefill: RunningServer, decode: RunningServer
+) -> None:
+    complete(decode, PROMPTS[0], **split(decode, prefill))
+    for server, role_counter in ((decode, "transfers_landed"), (prefill, "transfers_started")):
+        server.wait_idle(timeout=10)
+        text = httpx.get(server.base_url + "/metrics", timeout=5).text
+        samples = dict(
+            line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+        )
+        assert samples["densa_kv_pages_free"] == samples["densa_kv_pages_total"]
+        assert float(samples['densa_kv_transfer{name="held_pages"}']) == 0
+        assert float(samples[f'densa_kv_transfer{{name="{role_counter}"}}']) >= 1
+        assert not any(k.startswith("densa_kv_integrity_violations{") for k in samples)
+
+
+def test_densa_serve_role_flags_start_real_workers_that_hand_off(
+    tiny_model_dir: Path, reference: RunningServer
+) -> None:
+    """`densa serve --role prefill|decode` as a user runs them: two processes, one answer."""
+    ports = [free_port(), free_port()]
+    processes = [
+        start_cli(tiny_model_dir, ports[0], "--role", "prefill"),
+        start_cli(tiny_model_dir, ports[1], "--role", "decode"),
+    ]
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for url in urls:
+            wait_healthy(url)
+        peer = httpx.get(urls[0] + "/disagg/peer", timeout=5).json()
+        assert peer["role"] == "prefill" and peer["kv_address"].startswith("tcp://127.0.0.1:")
+        answer = httpx.post(
+            urls[1] + "/v1/completions",
+            json={"model": MODEL_NAME, "prompt": PROMPTS[4], "max_tokens": 12, "temperature": 0},
+            headers={PREFILL_HEADER: urls[0]},
+            timeout=60,
+        ).json()
+        assert answer["choices"][0]["text"] == complete(reference, PROMPTS[4]).choices[0].text
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGINT)
+        for process in processes:
+            process.wait(30)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_cli(model_dir: Path, port: int, *flags: str) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "densa.cli", "--log-level", "warning", "serve",
+               "--model", str(model_dir), "--served-model-name", MODEL_NAME, "--port", str(port),
+               "--kv-cache-memory", "32MiB", "--max-model-len", "512", *flags]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def wait_healthy(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not become healthy")
