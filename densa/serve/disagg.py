@@ -69,9 +69,13 @@ async def prefill_address(request: Request, role: str, peers: PrefillPeers) -> s
     return await peers.kv_address(url)
 
 
+# Workers talk to each other directly: a proxy from the environment (http_proxy) must not apply.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _fetch(url: str) -> dict[str, Any]:
     try:
-        with urllib.request.urlopen(url, timeout=_LOOKUP_TIMEOUT_S) as response:
+        with _OPENER.open(url, timeout=_LOOKUP_TIMEOUT_S) as response:
             info = json.loads(response.read())
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise _bad_gateway(f"the prefill worker at {url} did not answer: {exc}") from exc
