@@ -337,3 +337,32 @@ def test_pages_arriving_right_after_an_abort_are_dropped_not_counted_as_violatio
     assert pair.d_agent.stats.counts["late_transfers_dropped"] == 1
     assert pair.decode.integrity_stats.total == 0  # a refused write, not a violation
     pair.assert_all_free()
+
+
+def test_fp8_pages_move_as_bytes_and_decode_exactly_as_one_fp8_engine(
+    tiny_model_dir: Path,
+) -> None:
+    fp8 = {**SMALL, "kv_cache_dtype": "fp8_e4m3"}
+    want = colocated_tokens(tiny_model_dir, [PROMPT], GREEDY, **fp8)[0]
+    pair = make_pair(tiny_model_dir, fp8, fp8, timeout_s=TIMEOUT_S)
+    pair.submit(PROMPT, GREEDY, "r")
+    pair.run()
+    assert pair.tokens("r") == want
+    # 3 pages x 16 tokens x 2 layers x K,V x 2 heads x (16 e4m3 bytes + 1 exponent)
+    assert pair.d_agent.stats.counts["bytes"] == 3 * 16 * 2 * 2 * 2 * (16 + 1)
+    pair.assert_all_free()
+
+
+def test_bf16_prefill_pages_are_converted_into_an_fp8_decode_cache(tiny_model_dir: Path) -> None:
+    pair = make_pair(
+        tiny_model_dir,
+        {**SMALL, "kv_cache_dtype": "bfloat16"},
+        {**SMALL, "kv_cache_dtype": "fp8_e4m3"},
+        timeout_s=TIMEOUT_S,
+    )
+    pair.submit(PROMPT, GREEDY, "r")
+    pair.run()
+    final = pair.final("r")
+    assert final.finish_reason == "length" and len(pair.tokens("r")) == GREEDY.max_tokens
+    assert pair.d_agent.stats.counts["bytes"] == 3 * 16 * 2 * 2 * 2 * 16 * 2  # BF16 on the wire
+    pair.assert_all_free()
