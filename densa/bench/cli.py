@@ -102,7 +102,7 @@ def _add_disagg(benchmarks: argparse._SubParsersAction) -> None:
     g.add_argument("--long-prompt-len", type=int, default=2048)
     g.add_argument("--long-output-len", type=int, default=8)
     g.add_argument("--long-interval", type=float, default=1.5, help="seconds between long ones")
-    g.add_argument("--repeats", type=int, default=2, help="timed runs per variant")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs per variant")
     g.add_argument("--prompt-seed", type=int, default=0)
     g.add_argument("--out", type=Path, default=Path("docs/benchmarks/disagg"), help="folder")
     EngineArgs.add_cli_args(parser)

@@ -48,7 +48,7 @@ class DisaggSettings:
     long_prompt_len: int = 2048
     long_output_len: int = 8
     long_interval_s: float = 1.5
-    repeats: int = 2
+    repeats: int = 3
     prompt_seed: int = 0
 
     def __post_init__(self) -> None:
@@ -151,8 +151,13 @@ def _workers(variant: Variant, base: EngineArgs) -> Iterator[dict[str, Any]]:
 
 
 # ---- one run ------------------------------------------------------------------------------------
-def _prompts(settings: DisaggSettings, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
-    rng = random.Random(settings.prompt_seed)
+def _prompts(
+    settings: DisaggSettings, vocab: int, run_idx: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Fresh random prompts for every repetition: a repeat must not hit the prefix caches its
+    predecessor filled (on either worker), or it would measure a different workload. (Variants
+    have engines of their own, so within one repetition they share the prompts.)"""
+    rng = random.Random(f"{settings.prompt_seed}-{run_idx}")
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(n)]
@@ -253,8 +258,8 @@ def run_disagg(settings: DisaggSettings, base: EngineArgs) -> BenchReport:
     with contextlib.ExitStack() as stack:
         workers = {v.name: stack.enter_context(_workers(v, base)) for v in VARIANTS}
         vocab = workers["colocated"]["decode"].served.vocab_size
-        short, long = _prompts(settings, vocab)
-        for w in workers.values():  # warm-up: one untimed run per variant
+        for warm_idx, w in enumerate(workers.values()):  # warm-up: one small untimed run each
+            short, long = _prompts(settings, vocab, -1 - warm_idx)
             asyncio.run(
                 _run_workload(
                     w, dataclasses.replace(settings, long_interval_s=0.0), short[:2], long[:1]
@@ -262,6 +267,7 @@ def run_disagg(settings: DisaggSettings, base: EngineArgs) -> BenchReport:
             )
         for repeat, name in interleave(list(variants), settings.repeats):
             w = workers[name]
+            short, long = _prompts(settings, vocab, repeat)  # the same for every variant
             before = dict(w["decode"].stats.disagg)
             results, wall = asyncio.run(_run_workload(w, settings, short, long))
             time.sleep(0.6)  # a heartbeat brings the counters of the last transfers

@@ -138,6 +138,9 @@ NOTES = [
     "pool runs memory-bound batches without prefill chunks stalling them, and each pool keeps "
     "the formats that pay in its phase (FP8 KV, INT4 weights on decode: more requests in flight). "
     "The transfer costs bandwidth, not compute: here it is a copy over loopback TCP.",
+    "Transfer figures are per transfer, averaged over a run's transfers (the short requests' "
+    "and the long prompts' together); every run uses fresh prompts, so no run hits a prefix "
+    "cache an earlier run filled.",
     "The reference split converts BF16 pages to FP8 at landing (landing + conversion ms); the "
     "same-format split copies bytes as they are.",
 ]
