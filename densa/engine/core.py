@@ -118,10 +118,11 @@ class EngineCore:
             for socket in [requests, *self.kv_agents.waitables()]:
                 poller.register(socket, zmq.POLLIN)
             while not self._stopping:
-                self._take_messages(requests, outputs, poller)
-                # Every turn, idle or not, so transfer deadlines fire on time; pages it freed
-                # show in the stats the heartbeat sends, even if no step follows.
-                if self.kv_agents.poll():
+                applied = self._take_messages(requests, outputs, poller)
+                # Every turn, idle or not, so transfer deadlines fire on time; what the agents
+                # (or new requests) changed shows in the stats the heartbeat sends, even if no
+                # step follows (a request waiting for its pages is not stepped).
+                if self.kv_agents.poll() or applied:
                     self.stats = self._snapshot()
                 # Requests waiting only for their KV pages to land need no step.
                 if not self._stopping and self.engine.has_runnable_work():
@@ -153,14 +154,14 @@ class EngineCore:
         disagg = self.kv_agents.stats()
         return msgspec.structs.replace(stats, disagg=disagg) if disagg else stats
 
-    def _take_messages(self, requests: zmq.Socket, outputs: zmq.Socket, poller: zmq.Poller) -> None:
-        """Apply every message waiting; if nothing can be computed, first wait up to
-        _IDLE_POLL_MS for a message from the front or a KV peer."""
+    def _take_messages(self, requests: zmq.Socket, outputs: zmq.Socket, poller: zmq.Poller) -> bool:
+        """Apply every message waiting (returns whether there was one); if nothing can be
+        computed, first wait up to _IDLE_POLL_MS for a message from the front or a KV peer."""
         idle = not self.engine.has_runnable_work()
         if idle and not any(poller.poll(_IDLE_POLL_MS)):
-            return
+            return False
         if not requests.poll(0):
-            return
+            return False
         refused: list[RequestDelta] = []
         while True:
             try:
@@ -170,6 +171,7 @@ class EngineCore:
             refused += self._apply(codec.decode_to_engine(data))
         if refused:  # answered at once, not after the next step
             self._send(outputs, StepOutputs(refused, self.stats))
+        return True
 
     def _apply(self, message: ToEngine) -> list[RequestDelta]:
         if isinstance(message, AddRequest):
