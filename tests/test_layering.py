@@ -18,6 +18,10 @@ LAYERS = {
     "sched": 2,
     "kernels": 3,
     "quant": 3,
+    # Statistics, reports, plots and offline data: shared by bench, eval and by calibration
+    # (GPTQ reads its text through it), so it sits with the lowest of them.
+    "measure": 3,
+    "memory": 3,  # huge-page allocation for weights (model/) and KV pages (worker/)
     "model": 4,
     "worker": 5,
     "disagg": 5,
@@ -26,6 +30,7 @@ LAYERS = {
     "serve": 7,
     "bench": 7,
     "eval": 7,
+    "tools": 7,
     "cli": 7,
     "__init__": 7,
 }
@@ -76,6 +81,19 @@ def test_every_module_respects_the_layers() -> None:
 def test_the_table_knows_every_top_level_module() -> None:
     tops = {_module_key(p).split(".")[0] for p in PACKAGE.rglob("*.py")}
     assert tops <= set(LAYERS), sorted(tops - set(LAYERS))
+
+
+def test_bench_and_eval_share_measure_not_each_other() -> None:
+    """Benchmarks and quality evaluations are siblings: what both need lives in densa.measure."""
+    crossings = []
+    for a, b in (("bench", "eval"), ("eval", "bench")):
+        for path in sorted((PACKAGE / a).rglob("*.py")):
+            crossings += [
+                f"densa.{_module_key(path)} imports {name}"
+                for name in _imports(path)
+                if name == f"densa.{b}" or name.startswith(f"densa.{b}.")
+            ]
+    assert not crossings, "\n".join(crossings)
 
 
 # ---- the HTTP front (and the router) never import torch, even indirectly --------------------------

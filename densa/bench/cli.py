@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from densa.bench.peers_cli import add_peers_parser
 from densa.engine.args import EngineArgs
 
 T = TypeVar("T")
@@ -29,8 +30,11 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_prefix(benchmarks)
     _add_kv_sweep(benchmarks)
     _add_weights(benchmarks)
+    _add_moe(benchmarks)
     _add_hostile(benchmarks)
+    add_peers_parser(benchmarks)
     _add_structured(benchmarks)
+    _add_step_bytes(benchmarks)
     _add_disagg(benchmarks)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
@@ -417,6 +421,56 @@ def _weights(ns: argparse.Namespace) -> int:
     return _write(run_weights(settings, EngineArgs.from_cli(ns)), ns.out)
 
 
+def _add_moe(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "moe",
+        help="BF16 vs INT4 experts on a random ~1B-parameter MoE made locally",
+        description="Writes a random Qwen3-MoE-shaped checkpoint (once, in --work-dir), then "
+        "runs the weights benchmark on it: sizes, prefill tok/s, decode tok/s by concurrency.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--formats", nargs="+", default=["bf16", "int4"], help="as in bench weights")
+    g.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    g.add_argument("--prefill-len", type=int, default=512, help="prompt tokens, prefill test")
+    g.add_argument("--prompt-len", type=int, default=64, help="prompt tokens, decode waves")
+    g.add_argument("--output-len", type=int, default=32, help="output tokens, decode waves")
+    g.add_argument("--repeats", type=int, default=3)
+    m = parser.add_argument_group("the random model (Qwen3-MoE shape)")
+    m.add_argument("--num-layers", type=int, default=12)
+    m.add_argument("--hidden-size", type=int, default=1024, help="a multiple of 256")
+    m.add_argument("--num-experts", type=int, default=64)
+    m.add_argument("--top-k", type=int, default=8, help="experts per token")
+    m.add_argument("--expert-intermediate-size", type=int, default=384)
+    g.add_argument("--work-dir", type=Path, default=None, help="model and checkpoints (cached)")
+    g.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/moe"))
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_moe, kv_cache_memory="1GiB", max_num_batched_tokens=1024)
+
+
+def _moe(ns: argparse.Namespace) -> int:
+    from densa.bench.moe import MoeShape, run_moe
+    from densa.bench.weights import WeightsSettings
+
+    def build() -> tuple[MoeShape, WeightsSettings]:
+        shape = MoeShape(
+            hidden_size=ns.hidden_size, num_layers=ns.num_layers, num_experts=ns.num_experts,
+            top_k=ns.top_k, expert_intermediate_size=ns.expert_intermediate_size,
+        )  # fmt: skip
+        settings = WeightsSettings(
+            formats=tuple(ns.formats), concurrency=tuple(ns.concurrency),
+            prefill_len=ns.prefill_len, prompt_len=ns.prompt_len, output_len=ns.output_len,
+            repeats=ns.repeats, profile=ns.profile,
+            **({"work_dir": ns.work_dir} if ns.work_dir is not None else {}),
+        )  # fmt: skip
+        return shape, settings
+
+    built = _settings("moe", build)
+    if built is None:
+        return 2
+    return _write(run_moe(*built, EngineArgs.from_cli(ns)), ns.out)
+
+
 def _add_structured(benchmarks: argparse._SubParsersAction) -> None:
     parser = benchmarks.add_parser(
         "structured",
@@ -446,3 +500,33 @@ def _structured(ns: argparse.Namespace) -> int:
     if settings is None:
         return 2
     return _write(run_structured(settings, EngineArgs.from_cli(ns)), ns.out)
+
+
+def _add_step_bytes(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "step-bytes",
+        help="bytes per step of the scheduler -> runner contract: deltas vs whole snapshots",
+        description="One run of --concurrency requests; every step's SchedulerOutput encoded "
+        "with msgpack, next to the whole per-request snapshot the previous contract sent.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--concurrency", type=int, default=32, help="requests in the run")
+    g.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request")
+    g.add_argument("--output-len", type=int, default=64, help="output tokens (EOS ignored)")
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/step_bytes"), help="folder")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_step_bytes, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _step_bytes(ns: argparse.Namespace) -> int:
+    from densa.bench.step_bytes import StepBytesSettings, run_step_bytes
+
+    settings = _settings(
+        "step-bytes",
+        lambda: StepBytesSettings(
+            concurrency=ns.concurrency, prompt_len=ns.prompt_len, output_len=ns.output_len
+        ),
+    )
+    if settings is None:
+        return 2
+    return _write(run_step_bytes(settings, EngineArgs.from_cli(ns)), ns.out)

@@ -24,10 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from densa.engine.args import EngineArgs
-from densa.engine.llm_engine import LLMEngine
+from densa.engine.llm_engine import LLMEngine, StepRecord
 from densa.sampling_params import SamplingParams
-from densa.sched.output import SchedulerOutput
-from densa.worker.model_runner import RunnerOutput
 
 
 @dataclass(frozen=True)
@@ -102,22 +100,16 @@ def engine_args(model_dir: Path, settings: E2ESettings, variant: Variant) -> Eng
 
 
 class StepRecorder:
-    """Wraps a runner's execute: time and shape of every step (the GPU syncs on sampling)."""
+    """Observes an engine's steps: time and shape of each (the GPU syncs on sampling)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.steps: list[tuple[float, int, bool]] = []  # seconds, rows, decode-only
-        runner = engine.runner
-        inner = runner.execute
+        engine.step_observers.append(self._record)
 
-        def execute(step: SchedulerOutput) -> RunnerOutput:
-            start = time.perf_counter()
-            out = inner(step)
-            rows = len(step.scheduled)
-            decode_only = all(item.num_tokens == 1 for item in step.scheduled)
-            self.steps.append((time.perf_counter() - start, rows, decode_only and rows > 0))
-            return out
-
-        runner.execute = execute  # type: ignore[method-assign]
+    def _record(self, record: StepRecord) -> None:
+        rows = len(record.step.scheduled)
+        decode_only = all(item.num_tokens == 1 for item in record.step.scheduled)
+        self.steps.append((record.seconds, rows, decode_only and rows > 0))
 
 
 def run_wave(

@@ -15,23 +15,22 @@ share is the part of a wave that more capacity cannot speed up.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from densa.bench.common import interleave, progress
 from densa.bench.kv_sweep_report import build_report
-from densa.bench.report import BenchReport
 from densa.bench.serving import DensaEngine, ServingSettings, make_prompts, timed_wave
 from densa.bench.timing import RequestTiming, Wave
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
+from densa.measure.progress import progress
+from densa.measure.report import BenchReport
+from densa.measure.stats import interleave
 from densa.model.arch import ArchConfig
 from densa.model.loader import resolve_model_dir
 from densa.sched.output import SchedulerOutput
 from densa.utils.logging import get_logger
 from densa.worker.kv_cache import kv_capacity, page_bytes
-from densa.worker.model_runner import RunnerOutput
 
 logger = get_logger(__name__)
 
@@ -85,6 +84,8 @@ class StepProfile:
     peak_running: int = 0  # most requests running at once: how many were admitted concurrently
 
     def record(self, step: SchedulerOutput, seconds: float, num_running: int) -> None:
+        # Decode chunks are the one-token chunks past the prompt; the chunk says only its token
+        # count, so one-token prompt chunks (rare: a fully cached prompt) count as decodes here.
         num_decodes = sum(1 for item in step.scheduled if item.num_tokens == 1)
         num_prefill_tokens = sum(item.num_tokens for item in step.scheduled) - num_decodes
         self.peak_running = max(self.peak_running, num_running)
@@ -105,16 +106,9 @@ class ProfiledEngine(DensaEngine):
         super().__init__(engine)
         self.name = name
         self.profile = StepProfile()
-        inner = engine.runner.execute
-
-        def timed_execute(step: SchedulerOutput) -> RunnerOutput:
-            start = time.perf_counter()
-            output = inner(step)
-            seconds = time.perf_counter() - start
-            self.profile.record(step, seconds, len(engine.scheduler.running))
-            return output
-
-        engine.runner.execute = timed_execute  # type: ignore[method-assign]
+        engine.step_observers.append(
+            lambda r: self.profile.record(r.step, r.seconds, r.num_running)
+        )
 
     def run_wave(self, prompts: list[list[int]], output_len: int) -> list[RequestTiming]:
         self.profile = StepProfile()

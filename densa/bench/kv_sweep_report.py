@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from densa.bench.common import format_spread, latency_stats, median, spread
-from densa.bench.report import BenchReport, LinePlot, Series, Table
 from densa.bench.timing import Wave
+from densa.measure.report import BenchReport, LinePlot, Series, Table
+from densa.measure.stats import format_spread, latency_stats, median, spread
 
 NOTES = [
     "One KV budget in bytes for every KV dtype, sized in BF16 requests (settings: "

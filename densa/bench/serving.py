@@ -16,13 +16,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from densa.bench.common import PeakRSS, interleave, progress
-from densa.bench.report import BenchReport
 from densa.bench.serving_report import build_report
 from densa.bench.timing import RequestTiming, ServingEngine, Wave
 from densa.engine.args import EngineArgs, default_model_path
 from densa.engine.llm_engine import LLMEngine
 from densa.ipc.messages import RequestDelta
+from densa.measure.hardware import PeakRSS
+from densa.measure.progress import progress
+from densa.measure.report import BenchReport
+from densa.measure.stats import interleave
 from densa.model.loader import resolve_model_dir
 from densa.sampling_params import SamplingParams
 from densa.utils.logging import get_logger

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from densa.bench.common import format_spread, latency_stats, spread
-from densa.bench.report import BenchReport, LinePlot, Series, Table
 from densa.bench.timing import Wave
+from densa.measure.report import BenchReport, LinePlot, Series, Table
+from densa.measure.stats import format_spread, latency_stats, spread
 from densa.utils.sizes import format_bytes
 
 NOTES = [

@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from densa.bench.common import format_spread, interleave, progress, spread
-from densa.bench.report import BenchReport, LinePlot, Series, Table
 from densa.bench.serving import ServingSettings, make_prompts
 from densa.engine.args import EngineArgs, default_model_path
 from densa.engine.llm_engine import LLMEngine
+from densa.measure.progress import progress
+from densa.measure.report import BenchReport, LinePlot, Series, Table
+from densa.measure.stats import format_spread, interleave, spread
 from densa.model.linear import resident_weight_bytes
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
 from densa.quant.weight_format import WeightFormat

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from densa.disagg.messages import WireLayout
+from densa.kernels.fp8_store import store_fp8
 from densa.kernels.paged_attention_ref import EXPONENT_SCALE_DTYPE, dequantize_pages
 from densa.model.attention import LayerKVCache
 from densa.quant import fp8_kv
@@ -163,7 +164,7 @@ def _store(
     slot_offsets = torch.arange(page_size, device=index.device).repeat(num_pages)
     # [n, KVH, P, D] -> [n * P, KVH, D]: one row per stored token, as the store path takes them
     rows = values.transpose(1, 2).reshape(num_pages * page_size, num_kv_heads, head_dim)
-    fp8_kv.store_fp8(cache, scale, slot_pages, slot_offsets, rows.contiguous())
+    store_fp8(cache, scale, slot_pages, slot_offsets, rows.contiguous())
 
 
 def _scale(scale: torch.Tensor | None) -> torch.Tensor:

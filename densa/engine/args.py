@@ -5,10 +5,16 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from densa.config import (
+    ATTENTION_BACKENDS,
+    COMPUTE_DTYPES,
     DEFAULT_KV_SCALES,
+    HEAD_FORMATS,
+    KV_CACHE_DTYPES,
     KV_SCALE_POLICIES,
+    WEIGHT_FORMATS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -16,6 +22,9 @@ from densa.config import (
 )
 from densa.model.arch import ArchConfig
 from densa.utils.sizes import parse_memory
+
+if TYPE_CHECKING:  # the front builds its command line from here: no torch at import
+    from densa.quant.kv_format import KVFormat
 
 # The default KV budget: pages for max_num_seqs requests at the full max_model_len (so the
 # scheduler never has to preempt at the default settings), but never more than this share of
@@ -51,9 +60,15 @@ class EngineArgs:
     # auto = as the checkpoint's metadata says; dense = dequantize at load; int4 / fp8 = quantize
     # a dense checkpoint at load time (round-to-nearest; `densa quantize` for calibrated ones).
     weight_format: str = "auto"
+    # The output head: dense, w8a8 (8-bit groups of 32, int8 activations), w8 (the same weights,
+    # float activations) or auto (a GGUF's Q8_0 head as w8, else dense).
+    head_format: str = "auto"
     # Phase-aware weights: decode steps run through this checkpoint of the same model (e.g. INT4)
     # while prefill keeps `model`'s weights; both share the one KV cache.
     decode_model: str | None = None
+    # ... or through a second copy of `model` in this weight format (e.g. w4a8 decode, w8a8
+    # prefill), made at load time.
+    decode_weight_format: str | None = None
     # "auto" (see AUTO_KV_MEMORY), bytes ("2GiB"), or a share of free memory ("0.3", "30%").
     kv_cache_memory: str = AUTO_KV_MEMORY
     kv_cache_dtype: str = "auto"
@@ -68,6 +83,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     max_waiting_requests: int = 1024
     attention_backend: str = "auto"
+    # Decode-only steps through the fused C++ step (densa/model/fused_decode.py) where it runs.
+    fused_decode: bool = True
     device: str = "cpu"
     # On a GPU, replay all-decode steps of up to 64 requests from CUDA graphs (Triton backend).
     cuda_graphs: bool = True
@@ -79,23 +96,33 @@ class EngineArgs:
     kv_listen: str = "tcp://127.0.0.1:0"  # where a prefill worker accepts decode workers
     kv_transfer_timeout: float = 30.0  # seconds any KV transfer state may last
 
-    def resolve(self, arch: ArchConfig, model_path: str, num_pages: int) -> EngineConfig:
+    def resolve(
+        self,
+        arch: ArchConfig,
+        model_path: str,
+        num_pages: int,
+        eos_token_ids: tuple[int, ...] = (),
+        kv_format: KVFormat | None = None,
+    ) -> EngineConfig:
         """Freeze the options once the model (arch) and the page count are known."""
         max_len = self.resolved_max_model_len(arch)
+        kv = kv_format or self.kv_format()
         model = ModelConfig(
             model=model_path,
             served_model_name=self.served_model_name or _default_name(model_path),
             dtype=self.dtype,
             max_model_len=max_len,
             weight_format=self.weight_format,
+            head_format=self.head_format,
             decode_model=self.decode_model,
+            decode_weight_format=self.decode_weight_format,
             seed=self.seed,
         )
         cache = CacheConfig(
             page_size=self.page_size,
             num_pages=num_pages,
-            kv_cache_dtype=self.resolved_kv_cache_dtype(),
-            kv_scales=self.resolved_kv_scales(),
+            kv_cache_dtype=kv.name,
+            kv_scales=kv.fp8_policy,
             kv_scales_file=self.kv_scales_file,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_integrity=self.kv_integrity,
@@ -105,13 +132,12 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_len,
             max_waiting_requests=self.max_waiting_requests,
+            eos_token_ids=eos_token_ids,
         )
         return EngineConfig(model=model, cache=cache, scheduler=scheduler)
 
     def resolved_max_model_len(self, arch: ArchConfig) -> int:
-        limit = arch.max_position_embeddings
-        if arch.sliding_window is not None:
-            limit = min(limit, arch.sliding_window)
+        limit = arch.max_position_embeddings  # sliding windows are attended as windows
         if self.max_model_len is None:
             return min(limit, 4096)  # a longer default costs KV pages nobody asked for
         if self.max_model_len > limit:
@@ -119,6 +145,14 @@ class EngineArgs:
                 f"max_model_len {self.max_model_len} exceeds the model's context of {limit}"
             )
         return self.max_model_len
+
+    def kv_format(self) -> KVFormat:
+        """The KV pages' format from these options, resolved once per engine (the builder
+        threads it through sizing, allocation and the config)."""
+        from densa.quant.kv_format import KVFormat
+
+        return KVFormat.of(self.resolved_kv_cache_dtype(), self.resolved_kv_scales(),
+                           self.kv_scales_file)  # fmt: skip
 
     def resolved_kv_cache_dtype(self) -> str:
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
@@ -163,6 +197,7 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("engine")
+        d = EngineArgs()  # the defaults live in the dataclass; the command line shows them
         g.add_argument(
             "--model",
             default=None,
@@ -171,25 +206,25 @@ class EngineArgs:
         g.add_argument(
             "--served-model-name", default=None, help="model id clients use (default: file name)"
         )
-        g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        g.add_argument("--dtype", default=d.dtype, choices=list(COMPUTE_DTYPES))
         g.add_argument(
             "--max-model-len", type=int, default=None, help="tokens per request (prompt + output)"
         )
         g.add_argument(
             "--kv-cache-memory",
-            default=AUTO_KV_MEMORY,
+            default=d.kv_cache_memory,
             help="KV cache size: bytes like '2GiB', a share of the memory free after loading "
             "like '0.3' or '30%%', or auto (default): room for --max-num-seqs requests of "
             f"--max-model-len tokens, at most {AUTO_KV_MAX_FRACTION * 100:.0f}%% of free memory",
         )
         g.add_argument(
             "--kv-cache-dtype",
-            default="auto",
-            choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3"],
+            default=d.kv_cache_dtype,
+            choices=list(KV_CACHE_DTYPES),
         )
         g.add_argument(
             "--kv-scales",
-            default="auto",
+            default=d.kv_scales,
             choices=list(KV_SCALE_POLICIES),
             help="FP8 KV scales: per token and head (dynamic) or per layer from --kv-scales-file "
             f"(static; 1.0 without a file). auto: static if a file is given, else "
@@ -206,27 +241,55 @@ class EngineArgs:
             default=None,
             help="exact number of KV pages (overrides --kv-cache-memory)",
         )
-        g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+        g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
         g.add_argument(
-            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_prefix_caching,
         )
         g.add_argument(
             "--kv-integrity",
             choices=["on", "off"],
-            default="on",
+            default="on" if d.kv_integrity else "off",
             help="check KV page generation tags before every read and write",
         )
-        g.add_argument("--max-num-seqs", type=int, default=32, help="requests in flight per step")
-        g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
         g.add_argument(
-            "--max-waiting-requests", type=int, default=1024, help="queue bound (then 429)"
+            "--max-num-seqs", type=int, default=d.max_num_seqs, help="requests in flight per step"
+        )
+        g.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=d.max_num_batched_tokens,
+            help="tokens per step",
+        )
+        g.add_argument(
+            "--max-waiting-requests",
+            type=int,
+            default=d.max_waiting_requests,
+            help="queue bound (then 429)",
         )
         g.add_argument(
             "--weight-format",
-            default="auto",
-            choices=["auto", "dense", "int4", "fp8"],
-            help="linear weights: as stored (auto), dequantized (dense), or quantized at load "
-            "time by round-to-nearest (int4 g128 symmetric, fp8 128x128 blocks)",
+            default=d.weight_format,
+            choices=list(WEIGHT_FORMATS),
+            help="linear weights: as stored (auto: a GGUF's Q4_1 layers as w4a8, a densa "
+            "checkpoint's own format, else dense), dequantized (dense), or quantized at load "
+            "time by round-to-nearest (int4 g128 symmetric, fp8 128x128 blocks; w4a8 / w8a8 / "
+            "w8: 4-/8-bit groups of 32 on densa's CPU kernels, see docs/weights.md)",
+        )
+        g.add_argument(
+            "--head-format",
+            default=d.head_format,
+            choices=list(HEAD_FORMATS),
+            help="the output head (also when tied to the embedding): dense, w8a8 (int8 "
+            "activations), w8 (float activations), or auto: a GGUF's Q8_0 head as w8",
+        )
+        g.add_argument(
+            "--decode-weight-format",
+            default=None,
+            choices=list(WEIGHT_FORMATS),
+            help="phase-aware from one checkpoint: decode steps run through a second copy of "
+            "--model in this format (e.g. w4a8), prefill through --weight-format",
         )
         g.add_argument(
             "--decode-model",
@@ -236,34 +299,41 @@ class EngineArgs:
         )
         g.add_argument(
             "--attention-backend",
-            default="auto",
-            choices=["auto", "torch", "cpu", "triton"],
+            default=d.attention_backend,
+            choices=list(ATTENTION_BACKENDS),
             help="auto: Numba kernels on the CPU, Triton kernels on a GPU",
         )
         g.add_argument(
             "--device",
-            default="cpu",
+            default=d.device,
             help="where weights, KV pages and the tag table live: cpu, cuda or cuda:N",
         )
         g.add_argument(
             "--cuda-graphs",
             action=argparse.BooleanOptionalAction,
-            default=True,
+            default=d.cuda_graphs,
             help="on a GPU, replay decode steps from CUDA graphs (batch sizes up to 64)",
         )
-        g.add_argument("--seed", type=int, default=0)
         g.add_argument(
-            "--role", default="both", choices=list(ROLES),
+            "--fused-decode",
+            action=argparse.BooleanOptionalAction,
+            default=d.fused_decode,
+            help="run decode-only steps through the fused C++ step where it runs (float32 "
+            "compute, dense / w4a8 / w8a8 weights, CPU; otherwise the eager model)",
+        )
+        g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument(
+            "--role", default=d.role, choices=list(ROLES),
             help="both: prefill and decode here (default); prefill: also run prompts for decode "
             "workers and hand them the KV pages; decode: take requests whose x-densa-prefill "
             "header names a prefill worker, and decode them with its pages",
         )  # fmt: skip
         g.add_argument(
-            "--kv-listen", default="tcp://127.0.0.1:0",
+            "--kv-listen", default=d.kv_listen,
             help="prefill role: the ZeroMQ address decode workers connect to (port 0: any free)",
         )  # fmt: skip
         g.add_argument(
-            "--kv-transfer-timeout", type=float, default=30.0,
+            "--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout,
             help="seconds a KV transfer may stay in any one state (then it fails, pages freed)",
         )  # fmt: skip
 

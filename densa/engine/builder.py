@@ -3,6 +3,7 @@ run here, size the KV cache from its memory budget, and wire the model runner.""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,12 +12,17 @@ import torch
 
 from densa.config import CacheConfig, EngineConfig
 from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs, default_model_path
+from densa.kernels import native
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, LayerKVCache
+from densa.model.fused_decode import unsupported_reason
 from densa.model.interface import CausalLM
+from densa.model.kv_layout import LayerCache
 from densa.model.linear import resident_weight_bytes
-from densa.model.loader import load_model, resolve_model_dir
+from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.quant import fp8_kv
+from densa.quant.kv_format import KVFormat
+from densa.sched.stop import StopRule
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
@@ -43,31 +49,42 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     args.check()
     model_path = args.model or default_model_path()
     model_dir = resolve_model_dir(model_path)
+    weights, head = auto_formats(model_path, model_dir, args.weight_format, args.head_format)
+    args = dataclasses.replace(args, weight_format=weights, head_format=head)
     arch = ArchConfig.from_dir(model_dir)
     device = torch.device(args.device)
     max_len = args.resolved_max_model_len(arch)
-    kv_dtype, kv_scales = args.resolved_kv_cache_dtype(), args.resolved_kv_scales()
-    static_scales = load_static_kv_scales(args, arch, device)  # fails fast, before loading
+    kv_format = args.kv_format()  # resolved once: sizing, allocation and the config use it
+    kv_dtype, kv_scales = kv_format.name, kv_format.fp8_policy
+    static_scales = load_static_kv_scales(args, kv_format, arch, device)  # fails fast
     # A fixed size is checked before the slow load; a share of free memory only after it.
     sized = (
-        None if _is_relative(args) else _resolve_num_pages(args, arch, kv_dtype, max_len, device)
+        None if _is_relative(args) else _resolve_num_pages(args, arch, kv_format, max_len, device)
     )
     logger.info("loading the model %s", model_path)
     tokenizer = load_tokenizer(model_dir, arch.eos_token_ids)
-    model = load_model(model_dir, arch, args.dtype, max_len, device, args.weight_format)
-    decode_model = load_decode_model(args, arch, max_len, device)
-    num_pages, budget = sized or _resolve_num_pages(args, arch, kv_dtype, max_len, device)
-    config = args.resolve(arch, model_path, num_pages)
+    model = load_model(
+        model_dir, arch, args.dtype, max_len, device, args.weight_format, args.head_format
+    )
+    decode_model = load_decode_model(args, arch, model_dir, max_len, device)
+    num_pages, budget = sized or _resolve_num_pages(args, arch, kv_format, max_len, device)
+    config = args.resolve(arch, model_path, num_pages, tokenizer.eos_token_ids, kv_format)
     kv_caches = allocate_kv_caches(
         arch, num_pages, args.page_size, kv_dtype, device, kv_scales, static_scales
     )
     backend = select_backend(args.attention_backend, device)
+    # The fused step attends in C++ for decodes: with another backend asked for by name (torch,
+    # triton), that backend is what runs.
+    if args.fused_decode and backend.name == "cpu":
+        for weight_set in (model, decode_model):
+            if weight_set is not None:
+                enable_fused_decode(weight_set, kv_caches)
     runner = ModelRunner(
         model,
         kv_caches,
         args.page_size,
         backend,
-        tokenizer.eos_token_ids,
+        StopRule.of(config.scheduler),
         device,
         make_integrity_checker(config.cache, device, backend),
         args.seed,
@@ -79,12 +96,26 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "
         "max_num_seqs %d, attention backend %s",
         num_pages, args.page_size, num_pages * args.page_size,
-        _describe_kv(kv_dtype, static_scales),
+        kv_format.describe(),
         format_bytes(num_pages * page_bytes(arch, args.page_size, kv_dtype, kv_scales)),
         budget.reason, max_len, args.max_num_seqs, backend.name,
     )  # fmt: skip
-    kv_format = _describe_kv(kv_dtype, static_scales)
-    return EngineParts(config, tokenizer, runner, arch, kv_format, model.weight_format)
+    described = kv_format.describe()
+    return EngineParts(config, tokenizer, runner, arch, described, model.weight_format)
+
+
+def enable_fused_decode(model: CausalLM, kv_caches: list[LayerCache]) -> None:
+    """Decode-only steps of `model` run through the fused C++ step, if it can run them."""
+    switch = getattr(model, "fused_decode", None)
+    if switch is None:
+        logger.info("fused decode: %s has none; eager steps", type(model).__name__)
+        return
+    reason = unsupported_reason(model, kv_caches)
+    if reason is not None:
+        logger.info("fused decode off: %s; eager steps", reason)
+        return
+    switch.enable()
+    logger.info("fused decode on (%s code path)", native.isa())
 
 
 def load_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer:
@@ -112,16 +143,21 @@ def make_integrity_checker(
 def build_decode_graphs(
     args: EngineArgs,
     model: CausalLM,
-    kv_caches: list[LayerKVCache],
+    kv_caches: list[LayerCache],
     backend: AttentionBackend,
     max_len: int,
 ) -> DecodeGraphs | None:
-    """CUDA graphs of decode steps, on a GPU with a graph-safe backend (else None: eager)."""
+    """CUDA graphs of decode steps, on a GPU with a graph-safe backend (else None: eager).
+    Latent (MLA) pages have no graph-safe kernel yet, so those models decode eagerly."""
     if args.device == "cpu" or not args.cuda_graphs or not getattr(backend, "graph_safe", False):
+        return None
+    layer_caches = [c for c in kv_caches if isinstance(c, LayerKVCache)]
+    if len(layer_caches) != len(kv_caches):
+        logger.info("CUDA graphs off: latent KV pages decode eagerly")
         return None
     sizes = [s for s in DEFAULT_BATCH_SIZES if s <= args.max_num_seqs] or [args.max_num_seqs]
     graphs = DecodeGraphs(
-        model, kv_caches, backend, args.page_size, -(-max_len // args.page_size),
+        model, layer_caches, backend, args.page_size, -(-max_len // args.page_size),
         torch.device(args.device), sizes,
     )  # fmt: skip
     logger.info("CUDA graphs captured for decode batch sizes %s", sizes)
@@ -155,13 +191,23 @@ def _has_triton() -> bool:
 
 
 def load_decode_model(
-    args: EngineArgs, arch: ArchConfig, max_len: int, device: torch.device
+    args: EngineArgs, arch: ArchConfig, model_dir: Path, max_len: int, device: torch.device
 ) -> CausalLM | None:
     """The decode-phase weight set (phase-aware formats), or None when decode shares `model`'s.
 
     It must be the same model (same shapes): its layers write into and read from the same KV
     cache as the prefill weights'. Costs its resident weight bytes on top of the prefill set's.
     """
+    if args.decode_weight_format is not None:
+        model = load_model(
+            model_dir, arch, args.dtype, max_len, device, args.decode_weight_format,
+            args.head_format,
+        )  # fmt: skip
+        logger.info(
+            "phase-aware weights: decode runs through a %s copy (%s more resident memory)",
+            args.decode_weight_format, format_bytes(resident_weight_bytes(model)),
+        )  # fmt: skip
+        return model
     if args.decode_model is None:
         return None
     decode_dir = resolve_model_dir(args.decode_model)
@@ -171,7 +217,9 @@ def load_decode_model(
             f"--decode-model {args.decode_model} is not the same model as --model "
             "(its layer shapes differ); it must be a checkpoint of the same weights"
         )
-    model = load_model(decode_dir, decode_arch, args.dtype, max_len, device, "auto")
+    model = load_model(
+        decode_dir, decode_arch, args.dtype, max_len, device, "auto", args.head_format
+    )
     logger.info(
         "phase-aware weights: decode runs through %s (%s more resident weight memory)",
         decode_dir.name, format_bytes(resident_weight_bytes(model)),
@@ -187,19 +235,19 @@ def same_shapes(a: ArchConfig, b: ArchConfig) -> bool:
 
 
 def load_static_kv_scales(
-    args: EngineArgs, arch: ArchConfig, device: torch.device
+    args: EngineArgs, kv_format: KVFormat, arch: ArchConfig, device: torch.device
 ) -> fp8_kv.KVScales | None:
     """Check an FP8 KV cache can run here; the static scales it uses (None: not needed).
 
     Raises ModelLoadError naming the alternative when this build cannot run FP8, and when the
     scales file does not fit the model. Options that do not fit together raise ValueError.
     """
-    if args.resolved_kv_cache_dtype() != fp8_kv.KV_DTYPE:
+    if not kv_format.is_fp8:
         return None
     problem = fp8_kv.fp8_support_error(device)
     if problem is not None:
         raise ModelLoadError(problem)
-    scales = args.resolved_kv_scales()
+    scales = kv_format.scales
     if args.kv_scales_file is not None and scales != "static":
         raise ValueError("a KV scales file holds static per-layer scales: use --kv-scales static")
     if scales != "static":
@@ -212,23 +260,17 @@ def load_static_kv_scales(
         raise ModelLoadError(str(exc)) from exc
 
 
-def _describe_kv(kv_dtype: str, static_scales: fp8_kv.KVScales | None) -> str:
-    if kv_dtype != fp8_kv.KV_DTYPE:
-        return kv_dtype
-    if static_scales is None:
-        return f"{kv_dtype}, dynamic scales"
-    return f"{kv_dtype}, static scales: {static_scales.source}"
-
-
 @dataclass(frozen=True)
 class KVBudget:
     num_bytes: int
     reason: str  # how it was chosen, for the start-up log
 
 
-def kv_budget(args: EngineArgs, arch: ArchConfig, kv_dtype: str, device: torch.device) -> KVBudget:
+def kv_budget(
+    args: EngineArgs, arch: ArchConfig, kv_format: KVFormat, device: torch.device
+) -> KVBudget:
     """The KV cache's byte budget, and why (an explicit size, a share of free memory, or auto)."""
-    page = page_bytes(arch, args.page_size, kv_dtype, args.resolved_kv_scales())
+    page = page_bytes(arch, args.page_size, kv_format.name, kv_format.fp8_policy)
     if args.num_kv_pages is not None:
         return KVBudget(args.num_kv_pages * page, f"--num-kv-pages {args.num_kv_pages}")
     free = _free_memory(device)
@@ -263,11 +305,11 @@ def _free_memory(device: torch.device) -> int:
 
 
 def _resolve_num_pages(
-    args: EngineArgs, arch: ArchConfig, kv_dtype: str, max_len: int, device: torch.device
+    args: EngineArgs, arch: ArchConfig, kv_format: KVFormat, max_len: int, device: torch.device
 ) -> tuple[int, KVBudget]:
-    budget = kv_budget(args, arch, kv_dtype, device)
+    budget = kv_budget(args, arch, kv_format, device)
     num_pages = num_pages_for_budget(
-        arch, args.page_size, kv_dtype, budget.num_bytes, args.resolved_kv_scales()
+        arch, args.page_size, kv_format.name, budget.num_bytes, kv_format.fp8_policy
     )
     needed = -(-max_len // args.page_size)
     if num_pages < needed:

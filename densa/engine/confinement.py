@@ -10,20 +10,20 @@ step is re-run on smaller groups until every failure is pinned on one request:
     3. a request that fails alone is confirmed as the cause and ends with an error; every other
        request keeps the result of the group it succeeded in.
 
-Re-running is safe because a step is idempotent up to its results: it writes K/V only into slots
-of the positions it computes (re-running writes the same values into the same slots), integrity
-tag updates are absolute, and the sampler restores every random generator when it raises, so a
-seeded request draws the same tokens on the retry. Cost: nothing while steps succeed; after a
+Re-running is safe because the step's deltas (new requests, pages, tags) are taken in once,
+before the first attempt, and the computation is idempotent up to its results: it writes K/V
+only into slots of the positions it computes (re-running writes the same values into the same
+slots), and the sampler restores every random generator when it raises, so a seeded request
+draws the same tokens on the retry. Cost: nothing while steps succeed; after a
 fault, O(k log n) extra runs of small groups for k faulty requests among n.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-from densa.sched.output import ScheduledRequest, SchedulerOutput
+from densa.sched.output import SchedulerOutput
 from densa.utils.logging import get_logger
 from densa.worker.model_runner import ModelRunner, RunnerOutput
+from densa.worker.request_states import ScheduledRequest
 
 logger = get_logger(__name__)
 
@@ -35,26 +35,29 @@ ERROR_MESSAGE = (
 
 def execute_confined(runner: ModelRunner, step: SchedulerOutput) -> RunnerOutput:
     """Run the step; if it raises, find the request(s) responsible and fail only those
-    (their ids are in `RunnerOutput.errors`)."""
+    (their ids are in `RunnerOutput.errors`). The step's deltas are taken in once, before any
+    attempt; only the computation is re-run."""
+    items, errors = runner.begin(step)
     try:
-        return runner.execute(step)
+        output = runner.compute(items)
     except Exception:
-        ids = [s.request_id for s in step.scheduled]
+        ids = [s.request_id for s in items]
         logger.exception("a step of %d requests failed; isolating the cause: %s", len(ids), ids)
-    return _isolate(runner, step)
+        output = _isolate(runner, items, set(step.new_request_ids))
+    output.errors.update(errors)
+    return output
 
 
-def _isolate(runner: ModelRunner, step: SchedulerOutput) -> RunnerOutput:
-    newest = set(step.new_request_ids)
-    suspects = [s for s in step.scheduled if s.request_id in newest]
-    others = [s for s in step.scheduled if s.request_id not in newest]
+def _isolate(runner: ModelRunner, items: list[ScheduledRequest], newest: set[str]) -> RunnerOutput:
+    suspects = [s for s in items if s.request_id in newest]
+    others = [s for s in items if s.request_id not in newest]
     pending: list[list[ScheduledRequest]] = [others] if others else []
     pending += [[s] for s in suspects]
     merged = RunnerOutput()
     while pending:
         group = pending.pop(0)
         try:
-            _merge(merged, runner.execute(dataclasses.replace(step, scheduled=group)))
+            _merge(merged, runner.compute(group))
         except Exception as exc:
             if len(group) > 1:
                 half = len(group) // 2

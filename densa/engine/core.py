@@ -64,7 +64,7 @@ def served_model(engine: LLMEngine, role: str = "both", kv_address: str = "") ->
         name=config.model.served_model_name,
         max_model_len=config.scheduler.max_model_len,
         vocab_size=arch.vocab_size,
-        eos_token_ids=engine.tokenizer.eos_token_ids,
+        eos_token_ids=engine.config.scheduler.eos_token_ids,
         tokenizer=engine.tokenizer.files,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_waiting_requests=config.scheduler.max_waiting_requests,

@@ -22,6 +22,7 @@ from densa.disagg.prefill_side import REQUEST_PREFIX, PrefillAgent
 from densa.disagg.transport import KVTransport, ZmqTransport
 from densa.engine.llm_engine import LLMEngine
 from densa.ipc.messages import RequestDelta
+from densa.model.attention import LayerKVCache
 from densa.worker.kv_cache import page_bytes
 
 
@@ -32,6 +33,15 @@ def describe(engine: LLMEngine, role: str) -> PeerModel:
     page = PageFormat(cache.kv_cache_dtype, scales, cache.page_size, size)
     architecture = engine.arch.signature()
     return peer_model(architecture, engine.tokenizer.files, page, role, engine.weight_format)
+
+
+def layer_caches(engine: LLMEngine) -> list[LayerKVCache]:
+    """The engine's per-layer K/V caches; latent (MLA) caches have no wire format yet."""
+    caches = engine.runner.kv_caches
+    plain = [c for c in caches if isinstance(c, LayerKVCache)]
+    if len(plain) != len(caches):
+        raise ValueError("disaggregation moves K/V pages only: this model's latent KV cache is not")
+    return plain
 
 
 class DecodePort:
@@ -61,7 +71,7 @@ class DecodePort:
         )
 
     def land_remote(self, request_id: str, landing: Landing) -> str | None:
-        caches = self.engine.runner.kv_caches
+        caches = layer_caches(self.engine)
 
         def write() -> None:
             wire.land_pages(caches, landing.dest_page_ids, landing.layout, landing.frames)
@@ -101,7 +111,7 @@ class PrefillPort:
         return None if held is None else held[0][::-1]
 
     def pack(self, page_ids: list[int]) -> wire.Packed:
-        return wire.pack_pages(self.engine.runner.kv_caches, page_ids)
+        return wire.pack_pages(layer_caches(self.engine), page_ids)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -129,6 +139,7 @@ class KVAgents:
         self.prefill: PrefillAgent | None = None
         if transport is None:
             return
+        layer_caches(engine)  # refuse a model whose pages cannot travel, at start-up
         model = describe(engine, role)
         if role == "prefill":
             self.address = transport.listen(listen)

@@ -69,8 +69,19 @@ def calibrate_kv_scales(
     attention backend is restored afterwards even if a text fails.
     """
     runner = engine.runner
-    observer = AmaxObserver(runner.backend, runner.kv_caches)
+    caches = [c for c in runner.kv_caches if isinstance(c, LayerKVCache)]
+    if len(caches) != len(runner.kv_caches):
+        raise ValueError(
+            "static scales are calibrated for K/V pages; this model caches MLA latents, "
+            "whose FP8 pages use dynamic scales (--kv-scales dynamic)"
+        )
+    observer = AmaxObserver(runner.backend, caches)
     runner.backend = observer
+    # The fused C++ step stores K/V itself, past the backend: the eager layers must run here.
+    fused = getattr(runner.model, "fused_decode", None)
+    was_fused = fused is not None and fused.enabled
+    if fused is not None:
+        fused.enable(False)
     try:
         for token_ids in texts:
             for _ in iter_logits(engine, token_ids):
@@ -79,6 +90,8 @@ def calibrate_kv_scales(
                 on_text(len(token_ids))
     finally:
         runner.backend = observer.inner
+        if fused is not None:
+            fused.enable(was_fused)
     info = {
         "model": engine.config.model.served_model_name,
         "kv_cache_dtype_observed": engine.config.cache.kv_cache_dtype,

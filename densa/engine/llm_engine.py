@@ -8,6 +8,7 @@ RequestDelta; text, stop strings and streaming are the front's (text/output.py).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,8 @@ from densa.ipc.messages import RequestDelta, TokenLogprobs
 from densa.model.arch import ArchConfig
 from densa.request import Request, RequestStatus
 from densa.sampling_params import SamplingParams
+from densa.sched.events import ReleaseViolation
+from densa.sched.output import SchedulerOutput, empty_step
 from densa.sched.scheduler import Scheduler
 from densa.text.tokenizer import Tokenizer
 from densa.utils.logging import get_logger
@@ -43,6 +46,18 @@ class _Tracked:
     request: Request
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step ran, for observers (benchmarks, profilers): read-only."""
+
+    step: SchedulerOutput
+    seconds: float  # the runner's share: batch building, forward pass, sampling
+    num_running: int  # requests holding pages after scheduling
+
+
+StepObserver = Callable[[StepRecord], None]
 
 
 class LLMEngine:
@@ -70,6 +85,8 @@ class LLMEngine:
         self.grammar_gate = GrammarGate()  # structured requests whose grammar is compiling
         self._finished_outputs: list[RequestDelta] = []
         self._ids = itertools.count()
+        # Called after every runner step (see StepRecord); nothing runs when the list is empty.
+        self.step_observers: list[StepObserver] = []
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -110,7 +127,6 @@ class LLMEngine:
             request_id=request_id or self.new_request_id(),
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
-            eos_token_ids=self.tokenizer.eos_token_ids,
             cache_scope=cache_scope,
             session_id=session_id,
             hold_pages=hold_pages,
@@ -183,8 +199,8 @@ class LLMEngine:
             request = self.scheduler.requests.get(request_id)
             violation = self.kv_manager.check_writer(request_id, request, page_ids, expected_tags)
         if violation is None:
-            # Releases since the last step have not reached the device tag table yet: sync first.
-            self.runner.integrity.apply_tag_updates(self.kv_manager.pool.drain_tag_updates())
+            # Tag changes since the last step have not reached the runner yet: send them first.
+            self.runner.execute(empty_step(self.kv_manager.pool.drain_tag_updates()))
             violation = self.runner.write_kv_pages(request_id, page_ids, expected_tags, payload)
         if violation is None:
             return True
@@ -213,7 +229,7 @@ class LLMEngine:
         violation = self.kv_manager.check_writer(request_id, request, page_ids, tags)
         if violation is None:
             # Releases since the last step have not reached the device tag table yet: sync first.
-            self.runner.integrity.apply_tag_updates(self.kv_manager.pool.drain_tag_updates())
+            self.runner.execute(empty_step(self.kv_manager.pool.drain_tag_updates()))
             violation = self.runner.integrity.check_write(request_id, page_ids, tags)
         if violation is not None:
             self.integrity_stats.record(violation)
@@ -304,11 +320,15 @@ class LLMEngine:
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
         sched_out = self.scheduler.schedule()
-        for request_id in sched_out.finished_request_ids:
-            tracked = self._tracked.get(request_id)
-            if tracked is not None:  # ended by the scheduler itself (e.g. outgrew the KV cache)
-                outputs.append(self._output(tracked))
+        self._take_scheduler_events()
+        started = time.perf_counter()
         runner_out = execute_confined(self.runner, sched_out)
+        if self.step_observers:
+            record = StepRecord(
+                sched_out, time.perf_counter() - started, len(self.scheduler.running)
+            )
+            for observer in self.step_observers:
+                observer(record)
         for request_id, violation in runner_out.failed.items():
             self.integrity_stats.record(violation)
             self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
@@ -320,15 +340,20 @@ class LLMEngine:
             if tracked is not None:
                 self._absorb_token(tracked, runner_out.logprobs.get(request.request_id))
                 outputs.append(self._output(tracked))
+        self._take_scheduler_events()
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
-        self._record_release_violations()
         return outputs
 
-    def _record_release_violations(self) -> None:
-        for violation in self.scheduler.release_violations:
-            self.integrity_stats.record(violation)
-        self.scheduler.release_violations.clear()
+    def _take_scheduler_events(self) -> None:
+        """Report the requests the scheduler ended itself; count pages it released badly."""
+        for event in self.scheduler.drain_events():
+            if isinstance(event, ReleaseViolation):
+                self.integrity_stats.record(event.violation)
+                continue
+            tracked = self._tracked.get(event.request_id)
+            if tracked is not None:
+                self._finished_outputs.append(self._output(tracked))
 
     def _absorb_token(self, tracked: _Tracked, logprobs: TokenLogprobs | None) -> None:
         tracked.pending_token_ids.append(tracked.request.output_token_ids[-1])

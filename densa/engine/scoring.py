@@ -7,6 +7,8 @@ narrow KV cache or quantized weights affect these logits exactly as they affect 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -15,9 +17,44 @@ import torch
 from densa.engine.llm_engine import LLMEngine
 from densa.request import Request
 from densa.sampling_params import SamplingParams
-from densa.sched.output import ScheduledRequest
+from densa.sched.output import SchedulerOutput, empty_step
+from densa.sched.scheduler import chunk_of, new_request_of
 
 _ids = itertools.count()
+
+
+@contextlib.contextmanager
+def scoring_request(
+    engine: LLMEngine, token_ids: list[int], num_positions: int, kind: str = "score"
+) -> Iterator[Request]:
+    """A request outside the scheduler holding pages for `num_positions` positions of a text
+    that starts with `token_ids`; its pages are freed (and the runner told) on exit."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("score with an idle engine: requests are in flight")
+    request = Request(f"{kind}-{next(_ids)}", list(token_ids), SamplingParams())
+    kv = engine.kv_manager
+    if kv.allocate_slots(request, num_positions) is None:
+        raise RuntimeError("not enough free KV pages to score this text")
+    try:
+        yield request
+    finally:
+        kv.free(request)
+        # Tags of the freed pages and the end of the request reach the runner as a step.
+        engine.runner.execute(empty_step(kv.pool.drain_tag_updates(), [request.request_id]))
+
+
+def score_positions(
+    engine: LLMEngine, request: Request, token_ids: list[int], start_pos: int
+) -> torch.Tensor:
+    """Teacher-forced logits [len(token_ids), vocab] fp32 for positions [start_pos, ...) of
+    `request` (tokens given here, so continuations can differ from its prompt)."""
+    new = [] if request.request_id in engine.runner.requests else [new_request_of(request)]
+    chunk = chunk_of(request, start_pos, 0, sample=False)
+    chunk = dataclasses.replace(chunk, token_ids=list(token_ids))
+    step = SchedulerOutput(
+        [chunk], engine.kv_manager.pool.drain_tag_updates(), [], [], new_requests=new
+    )
+    return engine.runner.score(step)
 
 
 def iter_logits(
@@ -25,30 +62,11 @@ def iter_logits(
 ) -> Iterator[torch.Tensor]:
     """Yield [chunk, vocab] fp32 logits for consecutive chunks of `token_ids`; row i of the whole
     sequence predicts token i + 1. The engine must be idle (no requests in flight)."""
-    if engine.has_unfinished_requests():
-        raise RuntimeError("score with an idle engine: requests are in flight")
     if not 0 < len(token_ids) <= engine.config.scheduler.max_model_len:
         raise ValueError(f"a scored text must have 1..max_model_len tokens, got {len(token_ids)}")
-    request = Request(f"score-{next(_ids)}", list(token_ids), SamplingParams())
-    kv = engine.kv_manager
-    if kv.allocate_slots(request, len(token_ids)) is None:
-        raise RuntimeError("not enough free KV pages to score this text")
-    try:
+    with scoring_request(engine, token_ids, len(token_ids)) as request:
         for start in range(0, len(token_ids), chunk_size):
-            chunk = token_ids[start : start + chunk_size]
-            item = ScheduledRequest(
-                request_id=request.request_id,
-                token_ids=chunk,
-                start_pos=start,
-                page_ids=list(request.page_ids),
-                page_tags=list(request.page_tags),
-                sample=False,
-                sampling_params=request.sampling_params,
-            )
-            engine.runner.integrity.apply_tag_updates(kv.pool.drain_tag_updates())
-            yield engine.runner.score(item)
-    finally:
-        kv.free(request)
+            yield score_positions(engine, request, token_ids[start : start + chunk_size], start)
 
 
 def token_logprobs(engine: LLMEngine, token_ids: list[int], chunk_size: int = 512) -> torch.Tensor:

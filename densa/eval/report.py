@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from densa.bench.report import BenchReport, LinePlot, Series, Table
 from densa.eval.formats import Format, split_options
 from densa.eval.stats import Estimate
+from densa.measure.report import BenchReport, LinePlot, Series, Table
 
 DEFAULT_OUT_ROOT = Path("docs/eval")
 

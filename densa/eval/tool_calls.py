@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from densa.bench.report import Table
 from densa.engine.llm import LLM
 from densa.eval.bfcl import ToolCase, is_ast_match, is_valid_call, load_cases
 from densa.eval.common import load_formats
 from densa.eval.formats import Format
 from densa.eval.report import QualityReport, new_report
 from densa.eval.stats import DEFAULT_BOOTSTRAP, Bootstrap, mean_ci, paired_difference_ci
+from densa.measure.report import Table
 from densa.sampling_params import SamplingParams
 from densa.serve.tools.formats import HERMES
 from densa.serve.tools.models import ToolDefinition

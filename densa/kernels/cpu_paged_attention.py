@@ -18,7 +18,7 @@ from numba import njit, prange
 from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
 from densa.kernels.cpu_prefill_attention import paged_prefill_attention
 from densa.kernels.numba_intrinsics import FASTMATH, dynamic_scale, exp_neg, prefetch, widen
-from densa.kernels.paged_attention_ref import EXPONENT_SCALE_DTYPE
+from densa.quant.fp8_kv import EXPONENT_SCALE_DTYPE
 
 __all__ = ["paged_attention", "paged_decode_attention", "paged_prefill_attention"]
 
@@ -39,6 +39,7 @@ _RAW_VIEW: dict[torch.dtype, tuple[torch.dtype, float]] = {
     # e4m3 bits are re-packed into fp16 bits whose exponent bias is 8 larger, so the widened value
     # is the true value / 256; the 256 is folded into the scales instead of paid per element.
     torch.float8_e4m3fn: (torch.uint8, 256.0),
+    torch.int8: (torch.int8, 1.0),  # INT8 KV codes; their fp16 row scales are dynamic scales
 }
 
 
@@ -280,6 +281,8 @@ def _split_scale(scale: torch.Tensor | None, cache: torch.Tensor) -> tuple[np.nd
         if not scale.is_contiguous():
             raise ValueError("dynamic scale exponents must be contiguous")
         return scale.numpy(), 1.0
+    if scale.dtype == torch.float16 and scale.is_contiguous():  # INT8 KV: widened in registers
+        return scale.view(torch.uint16).numpy(), 1.0
     return _as_numpy(scale, torch.float32), 1.0
 
 

@@ -23,6 +23,7 @@ def _widen_typer(typingctx, raw):
     uint16 (fp16 bits): hardware fp16 -> fp32 conversion. uint8 (e4m3fn bits): repack sign,
     exponent and mantissa into fp16 bits (exact, subnormals included) and convert; the result
     is the true value / 256. The e4m3 NaN code (0x7f/0xff) is not special-cased (reads as 480).
+    int8 (INT8 KV codes): signed integer -> float32.
     """
     f32 = ir.FloatType()
     i16 = ir.IntType(16)
@@ -39,12 +40,14 @@ def _widen_typer(typingctx, raw):
             return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), f32)
         if raw == types.uint16:
             return half_bits_to_f32(builder, x)
+        if raw == types.int8:
+            return builder.sitofp(x, f32)
         wide = builder.zext(x, i16)
         sign = builder.shl(builder.and_(wide, ir.Constant(i16, 0x80)), ir.Constant(i16, 8))
         magnitude = builder.shl(builder.and_(wide, ir.Constant(i16, 0x7F)), ir.Constant(i16, 7))
         return half_bits_to_f32(builder, builder.or_(sign, magnitude))
 
-    if raw not in (types.float32, types.int16, types.uint16, types.uint8):
+    if raw not in (types.float32, types.int16, types.uint16, types.uint8, types.int8):
         return None
     return types.float32(raw), codegen
 
@@ -63,18 +66,21 @@ def _pow2_typer(typingctx, exponent):
 
 
 def _scale_typer(typingctx, raw):
-    """A dynamic scale entry -> float32 multiplier: float32 as is; an int8 power-of-two exponent
-    e (any in [-126, 127]) -> 2**e, built from the exponent bits (no table, no libm call)."""
+    """A dynamic scale entry -> float32 multiplier: float32 as is; uint16 (fp16 bits, INT8 KV's
+    row scales) by the hardware conversion; an int8 power-of-two exponent e (any in [-126, 127])
+    -> 2**e, built from the exponent bits (no table, no libm call)."""
 
     def codegen(context, builder, signature, args):
         (x,) = args
         if raw == types.float32:
             return x
+        if raw == types.uint16:
+            return builder.fpext(builder.bitcast(x, ir.HalfType()), ir.FloatType())
         i32 = ir.IntType(32)
         biased = builder.add(builder.sext(x, i32), ir.Constant(i32, 127))
         return builder.bitcast(builder.shl(biased, ir.Constant(i32, 23)), ir.FloatType())
 
-    if raw not in (types.float32, types.int8):
+    if raw not in (types.float32, types.int8, types.uint16):
         return None
     return types.float32(raw), codegen
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-EXPONENT_SCALE_DTYPE = torch.int8  # dynamic scales stored as power-of-two exponents
-# 2**-e stays a normal float32 and 448 * 2**e stays finite, so no scale or restored value
-# is inf or subnormal: e in [-126, 119].
-MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT = -126, 119
+from densa.quant.fp8_kv import (
+    EXPONENT_SCALE_DTYPE,
+    FP8_DTYPE,
+    quantize_fp8,
+    quantize_fp8_exponent,
+)
 
 
 def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -125,66 +125,6 @@ def paged_attention_reference(
 # ---- cache writing (tests, benchmarks) ---------------------------------------------------------
 
 
-def quantize_fp8(
-    x: torch.Tensor, scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize float32 x [..., D] to float8_e4m3fn; never yields NaN or inf.
-
-    With `scale` None, the scale is dynamic per row: amax(|x|, -1) / 448 (shape x.shape[:-1]).
-    Otherwise `scale` (0-dim) is used as a static scale. Returns (fp8 values, float32 scale).
-    Non-finite inputs are first mapped to the largest finite float32 so the result stays finite.
-    """
-    x = torch.nan_to_num(x.to(torch.float32), nan=0.0)
-    if scale is None:
-        amax = x.abs().amax(dim=-1)
-        # An all-zero row has no natural scale; any positive value quantizes it exactly to zero.
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        scaled = x / scale.unsqueeze(-1)
-    else:
-        scale = scale.to(torch.float32)
-        scaled = x / scale
-    # Clamp explicitly: saturation of float32 -> e4m3fn casts is not guaranteed across backends.
-    scaled = torch.nan_to_num(scaled, nan=0.0).clamp(-FP8_MAX, FP8_MAX)
-    return scaled.to(FP8_DTYPE), scale
-
-
-def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
-    """int8 exponents e of the smallest power-of-two scales with amax <= 448 * 2**e.
-
-    amax = m * 2**k with m in [0.5, 1) and 448 = 0.875 * 2**9, so e = k - 9 (m <= 0.875) or
-    k - 8 (m > 0.875): the scaled row maximum lands in (224, 448], using e4m3's top binade.
-    A zero row gets e = 0. Exponents are clamped to [-126, 119] (rows beyond that saturate).
-    """
-    mantissa, exponent = torch.frexp(amax.to(torch.float32))
-    e = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)
-    e = torch.where(amax > 0, e, torch.zeros_like(e))
-    return e.clamp(MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT).to(EXPONENT_SCALE_DTYPE)
-
-
-def quantize_fp8_exponent(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize float x [..., D] to float8_e4m3fn with one power-of-two scale per row.
-
-    Returns (fp8 values, int8 exponents [...]); value = fp8 * 2**exponent. Scaling by a power of
-    two is exact, so the only rounding is e4m3's own. Never yields NaN or inf (NaN -> 0, +-inf and
-    huge values saturate at +-448 * 2**119).
-    """
-    finite = torch.nan_to_num(x.to(torch.float32), nan=0.0)
-    exponents = scale_exponents(finite.abs().amax(dim=-1))
-    scaled = torch.ldexp(finite, -exponents.to(torch.int32).unsqueeze(-1))
-    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), exponents
-
-
-def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Quantize float x with one static scale (0-dim): fp8(clamp(x * (1 / scale))).
-
-    Multiplying by the float32 reciprocal (not dividing) is what the fused store kernel does, so
-    both round identically.
-    """
-    finite = torch.nan_to_num(x.to(torch.float32), nan=0.0)
-    scaled = finite * torch.reciprocal(scale.to(torch.float32))
-    return torch.nan_to_num(scaled, nan=0.0).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
 def write_kv_reference(
     cache: torch.Tensor,
     page_row: torch.Tensor,
@@ -198,12 +138,22 @@ def write_kv_reference(
     For an fp8 cache: `scale` None means scale 1.0, a 0-dim tensor is a static scale, and a
     [num_pages, Hkv, S] tensor is filled in place with dynamic per-token-head scales: float32
     amax / 448, or int8 power-of-two exponents (`quantize_fp8_exponent`).
+    For an int8 cache `scale` is its [num_pages, Hkv, S] fp16 row-scale tensor (filled here).
     For other dtypes values are simply cast (scale must be None).
     """
     page_size = cache.shape[2]
     pos = torch.arange(start_pos, start_pos + values.shape[0])
     pages = page_row.long()[pos // page_size]
     slots = pos % page_size
+    if cache.dtype == torch.int8:  # INT8 KV: codes + one fp16 scale per row (quant.int8_kv)
+        from densa.quant.int8_kv import quantize_rows
+
+        if scale is None:
+            raise ValueError("int8 caches need their fp16 row-scale tensor")
+        codes, row_scale = quantize_rows(values)
+        cache[pages, :, slots] = codes
+        scale[pages, :, slots] = row_scale
+        return
     if cache.dtype != FP8_DTYPE:
         if scale is not None:
             raise ValueError("scales are only produced for float8 caches")

@@ -8,7 +8,7 @@ One program per new token: it reads the token's [KVH, D] row and writes slot
     fp8, dynamic scales        per (token, head): the power-of-two exponent e that puts the row's
                                max|x| in (224, 448], then e4m3(x * 2**-e); e goes to the scales
 
-bit for bit what `densa.quant.fp8_kv.store_fp8` and the torch references store. A token whose
+bit for bit what `densa.kernels.fp8_store.store_fp8` and the torch references store. A token whose
 page id is negative is skipped: CUDA-graph padding rows use that, so they write nowhere.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from densa.kernels.paged_attention_ref import EXPONENT_SCALE_DTYPE, FP8_DTYPE
 from densa.kernels.triton_common import (
     SCALE_NONE,
     SCALE_STATIC,
@@ -27,6 +26,7 @@ from densa.kernels.triton_common import (
     token_scale_strides,
     triton,
 )
+from densa.quant.fp8_kv import EXPONENT_SCALE_DTYPE, FP8_DTYPE
 
 if triton is not None:
     import triton.language as tl

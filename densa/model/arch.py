@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from densa.model.family_config import MLAConfig, MoEConfig, read_mla, read_moe
 
 
 class ModelLoadError(RuntimeError):
@@ -30,23 +32,36 @@ class ArchConfig:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # Mistral/Qwen2 may attend to a window only; densa attends fully, so contexts are capped to it.
-    sliding_window: int | None = None
+    # Local attention: layer_windows[i] is layer i's window (keys a query may see, itself
+    # included), None for a global layer; empty when every layer is global. Gemma 3 interleaves
+    # five sliding layers with one global one; Mistral slides in every layer.
+    layer_windows: tuple[int | None, ...] = ()
+    local_rope_theta: float | None = (
+        None  # RoPE base of sliding layers, if not rope_theta (Gemma 3)
+    )
+    query_scale: float | None = None  # softmax scale; None = head_dim ** -0.5 (Gemma: its own)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_pytorch_tanh
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c) when set
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (which layers, routing numbers)
+    mla: MLAConfig | None = None  # multi-head latent attention dimensions (DeepSeek-V3)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
         architectures = cfg.get("architectures") or ["?"]
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])
+        num_layers = int(cfg["num_hidden_layers"])
+        mla = read_mla(cfg)
         return cls(
             architecture=architectures[0],
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden_size,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden_size // num_heads),
+            # MLA's "head_dim" is its RoPE width; its K/V widths live in `mla`.
+            head_dim=_head_dim(cfg, hidden_size, num_heads, mla),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=_rope_theta(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -55,7 +70,13 @@ class ArchConfig:
             rope_scaling=_rope_scaling(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")),
-            sliding_window=_sliding_window(cfg),
+            layer_windows=_layer_windows(cfg, num_layers),
+            local_rope_theta=_local_rope_theta(cfg),
+            query_scale=_query_scale(cfg),
+            hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+            final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
+            moe=read_moe(cfg, num_layers),
+            mla=mla,
         )
 
     @classmethod
@@ -79,49 +100,91 @@ class ArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def kv_bytes_per_token(self, bytes_per_value: float) -> float:
-        """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
+    def window_of(self, layer_idx: int) -> int | None:
+        """Layer `layer_idx`'s attention window, or None for global attention."""
+        return self.layer_windows[layer_idx] if self.layer_windows else None
 
     def signature(self) -> dict[str, Any]:
         """The shapes two workers must share to serve as one model (and exchange KV pages)."""
         keys = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings")  # fmt: skip
-        return {key: getattr(self, key) for key in keys}
+        signature: dict[str, Any] = {key: getattr(self, key) for key in keys}
+        for part in ("moe", "mla"):  # expert routing and latent KV shapes must match too
+            value = getattr(self, part)
+            signature[part] = None if value is None else asdict(value)
+        return signature
 
-    def num_parameters(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        per_layer = attn + 3 * h * i + 2 * h
-        lm_head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + lm_head
+
+# Families with per-layer RoPE settings (Gemma 3) key rope_parameters by layer type.
+GLOBAL_LAYER, SLIDING_LAYER = "full_attention", "sliding_attention"
+
+
+def _global_rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5.x moved rope settings into "rope_parameters", per layer type for Gemma 3.
+    params = cfg.get("rope_parameters") or {}
+    return params.get(GLOBAL_LAYER) or params
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
-    # transformers 5.x moved rope settings into "rope_parameters".
-    params = cfg.get("rope_parameters") or {}
+    params = _global_rope_params(cfg)
     return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
 
 
 def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling") or _global_rope_params(cfg)
     if not scaling:
         return None
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     return None if kind == "default" else dict(scaling, rope_type=kind)
 
 
-def _attention_bias(cfg: dict[str, Any], architecture: str) -> bool:
-    if "attention_bias" in cfg:
-        return bool(cfg["attention_bias"])
-    return architecture == "Qwen2ForCausalLM"  # Qwen2 always has q/k/v biases
+def _local_rope_theta(cfg: dict[str, Any]) -> float | None:
+    local = (cfg.get("rope_parameters") or {}).get(SLIDING_LAYER) or {}
+    theta = cfg.get("rope_local_base_freq") or local.get("rope_theta")
+    return float(theta) if theta else None
 
 
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
+def _layer_windows(cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer windows from `layer_types` (or Gemma 3's older `sliding_window_pattern`: every
+    n-th layer global); a window without layer types (Mistral) applies to every layer."""
     window = cfg.get("sliding_window")
     if not window or cfg.get("use_sliding_window") is False:
-        return None
-    return int(window)
+        return ()
+    types = cfg.get("layer_types")
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+    if types is None and pattern:
+        types = [GLOBAL_LAYER if (i + 1) % int(pattern) == 0 else SLIDING_LAYER
+                 for i in range(num_layers)]  # fmt: skip
+    if types is None:
+        types = [SLIDING_LAYER] * num_layers
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
+    if SLIDING_LAYER not in types:
+        return ()
+    return tuple(int(window) if kind == SLIDING_LAYER else None for kind in types)
+
+
+def _head_dim(cfg: dict[str, Any], hidden_size: int, num_heads: int, mla: MLAConfig | None) -> int:
+    if mla is not None:
+        return mla.rope_head_dim
+    return int(cfg.get("head_dim") or hidden_size // num_heads)
+
+
+def _query_scale(cfg: dict[str, Any]) -> float | None:
+    scalar = cfg.get("query_pre_attn_scalar")
+    return float(scalar) ** -0.5 if scalar else None
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _attention_bias(cfg: dict[str, Any], architecture: str) -> bool:
+    for key in ("attention_bias", "qkv_bias"):  # Qwen2-MoE spells it qkv_bias
+        if key in cfg:
+            return bool(cfg[key])
+    # Qwen2 and Qwen2-MoE always have q/k/v biases; older configs do not say so.
+    return architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

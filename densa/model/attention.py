@@ -10,9 +10,10 @@ Each group is attended as a batch padded to its longest query and context, so th
 loop over requests per layer. Backends implement the two groups; `paged_attention` stores the new
 K/V first (every layer writes before it reads) and dispatches.
 
-FP8 pages: prefill chunks attend to their own tokens' K/V in high precision (as computed) and to
-earlier context from the FP8 pages; decode reads everything from the pages. So quantization error
-does not compound through a prompt's layers, and every later step reads the same stored values.
+FP8 / INT8 pages: prefill chunks attend to their own tokens' K/V in high precision (as computed)
+and to earlier context from the quantized pages; decode reads everything from the pages. So
+quantization error does not compound through a prompt's layers, and every later step reads the
+same stored values.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from densa.kernels.paged_attention_ref import scale_to_float
-from densa.quant import fp8_kv
+from densa.quant.kv_format import KVFormat
 
 
 @dataclass
@@ -40,6 +41,13 @@ class LayerKVCache:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    # How the pages store values. The engine's allocator always passes it; pages made by hand
+    # (tests, kernel benchmarks) get it read off their tensors, once, here.
+    kv_format: KVFormat = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.kv_format is None:
+            self.kv_format = KVFormat.of_tensors(self.k, self.k_scale)
 
     @property
     def page_size(self) -> int:
@@ -144,9 +152,22 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]."""
+    """q: [T, H, D], k/v: [T, KVH, D] -> [T, H, D]: store this step's K/V, then attend."""
     backend.store_kv(cache, k, v, meta)
-    fresh_prefill = cache.k.dtype == fp8_kv.FP8_DTYPE
+    return attend_stored(backend, q, k, v, cache, meta, scale)
+
+
+def attend_stored(
+    backend: AttentionBackend,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of a step whose K/V (k, v: [T, KVH, D]) are already in the pages."""
+    fresh_prefill = cache.kv_format.is_quantized
     groups = [g for g in (meta.decode, meta.prefill) if g is not None]
     if len(groups) == 1:  # the common case: all decodes or all prefill, no output copy needed
         group = groups[0]
@@ -168,12 +189,9 @@ class TorchAttentionBackend:
     def store_kv(
         self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        if cache.k.dtype == fp8_kv.FP8_DTYPE:  # quantize in high precision, store fp8 + scales
-            fp8_kv.store_fp8(cache.k, cache.k_scale, meta.slot_pages, meta.slot_offsets, k)
-            fp8_kv.store_fp8(cache.v, cache.v_scale, meta.slot_pages, meta.slot_offsets, v)
-            return
-        cache.k[meta.slot_pages, :, meta.slot_offsets] = k.to(cache.k.dtype)
-        cache.v[meta.slot_pages, :, meta.slot_offsets] = v.to(cache.v.dtype)
+        fmt = cache.kv_format  # quantizes in high precision for FP8 / INT8 pages
+        fmt.store(cache.k, cache.k_scale, meta.slot_pages, meta.slot_offsets, k)
+        fmt.store(cache.v, cache.v_scale, meta.slot_pages, meta.slot_offsets, v)
 
     def attend(
         self,

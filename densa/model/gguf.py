@@ -1,8 +1,10 @@
 """Read a GGUF file (llama.cpp's format) into a Hugging Face-style directory densa can load.
 
-Quantized GGUF tensors are dequantized to float32 once; the result (config.json, model.safetensors,
-tokenizer files) is cached on disk, so later starts skip the conversion. Q and K projections are
-un-permuted: llama.cpp stores them interleaved for its rotary layout, densa uses the HF layout.
+Quantized GGUF tensors (Q4_K, Q5_0, Q6_K, Q8_0, ... whatever the file holds) are dequantized to
+float32 once by the `gguf` package; the result (config.json, model.safetensors, tokenizer files)
+is cached on disk, so later starts skip the conversion. What llama.cpp's converter changed is
+undone per architecture (densa.model.gguf_archs): Llama's Q/K rows are un-permuted (llama.cpp
+interleaves them for its rotary layout), Gemma's norm weights lose the 1 llama.cpp adds.
 """
 
 from __future__ import annotations
@@ -21,25 +23,20 @@ import numpy as np
 import torch
 
 from densa.model.arch import ModelLoadError
+from densa.model.gguf_archs import GGUF_ARCHS, GGUFArch
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
+# Linear weights of a layer, by their GGUF names (what the quantization record counts).
+_LINEAR_KEYS = tuple(
+    {
+        key
+        for arch in GGUF_ARCHS.values()
+        for key in arch.layer_names
+        if key.endswith(".weight") and "norm" not in key
+    }
+)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -61,10 +58,15 @@ def converted_dir_for(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     return (cache_dir or default_cache_dir()) / "gguf" / f"{gguf_path.stem}-{digest}"
 
 
+QUANTIZATION_FILE = "gguf_quantization.json"
+
+
 def ensure_converted(gguf_path: Path, progress: Progress | None = None) -> Path:
     """Return an HF directory for the GGUF file, converting it on first use."""
     out_dir = converted_dir_for(gguf_path)
     if (out_dir / "config.json").is_file():
+        if not (out_dir / QUANTIZATION_FILE).is_file():  # converted by an older densa
+            _write_quantization(_open_reader(gguf_path), out_dir)
         return out_dir
     logger.info("converting %s to a cached safetensors copy in %s (once)", gguf_path.name, out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -105,15 +107,38 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
     if "general.architecture" not in fields:
         raise ModelLoadError(f"{gguf_path} names no architecture: truncated or not a model file?")
     arch = str(fields.get("general.architecture"))
-    if arch not in _ARCHITECTURES:
+    if arch not in GGUF_ARCHS:
         raise ModelLoadError(
-            f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2)"
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})"
         )
     config = _hf_config(fields, arch, reader)
-    tensors = dict(_dequantized_tensors(reader, config, arch == "llama", progress))
+    tensors = dict(_dequantized_tensors(reader, config, GGUF_ARCHS[arch], progress))
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    _write_quantization(reader, out_dir)
     _save_tokenizer(gguf_path, out_dir)
+
+
+def _write_quantization(reader: Any, out_dir: Path) -> None:
+    """Record how the GGUF stored its weights (the converted copy is dequantized): the most
+    common type of the layers' linear weights and the type of the output head (the embedding
+    when tied). The loader's `auto` formats keep those bits where densa has kernels for them."""
+    from collections import Counter
+
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    linear = Counter(kind for name, kind in types.items() if name.endswith(_LINEAR_KEYS))
+    head = types.get("output.weight", types.get("token_embd.weight"))
+    info = {"linear": linear.most_common(1)[0][0] if linear else None, "head": head}
+    (out_dir / QUANTIZATION_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def stored_quantization(model_dir: Path) -> dict[str, str | None]:
+    """What `_write_quantization` recorded for a converted GGUF ({} for other directories)."""
+    path = model_dir / QUANTIZATION_FILE
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return {"linear": data.get("linear"), "head": data.get("head")}
 
 
 def _open_reader(path: Path) -> Any:
@@ -143,19 +168,22 @@ def _hf_config(fields: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]
     def get(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
 
+    dialect = GGUF_ARCHS[arch]
     tensor_names = {t.name for t in reader.tensors}
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    num_layers = int(get("block_count"))
     vocab = get("vocab_size") or _vocab_size(reader)
     eos = reader.fields.get("tokenizer.ggml.eos_token_id")
     bos = reader.fields.get("tokenizer.ggml.bos_token_id")
+    pad = reader.fields.get("tokenizer.ggml.padding_token_id")
     return {
-        "architectures": [_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [dialect.hf_architecture],
+        "model_type": dialect.model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
         "head_dim": int(get("attention.key_length", hidden // num_heads)),
@@ -166,7 +194,9 @@ def _hf_config(fields: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "bos_token_id": int(bos.contents()) if bos is not None else None,
         "eos_token_id": int(eos.contents()) if eos is not None else None,
+        "pad_token_id": int(pad.contents()) if pad is not None else None,
         "torch_dtype": "float32",
+        **dialect.extras(get, num_layers),
     }
 
 
@@ -178,14 +208,15 @@ def _vocab_size(reader: Any) -> int:
 
 
 def _dequantized_tensors(
-    reader: Any, config: dict[str, Any], unpermute: bool, progress: Progress | None
+    reader: Any, config: dict[str, Any], dialect: GGUFArch, progress: Progress | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    unpermute = dialect.permuted_qk
     total = len(reader.tensors)
     for idx, tensor in enumerate(reader.tensors):
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, dialect)
         # GGUF lists dims fastest-first; the dequantized numpy array is already [out, in].
         array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         array = array.reshape([int(d) for d in reversed(tensor.shape)])
@@ -193,18 +224,20 @@ def _dequantized_tensors(
             array = _unpermute(array, num_heads)
         elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
             array = _unpermute(array, num_kv_heads)
+        elif dialect.norm_offset and name.endswith("norm.weight"):
+            array = array - np.float32(dialect.norm_offset)
         yield name, torch.from_numpy(np.array(array, copy=True, order="C"))
         if progress is not None:
             progress(idx + 1, total)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, dialect: GGUFArch) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)  # "blk", "<n>", "<rest>"
-    if parts[0] != "blk" or len(parts) != 3 or parts[2] not in _LAYER_NAMES:
+    if parts[0] != "blk" or len(parts) != 3 or parts[2] not in dialect.layer_names:
         raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return f"model.layers.{parts[1]}.{dialect.layer_names[parts[2]]}"
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:

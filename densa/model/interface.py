@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
-from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from densa.model.attention import AttentionBackend, AttentionMetadata
 
 
 class CausalLM(nn.Module, abc.ABC):
@@ -22,7 +23,7 @@ class CausalLM(nn.Module, abc.ABC):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[LayerKVCache],
+        kv_caches: list[Any],  # one per layer, of the family's KV layout (model.kv_layout)
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -40,6 +41,11 @@ class CausalLM(nn.Module, abc.ABC):
         """The parameter name a Hugging Face checkpoint tensor loads into (identity unless the
         family fuses projections); quantization uses it to find the layer behind a tensor."""
         return hf_name
+
+    def normalize_checkpoint(self, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """Checkpoint tensors in this family's canonical names and shapes (MoE families stack
+        per-expert weights); the stream passes through unchanged for most families."""
+        return tensors
 
     def tie_weights(self) -> None:
         """Re-share tied parameters (materializing a meta-built model unties them)."""

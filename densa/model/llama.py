@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with q/k/v bias), written for paged KV.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with q/k/v bias, Qwen3 with q/k
+norms), written for paged KV.
 
 forward() takes one flattened batch of tokens from many requests ([T] ids and positions) and the
 step's attention metadata; there is no batch dimension and no padding in the dense layers.
@@ -13,16 +14,19 @@ import torch
 from torch import nn
 
 from densa.model.arch import ArchConfig
-from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, paged_attention
+from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from densa.model.fused_decode import FusedDecodeSwitch
 from densa.model.interface import CausalLM
 from densa.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from densa.model.linear import Linear
+from densa.model.local_attention import paged_attention_in_window
+from densa.model.weight_loading import GATE_UP_FUSED, QKV_FUSED, FusedWeightLoader
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int, qk_norm: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -36,6 +40,10 @@ class LlamaAttention(nn.Module):
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.window = cfg.window_of(layer_idx)
+        # Qwen3: every q and k head is RMS-normalized (before RoPE); one weight for all heads.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
     def forward(
         self,
@@ -47,21 +55,30 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qk, v = self.qkv_proj(hidden).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, -1, self.head_dim)  # [T, H + KVH, D]: q heads, then k heads
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k heads are adjacent: rotate them together, then split.
-        qk = RotaryEmbedding.rotate_heads(qk.view(num_tokens, -1, self.head_dim), rope)
+        qk = RotaryEmbedding.rotate_heads(qk, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(backend, q, k, v, cache, meta, self.scale)  # [T, H, D]
+        out = paged_attention_in_window(
+            backend, q, k, v, cache, meta, self.scale, self.window
+        )  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(
+        self, cfg: ArchConfig, layer_idx: int, qk_norm: bool = False, mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx, qk_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        # Any [T, hidden] -> [T, hidden] MLP: dense by default, mixture-of-experts in MoE families.
+        self.mlp = mlp if mlp is not None else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
         self,
@@ -83,6 +100,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    qk_norm = False  # whether attention normalizes each q and k head (Qwen3)
+
     def __init__(self, cfg: ArchConfig, max_position: int, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
@@ -90,10 +109,18 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device=device
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.fused_decode = FusedDecodeSwitch()  # off unless the engine turns it on
         self.tie_weights()
+        self.loader = FusedWeightLoader(
+            QKV_FUSED | GATE_UP_FUSED, (cfg.q_size, cfg.kv_size, cfg.kv_size),
+            tied_head=cfg.tie_word_embeddings,
+        )  # fmt: skip
+
+    def make_layer(self, cfg: ArchConfig, layer_idx: int) -> LlamaDecoderLayer:
+        return LlamaDecoderLayer(cfg, layer_idx, self.qk_norm)
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
@@ -108,6 +135,11 @@ class LlamaForCausalLM(CausalLM):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        fused = self.fused_decode.decoder_for(self, kv_caches)
+        if fused is not None:
+            if meta.prefill is None and meta.decode is not None:  # every layer in one C++ call
+                return fused.forward(input_ids, positions, meta)
+            return fused.forward_layers(self, input_ids, positions, meta, backend)
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions, hidden.dtype)
         residual = None
@@ -124,78 +156,14 @@ class LlamaForCausalLM(CausalLM):
     # ---- weights -------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must arrive."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, tensor in weights:
-            name, shard = _fused_target(hf_name)
-            if name.startswith("lm_head") and self.cfg.tie_word_embeddings:
-                continue  # tied: the embedding is the head
-            if name not in params:
-                raise KeyError(
-                    f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}"
-                )
-            self._copy_into(params[name], tensor, shard)
-            loaded.add(f"{name}#{shard}")
-        self._check_all_loaded(loaded)
-
-    def _copy_into(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
-        rows = self._shard_rows(shard, param.shape[0])
-        target = param.data[rows[0] : rows[1]]
-        if target.shape != tensor.shape:
-            raise ValueError(
-                f"shape mismatch: checkpoint {tuple(tensor.shape)} vs model {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
-
-    def _shard_rows(self, shard: str | None, num_rows: int) -> tuple[int, int]:
-        q, kv, inter = self.cfg.q_size, self.cfg.kv_size, self.cfg.intermediate_size
-        offsets = {
-            None: (0, num_rows),
-            "q": (0, q),
-            "k": (q, q + kv),
-            "v": (q + kv, q + 2 * kv),
-            "gate": (0, inter),
-            "up": (inter, 2 * inter),
-        }
-        return offsets[shard]
+        self.loader.load(self, weights)
 
     def checkpoint_target(self, hf_name: str) -> str:
         """The parameter a checkpoint tensor lands in (fused projections take several)."""
-        return _fused_target(hf_name)[0]
-
-    def _check_all_loaded(self, loaded: set[str]) -> None:
-        expected = set()
-        for name, _ in self.named_parameters():
-            # Any parameter of a fused projection (dense weight, quantized parts, bias) is
-            # filled shard by shard.
-            module = name.rpartition(".")[0]
-            if module.endswith("qkv_proj"):
-                expected |= {f"{name}#q", f"{name}#k", f"{name}#v"}
-            elif module.endswith("gate_up_proj"):
-                expected |= {f"{name}#gate", f"{name}#up"}
-            else:
-                expected.add(f"{name}#None")
-        missing = sorted(expected - loaded)
-        if missing:
-            raise KeyError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+        return self.loader.target(hf_name)
 
 
-_FUSED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 (dense): Llama's layout, with RMSNorm on each q and k head before RoPE."""
 
-
-def _fused_target(hf_name: str) -> tuple[str, str | None]:
-    """'model.layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 'k')."""
-    name = hf_name.removeprefix("model.")
-    parts = name.split(".")
-    for idx, part in enumerate(parts):
-        if part in _FUSED:
-            fused, shard = _FUSED[part]
-            parts[idx] = fused
-            return ".".join(parts), shard
-    return name, None
+    qk_norm = True

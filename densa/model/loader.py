@@ -16,17 +16,20 @@ from pathlib import Path
 import psutil
 import torch
 
-from densa.kernels.memory import rehome_on_huge_pages
+from densa.kernels import native
+from densa.memory import rehome_on_huge_pages
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.gguf import ensure_converted
+from densa.model.gguf import ensure_converted, stored_quantization
 from densa.model.interface import CausalLM
 from densa.model.linear import (
-    Linear,
     prepare_quantized,
     quantize_linears,
     resident_weight_bytes,
 )
+from densa.model.packed_linear import PACKED_FORMATS, PackedFormatUnavailable, pack_linears
+from densa.model.quant_targets import OUTPUT_HEAD, QuantScope, quantization_targets
 from densa.model.registry import model_factory
+from densa.model.stacked_linear import StackedLinear, prepare_stacked, quantize_stacked
 from densa.quant.checkpoint import Quantized, group_parts, read_format
 from densa.quant.quantizer import make_quantizer
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
@@ -81,9 +84,14 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read {path} (truncated or corrupt?): {exc}") from exc
 
 
-def check_fits(arch: ArchConfig, dtype: torch.dtype, device: torch.device) -> int:
+def num_parameters(model: torch.nn.Module) -> int:
+    """Parameters of a (meta-device) model, tied ones counted once."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_fits(num_params: int, dtype: torch.dtype, device: torch.device) -> int:
     """Bytes the weights need; refuse early if the machine clearly cannot hold them."""
-    needed = arch.num_parameters() * dtype.itemsize
+    needed = num_params * dtype.itemsize
     if device.type == "cpu":
         available = psutil.virtual_memory().available
     else:
@@ -101,7 +109,6 @@ ON_THE_FLY_FORMATS = {
     "int4": WeightFormat("int4", group_size=128, symmetric=True),
     "fp8": WeightFormat("fp8", block_size=128),
 }
-OUTPUT_HEAD = "lm_head"  # kept in high precision unless asked (it shapes every logit)
 
 
 def load_model(
@@ -111,20 +118,25 @@ def load_model(
     max_position: int,
     device: torch.device,
     weight_format: str = "auto",
+    head_format: str = "dense",
 ) -> CausalLM:
-    """Build the model and load its weights in the runtime format `weight_format` selects."""
+    """Build the model and load its weights in the runtime format `weight_format` selects; the
+    packed CPU formats (w4a8, w8a8) are made from the loaded dense weights, and `head_format`
+    w8a8 packs the output head too (tied or not)."""
     torch_dtype = DTYPES[dtype]
-    check_fits(arch, torch_dtype, device)
     files = safetensors_files(model_dir)
     stored = _read_stored_format(files)
-    runtime = runtime_format(stored, weight_format)
+    packed = weight_format if weight_format in PACKED_FORMATS else None
+    runtime = runtime_format(stored, "dense" if packed else weight_format)
     factory = model_factory(arch.architecture)
     # Build without initializing (meta device), then allocate and fill from the checkpoint.
     with torch.device("meta"):
         model = factory(arch, max_position, device).to(dtype=torch_dtype)
+        num_params = num_parameters(model)
+        check_fits(num_params, torch_dtype, device)
         targets = _quantized_modules(model, stored, runtime)
         if runtime is not None:
-            quantize_linears(model, targets, runtime)
+            _swap_quantized(model, targets, runtime)
     model = model.to_empty(device=device)
     model.tie_weights()
     tensors = runtime_tensors(iter_checkpoint(files), model, stored, runtime, targets)
@@ -134,16 +146,56 @@ def load_model(
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"checkpoint in {model_dir} does not match its config: {exc}") from exc
     prepare_quantized(model)
-    model.weight_format = runtime.describe() if runtime is not None else "dense"
+    _pack(model, packed, head_format)
+    prepare_stacked(model)
+    model.weight_format = _describe_weights(runtime, packed, head_format)
     if device.type == "cpu":
         rehome_on_huge_pages(model)  # streaming weights from huge pages is ~30% faster
     logger.info(
         "loaded %s (%s parameters, %s compute, %s weights: %s resident)",
-        model_dir.name, f"{arch.num_parameters():,}", dtype,
-        runtime.describe() if runtime is not None else "dense",
+        model_dir.name, f"{num_params:,}", dtype, model.weight_format,
         format_bytes(resident_weight_bytes(model)),
     )  # fmt: skip
     return model.eval()
+
+
+def _pack(model: CausalLM, weight_format: str | None, head_format: str) -> None:
+    """Pack the linear layers (and the output head) into the CPU kernels' formats, if asked."""
+    try:
+        if weight_format is not None:
+            skipped = pack_linears(model, quantizable_linears(model), weight_format)
+            if skipped:
+                logger.info("%d linear layers stay dense (shape does not tile)", len(skipped))
+        if head_format != "dense" and pack_linears(model, {OUTPUT_HEAD}, head_format):
+            raise ModelLoadError(f"the output head's shape does not fit {head_format}")
+    except PackedFormatUnavailable as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
+def _describe_weights(runtime: WeightFormat | None, packed: str | None, head: str) -> str:
+    linear = runtime.describe() if runtime is not None else packed or "dense"
+    return linear if head == "dense" else f"{linear}, output head {head}"
+
+
+# GGUF block types that `auto` keeps as stored (bit for bit), and the packed format running them.
+AUTO_LINEAR = {"Q4_1": "w4a8"}
+AUTO_HEAD = {"Q8_0": "w8"}
+
+
+def auto_formats(
+    model_path: str, model_dir: Path, weight_format: str, head_format: str
+) -> tuple[str, str]:
+    """Resolve `auto`: a GGUF file whose linear layers are Q4_1 (and head Q8_0) runs from those
+    very bits on the C++ kernels (w4a8 linears, a w8 head) where they are built; everything
+    else loads as its checkpoint says (dense for HF directories). Returns (weights, head)."""
+    stored = stored_quantization(model_dir) if str(model_path).endswith(".gguf") else {}
+    kernels = native.is_available()
+    if weight_format == "auto" and kernels and stored.get("linear") in AUTO_LINEAR:
+        weight_format = AUTO_LINEAR[str(stored["linear"])]
+    if head_format == "auto":
+        head = stored.get("head")
+        head_format = AUTO_HEAD[head] if kernels and head in AUTO_HEAD else "dense"
+    return weight_format, head_format
 
 
 def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> WeightFormat | None:
@@ -163,16 +215,16 @@ def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> Weigh
 
 
 def quantizable_linears(model: CausalLM, include_head: bool = False) -> set[str]:
-    """Names of the Linear modules a quantized format replaces: every one except the output
-    head (unless asked) and any whose weight is tied to an embedding."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    return {
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, Linear)
-        and id(module.weight) not in embeddings
-        and (include_head or name != OUTPUT_HEAD)
-    }
+    """Names of the modules a quantized format replaces by default (densa.model.quant_targets):
+    linear and stacked expert layers, but not the output head (unless asked), routers, or
+    weights tied to an embedding."""
+    return quantization_targets(model, QuantScope(include_head=include_head))
+
+
+def _swap_quantized(model: CausalLM, targets: set[str], fmt: WeightFormat) -> None:
+    stacked = {n for n in targets if isinstance(model.get_submodule(n), StackedLinear)}
+    quantize_linears(model, targets - stacked, fmt)
+    quantize_stacked(model, stacked, fmt)
 
 
 def linear_module_of(model: CausalLM, hf_name: str) -> str | None:
@@ -193,11 +245,11 @@ def runtime_tensors(
     and dense weights of quantized layers are quantized on the way (round-to-nearest)."""
     stored_quantizer = make_quantizer(stored.format) if stored is not None else None
     runtime_quantizer = make_quantizer(runtime) if runtime is not None else None
-    for name, value in group_parts(raw, stored):
+    for name, value in model.normalize_checkpoint(group_parts(raw, stored)):
         if isinstance(value, Quantized):
             assert stored_quantizer is not None  # group_parts only makes these from metadata
             if runtime_quantizer is None:
-                yield name, stored_quantizer.dequantize(value.parts, value.shape[1])
+                yield name, stored_quantizer.dequantize(value.parts, value.shape[-1])
             else:
                 yield from _parts_of(name, runtime_quantizer.to_runtime(value.parts))
         elif runtime_quantizer is not None and linear_module_of(model, name) in targets:

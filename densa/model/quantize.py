@@ -3,7 +3,8 @@
 source (HF dir, .gguf, or a densa INT4/FP8 checkpoint -- dequantized first)
   -> [GPTQ only] run calibration text through the dense model, collect each linear layer's
      input Hessian
-  -> quantize every linear weight (not embeddings or the output head unless asked)
+  -> quantize every linear weight (not embeddings or the output head unless asked); stacked MoE
+     expert weights expert by expert, routers kept in high precision (model.quant_targets)
   -> <dst>/model.safetensors with the format in its metadata, config.json, tokenizer files
 """
 
@@ -18,26 +19,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from densa.measure.data import calibration_passages
 from densa.model.arch import ArchConfig
-from densa.model.attention import (
-    AttentionMetadata,
-    LayerKVCache,
-    TorchAttentionBackend,
-    build_group,
-)
+from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
 from densa.model.interface import CausalLM
+from densa.model.kv_layout import scratch_caches
 from densa.model.loader import (
     DTYPES,
     iter_checkpoint,
     linear_module_of,
     load_model,
-    quantizable_linears,
     resolve_model_dir,
     runtime_tensors,
     safetensors_files,
 )
-from densa.model.registry import model_factory
-from densa.quant.calibration import HessianCollector, calibration_passages
+from densa.model.quant_targets import QuantScope, quantization_targets
+from densa.model.registry import kv_layout, model_factory
+from densa.quant.calibration import HessianCollector
 from densa.quant.checkpoint import Value, quantize_tensors, read_format, write_checkpoint
 from densa.quant.quantizer import make_quantizer
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
@@ -53,6 +51,12 @@ class QuantizeSettings:
     include_head: bool = False  # quantize the output head too (untied models only)
     calibration_passages: int = 128  # GPTQ: LAMBADA passages (~80 tokens each)
     show_progress: bool = True
+    keep_shared_experts: bool = False  # MoE: shared experts stay in keep_dtype
+    experts_only: bool = False  # MoE: quantize only the routed experts (as INT4 MoE releases do)
+
+    @property
+    def scope(self) -> QuantScope:
+        return QuantScope(self.include_head, self.keep_shared_experts, self.experts_only)
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ def quantize_checkpoint(src: str, dst: Path, settings: QuantizeSettings) -> Quan
     arch = ArchConfig.from_dir(src_dir)
     with torch.device("meta"):
         skeleton = model_factory(arch.architecture)(arch, 1, torch.device("cpu"))
-    targets = quantizable_linears(skeleton, settings.include_head) if settings.fmt else set()
+    targets = quantization_targets(skeleton, settings.scope) if settings.fmt else set()
     hessians: dict[str, torch.Tensor] = {}
     calibration_tokens = 0
     if settings.fmt is not None and make_quantizer(settings.fmt).needs_calibration:
@@ -129,12 +133,8 @@ def run_sequence(
     engine's own path, minus the engine); returns the final hidden states [T, hidden]."""
     num_tokens = len(token_ids)
     num_pages = -(-num_tokens // page_size)
-    shape = (num_pages, arch.num_kv_heads, page_size, arch.head_dim)
     dtype = next(model.parameters()).dtype
-    caches = [
-        LayerKVCache(k=torch.zeros(shape, dtype=dtype), v=torch.zeros(shape, dtype=dtype))
-        for _ in range(arch.num_layers)
-    ]
+    caches = scratch_caches(kv_layout(arch.architecture), arch, num_pages, page_size, dtype)
     positions = torch.arange(num_tokens)
     pages = list(range(num_pages))
     meta = AttentionMetadata(

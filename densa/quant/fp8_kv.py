@@ -14,10 +14,9 @@ head_dim 64 that is 65 bytes per head row instead of 68: 1.97x the resident toke
 1.88x), and scaling by 2**e is exact, so a row keeps e4m3's full relative precision (3 mantissa
 bits) whatever its magnitude; only the choice of binade, not the scale's own rounding, matters.
 
-Reading (dequantizing inside attention) is the kernels' job (densa.kernels); this module owns the
-write side: a fused Numba kernel for CPU caches (one call quantizes and scatters a layer's new K
-or V) and, for other devices, the torch reference in `densa.kernels.paged_attention_ref`, which
-the kernel matches bit for bit (tests/quant/test_fp8_kv.py).
+This module owns the format: the scale policies, its constants and the torch reference
+quantizers. The kernels that read pages (attention) and write them (`densa.kernels.fp8_store`,
+a fused Numba store for CPU caches, bit for bit equal to the references here) live in kernels/.
 """
 
 from __future__ import annotations
@@ -29,30 +28,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
 
-from densa.kernels.paged_attention_ref import (
-    EXPONENT_SCALE_DTYPE,
-    FP8_DTYPE,
-    FP8_MAX,
-    MAX_SCALE_EXPONENT,
-    MIN_SCALE_EXPONENT,
-    quantize_fp8_exponent,
-    quantize_fp8_static,
-)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+EXPONENT_SCALE_DTYPE = torch.int8  # dynamic scales stored as power-of-two exponents
+# 2**-e stays a normal float32 and 448 * 2**e stays finite, so no scale or restored value
+# is inf or subnormal: e in [-126, 119].
+MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT = -126, 119
+
 
 KV_DTYPE = "fp8_e4m3"
 SCALE_POLICIES = ("dynamic", "static")
 # Bytes of scale per (token, kv head) and per K or V in each layer.
 SCALE_BYTES = {"dynamic": 1, "static": 0}
-
-_FLT_MAX = np.float32(3.4028234663852886e38)
-_MIN_NORMAL_E4M3 = np.float32(2.0**-6)
-_FP8_MAX = np.float32(FP8_MAX)
 
 
 def scale_bytes_per_token(num_layers: int, num_kv_heads: int, policy: str) -> int:
@@ -164,149 +153,62 @@ def _pow2_scale(amax: float) -> float:
     return 2.0 ** math.ceil(math.log2(amax / FP8_MAX))
 
 
-# ---- storing ---------------------------------------------------------------------------------
-def store_fp8(
-    cache: torch.Tensor,
-    scale: torch.Tensor | None,
-    pages: torch.Tensor,
-    offsets: torch.Tensor,
-    x: torch.Tensor,
-) -> None:
-    """Quantize x [T, KVH, D] into slot (pages[t], offsets[t]) of an fp8 cache [P, KVH, S, D].
+# ---- reference quantizers (torch; the kernels in densa.kernels.fp8_store match them) ----
+def quantize_fp8(
+    x: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize float32 x [..., D] to float8_e4m3fn; never yields NaN or inf.
 
-    `scale`: an int8 exponent tensor [P, KVH, S] (dynamic; filled here), or a 0-dim float scale
-    (static), or None (static 1.0). Values beyond the range are clamped; NaN is stored as 0.
+    With `scale` None, the scale is dynamic per row: amax(|x|, -1) / 448 (shape x.shape[:-1]).
+    Otherwise `scale` (0-dim) is used as a static scale. Returns (fp8 values, float32 scale).
+    Non-finite inputs are first mapped to the largest finite float32 so the result stays finite.
     """
-    if cache.dtype != FP8_DTYPE:
-        raise TypeError(f"store_fp8 writes float8_e4m3fn caches, not {cache.dtype}")
+    x = torch.nan_to_num(x.to(torch.float32), nan=0.0)
     if scale is None:
-        scale = torch.tensor(1.0)
-    if cache.device.type == "cpu" and cache.is_contiguous():
-        _store_cpu(cache, scale, pages, offsets, x)
-        return
-    if scale.dim() == 0:
-        cache[pages, :, offsets] = quantize_fp8_static(x, scale)
+        amax = x.abs().amax(dim=-1)
+        # An all-zero row has no natural scale; any positive value quantizes it exactly to zero.
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        scaled = x / scale.unsqueeze(-1)
     else:
-        values, exponents = quantize_fp8_exponent(x)
-        cache[pages, :, offsets] = values
-        scale[pages, :, offsets] = exponents
+        scale = scale.to(torch.float32)
+        scaled = x / scale
+    # Clamp explicitly: saturation of float32 -> e4m3fn casts is not guaranteed across backends.
+    scaled = torch.nan_to_num(scaled, nan=0.0).clamp(-FP8_MAX, FP8_MAX)
+    return scaled.to(FP8_DTYPE), scale
 
 
-def _store_cpu(
-    cache: torch.Tensor,
-    scale: torch.Tensor,
-    pages: torch.Tensor,
-    offsets: torch.Tensor,
-    x: torch.Tensor,
-) -> None:
-    rows = x if x.dtype == torch.float32 else x.float()
-    raw = cache.view(torch.uint8).numpy()
-    pages_np, offsets_np = pages.numpy(), offsets.numpy()
-    if scale.dim() == 0:
-        inv_scale = np.float32(torch.reciprocal(scale.float()).item())
-        _store_static_kernel(rows.numpy(), raw, inv_scale, pages_np, offsets_np)
-    else:
-        if scale.dtype != EXPONENT_SCALE_DTYPE or not scale.is_contiguous():
-            raise ValueError("dynamic fp8 scales must be a contiguous int8 exponent tensor")
-        _store_exponent_kernel(rows.numpy(), raw, scale.numpy(), pages_np, offsets_np)
+def scale_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """int8 exponents e of the smallest power-of-two scales with amax <= 448 * 2**e.
 
-
-# ---- the fused CPU kernels -------------------------------------------------------------------
-def _bits_typer(typingctx, x):
-    """float32 -> its IEEE bits as uint32 (a register bitcast)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    if x != types.float32:
-        return None
-    return types.uint32(x), codegen
-
-
-def _from_bits_typer(typingctx, bits):
-    """uint32 IEEE bits -> float32 (a register bitcast)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    if bits != types.uint32:
-        return None
-    return types.float32(bits), codegen
-
-
-# Typed as Any: mypy cannot see through numba's intrinsic wrapper.
-_f32_bits: Any = intrinsic(_bits_typer)
-_f32_from_bits: Any = intrinsic(_from_bits_typer)
-
-
-@njit(cache=True, inline="always")
-def _finite(x):
-    """NaN -> 0, +-inf -> +-FLT_MAX (what torch.nan_to_num does in the reference)."""
-    if x != x:
-        return np.float32(0.0)
-    return max(min(x, _FLT_MAX), -_FLT_MAX)
-
-
-@njit(cache=True, inline="always")
-def _encode_e4m3(y):
-    """float32 y with |y| <= 448 -> float8_e4m3fn bits, rounding to nearest even like torch.
-
-    Normal range: round the float32 mantissa to 3 bits on the bit pattern (add half an e4m3 ulp
-    minus one, plus the kept lsb) and rebias the exponent (127 -> 7). Below e4m3's smallest normal
-    (2**-6) the codes are multiples of 2**-9, so the code is rint(|y| * 512).
+    amax = m * 2**k with m in [0.5, 1) and 448 = 0.875 * 2**9, so e = k - 9 (m <= 0.875) or
+    k - 8 (m > 0.875): the scaled row maximum lands in (224, 448], using e4m3's top binade.
+    A zero row gets e = 0. Exponents are clamped to [-126, 119] (rows beyond that saturate).
     """
-    bits = _f32_bits(y)
-    sign = (bits >> np.uint32(24)) & np.uint32(0x80)
-    magnitude = bits & np.uint32(0x7FFFFFFF)
-    if abs(y) < _MIN_NORMAL_E4M3:
-        code = np.uint32(np.rint(abs(y) * np.float32(512.0)))
-    else:
-        lsb = (magnitude >> np.uint32(20)) & np.uint32(1)
-        code = ((magnitude + np.uint32(0x7FFFF) + lsb) >> np.uint32(20)) - np.uint32(960)
-    return np.uint8(sign | code)
+    mantissa, exponent = torch.frexp(amax.to(torch.float32))
+    e = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)
+    e = torch.where(amax > 0, e, torch.zeros_like(e))
+    return e.clamp(MIN_SCALE_EXPONENT, MAX_SCALE_EXPONENT).to(EXPONENT_SCALE_DTYPE)
 
 
-@njit(cache=True, inline="always")
-def _row_exponent(amax):
-    """The int8 exponent e of `scale_exponents` for one row maximum, from its float32 bits:
-    amax = 1.m * 2**(b - 127), and e = b - 135, plus 1 when 1.m > 1.75 (so amax > 448 * 2**e).
-    A subnormal amax (b = 0) gives e < -126, clamped like the reference's."""
-    if amax == 0:
-        return 0
-    bits = _f32_bits(amax)
-    biased = np.int32(bits >> np.uint32(23))
-    exponent = biased - 135 + (1 if (bits & np.uint32(0x7FFFFF)) > 0x600000 else 0)
-    return max(MIN_SCALE_EXPONENT, min(MAX_SCALE_EXPONENT, exponent))
+def quantize_fp8_exponent(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize float x [..., D] to float8_e4m3fn with one power-of-two scale per row.
+
+    Returns (fp8 values, int8 exponents [...]); value = fp8 * 2**exponent. Scaling by a power of
+    two is exact, so the only rounding is e4m3's own. Never yields NaN or inf (NaN -> 0, +-inf and
+    huge values saturate at +-448 * 2**119).
+    """
+    finite = torch.nan_to_num(x.to(torch.float32), nan=0.0)
+    exponents = scale_exponents(finite.abs().amax(dim=-1))
+    scaled = torch.ldexp(finite, -exponents.to(torch.int32).unsqueeze(-1))
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), exponents
 
 
-@njit(cache=True)
-def _store_exponent_kernel(x, cache, exponents, pages, offsets):
-    """Dynamic scales: per (token, head) row, pick the exponent, scale exactly, encode, scatter.
+def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantize float x with one static scale (0-dim): fp8(clamp(x * (1 / scale))).
 
-    x: float32 [T, H, D]; cache: uint8 [P, H, S, D]; exponents: int8 [P, H, S]."""
-    num_tokens, num_heads, head_dim = x.shape
-    for t in range(num_tokens):
-        page, slot = pages[t], offsets[t]
-        for h in range(num_heads):
-            amax = np.float32(0.0)
-            for d in range(head_dim):
-                amax = max(amax, abs(_finite(x[t, h, d])))
-            e = _row_exponent(amax)
-            inv_scale = _f32_from_bits(np.uint32((127 - e) << 23))  # 2**-e, exact
-            for d in range(head_dim):
-                y = min(max(_finite(x[t, h, d]) * inv_scale, -_FP8_MAX), _FP8_MAX)
-                cache[page, h, slot, d] = _encode_e4m3(np.float32(y))
-            exponents[page, h, slot] = e
-
-
-@njit(cache=True)
-def _store_static_kernel(x, cache, inv_scale, pages, offsets):
-    """Static scale: fp8(clamp(x * inv_scale)) into each token's slot. x: float32 [T, H, D]."""
-    num_tokens, num_heads, head_dim = x.shape
-    for t in range(num_tokens):
-        page, slot = pages[t], offsets[t]
-        for h in range(num_heads):
-            for d in range(head_dim):
-                y = _finite(x[t, h, d]) * inv_scale
-                y = min(max(y, -_FP8_MAX), _FP8_MAX) if y == y else np.float32(0.0)
-                cache[page, h, slot, d] = _encode_e4m3(np.float32(y))
+    Multiplying by the float32 reciprocal (not dividing) is what the fused store kernel does, so
+    both round identically.
+    """
+    finite = torch.nan_to_num(x.to(torch.float32), nan=0.0)
+    scaled = finite * torch.reciprocal(scale.to(torch.float32))
+    return torch.nan_to_num(scaled, nan=0.0).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

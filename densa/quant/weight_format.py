@@ -68,9 +68,10 @@ class WeightFormat:
 
 @dataclass
 class StoredTensor:
-    """One quantized tensor in a checkpoint: its logical [out, in] shape and where its parts are."""
+    """One quantized tensor in a checkpoint: its logical shape ([out, in], or [experts, out, in]
+    for stacked experts) and where its parts are."""
 
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
     parts: dict[str, str]  # part name ("qweight", "scales", ...) -> tensor name in the file
 
 
@@ -103,7 +104,7 @@ class CheckpointFormat:
                 f"(this densa reads version {FORMAT_VERSION}); re-run densa quantize"
             )
         tensors = {
-            name: StoredTensor(shape=(int(t["shape"][0]), int(t["shape"][1])), parts=t["parts"])
+            name: StoredTensor(shape=tuple(int(d) for d in t["shape"]), parts=t["parts"])
             for name, t in payload["tensors"].items()
         }
         return cls(format=WeightFormat(**payload["format"]), tensors=tensors)

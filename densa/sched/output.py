@@ -1,4 +1,12 @@
-"""What the scheduler hands the worker each step: one plain data object, read-only there."""
+"""What the scheduler hands the runner each step: plain data, in deltas.
+
+A request's prompt and sampling parameters cross once, in a NewRequest, when it is admitted (and
+again after a preemption, since the runner dropped it). After that each step carries only what
+changed: the tokens this step computes and the pages mapped since the runner last saw the request.
+The runner mirrors each request's page table and tokens (worker/request_states.py), so a step costs
+O(new tokens + new pages) to describe, not O(context): the same contract works when the runner
+lives in another process or on another host.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +16,40 @@ from densa.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step.
+class NewRequest:
+    """A request the runner has not seen (first admission, or re-admission after preemption)."""
 
-    Positions computed this step: [start_pos, start_pos + len(token_ids)). Its K/V goes into
-    page_ids[pos // page_size] at slot pos % page_size. Attention reads positions [0, end_pos).
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # Tokens generated before a preemption: recomputed as context, and seen by penalties.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PageGrant:
+    """Entry `index` of a request's page table is `page_id`, expected to carry tag `tag`.
+    Applied by index, so applying a grant twice (a retried step) changes nothing."""
+
+    index: int
+    page_id: int
+    tag: int
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of a step: positions [start_pos, start_pos + len(token_ids)).
+
+    Its K/V goes into page_ids[pos // page_size] at slot pos % page_size; attention reads
+    positions [0, end_pos). Generated tokens arrive here too (a decode chunk is the last sampled
+    token), which is how the runner's copy of the output grows.
     """
 
     request_id: str
-    token_ids: list[int]  # the tokens whose K/V is computed this step
+    token_ids: list[int]
     start_pos: int  # == num_computed_tokens before the step
-    page_ids: list[int]  # the request's whole page table after this step's allocation
-    page_tags: list[int]  # the generation tag it expects on each of those pages
+    new_pages: list[PageGrant]  # page-table entries mapped since the runner last saw this request
     sample: bool  # the step reaches the last known token: sample the next one
-    sampling_params: SamplingParams
-    # Read-only views for penalties (prompt and output so far); the runner must not mutate them.
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -37,16 +62,20 @@ class ScheduledRequest:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
+    scheduled: list[ScheduledChunk]
     # (page, tag) for every tag change since the last step -- pages allocated or released -- which
-    # the worker mirrors into its device-side tag table before any read or write.
+    # the runner mirrors into its device-side tag table before any read or write.
     tag_updates: list[tuple[int, int]]
-    # Requests that ended or were preempted since the last step: the worker drops their state.
+    # Requests that ended or were preempted since the last step: the runner drops their state.
     finished_request_ids: list[str]
     preempted_request_ids: list[str]
-    # Requests admitted (first scheduled, or re-admitted after preemption) in this step: the first
-    # suspects when a step fails and the fault cannot be attributed (engine fault confinement).
-    new_request_ids: list[str] = field(default_factory=list)
+    # Requests admitted (first scheduled, or re-admitted after preemption) in this step. They are
+    # also the first suspects when a step fails (engine fault confinement).
+    new_requests: list[NewRequest] = field(default_factory=list)
+
+    @property
+    def new_request_ids(self) -> list[str]:
+        return [r.request_id for r in self.new_requests]
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -55,3 +84,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def empty_step(
+    tag_updates: list[tuple[int, int]], finished_request_ids: list[str] | None = None
+) -> SchedulerOutput:
+    """A step that computes nothing: it brings the runner's tags and request set up to date."""
+    return SchedulerOutput([], tag_updates, finished_request_ids or [], [])

@@ -21,11 +21,12 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from densa.cache.integrity import IntegrityViolation
 from densa.cache.kv_manager import NO_HIT, KVCacheManager
 from densa.config import SchedulerConfig
 from densa.request import Request, RequestStatus
-from densa.sched.output import ScheduledRequest, SchedulerOutput
+from densa.sched.events import ReleaseViolation, RequestEnded, SchedulerEvent
+from densa.sched.output import NewRequest, PageGrant, ScheduledChunk, SchedulerOutput
+from densa.sched.stop import StopRule
 
 logger = logging.getLogger(__name__)
 # The error a request ends with when its own bookkeeping raised (a bug, confined to it).
@@ -36,18 +37,19 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_manager
+        self.stop = StopRule.of(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self._preempted_since_step: list[str] = []
-        self._admitted_this_step: list[str] = []
+        self._admitted_this_step: list[NewRequest] = []
         self.num_preemptions = 0  # lifetime total, for metrics
         # Lifetime total of tokens sampled, delivered or not: with the tokens handed to clients
         # it shows how much work abandoned requests cost before they were aborted.
         self.num_generated_tokens = 0
-        # Pages a request failed to release cleanly (not its own any more); the engine drains these.
-        self.release_violations: list[IntegrityViolation] = []
+        # What the scheduler did on its own since the engine last looked (drain_events).
+        self._events: list[SchedulerEvent] = []
         # Disaggregation (see densa/disagg): requests whose prompt K/V comes from a prefill worker
         # (admitted, maybe holding destination pages, not scheduled until the pages land), and
         # pages of finished requests that a transfer may still touch: owner id -> (pages, tags).
@@ -81,10 +83,22 @@ class Scheduler:
         if request.hold_pages and request.page_ids:
             self._hold(request)
         else:
-            self.release_violations.extend(self.kv.free(request))
+            self._release(request)
         self.kv.forget(request)
         self._finished_since_step.append(request_id)
         return request
+
+    def drain_events(self) -> list[SchedulerEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _release(self, request: Request) -> None:
+        self._events.extend(ReleaseViolation(v) for v in self.kv.free(request))
+
+    def _end_on_own(self, request: Request, error: str) -> None:
+        """End a request by the scheduler's own decision, and say so to the engine."""
+        self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR, error)
+        self._events.append(RequestEnded(request.request_id, RequestStatus.FINISHED_ERROR, error))
 
     def _unqueue(self, request: Request) -> None:
         # By identity, and wherever it is: a request that failed half-way through admission may
@@ -135,6 +149,8 @@ class Scheduler:
         status = self._stop_status(request, first_token_id)
         if status is not None:
             self.finish_request(request_id, status)
+        else:  # the runner learns it now, its first token included (penalties see it)
+            self._admitted_this_step.append(new_request_of(request))
         return request
 
     def release_held(self, owner_id: str) -> None:
@@ -142,7 +158,8 @@ class Scheduler:
         held = self.held.pop(owner_id, None)
         if held is not None:
             page_ids, tags = held
-            self.release_violations.extend(self.kv.release(owner_id, page_ids, tags))
+            problems = self.kv.release(owner_id, page_ids, tags)
+            self._events.extend(ReleaseViolation(v) for v in problems)
 
     def _hold(self, request: Request) -> None:
         # Tail first, as KVCacheManager.free does, so tail pages are evicted first.
@@ -169,7 +186,7 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: list[ScheduledChunk] = []
         budget = self._schedule_running(budget, scheduled)
         if not self._preempted_since_step:
             self._schedule_waiting(budget, scheduled)
@@ -178,13 +195,13 @@ class Scheduler:
             tag_updates=self.kv.pool.drain_tag_updates(),
             finished_request_ids=self._finished_since_step,
             preempted_request_ids=self._preempted_since_step,
-            new_request_ids=self._admitted_this_step,
+            new_requests=self._admitted_this_step,
         )
         self._finished_since_step, self._preempted_since_step = [], []
         self._admitted_this_step = []
         return output
 
-    def _schedule_running(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _schedule_running(self, budget: int, scheduled: list[ScheduledChunk]) -> int:
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
@@ -208,17 +225,15 @@ class Scheduler:
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
                 # Alone and still no room: it can never fit. Fail it rather than spin forever.
-                self.finish_request(
-                    request.request_id,
-                    RequestStatus.FINISHED_ERROR,
-                    "kv_cache_exhausted: the request outgrew the whole KV cache",
+                self._end_on_own(
+                    request, "kv_cache_exhausted: the request outgrew the whole KV cache"
                 )
                 return False
             self._preempt(victim)
             if victim is request:
                 return False
 
-    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
+    def _schedule_waiting(self, budget: int, scheduled: list[ScheduledChunk]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             try:
@@ -246,19 +261,17 @@ class Scheduler:
         request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        self._admitted_this_step.append(request.request_id)
+        self._admitted_this_step.append(new_request_of(request))
         return num_new
 
     def _fail_alone(self, request: Request, what: str) -> None:
         """End one request whose own bookkeeping raised; its pages go back (checked by tag)."""
         logger.exception("error while %s request %s; ending it alone", what, request.request_id)
-        self.finish_request(
-            request.request_id, RequestStatus.FINISHED_ERROR, INTERNAL_ERROR.format(what=what)
-        )
+        self._end_on_own(request, INTERNAL_ERROR.format(what=what))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.release_violations.extend(self.kv.free(request))
+        self._release(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -266,19 +279,9 @@ class Scheduler:
         self.num_preemptions += 1
         self._preempted_since_step.append(request.request_id)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.token_slice(start, start + num_new),
-            start_pos=start,
-            page_ids=list(request.page_ids),
-            page_tags=list(request.page_tags),
-            sample=start + num_new == request.num_tokens,
-            sampling_params=request.sampling_params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-        )
+        return chunk_of(request, start, num_new, sample=start + num_new == request.num_tokens)
 
     # ---- after the step ------------------------------------------------------------------------
     def update_from_output(
@@ -302,7 +305,7 @@ class Scheduler:
                 updated.append(request)
         return updated
 
-    def _advance(self, request: Request, item: ScheduledRequest, token_id: int | None) -> bool:
+    def _advance(self, request: Request, item: ScheduledChunk, token_id: int | None) -> bool:
         """Take in one request's step: computed tokens, newly full pages, its sampled token."""
         request.num_computed_tokens = item.end_pos
         self.kv.cache_full_pages(request)
@@ -316,14 +319,34 @@ class Scheduler:
         return True
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+        return self.stop.status(
+            request.sampling_params, request.num_output_tokens, request.num_tokens, token_id
+        )
+
+
+def new_request_of(request: Request) -> NewRequest:
+    """What the runner needs to know about `request` once, at (re-)admission."""
+    request.num_pages_sent = 0  # the runner learns the page table from scratch
+    return NewRequest(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling_params=request.sampling_params,
+        output_token_ids=list(request.output_token_ids),
+    )
+
+
+def chunk_of(request: Request, start: int, num_new: int, sample: bool) -> ScheduledChunk:
+    """Tokens [start, start + num_new) of `request`, with the page-table entries the runner has
+    not been sent yet (which are then counted as sent)."""
+    grants = [
+        PageGrant(idx, request.page_ids[idx], request.page_tags[idx])
+        for idx in range(request.num_pages_sent, len(request.page_ids))
+    ]
+    request.num_pages_sent = len(request.page_ids)
+    return ScheduledChunk(
+        request_id=request.request_id,
+        token_ids=request.token_slice(start, start + num_new),
+        start_pos=start,
+        new_pages=grants,
+        sample=sample,
+    )

@@ -38,8 +38,8 @@ from densa.model.attention import (
     LayerKVCache,
 )
 from densa.model.interface import CausalLM
-from densa.sched.output import ScheduledRequest
 from densa.utils.logging import get_logger
+from densa.worker.request_states import ScheduledRequest
 
 logger = get_logger(__name__)
 
@@ -120,7 +120,7 @@ class DecodeGraphs:
         """All decode rows (one token each), few enough, each context within the table width."""
         return (
             0 < len(items) <= self.max_batch_size
-            and all(item.num_tokens == 1 for item in items)
+            and all(item.is_decode for item in items)
             and all(-(-item.end_pos // self.page_size) <= self.max_pages for item in items)
         )
 

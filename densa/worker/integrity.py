@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from densa.cache.integrity import IntegrityViolation, classify
-from densa.sched.output import ScheduledRequest
+from densa.worker.request_states import ScheduledRequest
 
 
 class IntegrityChecker(Protocol):

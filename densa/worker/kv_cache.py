@@ -1,12 +1,15 @@
 """KV page tensors: what one cached token costs per KV dtype, how many pages a budget buys, and
 allocating them (values, plus FP8 scales).
 
-Bytes per token, all layers, K and V (L layers, H kv heads, D head dim):
+The model family's KV layout (densa.model.kv_layout) says what a token caches per layer: P page
+tensors ("parts") of H heads x D values -- K and V per KV head (P = 2), or MLA's one latent row
+(P = 1, H = 1, D = kv_lora_rank + rope dim). Bytes per token, all L layers:
 
-    float32           2 * L * H * D * 4
-    bfloat16/float16  2 * L * H * D * 2
-    fp8_e4m3 static   2 * L * H * D * 1            (one float32 scale per layer: not per token)
-    fp8_e4m3 dynamic  2 * L * H * (D * 1 + 1)      (one int8 exponent per token, head, K/V)
+    float32           P * L * H * D * 4
+    bfloat16/float16  P * L * H * D * 2
+    fp8_e4m3 static   P * L * H * D * 1            (one float32 scale per layer and part)
+    fp8_e4m3 dynamic  P * L * H * (D * 1 + 1)      (one int8 exponent per token, head and part)
+    int8              P * L * H * (D * 1 + 2)      (one fp16 scale per token, head and part)
 """
 
 from __future__ import annotations
@@ -16,25 +19,46 @@ from dataclasses import dataclass
 import torch
 
 from densa.config import DEFAULT_KV_SCALES
-from densa.kernels.memory import huge_page_zeros
+from densa.memory import huge_page_zeros
 from densa.model.arch import ArchConfig
-from densa.model.attention import LayerKVCache
-from densa.quant import fp8_kv
+from densa.model.kv_layout import KVGeometry, LayerCache
+from densa.model.registry import kv_layout
+from densa.quant import fp8_kv, int8_kv
+from densa.quant.kv_format import KVFormat
 
 KV_DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "fp8_e4m3": torch.float8_e4m3fn,
+    "int8": int8_kv.CODE_DTYPE,
 }
 
 
+def kv_geometry(arch: ArchConfig) -> KVGeometry:
+    return kv_layout(arch.architecture).geometry(arch)
+
+
+def value_bytes_per_token(arch: ArchConfig, kv_dtype: str) -> int:
+    """Bytes of one cached token's values across all layers (K and V, or the latent)."""
+    return kv_geometry(arch).values_per_token * KV_DTYPES[kv_dtype].itemsize
+
+
+def scale_bytes_per_token(arch: ArchConfig, kv_scales: str) -> int:
+    """Bytes the FP8 scales add to one cached token (one per [head_dim] row when dynamic)."""
+    if kv_scales not in fp8_kv.SCALE_BYTES:
+        raise ValueError(f"kv scale policy must be one of {fp8_kv.SCALE_POLICIES}")
+    return kv_geometry(arch).rows_per_token * fp8_kv.SCALE_BYTES[kv_scales]
+
+
 def bytes_per_token(arch: ArchConfig, kv_dtype: str, kv_scales: str = DEFAULT_KV_SCALES) -> int:
-    """Bytes one cached token takes across all layers: K and V values, plus FP8 scales."""
-    values = int(arch.kv_bytes_per_token(KV_DTYPES[kv_dtype].itemsize))
+    """Bytes one cached token takes across all layers: its values, plus FP8 scales."""
+    values = value_bytes_per_token(arch, kv_dtype)
+    if kv_dtype == int8_kv.KV_DTYPE:
+        return values + kv_geometry(arch).rows_per_token * int8_kv.SCALE_BYTES
     if kv_dtype != fp8_kv.KV_DTYPE:
         return values
-    return values + fp8_kv.scale_bytes_per_token(arch.num_layers, arch.num_kv_heads, kv_scales)
+    return values + scale_bytes_per_token(arch, kv_scales)
 
 
 def page_bytes(
@@ -80,7 +104,7 @@ def kv_capacity(
 ) -> KVCapacity:
     scales = kv_scales or DEFAULT_KV_SCALES
     per_token = bytes_per_token(arch, kv_dtype, scales)
-    values_only = int(arch.kv_bytes_per_token(KV_DTYPES[kv_dtype].itemsize))
+    values_only = value_bytes_per_token(arch, kv_dtype)
     return KVCapacity(
         kv_dtype=kv_dtype,
         kv_scales=kv_scales if kv_dtype == fp8_kv.KV_DTYPE else None,
@@ -106,27 +130,52 @@ def allocate_kv_caches(
     device: torch.device,
     kv_scales: str = DEFAULT_KV_SCALES,
     static_scales: fp8_kv.KVScales | None = None,
-) -> list[LayerKVCache]:
-    """One zero-filled tensor for all layers (memory committed up front), viewed per layer.
+) -> list[LayerCache]:
+    """One zero-filled tensor for all layers (memory committed up front), viewed per layer and
+    part, and wrapped in the family's per-layer cache objects.
 
     FP8 caches also get their scales: with dynamic scales a second zero-filled int8 tensor of
     exponents, one per (page, head, slot) like the values; with static scales one 0-dim float32
-    tensor per layer for K and for V, from `static_scales` (1.0 when None).
+    tensor per layer and part (K, V), from `static_scales` (1.0 when None). INT8 caches get one
+    fp16 scale per (page, head, slot) and part.
     """
-    shape = (arch.num_layers, 2, num_pages, arch.num_kv_heads, page_size, arch.head_dim)
+    layout = kv_layout(arch.architecture)
+    geo = layout.geometry(arch)
+    shape = (geo.num_layers, geo.num_parts, num_pages, geo.num_heads, page_size, geo.head_dim)
     storage = _zeros(shape, KV_DTYPES[kv_dtype], device)
-    caches = [LayerKVCache(k=storage[i, 0], v=storage[i, 1]) for i in range(arch.num_layers)]
+    scales = _scales(geo, shape, kv_dtype, kv_scales, static_scales, device)
+    kv_format = KVFormat.of(kv_dtype, kv_scales, static_scales.source if static_scales else None)
+    return [
+        layout.layer_cache(
+            [(storage[layer, part], scales[layer][part]) for part in range(geo.num_parts)],
+            kv_format,
+        )
+        for layer in range(geo.num_layers)
+    ]
+
+
+def _scales(
+    geo: KVGeometry,
+    shape: tuple[int, ...],
+    kv_dtype: str,
+    kv_scales: str,
+    static_scales: fp8_kv.KVScales | None,
+    device: torch.device,
+) -> list[list[torch.Tensor | None]]:
+    """Per layer and part: the FP8 or INT8 scale tensor, or None for unquantized caches."""
+    if kv_dtype == int8_kv.KV_DTYPE:  # one fp16 scale per (page, head, slot), like the values
+        row_scales = _zeros(shape[:-1], int8_kv.SCALE_DTYPE, device)
+        return [list(row_scales[layer]) for layer in range(geo.num_layers)]
     if kv_dtype != fp8_kv.KV_DTYPE:
-        return caches
+        return [[None] * geo.num_parts for _ in range(geo.num_layers)]
     if kv_scales == "dynamic":
         exponents = torch.zeros(shape[:-1], dtype=fp8_kv.EXPONENT_SCALE_DTYPE, device=device)
-        for i, cache in enumerate(caches):
-            cache.k_scale, cache.v_scale = exponents[i, 0], exponents[i, 1]
-        return caches
-    scales = static_scales or fp8_kv.KVScales.ones(arch.num_layers)
-    if scales.num_layers != arch.num_layers:
-        raise ValueError(f"{scales.num_layers} layers of KV scales for {arch.num_layers} layers")
-    for i, cache in enumerate(caches):
-        cache.k_scale = torch.tensor(scales.k[i], dtype=torch.float32, device=device)
-        cache.v_scale = torch.tensor(scales.v[i], dtype=torch.float32, device=device)
-    return caches
+        return [list(exponents[layer]) for layer in range(geo.num_layers)]
+    scales = static_scales or fp8_kv.KVScales.ones(geo.num_layers)
+    if scales.num_layers != geo.num_layers:
+        raise ValueError(f"{scales.num_layers} layers of KV scales for {geo.num_layers} layers")
+    per_part = (scales.k, scales.v)[: geo.num_parts]  # a latent cache has one part (K's scale)
+    return [
+        [torch.tensor(values[layer], dtype=torch.float32, device=device) for values in per_part]
+        for layer in range(geo.num_layers)
+    ]

@@ -13,25 +13,18 @@ import torch
 from densa.cache.integrity import IntegrityViolation
 from densa.ipc.messages import TokenLogprobs
 from densa.kernels.paged_attention_ref import dequantize_pages
-from densa.model.attention import (
-    AttentionBackend,
-    AttentionGroup,
-    AttentionMetadata,
-    LayerKVCache,
-    build_group,
-)
+from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, build_group
 from densa.model.interface import CausalLM
-from densa.quant import fp8_kv
-from densa.sched.output import ScheduledRequest, SchedulerOutput
+from densa.model.kv_layout import LayerCache, cache_parts
+from densa.quant.kv_format import KVFormat
+from densa.sched.output import SchedulerOutput
+from densa.sched.stop import StopRule
 from densa.worker.cuda_graphs import DecodeGraphs
 from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker
+from densa.worker.request_states import RequestStates, ScheduledRequest, UnknownRequest
 from densa.worker.sampler import Sampler, SampleRequest
 from densa.worker.structured import StructuredSampler
-
-
-def _is_generated(item: ScheduledRequest) -> bool:
-    return item.start_pos >= len(item.prompt_token_ids)
 
 
 @dataclass
@@ -60,10 +53,10 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        kv_caches: list[LayerKVCache],
+        kv_caches: list[LayerCache],
         page_size: int,
         backend: AttentionBackend,
-        eos_token_ids: tuple[int, ...],
+        stop_rule: StopRule,
         device: torch.device,
         integrity: IntegrityChecker,
         seed: int = 0,
@@ -78,7 +71,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.backend = backend
-        self.eos_token_ids = eos_token_ids
+        self.stop_rule = stop_rule  # the scheduler's stop rule: min_tokens keeps its tokens out
         self.device = device
         self.integrity = integrity
         # Compiles constraints (structured outputs, tool calls); None: unconstrained only.
@@ -86,14 +79,38 @@ class ModelRunner:
         self.sampler = Sampler(seed, StructuredSampler(grammars) if grammars else None)
         # CUDA graphs of all-decode steps through one of the models (None: always eager).
         self.decode_graphs = decode_graphs
+        # The runner's mirror of each running request, kept from the scheduler's deltas.
+        self.requests = RequestStates()
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        """Take in the step's deltas, then compute it."""
+        items, errors = self.begin(step)
+        output = self.compute(items)
+        output.errors.update(errors)
+        return output
+
+    def begin(self, step: SchedulerOutput) -> tuple[list[ScheduledRequest], dict[str, str]]:
+        """Apply the step's deltas (ended and new requests, tags, pages) exactly once; the
+        chunks resolved to full views, and the requests whose chunk could not be resolved."""
         for request_id in step.finished_request_ids:
             self.sampler.forget(request_id)
         self.integrity.apply_tag_updates(step.tag_updates)
-        failed = self.integrity.check_step(step.scheduled)
-        scheduled = [s for s in step.scheduled if s.request_id not in failed]
+        self.requests.apply_lifecycle(step)
+        items: list[ScheduledRequest] = []
+        errors: dict[str, str] = {}
+        for chunk in step.scheduled:
+            try:
+                items.append(self.requests.resolve(chunk))
+            except UnknownRequest as exc:  # a broken delta: that request alone cannot run
+                errors[chunk.request_id] = f"engine_error: {exc}"
+        return items, errors
+
+    @torch.inference_mode()
+    def compute(self, items: list[ScheduledRequest]) -> RunnerOutput:
+        """Check the pages' tags, run the forward pass, sample. Touches no bookkeeping, so a
+        failed compute can be re-run on a subset (engine/confinement.py)."""
+        failed = self.integrity.check_step(items)
+        scheduled = [s for s in items if s.request_id not in failed]
         output = RunnerOutput(failed=failed)
         if not scheduled:
             return output
@@ -112,8 +129,7 @@ class ModelRunner:
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
         for item in scheduled:
-            is_decode = item.num_tokens == 1 and _is_generated(item)
-            (decodes if is_decode else prefills).append(item)
+            (decodes if item.is_decode else prefills).append(item)
         # Two passes over disjoint requests (each writes only its own KV slots), so their order
         # does not matter; decode rows first, as in a mixed batch.
         runs = [
@@ -140,10 +156,13 @@ class ModelRunner:
         return inputs.samplers, model.compute_logits(hidden[inputs.sample_rows])
 
     @torch.inference_mode()
-    def score(self, item: ScheduledRequest) -> torch.Tensor:
-        """Logits for every token of one chunk ([num_tokens, vocab], fp32): row i predicts the
-        token after item.token_ids[i]. K/V is written and read exactly as in generation, so the
-        cache format's effect on the distributions is what gets measured."""
+    def score(self, step: SchedulerOutput) -> torch.Tensor:
+        """Logits for every token of the step's one chunk ([num_tokens, vocab], fp32): row i
+        predicts the token after chunk.token_ids[i]. K/V is written and read exactly as in
+        generation, so the cache format's effect on the distributions is what gets measured."""
+        (item,), errors = self.begin(step)
+        if errors:
+            raise RuntimeError(next(iter(errors.values())))
         violation = self.integrity.check_step([item]).get(item.request_id)
         if violation is not None:
             raise RuntimeError(violation.message)
@@ -154,8 +173,8 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        decodes = [s for s in scheduled if s.num_tokens == 1]
-        prefills = [s for s in scheduled if s.num_tokens > 1]
+        decodes = [s for s in scheduled if s.is_decode]
+        prefills = [s for s in scheduled if not s.is_decode]
         order = decodes + prefills
         token_ids: list[int] = []
         positions: list[int] = []
@@ -187,7 +206,7 @@ class ModelRunner:
     # ---- page copies (transfers, offload) -------------------------------------------------------
     def read_kv_pages(self, page_ids: list[int]) -> torch.Tensor:
         """K/V of whole pages, all layers, as real float32 values (FP8 scales applied):
-        [num_layers, 2, len(page_ids), KVH, P, D].
+        [num_layers, parts, len(page_ids), KVH, P, D] (parts: K and V, or MLA's one latent).
 
         Real values make a copy independent of either side's KV format: a page read from an FP8
         pool lands exactly in a BF16 pool or an FP8 pool with dynamic (or the same static) scales,
@@ -195,10 +214,8 @@ class ModelRunner:
         by the same store path as a prefill."""
         index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         layers = [
-            torch.stack(
-                [dequantize_pages(c.k, index, c.k_scale), dequantize_pages(c.v, index, c.v_scale)]
-            )
-            for c in self.kv_caches
+            torch.stack([dequantize_pages(values, index, scale) for values, scale in parts])
+            for parts in map(cache_parts, self.kv_caches)
         ]
         return torch.stack(layers)
 
@@ -216,8 +233,8 @@ class ModelRunner:
             return violation
         index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
-            _store_pages(cache.k, cache.k_scale, index, payload[layer, 0])
-            _store_pages(cache.v, cache.v_scale, index, payload[layer, 1])
+            for part, (values, scale) in enumerate(cache_parts(cache)):
+                _store_pages(cache.kv_format, values, scale, index, payload[layer, part])
         return None
 
     def _group(self, start: int, items: list[ScheduledRequest]) -> AttentionGroup | None:
@@ -242,7 +259,7 @@ class ModelRunner:
                 s.sampling_params,
                 s.prompt_token_ids,
                 s.output_token_ids,
-                self.eos_token_ids,
+                self.stop_rule.ending_tokens(s.sampling_params),
             )
             for s in samplers
         ]
@@ -260,15 +277,19 @@ class ModelRunner:
 
 
 def _store_pages(
-    cache: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, values: torch.Tensor
+    kv_format: KVFormat,
+    cache: torch.Tensor,
+    scale: torch.Tensor | None,
+    index: torch.Tensor,
+    values: torch.Tensor,
 ) -> None:
-    """Write real-valued pages [n, KVH, P, D] into `cache` at page ids `index`, quantizing for
-    FP8 caches (fresh per-token scales for dynamic ones) exactly as a prefill store would."""
-    if cache.dtype != fp8_kv.FP8_DTYPE:
+    """Write real-valued pages [n, KVH, P, D] into `cache` at page ids `index`, quantized as
+    `kv_format` says (fresh per-token scales for dynamic ones), exactly as a prefill store."""
+    if not kv_format.is_quantized:
         cache[index] = values.to(cache.dtype)
         return
     num_pages, num_kv_heads, page_size, head_dim = values.shape
     slot_pages = index.repeat_interleave(page_size)
     slot_offsets = torch.arange(page_size, device=index.device).repeat(num_pages)
     rows = values.transpose(1, 2).reshape(num_pages * page_size, num_kv_heads, head_dim)
-    fp8_kv.store_fp8(cache, scale, slot_pages, slot_offsets, rows.contiguous())
+    kv_format.store(cache, scale, slot_pages, slot_offsets, rows.contiguous())

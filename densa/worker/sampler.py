@@ -24,7 +24,8 @@ class SampleRequest:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    eos_token_ids: tuple[int, ...]
+    # The tokens that would end this request (StopRule.ending_tokens): kept out below min_tokens.
+    ending_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Sampler:
         by a prefill worker), so the rest of its tokens are those one server would draw."""
         if params.is_greedy or params.seed is None:
             return
-        row = SampleRequest(request_id, params, [], [], ())
+        row = SampleRequest(request_id, params, [], [], frozenset())
         torch.empty(vocab_size).exponential_(generator=self._generator(row))
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
@@ -205,10 +206,7 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.
         return logits
     logits = logits.clone()
     for i, r in blocked:
-        stop_ids = set(r.params.stop_token_ids)
-        if not r.params.ignore_eos:
-            stop_ids |= set(r.eos_token_ids)
-        ids = [t for t in stop_ids if t < logits.shape[1]]
+        ids = [t for t in r.ending_token_ids if t < logits.shape[1]]
         if not ids:
             continue
         blocked_row = logits[i].index_fill(0, torch.tensor(ids), float("-inf"))

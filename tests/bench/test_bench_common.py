@@ -9,19 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from densa.bench.common import (
-    PeakRSS,
-    format_spread,
-    interleave,
-    latency_stats,
-    median,
-    percentile,
-    spread,
-)
-from densa.bench.report import BenchReport, LinePlot, Series, Table
 from densa.bench.serving import FIRST_PROMPT_TOKEN_ID, ServingSettings, make_prompts
 from densa.bench.timing import RequestTiming
 from densa.cli import build_parser, main
+from densa.measure.hardware import PeakRSS
+from densa.measure.report import BenchReport, LinePlot, Series, Table
+from densa.measure.stats import format_spread, interleave, latency_stats, median, percentile, spread
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from densa.disagg.wire import WireError, check_frames, land_pages, pack_pages
+from densa.kernels.fp8_store import store_fp8
 from densa.kernels.paged_attention_ref import dequantize_pages
 from densa.model.attention import LayerKVCache
 from densa.quant import fp8_kv
@@ -61,7 +62,7 @@ def store(
     index = torch.tensor(pages)
     rows = real.transpose(1, 2).reshape(len(pages) * PAGE, HEADS, DIM)  # [n*P, H, D]
     slots = index.repeat_interleave(PAGE), torch.arange(PAGE).repeat(len(pages))
-    fp8_kv.store_fp8(cache, scale, slots[0], slots[1], rows.contiguous())
+    store_fp8(cache, scale, slots[0], slots[1], rows.contiguous())
 
 
 def real(cache: LayerKVCache, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

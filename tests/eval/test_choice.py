@@ -7,8 +7,8 @@ import pytest
 from densa.engine.llm import LLM
 from densa.engine.scoring import token_logprobs
 from densa.eval.choice import ALL_TASKS, ItemScores, compare_choices
-from densa.eval.data import load_task
 from densa.eval.prefix_scoring import score_continuations
+from densa.measure.data import load_task
 
 CONTINUATIONS = [[7], [8, 9, 10], list(range(400, 425))]
 

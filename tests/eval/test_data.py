@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from densa.eval.data import TASKS, chance_accuracy, lambada_passages, load_task
+from densa.measure.data import TASKS, chance_accuracy, lambada_passages, load_task
 
 FULL_SIZES = {"arc_easy": 570, "arc_challenge": 299, "hellaswag": 10042, "mmlu": 14042}
 

@@ -17,8 +17,8 @@ from densa.engine.llm import LLM
 from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
 from densa.model.triton_attention import TritonAttentionBackend
 from densa.sampling_params import SamplingParams
-from densa.sched.output import ScheduledRequest
 from densa.worker.cuda_graphs import DecodeGraphs, EagerCapturer
+from densa.worker.request_states import ScheduledRequest
 from densa.worker.triton_integrity import TritonTagTableChecker
 
 SMALL = dict(num_kv_pages=40, page_size=4, max_model_len=48, max_num_batched_tokens=64)

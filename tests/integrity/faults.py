@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from densa.engine.llm_engine import LLMEngine
-from densa.sched.output import SchedulerOutput
+from densa.sched.output import PageGrant, SchedulerOutput
 
 
 def release_behind_owner(engine: LLMEngine, request_id: str, page_idx: int) -> int:
@@ -26,19 +26,20 @@ def release_behind_owner(engine: LLMEngine, request_id: str, page_idx: int) -> i
 def corrupt_next_page_table(
     engine: LLMEngine, request_id: str, page_idx: int, wrong_page: int
 ) -> None:
-    """Make the next step hand the worker a page table whose entry points at another page."""
+    """Make the next step hand the runner a page-table delta whose entry points at another page
+    (the entry's tag stays the one its own page was mapped with)."""
     scheduler = engine.scheduler
     original: Callable[[], SchedulerOutput] = scheduler.schedule
 
     def schedule_once() -> SchedulerOutput:
         scheduler.schedule = original  # type: ignore[method-assign]
         out = original()
+        tag = scheduler.requests[request_id].page_tags[page_idx]
         items = []
         for item in out.scheduled:
             if item.request_id == request_id:
-                pages = list(item.page_ids)
-                pages[page_idx] = wrong_page
-                item = replace(item, page_ids=pages)
+                bad = PageGrant(page_idx, wrong_page, tag)
+                item = replace(item, new_pages=[*item.new_pages, bad])
             items.append(item)
         return replace(out, scheduled=items)
 

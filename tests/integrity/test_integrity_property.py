@@ -15,8 +15,10 @@ from densa.cache.page_pool import PagePoolError
 from densa.config import SchedulerConfig
 from densa.request import Request, RequestStatus
 from densa.sampling_params import SamplingParams
+from densa.sched.events import ReleaseViolation
 from densa.sched.scheduler import Scheduler
 from densa.worker.integrity import TagTableChecker
+from densa.worker.request_states import RequestStates
 
 NUM_PAGES, PAGE_SIZE = 24, 4
 SHARED_PREFIX = list(range(500, 512))
@@ -29,6 +31,7 @@ class IntegrityMachine(RuleBasedStateMachine):
         self.scheduler = Scheduler(config, KVCacheManager(NUM_PAGES, PAGE_SIZE))
         self.pool = self.scheduler.kv.pool
         self.checker = TagTableChecker(list(range(NUM_PAGES)), PAGE_SIZE, torch.device("cpu"))
+        self.mirror = RequestStates()  # the runner's view, built from the scheduler's deltas
         self.stale: dict[str, set[int]] = {}  # request -> page indices it maps but no longer owns
         self.corrupt: dict[
             str, tuple[int, int]
@@ -48,7 +51,7 @@ class IntegrityMachine(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         out = self.scheduler.schedule()
-        scheduled = [self._maybe_corrupt(item) for item in out.scheduled]
+        scheduled = [self._maybe_corrupt(item) for item in self.mirror.apply(out)]
         self.checker.apply_tag_updates(out.tag_updates)
         flagged = set(self.checker.check_step(scheduled))
         must_flag = {
@@ -173,7 +176,8 @@ class IntegrityMachine(RuleBasedStateMachine):
         self.corrupt.pop(request_id, None)
 
     def _check_release_reports(self) -> None:
-        reported = {v.request_id for v in self.scheduler.release_violations}
+        events = self.scheduler.drain_events()
+        reported = {e.violation.request_id for e in events if isinstance(e, ReleaseViolation)}
         assert reported <= {rid for rid, idx in self.stale.items() if idx}, (
             "false positive at release"
         )
@@ -184,7 +188,6 @@ class IntegrityMachine(RuleBasedStateMachine):
             request = self.scheduler.requests.get(request_id)
             if self.stale[request_id] and (request is None or not request.page_ids):
                 raise AssertionError(f"{request_id} released stale pages unreported")
-        self.scheduler.release_violations.clear()
 
 
 IntegrityMachine.TestCase.settings = settings(

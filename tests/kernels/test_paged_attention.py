@@ -19,13 +19,15 @@ from densa.kernels.cpu_paged_attention import (
 )
 from densa.kernels.numba_intrinsics import widen
 from densa.kernels.paged_attention_ref import (
-    FP8_MAX,
     paged_attention_reference,
+    write_kv_reference,
+)
+from densa.quant.fp8_kv import (
+    FP8_MAX,
     quantize_fp8,
     quantize_fp8_exponent,
     quantize_fp8_static,
     scale_exponents,
-    write_kv_reference,
 )
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -39,8 +41,9 @@ CACHE_KINDS = [
     (torch.float8_e4m3fn, "static"),
     (torch.float8_e4m3fn, "dynamic"),
     (torch.float8_e4m3fn, "exponent"),
+    (torch.int8, "rows"),
 ]
-KIND_IDS = ["fp32", "bf16", "fp16", "fp8", "fp8-static", "fp8-dynamic", "fp8-exponent"]
+KIND_IDS = ["fp32", "bf16", "fp16", "fp8", "fp8-static", "fp8-dynamic", "fp8-exponent", "int8"]
 HEAD_CONFIGS = [(9, 3, 64), (4, 4, 32)]  # (num_heads, num_kv_heads, head_dim)
 HEAD_IDS = ["gqa9-3-d64", "mha4-d32"]
 # The decode kernel has dedicated code for GQA groups of 3 and 4 and a generic one for the rest.
@@ -77,6 +80,8 @@ def _garbage_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A cache whose unwritten slots hold NaN, so reading past seq_len is caught."""
     if dtype == torch.float8_e4m3fn:
         return torch.full(shape, 0x7F, dtype=torch.uint8).view(dtype)  # 0x7f is e4m3fn NaN
+    if dtype == torch.int8:  # no NaN code: its unwritten rows' fp16 scales are NaN instead
+        return torch.full(shape, 127, dtype=dtype)
     return torch.full(shape, float("nan"), dtype=dtype)
 
 
@@ -105,6 +110,9 @@ def make_case(
     elif scale_mode == "exponent":  # int8 power-of-two exponents; unwritten slots scale by 2**126
         k_scale = torch.full(shape[:3], 126, dtype=torch.int8)
         v_scale = torch.full(shape[:3], 126, dtype=torch.int8)
+    elif scale_mode == "rows":  # INT8 KV's fp16 row scales
+        k_scale = torch.full(shape[:3], float("nan"), dtype=torch.float16)
+        v_scale = torch.full(shape[:3], float("nan"), dtype=torch.float16)
 
     # Non-contiguous pages: a shuffled pool dealt out to the sequences; padding repeats page ids.
     pool = torch.randperm(num_pages, generator=gen).to(torch.int32)

@@ -134,3 +134,87 @@ def test_missing_and_wrong_paths_are_clear_errors(tmp_path: Path) -> None:
         ArchConfig.from_dir(tmp_path)
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
         safetensors_files(tmp_path)
+
+
+GEMMA3_TO_GGUF = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+
+
+def write_gemma3_gguf(hf_dir: Path, out_path: Path) -> None:
+    """What llama.cpp's converter does for Gemma 3: no Q/K permutation, norm weights stored as
+    1 + w, a 6-layer sliding pattern and the local RoPE base left to the reader."""
+    import gguf
+
+    arch = ArchConfig.from_dir(hf_dir)
+    weights = {k: v.numpy() for k, v in load_file(str(safetensors_files(hf_dir)[0])).items()}
+    writer = gguf.GGUFWriter(str(out_path), "gemma3")
+    writer.add_block_count(arch.num_layers)
+    writer.add_context_length(arch.max_position_embeddings)
+    writer.add_embedding_length(arch.hidden_size)
+    writer.add_feed_forward_length(arch.intermediate_size)
+    writer.add_head_count(arch.num_heads)
+    writer.add_head_count_kv(arch.num_kv_heads)
+    writer.add_key_length(arch.head_dim)
+    writer.add_value_length(arch.head_dim)
+    writer.add_rope_freq_base(arch.rope_theta)
+    writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
+    writer.add_sliding_window(8)
+    copy_tokenizer_fields(writer, Path(default_model_path()))
+
+    def add(name: str, tensor: np.ndarray) -> None:
+        if name.endswith("norm.weight"):
+            tensor = tensor + np.float32(1.0)
+        writer.add_tensor(name, np.ascontiguousarray(tensor))
+
+    add("token_embd.weight", weights["model.embed_tokens.weight"])
+    add("output_norm.weight", weights["model.norm.weight"])
+    for layer in range(arch.num_layers):
+        for hf_name, gguf_name in GEMMA3_TO_GGUF.items():
+            add(f"blk.{layer}.{gguf_name}", weights[f"model.layers.{layer}.{hf_name}"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gemma3_gguf_round_trip(tmp_path: Path) -> None:
+    from tests.tiny_families import save_tiny
+
+    # 6 layers: five local ones (window 8) and a global one, as llama.cpp assumes for Gemma 3.
+    layers = ["sliding_attention"] * 5 + ["full_attention"]
+    source = save_tiny(
+        "gemma3", tmp_path / "hf", seed=1, num_hidden_layers=6, layer_types=layers,
+        query_pre_attn_scalar=16,  # = head_dim, what llama.cpp assumes below Gemma 3 27B
+    )  # fmt: skip
+    path = tmp_path / "gemma3.gguf"
+    write_gemma3_gguf(source, path)
+    (tmp_path / "converted").mkdir()
+    convert_gguf(path, tmp_path / "converted")
+    original = load_file(str(safetensors_files(source)[0]))
+    converted = load_file(str(tmp_path / "converted" / "model.safetensors"))
+    assert set(converted) == set(original)
+    for name, tensor in original.items():  # norms come back to 0-centred weights exactly
+        torch.testing.assert_close(converted[name], tensor, atol=1e-7, rtol=0, msg=name)
+    arch = ArchConfig.from_dir(tmp_path / "converted")
+    assert arch.layer_windows == (8, 8, 8, 8, 8, None) and arch.local_rope_theta == 10000.0
+    assert arch.query_scale == arch.head_dim**-0.5 and arch.tie_word_embeddings
+    tokens = [1, 520, 9531, 198, 27, 1256, 42, 8000, 3, 77, 10, 11, 12]
+    torch.testing.assert_close(
+        densa_logits(tmp_path / "converted", tokens),
+        hf_logits(source, tokens),
+        atol=2e-4,
+        rtol=1e-4,
+    )

@@ -46,7 +46,9 @@ def test_model_larger_than_memory_is_refused_before_loading(tiny_model_dir: Path
         num_layers=200,
     )
     with pytest.raises(ModelLoadError, match=r"only .* is free"):
-        check_fits(huge, torch.float32, torch.device("cpu"))
+        load_model(tiny_model_dir, huge, "float32", 128, torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match=r"only .* is free"):
+        check_fits(10**15, torch.float32, torch.device("cpu"))
 
 
 def test_kv_budget_too_small_for_one_request(tiny_model_dir: Path) -> None:

@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from densa.kernels.fp8_store import store_fp8
 from densa.kernels.paged_attention_ref import (
-    FP8_MAX,
     paged_attention_reference,
-    quantize_fp8_exponent,
-    quantize_fp8_static,
 )
 from densa.model.attention import (
     AttentionMetadata,
@@ -25,7 +23,13 @@ from densa.model.attention import (
     paged_attention,
 )
 from densa.quant import fp8_kv
-from densa.quant.fp8_kv import KVScales, fp8_support_error, store_fp8
+from densa.quant.fp8_kv import (
+    FP8_MAX,
+    KVScales,
+    fp8_support_error,
+    quantize_fp8_exponent,
+    quantize_fp8_static,
+)
 
 FP8 = torch.float8_e4m3fn
 NUM_PAGES, HEADS, PAGE, DIM = 12, 3, 4, 16

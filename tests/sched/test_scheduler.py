@@ -6,20 +6,22 @@ from densa.cache.kv_manager import KVCacheManager
 from densa.config import SchedulerConfig
 from densa.request import Request, RequestStatus
 from densa.sampling_params import SamplingParams
+from densa.sched.output import PageGrant
 from densa.sched.scheduler import Scheduler
 
 
 def make_scheduler(
     num_pages: int = 16, page_size: int = 4, budget: int = 8, max_seqs: int = 8
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64)
+    config = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64, eos_token_ids=(2,)
+    )
     return Scheduler(config, KVCacheManager(num_pages, page_size, enable_prefix_caching=False))
 
 
 def make_request(rid: str, num_prompt: int, max_tokens: int = 4, **params: object) -> Request:
-    return Request(
-        rid, list(range(10, 10 + num_prompt)), SamplingParams(max_tokens=max_tokens, **params), (2,)
-    )  # type: ignore[arg-type]
+    params_ = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
+    return Request(rid, list(range(10, 10 + num_prompt)), params_)
 
 
 def step(scheduler: Scheduler, token: int = 7) -> list[tuple[str, int, int]]:
@@ -56,11 +58,44 @@ def test_pages_follow_the_tokens_exactly() -> None:
     scheduler.add_request(make_request("a", 5))
     scheduler.add_request(make_request("b", 3))
     out = scheduler.schedule()
-    assert [(s.request_id, s.page_ids, s.page_tags) for s in out.scheduled] == [
-        ("a", [0, 1], [8, 9]),
-        ("b", [2], [10]),
+    assert [(s.request_id, s.new_pages) for s in out.scheduled] == [
+        ("a", [PageGrant(0, 0, 8), PageGrant(1, 1, 9)]),
+        ("b", [PageGrant(0, 2, 10)]),
     ]
     assert out.tag_updates == [(0, 8), (1, 9), (2, 10)]
+
+
+def test_each_step_sends_only_what_changed() -> None:
+    """Prompts and parameters cross once; then only new tokens and newly mapped pages."""
+    scheduler = make_scheduler(num_pages=8, page_size=4, budget=16)
+    scheduler.add_request(make_request("a", 7, max_tokens=8))
+    first = scheduler.schedule()
+    assert [(n.request_id, len(n.prompt_token_ids)) for n in first.new_requests] == [("a", 7)]
+    scheduler.update_from_output(first, {"a": 70})
+    second = scheduler.schedule()  # position 7: still the second page
+    assert second.new_requests == []
+    assert [(c.token_ids, c.start_pos, c.new_pages) for c in second.scheduled] == [([70], 7, [])]
+    scheduler.update_from_output(second, {"a": 71})
+    third = scheduler.schedule()  # position 8 opens a third page: exactly that grant
+    assert [(c.token_ids, c.new_pages) for c in third.scheduled] == [([71], [PageGrant(2, 2, 10)])]
+
+
+def test_a_preempted_request_is_sent_again_whole() -> None:
+    scheduler = make_scheduler(num_pages=4, page_size=4, budget=32)
+    scheduler.add_request(make_request("a", 7, max_tokens=8))
+    scheduler.add_request(make_request("b", 8, max_tokens=8))
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, {"a": 70, "b": 80})
+    out = scheduler.schedule()  # b needs a 5th page: preempted
+    assert out.preempted_request_ids == ["b"]
+    scheduler.update_from_output(out, {"a": 71})
+    scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    out = scheduler.schedule()  # b comes back: prompt + its output so far, pages from index 0
+    (new,) = out.new_requests
+    assert (new.request_id, new.output_token_ids) == ("b", [80])
+    (chunk,) = out.scheduled
+    assert (chunk.start_pos, chunk.token_ids[-1]) == (0, 80)
+    assert [g.index for g in chunk.new_pages] == [0, 1, 2]
 
 
 def test_out_of_pages_preempts_the_newest_running_request() -> None:

@@ -47,6 +47,7 @@ def engines(tiny_model_dir: Path) -> dict[str, LLMEngine]:
         "bf16": make_engine(tiny_model_dir, "bfloat16"),
         "fp8-dynamic": make_engine(tiny_model_dir, "fp8_e4m3", "dynamic"),
         "fp8-static": make_engine(tiny_model_dir, "fp8_e4m3", "static"),
+        "int8": make_engine(tiny_model_dir, "int8"),
     }
 
 
@@ -64,7 +65,7 @@ def test_read_returns_real_values_of_every_layer(engines: dict[str, LLMEngine]) 
 
 
 @pytest.mark.parametrize("source, dest", [("fp8-dynamic", "fp8-dynamic"), ("fp8-dynamic", "bf16"),
-                                          ("fp8-static", "fp8-static")])  # fmt: skip
+                                          ("fp8-static", "fp8-static"), ("int8", "int8")])  # fmt: skip
 def test_copies_are_exact_where_the_destination_holds_the_values(
     engines: dict[str, LLMEngine], source: str, dest: str
 ) -> None:
@@ -90,3 +91,16 @@ def test_bf16_pages_landing_in_fp8_are_quantized_with_fresh_scales(
     row_max = payload.abs().amax(dim=-1, keepdim=True)
     assert torch.all((landed - payload).abs() <= payload.abs() / 16 + row_max / 224 / 1024)
     assert landed.abs().max() > 448.0  # the exponents travelled: nothing clamped at 448
+
+
+def test_pages_landing_in_int8_keep_half_a_step_of_each_rows_scale(
+    engines: dict[str, LLMEngine],
+) -> None:
+    _, src_pages, _ = prefilled(engines["bf16"])
+    payload = engines["bf16"].runner.read_kv_pages(src_pages)
+    engine = engines["int8"]
+    rid, pages, tags = prefilled(engine)
+    assert engine.land_kv_pages(rid, pages, tags, payload)
+    landed = engine.runner.read_kv_pages(pages)
+    row_scale = (payload.abs().amax(dim=-1, keepdim=True) / 127).half().float()
+    assert torch.all((landed - payload).abs() <= row_scale * 0.5 + 1e-7)

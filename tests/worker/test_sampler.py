@@ -8,15 +8,19 @@ import math
 import torch
 
 from densa.sampling_params import SamplingParams
+from densa.sched.stop import StopRule
 from densa.worker.sampler import Sampler, SampleRequest
 
 EOS = 3
+STOP_RULE = StopRule(eos_token_ids=(EOS,), max_model_len=1024)
 
 
 def row(
     rid: str, prompt: list[int] | None = None, output: list[int] | None = None, **params: object
 ) -> SampleRequest:
-    return SampleRequest(rid, SamplingParams(**params), prompt or [], output or [], (EOS,))  # type: ignore[arg-type]
+    sampling = SamplingParams(**params)  # type: ignore[arg-type]
+    ending = STOP_RULE.ending_tokens(sampling)
+    return SampleRequest(rid, sampling, prompt or [], output or [], ending)
 
 
 def draw(params: dict[str, object], logits: list[float], num: int, seed: int = 0) -> list[int]:

@@ -20,6 +20,7 @@ CAPACITY_FORMATS = [
     ("float16", None),
     ("fp8_e4m3", "dynamic"),
     ("fp8_e4m3", "static"),
+    ("int8", None),
 ]
 DEFAULT_SCALES_FILE = "kv_scales.json"
 
@@ -73,7 +74,7 @@ def format_capacity(arch: ArchConfig, rows: list[KVCapacity], budget: int, conte
 
     lines = [
         f"KV budget {format_bytes(budget)} ({budget} bytes), page {rows[0].page_size} tokens; "
-        f"{arch.num_layers} layers x {arch.num_kv_heads} KV heads x head_dim {arch.head_dim}",
+        f"{_describe_kv_shape(arch)}",
         "",
         f"| KV dtype | scales | bytes/token | of which scales | pages | resident tokens "
         f"| requests @ {context_len} tokens | tokens vs bfloat16 |",
@@ -87,6 +88,16 @@ def format_capacity(arch: ArchConfig, rows: list[KVCapacity], budget: int, conte
             f"| {row.resident_tokens / max(rows[0].resident_tokens, 1):.3f}x |"
         )
     return "\n".join(lines)
+
+
+def _describe_kv_shape(arch: ArchConfig) -> str:
+    if arch.mla is not None:  # one latent row per token and layer (densa.model.kv_layout)
+        m = arch.mla
+        return (
+            f"{arch.num_layers} layers x MLA latent {m.latent_dim} values "
+            f"(kv_lora_rank {m.kv_lora_rank} + rope {m.rope_head_dim}), no separate V"
+        )
+    return f"{arch.num_layers} layers x {arch.num_kv_heads} KV heads x head_dim {arch.head_dim}"
 
 
 # ---- densa calibrate-kv ------------------------------------------------------------------------
@@ -117,7 +128,7 @@ def _calibrate(ns: argparse.Namespace) -> int:
     from densa.engine.args import EngineArgs
     from densa.engine.kv_calibration import calibrate_kv_scales
     from densa.engine.llm_engine import LLMEngine
-    from densa.eval.common import progress
+    from densa.measure.progress import progress
 
     if ns.num_tokens < 2 or ns.segment_len < 2:
         print("densa calibrate-kv: --num-tokens and --segment-len must be >= 2", file=sys.stderr)
@@ -154,7 +165,7 @@ def _calibration_texts(tokenizer: Tokenizer, ns: argparse.Namespace) -> tuple[li
         stream = tokenizer.encode(ns.text.read_text(), add_special_tokens=False)
         description = str(ns.text)
     else:
-        from densa.eval.data import TEXT_SOURCE, lambada_passages
+        from densa.measure.data import TEXT_SOURCE, lambada_passages
 
         stream = []
         for passage in reversed(lambada_passages()):

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from densa.bench.common import command_line, describe_hardware, hardware_summary
+from densa.measure.hardware import command_line, describe_hardware, hardware_summary
 from densa.utils.sizes import format_bytes
 
 JSON_NAME = "results.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from densa.kernels.memory import HUGE_PAGE_BYTES, huge_page_zeros, rehome_on_huge_pages
+from densa.memory import HUGE_PAGE_BYTES, huge_page_zeros, rehome_on_huge_pages
 
 
 def test_rehomed_module_is_unchanged_and_shares_tied_weights() -> None:

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the CPU paged attention paths. Run: python -m densa.kernels.bench_attention
+"""Micro-benchmark of the CPU paged attention paths. Run: python -m densa.bench.attention_kernels
 
 Decode: fused Numba kernel vs the torch path (gather pages + SDPA, i.e. `paged_prefill_attention`
 with query_len 1) vs the per-sequence torch reference. Prefill: the batched masked-SDPA path vs

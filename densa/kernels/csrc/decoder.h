@@ -1,0 +1,83 @@
+// The fused decode step (decoder.cpp): data it needs, as plain structs built once per engine.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "qgemm.h"
+
+namespace densa {
+
+constexpr int kKvF32 = 0, kKvBf16 = 1, kKvFp8 = 2, kKvInt8 = 3;
+
+struct Config {
+  int64_t hidden, intermediate, num_heads, num_kv_heads, head_dim;
+  float eps;
+};
+
+// One side (K or V) of one layer's pages: [num_pages, num_kv_heads, page_size, head_dim].
+struct KVSide {
+  at::Tensor tensor;  // keeps the memory alive
+  void* data = nullptr;
+  int dtype = kKvF32;
+  int64_t num_kv_heads = 0, page_size = 0;
+  at::Tensor exponent_tensor;       // fp8 dynamic scales: int8 [num_pages, kv_heads, page_size]
+  int8_t* exponents = nullptr;      // nullptr: a static scale
+  at::Tensor row_scale_tensor;      // int8 caches: fp16 [num_pages, kv_heads, page_size]
+  uint16_t* row_scales = nullptr;
+  float static_scale = 1.f;         // fp8 static: real = stored * static_scale
+  float inv_static = 1.f;           // 1 / static_scale, as float32 (what the store multiplies by)
+};
+
+// One projection: dense float32 [out, in], or packed W4 / W8 blocks.
+struct Projection {
+  int bits = 32;
+  at::Tensor dense, packed, bias_tensor;
+  const uint8_t* blocks = nullptr;
+  const float* bias = nullptr;
+  int64_t out = 0, in = 0;
+};
+
+struct Layer {
+  at::Tensor norms;  // keeps input_norm / post_norm alive
+  const float* input_norm = nullptr;
+  const float* post_norm = nullptr;
+  Projection qkv, o, gate_up, down;
+  KVSide k, v;
+};
+
+struct StepInputs {
+  int64_t num_tokens;
+  const int64_t* token_ids;
+  const int64_t* positions;
+  const int32_t* page_table;  // [num_tokens, max_pages]
+  int64_t max_pages;
+  const int32_t* seq_lens;  // [num_tokens], including the new token
+  const int64_t* slot_pages;
+  const int64_t* slot_offsets;
+};
+
+struct Decoder {
+  Config config;
+  Isa isa;
+  at::Tensor embed, final_norm_tensor, cos, sin, fp8_table_tensor;
+  const float* final_norm = nullptr;
+  const float* fp8_table = nullptr;
+  std::vector<Layer> layers;
+
+  // Final hidden states [num_tokens, hidden] (normalized), K/V of the step stored in the pages.
+  at::Tensor forward(const StepInputs& step) const;
+
+  // One layer in two halves around an attention computed elsewhere (prefill and mixed steps):
+  // qkv() normalizes the residual stream x [M, hidden], projects, rotates q and k (q unscaled)
+  // and stores k, v in their slots, returning qkv [M, q + 2 kv]; mlp() adds the attention's
+  // output projection and the MLP to x in place. final() is the last RMSNorm.
+  at::Tensor qkv(int64_t layer, at::Tensor& x, const int64_t* positions, const int64_t* slot_pages,
+                 const int64_t* slot_offsets) const;
+  void mlp(int64_t layer, const at::Tensor& attn, at::Tensor& x) const;
+  at::Tensor final(const at::Tensor& x) const;
+};
+
+}  // namespace densa

@@ -1,0 +1,280 @@
+// Python bindings of densa's C++ CPU kernels (qgemm.cpp: W4A8 / W8A8 matmuls; decoder.cpp: the
+// fused decode step). The only file that includes torch/extension.h (pybind11), so the kernels
+// themselves compile against ATen alone.
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "decoder.h"
+#include "qgemm.h"
+
+namespace densa {
+namespace {
+
+// (bits, tensor, bias or None, out_features, in_features): bits 32 = dense float32 [out, in],
+// 4 / 8 / 80 = packed w4a8 / w8a8 / w8 blocks (qgemm.h).
+using ProjectionSpec = std::tuple<int64_t, at::Tensor, std::optional<at::Tensor>, int64_t, int64_t>;
+
+Projection make_projection(const ProjectionSpec& spec) {
+  Projection p;
+  p.bits = static_cast<int>(std::get<0>(spec));
+  p.out = std::get<3>(spec);
+  p.in = std::get<4>(spec);
+  const at::Tensor& tensor = std::get<1>(spec);
+  TORCH_CHECK(tensor.is_contiguous() && tensor.device().is_cpu(), "weights: contiguous CPU");
+  if (p.bits == 32) {
+    TORCH_CHECK(tensor.scalar_type() == at::kFloat && tensor.size(0) == p.out &&
+                    tensor.size(1) == p.in,
+                "dense weight: float32 [out, in]");
+    p.dense = tensor;
+  } else {
+    TORCH_CHECK(p.bits == kFormatW4A8 || p.bits == kFormatW8A8 || p.bits == kFormatW8,
+                "bits: 4 (w4a8), 8 (w8a8), 80 (w8) or 32 (dense)");
+    TORCH_CHECK(tensor.scalar_type() == at::kByte, "packed weight: uint8 blocks");
+    TORCH_CHECK(p.in % kGroup == 0 && p.out % kPanel == 0, "packed shape does not tile");
+    const int64_t block = p.bits == kFormatW4A8 ? kW4Block : kW8Block;
+    TORCH_CHECK(tensor.numel() == (p.out / kPanel) * (p.in / kGroup) * block, "packed size");
+    p.packed = tensor;
+    p.blocks = tensor.data_ptr<uint8_t>();
+  }
+  if (std::get<2>(spec).has_value()) {
+    p.bias_tensor = std::get<2>(spec)->contiguous().to(at::kFloat);
+    TORCH_CHECK(p.bias_tensor.numel() == p.out, "bias: [out]");
+    p.bias = p.bias_tensor.data_ptr<float>();
+  }
+  return p;
+}
+
+KVSide make_kv_side(const at::Tensor& cache, const std::optional<at::Tensor>& scale) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous() && cache.device().is_cpu(),
+              "KV cache: contiguous CPU [pages, kv_heads, page_size, head_dim]");
+  KVSide side;
+  side.tensor = cache;
+  side.data = cache.data_ptr();
+  side.num_kv_heads = cache.size(1);
+  side.page_size = cache.size(2);
+  const auto dtype = cache.scalar_type();
+  if (dtype == at::kFloat) {
+    side.dtype = kKvF32;
+  } else if (dtype == at::kBFloat16) {
+    side.dtype = kKvBf16;
+  } else if (dtype == at::kFloat8_e4m3fn) {
+    side.dtype = kKvFp8;
+  } else if (dtype == at::kChar) {
+    side.dtype = kKvInt8;
+  } else {
+    TORCH_CHECK(false, "KV cache dtype must be float32, bfloat16, float8_e4m3fn or int8");
+  }
+  if (side.dtype == kKvInt8) {
+    TORCH_CHECK(scale.has_value() && scale->scalar_type() == at::kHalf && scale->is_contiguous() &&
+                    scale->numel() == cache.size(0) * cache.size(1) * cache.size(2),
+                "int8 caches need contiguous fp16 row scales [pages, kv_heads, page_size]");
+    side.row_scale_tensor = *scale;
+    side.row_scales = reinterpret_cast<uint16_t*>(scale->data_ptr<at::Half>());
+    return side;
+  }
+  if (!scale.has_value()) return side;
+  TORCH_CHECK(side.dtype == kKvFp8, "only fp8 caches have scales");
+  if (scale->dim() == 0) {
+    side.static_scale = scale->to(at::kFloat).item<float>();
+    side.inv_static = 1.f / side.static_scale;
+  } else {
+    TORCH_CHECK(scale->scalar_type() == at::kChar && scale->is_contiguous() &&
+                    scale->numel() == cache.size(0) * cache.size(1) * cache.size(2),
+                "dynamic scales: contiguous int8 exponents [pages, kv_heads, page_size]");
+    side.exponent_tensor = *scale;
+    side.exponents = scale->data_ptr<int8_t>();
+  }
+  return side;
+}
+
+class PyDecoder {
+ public:
+  PyDecoder(std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, double> shape,
+            const std::string& isa, at::Tensor embed, at::Tensor final_norm, at::Tensor cos,
+            at::Tensor sin, at::Tensor fp8_table) {
+    auto [hidden, inter, heads, kv_heads, head_dim, eps] = shape;
+    TORCH_CHECK(heads % kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+    dec_.config = {hidden, inter, heads, kv_heads, head_dim, static_cast<float>(eps)};
+    dec_.isa = parse_isa(isa);
+    dec_.embed = float_rows(embed, hidden, "embedding");
+    dec_.final_norm_tensor = float_rows(final_norm.view({1, -1}), hidden, "final norm");
+    dec_.final_norm = dec_.final_norm_tensor.data_ptr<float>();
+    dec_.cos = float_rows(cos, head_dim, "rope cos");
+    dec_.sin = float_rows(sin, head_dim, "rope sin");
+    dec_.fp8_table_tensor = fp8_table.contiguous().to(at::kFloat);
+    TORCH_CHECK(dec_.fp8_table_tensor.numel() == 256, "fp8 table: 256 float32 values");
+    dec_.fp8_table = dec_.fp8_table_tensor.data_ptr<float>();
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, const ProjectionSpec& qkv,
+                 const ProjectionSpec& o, const ProjectionSpec& gate_up,
+                 const ProjectionSpec& down, at::Tensor k, std::optional<at::Tensor> k_scale,
+                 at::Tensor v, std::optional<at::Tensor> v_scale) {
+    const Config& c = dec_.config;
+    Layer layer;
+    layer.norms = at::stack({input_norm.to(at::kFloat), post_norm.to(at::kFloat)}).contiguous();
+    TORCH_CHECK(layer.norms.size(1) == c.hidden, "norm weights: [hidden]");
+    layer.input_norm = layer.norms.data_ptr<float>();
+    layer.post_norm = layer.input_norm + c.hidden;
+    layer.qkv = make_projection(qkv);
+    layer.o = make_projection(o);
+    layer.gate_up = make_projection(gate_up);
+    layer.down = make_projection(down);
+    const int64_t d = c.head_dim;
+    TORCH_CHECK(layer.qkv.in == c.hidden && layer.qkv.out == (c.num_heads + 2 * c.num_kv_heads) * d,
+                "qkv shape");
+    TORCH_CHECK(layer.o.in == c.num_heads * d && layer.o.out == c.hidden, "o_proj shape");
+    TORCH_CHECK(layer.gate_up.in == c.hidden && layer.gate_up.out == 2 * c.intermediate,
+                "gate_up shape");
+    TORCH_CHECK(layer.down.in == c.intermediate && layer.down.out == c.hidden, "down shape");
+    layer.k = make_kv_side(k, k_scale);
+    layer.v = make_kv_side(v, v_scale);
+    TORCH_CHECK(k.size(1) == c.num_kv_heads && k.size(3) == d && v.sizes() == k.sizes(),
+                "KV cache shape");
+    dec_.layers.push_back(std::move(layer));
+  }
+
+  at::Tensor forward(const at::Tensor& token_ids, const at::Tensor& positions,
+                     const at::Tensor& page_table, const at::Tensor& seq_lens,
+                     const at::Tensor& slot_pages, const at::Tensor& slot_offsets) const {
+    const int64_t rows = token_ids.numel();
+    check(token_ids, at::kLong, rows, "token_ids");
+    check(positions, at::kLong, rows, "positions");
+    check(seq_lens, at::kInt, rows, "seq_lens");
+    check(slot_pages, at::kLong, rows, "slot_pages");
+    check(slot_offsets, at::kLong, rows, "slot_offsets");
+    TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == rows &&
+                    page_table.scalar_type() == at::kInt && page_table.is_contiguous(),
+                "page_table: int32 [num_tokens, max_pages]");
+    TORCH_CHECK(dec_.layers.size() > 0, "no layers added");
+    // The kernels do no bounds checks: validate every index they will follow.
+    const KVSide& kv = dec_.layers[0].k;
+    const int64_t num_pages = kv.tensor.size(0);
+    if (rows > 0) {
+      TORCH_CHECK(token_ids.min().item<int64_t>() >= 0 &&
+                      token_ids.max().item<int64_t>() < dec_.embed.size(0),
+                  "token id out of range");
+      TORCH_CHECK(positions.min().item<int64_t>() >= 0 &&
+                      positions.max().item<int64_t>() < dec_.cos.size(0),
+                  "position out of range");
+      TORCH_CHECK(page_table.min().item<int32_t>() >= 0 &&
+                      page_table.max().item<int32_t>() < num_pages,
+                  "page id out of range");
+      TORCH_CHECK(slot_pages.min().item<int64_t>() >= 0 &&
+                      slot_pages.max().item<int64_t>() < num_pages,
+                  "slot page out of range");
+      TORCH_CHECK(slot_offsets.min().item<int64_t>() >= 0 &&
+                      slot_offsets.max().item<int64_t>() < kv.page_size,
+                  "slot offset out of range");
+      TORCH_CHECK(seq_lens.min().item<int32_t>() >= 1 &&
+                      seq_lens.max().item<int32_t>() <= page_table.size(1) * kv.page_size,
+                  "seq_lens out of range");
+    }
+    StepInputs step{rows,
+                    token_ids.data_ptr<int64_t>(),
+                    positions.data_ptr<int64_t>(),
+                    page_table.data_ptr<int32_t>(),
+                    page_table.size(1),
+                    seq_lens.data_ptr<int32_t>(),
+                    slot_pages.data_ptr<int64_t>(),
+                    slot_offsets.data_ptr<int64_t>()};
+    return dec_.forward(step);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(dec_.layers.size()); }
+
+  // The two halves of one layer around an attention computed elsewhere (prefill, mixed steps).
+  at::Tensor qkv(int64_t layer, at::Tensor x, const at::Tensor& positions,
+                 const at::Tensor& slot_pages, const at::Tensor& slot_offsets) const {
+    check_stream(layer, x);
+    const int64_t rows = x.size(0);
+    check(positions, at::kLong, rows, "positions");
+    check(slot_pages, at::kLong, rows, "slot_pages");
+    check(slot_offsets, at::kLong, rows, "slot_offsets");
+    if (rows > 0) {
+      const KVSide& kv = dec_.layers[0].k;
+      TORCH_CHECK(positions.min().item<int64_t>() >= 0 &&
+                      positions.max().item<int64_t>() < dec_.cos.size(0),
+                  "position out of range");
+      TORCH_CHECK(slot_pages.min().item<int64_t>() >= 0 &&
+                      slot_pages.max().item<int64_t>() < kv.tensor.size(0),
+                  "slot page out of range");
+      TORCH_CHECK(slot_offsets.min().item<int64_t>() >= 0 &&
+                      slot_offsets.max().item<int64_t>() < kv.page_size,
+                  "slot offset out of range");
+    }
+    return dec_.qkv(layer, x, positions.data_ptr<int64_t>(), slot_pages.data_ptr<int64_t>(),
+                    slot_offsets.data_ptr<int64_t>());
+  }
+
+  void mlp(int64_t layer, const at::Tensor& attn, at::Tensor x) const {
+    check_stream(layer, x);
+    check(attn, at::kFloat, x.size(0) * dec_.config.num_heads * dec_.config.head_dim, "attn");
+    dec_.mlp(layer, attn, x);
+  }
+
+  at::Tensor final_norm(at::Tensor x) const {
+    check_stream(0, x);
+    return dec_.final(x);
+  }
+
+ private:
+  static at::Tensor float_rows(const at::Tensor& t, int64_t width, const char* what) {
+    TORCH_CHECK(t.dim() == 2 && t.size(1) == width, what, ": [rows, ", width, "]");
+    return t.contiguous().to(at::kFloat);
+  }
+
+  // The residual stream: float32 [M, hidden], contiguous, written in place.
+  void check_stream(int64_t layer, const at::Tensor& x) const {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "layer out of range");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == dec_.config.hidden && x.scalar_type() == at::kFloat &&
+                    x.is_contiguous() && x.device().is_cpu(),
+                "x: contiguous float32 [M, hidden]");
+  }
+
+  static void check(const at::Tensor& t, at::ScalarType dtype, int64_t n, const char* what) {
+    TORCH_CHECK(t.scalar_type() == dtype && t.numel() == n && t.is_contiguous() &&
+                    t.device().is_cpu(),
+                what, ": contiguous CPU tensor of ", n, " elements of ", dtype);
+  }
+
+  Decoder dec_;
+};
+
+}  // namespace
+}  // namespace densa
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  using namespace densa;
+  module.doc() = "densa's C++ CPU kernels: W4A8 / W8A8 matmuls and the fused decode step";
+  module.def("best_isa", &best_isa, "the fastest code path this CPU runs ('' if none)");
+  module.def("pack_w4", &pack_w4, "W4 codes [N,K] u8, d/m [N,K/32] -> packed blocks");
+  module.def("pack_w8", &pack_w8, "W8 codes [N,K] s8, d [N,K/32], isa -> packed blocks");
+  module.def(
+      "w4a8_linear",
+      [](const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa) {
+        return quantized_linear(x, packed, n, 4, isa);
+      },
+      "x [M,K] f32, packed W4, N, isa -> [M,N] f32");
+  module.def(
+      "w8a8_linear",
+      [](const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa) {
+        return quantized_linear(x, packed, n, 8, isa);
+      },
+      "x [M,K] f32, packed W8, N, isa -> [M,N] f32");
+  module.def("pack_w8float", &pack_w8float, "W8 codes [N,K] s8, d [N,K/32] -> w8 blocks");
+  module.def("w8float_linear", &w8float_linear, "x [M,K] f32, w8 blocks, N, isa -> [M,N] f32");
+  pybind11::class_<PyDecoder>(module, "Decoder")
+      .def(pybind11::init<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, double>,
+                          const std::string&, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          at::Tensor>())
+      .def("add_layer", &PyDecoder::add_layer)
+      .def("forward", &PyDecoder::forward)
+      .def("qkv", &PyDecoder::qkv)
+      .def("mlp", &PyDecoder::mlp)
+      .def("final_norm", &PyDecoder::final_norm)
+      .def_property_readonly("num_layers", &PyDecoder::num_layers);
+}

@@ -1,0 +1,487 @@
+// Quantized matmuls for CPUs: y[M, N] = x[M, K] W[N, K]^T with W in 4-bit or 8-bit groups of 32
+// input columns and x quantized on the fly to int8 per row and group of 32 ("W4A8" / "W8A8").
+//
+// Why: a decode step streams every weight once (memory-bound: 4-bit weights read 6.4x fewer bytes
+// than fp32), and prefill is compute-bound (an int8 dot-product instruction does 4-16x the
+// multiply-adds of an fp32 FMA). The arithmetic is llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0:
+//
+//   W4:  w[n, k] = d[n, g] * q[n, k] + m[n, g]     q in 0..15, d and m fp16, g = k / 32
+//   W8:  w[n, k] = d[n, g] * q[n, k]               q in -127..127, d fp16
+//   x:   x[t, k] ~ dx[t, g] * qx[t, k]            qx in -127..127, dx = max|x| / 127 (fp32)
+//   y[t, n] = sum_g dx*d * sum_k q*qx  (+ m * dx * sum_k qx for W4: the quantized x's sum)
+//
+// Layout: rows are cut into panels of 16; a panel's group is one block, so a matmul streams one
+// array front to back. Within a block, 4 consecutive k of one row sit in 4 adjacent bytes (the
+// operand layout of the int8 dot instructions: one 32-bit lane = 4 k of one row), 16 rows across
+// a 512-bit vector, so every instruction yields 16 output rows and nothing is summed across lanes.
+//
+//   W4 block (320 B): 4 x 64 B codes | 16 x fp16 d | 16 x fp16 m
+//     codes byte [64 o + 4 r + j]: low nibble = q[r, 8 o + j], high nibble = q[r, 8 o + 4 + j]
+//   W8 block (544 B): 8 x 64 B codes | 16 x fp16 d
+//     codes byte [64 c + 4 r + j] = q[r, 4 c + j] (+128 as u8 for the VNNI path, see below)
+//
+// Two code paths, chosen at run time from the CPU's flags (and forceable, so tests run both):
+//   avx512_vnni: vpdpbusd (u8 x s8 -> s32, 64 multiply-adds per instruction)
+//   avx2:        vpmaddubsw + vpmaddwd (u8 x s8 -> s16 pairs -> s32), 256-bit
+// vpdpbusd multiplies unsigned by signed bytes. W4 codes are unsigned already. W8 codes are
+// stored +128 (unsigned) for VNNI and the surplus 128 * sum(qx) is subtracted per group; the
+// avx2 path keeps them signed and uses the sign trick (|w| x sign(x, w)) so vpmaddubsw never
+// saturates.
+
+#include "qgemm.h"
+
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace densa {
+
+constexpr int kW4Codes = 256;
+constexpr int kW8Codes = 512;
+
+bool cpu_has_avx512_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+Isa parse_isa(const std::string& name) {
+  if (name == "avx512_vnni") {
+    TORCH_CHECK(cpu_has_avx512_vnni(), "this CPU has no AVX-512 VNNI");
+    return Isa::kAvx512Vnni;
+  }
+  if (name == "avx2") {
+    TORCH_CHECK(cpu_has_avx2(), "this CPU has no AVX2/FMA/F16C");
+    return Isa::kAvx2;
+  }
+  TORCH_CHECK(false, "unknown ISA '", name, "' (avx512_vnni or avx2)");
+}
+
+std::string best_isa() {
+  if (cpu_has_avx512_vnni()) return "avx512_vnni";
+  if (cpu_has_avx2()) return "avx2";
+  return "";
+}
+
+void ActivationBuffers::ensure(int64_t rows, int64_t cols) {
+  const int64_t groups = cols / kGroup;
+  if (qx.defined() && qx.numel() >= rows * cols && dx.numel() >= rows * groups) return;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  qx = at::empty({rows * cols}, f32.dtype(at::kChar));
+  dx = at::empty({rows * groups}, f32);
+  sumx = at::empty({rows * groups}, f32);
+  sumq = at::empty({rows * groups}, f32.dtype(at::kInt));
+}
+
+namespace {
+
+// ---- activations -------------------------------------------------------------------------------
+// Per row t and group g: qx (int8), dx = max|x| / 127, the integer sum of qx (W8/VNNI's +128
+// correction) and dx times it, the sum of the *quantized* x (W4's m term). Using the quantized
+// sum makes W4's error sum_k w_k (x^_k - x_k), like W8's; the exact sum of x would leave
+// sum_k (w_k - m) (x^_k - x_k), and w - m is a group's offset from its minimum (all >= 0, so
+// the rounding errors do not cancel): 3x the KL on SmolLM2 (docs/weights.md). One group of 32 per call; the rounding is the
+// CPU's default (to nearest, ties to even), as torch.round in the reference.
+#define DENSA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+#define DENSA_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+DENSA_AVX512 void quantize_group_avx512(const float* v, int8_t* q, float* dx, float* sumx,
+                                        int32_t* sumq) {
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float d = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  *dx = d;
+  *sumq = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  *sumx = d * static_cast<float>(*sumq);
+}
+
+DENSA_AVX2 void quantize_group_avx2(const float* v, int8_t* q, float* dx, float* sumx,
+                                    int32_t* sumq) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 x[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x[i]));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax);
+  float m = 0.f;
+  for (float lane : lanes) m = std::max(m, lane);
+  const float d = m / 127.f;
+  const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
+  __m256i qi[4];
+  __m256i qsum = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
+    qsum = _mm256_add_epi32(qsum, qi[i]);
+  }
+  // 32 x int32 -> 32 x int8 (packs work within 128-bit lanes; the permute restores order).
+  const __m256i w01 = _mm256_packs_epi32(qi[0], qi[1]), w23 = _mm256_packs_epi32(qi[2], qi[3]);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  alignas(32) int32_t sums[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), qsum);
+  int32_t s = 0;
+  for (int32_t lane : sums) s += lane;
+  *dx = d;
+  *sumx = d * static_cast<float>(s);
+  *sumq = s;
+}
+
+void quantize_activations(const float* src, int64_t rows, int64_t cols, Isa isa, int8_t* qx,
+                          float* dx, float* sumx, int32_t* sumq) {
+  const int64_t groups = cols / kGroup;
+  const auto one = isa == Isa::kAvx512Vnni ? quantize_group_avx512 : quantize_group_avx2;
+  at::parallel_for(0, rows * groups, 512, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t offset = (idx / groups) * cols + (idx % groups) * kGroup;
+      one(src + offset, qx + offset, dx + idx, sumx + idx, sumq + idx);
+    }
+  });
+}
+
+// ---- AVX-512 VNNI ------------------------------------------------------------------------------
+
+template <int T>
+DENSA_AVX512 void w4_panel_avx512(const uint8_t* blocks, int64_t groups, const int8_t* qx,
+                                  const float* dx, const float* sumx, int64_t cols, float* y,
+                                  int64_t ldy) {
+  __m512 accf[T];
+  for (int t = 0; t < T; ++t) accf[t] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = blocks + g * kW4Block;
+    __m512i acci[T];
+    for (int t = 0; t < T; ++t) acci[t] = _mm512_setzero_si512();
+    for (int o = 0; o < 4; ++o) {
+      const __m512i v = _mm512_loadu_si512(blk + 64 * o);
+      const __m512i lo = _mm512_and_si512(v, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      for (int t = 0; t < T; ++t) {
+        const int8_t* xq = qx + t * cols + g * kGroup + 8 * o;
+        int32_t a, b;
+        std::memcpy(&a, xq, 4);
+        std::memcpy(&b, xq + 4, 4);
+        acci[t] = _mm512_dpbusd_epi32(acci[t], lo, _mm512_set1_epi32(a));
+        acci[t] = _mm512_dpbusd_epi32(acci[t], hi, _mm512_set1_epi32(b));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + kW4Codes)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + kW4Codes + 32)));
+    for (int t = 0; t < T; ++t) {
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[t * groups + g]));
+      accf[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acci[t]), scale, accf[t]);
+      accf[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(sumx[t * groups + g]), accf[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + t * ldy, accf[t]);
+}
+
+template <int T>
+DENSA_AVX512 void w8_panel_avx512(const uint8_t* blocks, int64_t groups, const int8_t* qx,
+                                  const float* dx, const int32_t* sumq, int64_t cols, float* y,
+                                  int64_t ldy) {
+  __m512 accf[T];
+  for (int t = 0; t < T; ++t) accf[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = blocks + g * kW8Block;
+    __m512i acci[T];
+    for (int t = 0; t < T; ++t) acci[t] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(blk + 64 * c);  // codes + 128, unsigned
+      for (int t = 0; t < T; ++t) {
+        int32_t a;
+        std::memcpy(&a, qx + t * cols + g * kGroup + 4 * c, 4);
+        acci[t] = _mm512_dpbusd_epi32(acci[t], v, _mm512_set1_epi32(a));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + kW8Codes)));
+    for (int t = 0; t < T; ++t) {
+      // sum (q + 128) qx = sum q qx + 128 sum qx: remove the surplus.
+      const __m512i surplus = _mm512_set1_epi32(128 * sumq[t * groups + g]);
+      const __m512i dot = _mm512_sub_epi32(acci[t], surplus);
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[t * groups + g]));
+      accf[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, accf[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + t * ldy, accf[t]);
+}
+
+// ---- AVX2 --------------------------------------------------------------------------------------
+
+// u8 x s8 dot of 4-byte lanes -> s32 (vpmaddubsw pairs, then vpmaddwd with ones).
+DENSA_AVX2 inline __m256i dot4_avx2(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// One panel as two halves of 8 rows (ymm), one half at a time so T = 4 tokens fit the 16 ymm
+// registers (4 int + 4 float accumulators). The two nibble halves' u8 x s8 products are added
+// as int16 before widening (each is at most 2 * 15 * 127, their sum 7620: no saturation), which
+// saves one widening multiply-add per pair.
+template <int T>
+DENSA_AVX2 void w4_panel_avx2(const uint8_t* blocks, int64_t groups, const int8_t* qx,
+                              const float* dx, const float* sumx, int64_t cols, float* y,
+                              int64_t ldy) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 accf[T];
+    for (int t = 0; t < T; ++t) accf[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* blk = blocks + g * kW4Block;
+      __m256i acci[T];
+      for (int t = 0; t < T; ++t) acci[t] = _mm256_setzero_si256();
+      for (int o = 0; o < 4; ++o) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 * o + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xq = qx + t * cols + g * kGroup + 8 * o;
+          int32_t a, b;
+          std::memcpy(&a, xq, 4);
+          std::memcpy(&b, xq + 4, 4);
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),
+                                                 _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b)));
+          acci[t] = _mm256_add_epi32(acci[t], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + kW4Codes + 16 * h)));
+      const __m256 m =
+          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + kW4Codes + 32 + 16 * h)));
+      for (int t = 0; t < T; ++t) {
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[t * groups + g]));
+        accf[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[t]), scale, accf[t]);
+        accf[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(sumx[t * groups + g]), accf[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + t * ldy + 8 * h, accf[t]);
+  }
+}
+
+template <int T>
+DENSA_AVX2 void w8_panel_avx2(const uint8_t* blocks, int64_t groups, const int8_t* qx,
+                              const float* dx, const int32_t* /*sumq*/, int64_t cols, float* y,
+                              int64_t ldy) {
+  __m256 accf[T][2];
+  for (int t = 0; t < T; ++t) accf[t][0] = accf[t][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = blocks + g * kW8Block;
+    __m256i acci[T][2];
+    for (int t = 0; t < T; ++t) acci[t][0] = acci[t][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 64 * c + 32 * h));  // signed
+        const __m256i w_abs = _mm256_sign_epi8(w, w);
+        for (int t = 0; t < T; ++t) {
+          int32_t a;
+          std::memcpy(&a, qx + t * cols + g * kGroup + 4 * c, 4);
+          // |w| * (sign(w) x): unsigned x signed, |products| <= 127 * 127, no saturation.
+          const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(a), w);
+          acci[t][h] = _mm256_add_epi32(acci[t][h], dot4_avx2(w_abs, xs));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + kW8Codes + 16 * h)));
+      for (int t = 0; t < T; ++t) {
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[t * groups + g]));
+        accf[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[t][h]), scale, accf[t][h]);
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    _mm256_storeu_ps(y + t * ldy, accf[t][0]);
+    _mm256_storeu_ps(y + t * ldy + 8, accf[t][1]);
+  }
+}
+
+// ---- dispatch ----------------------------------------------------------------------------------
+// A panel kernel for up to kMaxTile tokens: the token tile is a template parameter (registers).
+using PanelFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const void*,
+                         int64_t, float*, int64_t);
+
+constexpr int kTileAvx512 = 8;  // 8 int + 8 float accumulators + temporaries: < 32 zmm
+constexpr int kTileAvx2 = 2;    // 2 x 2 int + 2 x 2 float accumulators + temporaries: < 16 ymm
+constexpr int kTileAvx2W4 = 4;  // W4 runs one 8-row half at a time: 4 int + 4 float accumulators
+
+template <int T>
+void w4_avx512(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
+               int64_t c, float* y, int64_t l) {
+  w4_panel_avx512<T>(b, g, q, d, static_cast<const float*>(s), c, y, l);
+}
+template <int T>
+void w4_avx2(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
+             int64_t c, float* y, int64_t l) {
+  w4_panel_avx2<T>(b, g, q, d, static_cast<const float*>(s), c, y, l);
+}
+template <int T>
+void w8_avx512(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
+               int64_t c, float* y, int64_t l) {
+  w8_panel_avx512<T>(b, g, q, d, static_cast<const int32_t*>(s), c, y, l);
+}
+template <int T>
+void w8_avx2(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
+             int64_t c, float* y, int64_t l) {
+  w8_panel_avx2<T>(b, g, q, d, static_cast<const int32_t*>(s), c, y, l);
+}
+
+// fns[t - 1] handles a tile of t tokens.
+struct PanelKernels {
+  PanelFn fns[kTileAvx512];
+  int tile;
+};
+
+PanelKernels kernels_for(bool w4, Isa isa) {
+  if (isa == Isa::kAvx512Vnni) {
+    if (w4)
+      return {{w4_avx512<1>, w4_avx512<2>, w4_avx512<3>, w4_avx512<4>, w4_avx512<5>, w4_avx512<6>,
+               w4_avx512<7>, w4_avx512<8>},
+              kTileAvx512};
+    return {{w8_avx512<1>, w8_avx512<2>, w8_avx512<3>, w8_avx512<4>, w8_avx512<5>, w8_avx512<6>,
+             w8_avx512<7>, w8_avx512<8>},
+            kTileAvx512};
+  }
+  if (w4) return {{w4_avx2<1>, w4_avx2<2>, w4_avx2<3>, w4_avx2<4>}, kTileAvx2W4};
+  return {{w8_avx2<1>, w8_avx2<2>}, kTileAvx2};
+}
+
+}  // namespace
+
+void quantized_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_t* blocks,
+                          int64_t n, int bits, Isa isa, float* y, ActivationBuffers& buffers) {
+  if (rows == 0) return;
+  const bool w4 = bits == 4;
+  const int64_t groups = cols / kGroup, panels = n / kPanel;
+  const int64_t block = w4 ? kW4Block : kW8Block;
+  const PanelKernels kernels = kernels_for(w4, isa);
+  buffers.ensure(rows, cols);
+  int8_t* qx = buffers.qx.data_ptr<int8_t>();
+  float* dx = buffers.dx.data_ptr<float>();
+  float* sumx = buffers.sumx.data_ptr<float>();
+  int32_t* sumq = buffers.sumq.data_ptr<int32_t>();
+  quantize_activations(x, rows, cols, isa, qx, dx, sumx, sumq);
+  const int64_t tile = kernels.tile;
+  const int64_t tiles = (rows + tile - 1) / tile;
+  // Work items are (panel, token tile), panel-major: a panel's weights stay in L1 across its
+  // token tiles, and the activations (M x K bytes) stay in L2 across panels.
+  at::parallel_for(0, panels * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t panel = item / tiles, t0 = (item % tiles) * tile;
+      const int64_t count = std::min(tile, rows - t0);
+      const int64_t offset = t0 * groups;
+      const void* sums = w4 ? static_cast<const void*>(sumx + offset)
+                            : static_cast<const void*>(sumq + offset);
+      kernels.fns[count - 1](blocks + panel * groups * block, groups, qx + t0 * cols, dx + offset,
+                             sums, cols, y + t0 * n + panel * kPanel, n);
+    }
+  });
+}
+
+at::Tensor quantized_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
+                            int bits, const std::string& isa_name) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(cols % kGroup == 0, "in_features must be a multiple of 32, got ", cols);
+  TORCH_CHECK(out_features % kPanel == 0, "out_features must be a multiple of 16");
+  const int64_t block = bits == 4 ? kW4Block : kW8Block;
+  TORCH_CHECK(packed.numel() == (out_features / kPanel) * (cols / kGroup) * block,
+              "packed weight has the wrong size");
+  const Isa isa = parse_isa(isa_name);
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  thread_local ActivationBuffers buffers;
+  quantized_linear_raw(x.data_ptr<float>(), rows, cols, packed.data_ptr<uint8_t>(), out_features,
+                       bits, isa, y.data_ptr<float>(), buffers);
+  return y;
+}
+
+// ---- packing -----------------------------------------------------------------------------------
+// codes: [N, K] uint8 (W4: 0..15; W8: int8 stored as uint8 two's complement), d/m: [N, K/32] f32.
+at::Tensor pack_w4(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2, "codes: [N, K] uint8");
+  const int64_t rows = codes.size(0), cols = codes.size(1);
+  TORCH_CHECK(rows % kPanel == 0 && cols % kGroup == 0, "N % 16 and K % 32 must be 0");
+  const int64_t groups = cols / kGroup, panels = rows / kPanel;
+  const at::Tensor c = codes.contiguous();
+  const at::Tensor dh = d.to(at::kHalf).contiguous(), mh = m.to(at::kHalf).contiguous();
+  at::Tensor out = at::empty({panels * groups * kW4Block}, codes.options());
+  const uint8_t* src = c.data_ptr<uint8_t>();
+  const uint16_t* dsrc = reinterpret_cast<const uint16_t*>(dh.data_ptr<at::Half>());
+  const uint16_t* msrc = reinterpret_cast<const uint16_t*>(mh.data_ptr<at::Half>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* blk = dst + (p * groups + g) * kW4Block;
+      uint16_t* dblk = reinterpret_cast<uint16_t*>(blk + kW4Codes);
+      for (int r = 0; r < kPanel; ++r) {
+        const int64_t row = p * kPanel + r;
+        const uint8_t* q = src + row * cols + g * kGroup;
+        for (int o = 0; o < 4; ++o) {
+          for (int j = 0; j < 4; ++j) {
+            blk[64 * o + 4 * r + j] =
+                static_cast<uint8_t>((q[8 * o + j] & 0x0F) | ((q[8 * o + 4 + j] & 0x0F) << 4));
+          }
+        }
+        dblk[r] = dsrc[row * groups + g];
+        dblk[kPanel + r] = msrc[row * groups + g];
+      }
+    }
+  }
+  return out;
+}
+
+at::Tensor pack_w8(const at::Tensor& codes, const at::Tensor& d, const std::string& isa_name) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2, "codes: [N, K] int8");
+  const int64_t rows = codes.size(0), cols = codes.size(1);
+  TORCH_CHECK(rows % kPanel == 0 && cols % kGroup == 0, "N % 16 and K % 32 must be 0");
+  const bool offset = parse_isa(isa_name) == Isa::kAvx512Vnni;  // VNNI wants unsigned weights
+  const int64_t groups = cols / kGroup, panels = rows / kPanel;
+  const at::Tensor c = codes.contiguous();
+  const at::Tensor dh = d.to(at::kHalf).contiguous();
+  at::Tensor out = at::empty({panels * groups * kW8Block}, codes.options().dtype(at::kByte));
+  const int8_t* src = c.data_ptr<int8_t>();
+  const uint16_t* dsrc = reinterpret_cast<const uint16_t*>(dh.data_ptr<at::Half>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t g = 0; g < groups; ++g) {
+      uint8_t* blk = dst + (p * groups + g) * kW8Block;
+      uint16_t* dblk = reinterpret_cast<uint16_t*>(blk + kW8Codes);
+      for (int r = 0; r < kPanel; ++r) {
+        const int64_t row = p * kPanel + r;
+        const int8_t* q = src + row * cols + g * kGroup;
+        for (int cq = 0; cq < 8; ++cq) {
+          for (int j = 0; j < 4; ++j) {
+            const int value = q[4 * cq + j] + (offset ? 128 : 0);
+            blk[64 * cq + 4 * r + j] = static_cast<uint8_t>(value);
+          }
+        }
+        dblk[r] = dsrc[row * groups + g];
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace densa
+

@@ -1,0 +1,49 @@
+// Shared declarations of densa's C++ CPU kernels (see qgemm.cpp for the formats and layout).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+namespace densa {
+
+constexpr int kGroup = 32;     // input columns per scale
+constexpr int kPanel = 16;     // output rows per block
+constexpr int kW4Block = 320;  // bytes per W4 block: 256 codes + 32 d + 32 m
+constexpr int kW8Block = 544;  // bytes per W8 block: 512 codes + 32 d
+
+enum class Isa { kAvx2 = 0, kAvx512Vnni = 1 };
+
+// Projection formats, as Python passes them ("bits"): dense float32, W4A8, W8A8, and W8 with
+// float activations (w8float.cpp).
+constexpr int kFormatDense = 32, kFormatW4A8 = 4, kFormatW8A8 = 8, kFormatW8 = 80;
+
+bool cpu_has_avx512_vnni();
+bool cpu_has_avx2();
+Isa parse_isa(const std::string& name);
+std::string best_isa();
+
+// Scratch for int8 activations of up to `rows` x `cols`; reused across calls.
+struct ActivationBuffers {
+  at::Tensor qx, dx, sumx, sumq;
+  void ensure(int64_t rows, int64_t cols);
+};
+
+// y[rows, n] = x[rows, cols] W^T for W packed as `bits` (4 or 8) blocks; x, y float32, row-major.
+void quantized_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_t* blocks,
+                          int64_t n, int bits, Isa isa, float* y, ActivationBuffers& buffers);
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                            int bits, const std::string& isa_name);
+at::Tensor pack_w4(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m);
+at::Tensor pack_w8(const at::Tensor& codes, const at::Tensor& d, const std::string& isa_name);
+
+// Weight-only W8 (float activations): w8float.cpp.
+void w8float_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_t* blocks,
+                        int64_t n, Isa isa, float* y);
+at::Tensor w8float_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                          const std::string& isa_name);
+at::Tensor pack_w8float(const at::Tensor& codes, const at::Tensor& d);
+
+}  // namespace densa

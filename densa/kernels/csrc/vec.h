@@ -1,0 +1,312 @@
+// Vector building blocks of the fused decoder, once per code path (AVX-512, AVX2).
+//
+// Each path is a struct of static functions compiled for its own instruction set (a GCC target
+// attribute per function), so one binary carries both and the caller picks one at run time.
+// Every function handles any length (a masked or scalar tail), so shapes need no padding.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace densa {
+
+#define DENSA_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+#define DENSA_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+// exp(x) for float32 lanes: Cephes' polynomial on x = n ln2 + r, as numba_intrinsics.exp_neg;
+// inputs below -87 give ~0 (never a subnormal, never NaN for finite input).
+struct Avx512 {
+  static constexpr int kWidth = 16;
+
+  DENSA_AVX512_TARGET static inline __m512 exp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.4426950408889634f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 rr = _mm512_mul_ps(r, r);
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, rr, r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);  // p * 2**n
+  }
+
+  DENSA_AVX512_TARGET static inline __mmask16 tail(int64_t left) {
+    return left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                      : static_cast<__mmask16>((1u << left) - 1u);
+  }
+
+  // y = x * w / rms(x): RMSNorm of one row.
+  DENSA_AVX512_TARGET static void rmsnorm(const float* x, const float* w, float* y, int64_t n,
+                                          float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m512 v = _mm512_maskz_loadu_ps(tail(n - i), x + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps);
+    const __m512 s = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = tail(n - i);
+      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), s);
+      _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, w + i)));
+    }
+  }
+
+  // out[i] = silu(gate[i]) * up[i]
+  DENSA_AVX512_TARGET static void silu_mul(const float* gate, const float* up, float* out,
+                                           int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = tail(n - i);
+      const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+      const __m512 sig = _mm512_div_ps(
+          _mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), exp(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      _mm512_mask_storeu_ps(out + i, m,
+                            _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_maskz_loadu_ps(m, up + i)));
+    }
+  }
+
+  // y[t, r] = w[r] . x[t] for rows r of a dense [*, k] weight, tokens t < T.
+  template <int T>
+  DENSA_AVX512_TARGET static void dense_rows(const float* w, int64_t k, int64_t r0, int64_t r1,
+                                             const float* x, float* y, int64_t ldy) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = w + r * k;
+      __m512 acc[T];
+      for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < k; i += 16) {
+        const __mmask16 m = tail(k - i);
+        const __m512 wv = _mm512_maskz_loadu_ps(m, row + i);
+        for (int t = 0; t < T; ++t)
+          acc[t] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + t * k + i), acc[t]);
+      }
+      for (int t = 0; t < T; ++t) y[t * ldy + r] = _mm512_reduce_add_ps(acc[t]);
+    }
+  }
+
+  // Scores of G query rows q [G, D] against `count` key rows k [count, D]: s[g * ld + j].
+  DENSA_AVX512_TARGET static void scores(const float* q, int g_count, int d, const float* k,
+                                         int count, float* s, int ld) {
+    for (int j = 0; j < count; ++j) {
+      const float* kr = k + j * d;
+      for (int g = 0; g < g_count; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < d; i += 16) {
+          const __mmask16 m = tail(d - i);
+          acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + g * d + i),
+                                _mm512_maskz_loadu_ps(m, kr + i), acc);
+        }
+        s[g * ld + j] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+
+  // p[i] = exp(s[i] - max), returns the sum; n <= any.
+  DENSA_AVX512_TARGET static float exp_shifted(float* s, int n, float max) {
+    __m512 total = _mm512_setzero_ps();
+    const __m512 mx = _mm512_set1_ps(max);
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 m = tail(n - i);
+      const __m512 p = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), mx));
+      _mm512_mask_storeu_ps(s + i, m, p);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, p));
+    }
+    return _mm512_reduce_add_ps(total);
+  }
+
+  // acc[D] = acc * alpha + sum_j p[j] v[j]
+  DENSA_AVX512_TARGET static void weighted_sum(float* acc, float alpha, const float* p,
+                                               const float* v, int count, int d) {
+    for (int i = 0; i < d; i += 16) {
+      const __mmask16 m = tail(d - i);
+      __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + i), _mm512_set1_ps(alpha));
+      for (int j = 0; j < count; ++j)
+        a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, v + j * d + i), a);
+      _mm512_mask_storeu_ps(acc + i, m, a);
+    }
+  }
+
+  // Widen n cache elements to float32 and multiply by scale: f32 / bf16 bits / e4m3 codes /
+  // int8 codes (dtype 0 / 1 / 2 / 3).
+  DENSA_AVX512_TARGET static void widen(const void* src, int dtype, int n, float scale,
+                                        const float* fp8_table, float* out) {
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 m = tail(n - i);
+      __m512 v;
+      if (dtype == 0) {
+        v = _mm512_maskz_loadu_ps(m, static_cast<const float*>(src) + i);
+      } else if (dtype == 1) {
+        const __m256i bits = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(src) + i);
+        v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+      } else if (dtype == 3) {
+        const __m128i codes = _mm_maskz_loadu_epi8(m, static_cast<const int8_t*>(src) + i);
+        v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+      } else {
+        const __m128i codes = _mm_maskz_loadu_epi8(m, static_cast<const uint8_t*>(src) + i);
+        v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, _mm512_cvtepu8_epi32(codes),
+                                     fp8_table, 4);
+      }
+      _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(v, sv));
+    }
+  }
+};
+
+struct Avx2 {
+  static constexpr int kWidth = 8;
+
+  DENSA_AVX2_TARGET static inline __m256 exp(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_floor_ps(
+        _mm256_fmadd_ps(x, _mm256_set1_ps(1.4426950408889634f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 rr = _mm256_mul_ps(r, r);
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, rr, r), _mm256_set1_ps(1.f));
+    // 2**n from the exponent bits (n in [-126, 127] after the clamps above).
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  }
+
+  DENSA_AVX2_TARGET static inline __m256i tail(int64_t left) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int count = left >= 8 ? 8 : static_cast<int>(left);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), idx);
+  }
+
+  DENSA_AVX2_TARGET static inline float hsum(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+  }
+
+  DENSA_AVX2_TARGET static void rmsnorm(const float* x, const float* w, float* y, int64_t n,
+                                        float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 v = _mm256_maskload_ps(x + i, tail(n - i));
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    const float inv = 1.f / std::sqrt(hsum(acc) / static_cast<float>(n) + eps);
+    const __m256 s = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256i m = tail(n - i);
+      const __m256 v = _mm256_mul_ps(_mm256_maskload_ps(x + i, m), s);
+      _mm256_maskstore_ps(y + i, m, _mm256_mul_ps(v, _mm256_maskload_ps(w + i, m)));
+    }
+  }
+
+  DENSA_AVX2_TARGET static void silu_mul(const float* gate, const float* up, float* out,
+                                         int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256i m = tail(n - i);
+      const __m256 g = _mm256_maskload_ps(gate + i, m);
+      const __m256 sig = _mm256_div_ps(
+          _mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), exp(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+      _mm256_maskstore_ps(out + i, m,
+                          _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_maskload_ps(up + i, m)));
+    }
+  }
+
+  template <int T>
+  DENSA_AVX2_TARGET static void dense_rows(const float* w, int64_t k, int64_t r0, int64_t r1,
+                                           const float* x, float* y, int64_t ldy) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = w + r * k;
+      __m256 acc[T];
+      for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < k; i += 8) {
+        const __m256i m = tail(k - i);
+        const __m256 wv = _mm256_maskload_ps(row + i, m);
+        for (int t = 0; t < T; ++t)
+          acc[t] = _mm256_fmadd_ps(wv, _mm256_maskload_ps(x + t * k + i, m), acc[t]);
+      }
+      for (int t = 0; t < T; ++t) y[t * ldy + r] = hsum(acc[t]);
+    }
+  }
+
+  DENSA_AVX2_TARGET static void scores(const float* q, int g_count, int d, const float* k,
+                                       int count, float* s, int ld) {
+    for (int j = 0; j < count; ++j) {
+      const float* kr = k + j * d;
+      for (int g = 0; g < g_count; ++g) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int i = 0; i < d; i += 8) {
+          const __m256i m = tail(d - i);
+          acc = _mm256_fmadd_ps(_mm256_maskload_ps(q + g * d + i, m),
+                                _mm256_maskload_ps(kr + i, m), acc);
+        }
+        s[g * ld + j] = hsum(acc);
+      }
+    }
+  }
+
+  DENSA_AVX2_TARGET static float exp_shifted(float* s, int n, float max) {
+    __m256 total = _mm256_setzero_ps();
+    const __m256 mx = _mm256_set1_ps(max);
+    for (int i = 0; i < n; i += 8) {
+      const __m256i m = tail(n - i);
+      const __m256 p = _mm256_and_ps(exp(_mm256_sub_ps(_mm256_maskload_ps(s + i, m), mx)),
+                                     _mm256_castsi256_ps(m));
+      _mm256_maskstore_ps(s + i, m, p);
+      total = _mm256_add_ps(total, p);
+    }
+    return hsum(total);
+  }
+
+  DENSA_AVX2_TARGET static void weighted_sum(float* acc, float alpha, const float* p,
+                                             const float* v, int count, int d) {
+    for (int i = 0; i < d; i += 8) {
+      const __m256i m = tail(d - i);
+      __m256 a = _mm256_mul_ps(_mm256_maskload_ps(acc + i, m), _mm256_set1_ps(alpha));
+      for (int j = 0; j < count; ++j)
+        a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_maskload_ps(v + j * d + i, m), a);
+      _mm256_maskstore_ps(acc + i, m, a);
+    }
+  }
+
+  DENSA_AVX2_TARGET static void widen(const void* src, int dtype, int n, float scale,
+                                      const float* fp8_table, float* out) {
+    // Scalar loads for the element widths (AVX2 has no masked byte/word loads); the multiply
+    // and stores are vectors. Rows are short (head_dim), so this is not the bottleneck.
+    alignas(32) float buf[8];
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int i = 0; i < n; i += 8) {
+      const int count = n - i < 8 ? n - i : 8;
+      for (int j = 0; j < count; ++j) {
+        if (dtype == 0) {
+          buf[j] = static_cast<const float*>(src)[i + j];
+        } else if (dtype == 1) {
+          const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(src)[i + j])
+                                << 16;
+          std::memcpy(&buf[j], &bits, 4);
+        } else if (dtype == 3) {
+          buf[j] = static_cast<float>(static_cast<const int8_t*>(src)[i + j]);
+        } else {
+          buf[j] = fp8_table[static_cast<const uint8_t*>(src)[i + j]];
+        }
+      }
+      const __m256i m = tail(count);
+      _mm256_maskstore_ps(out + i, m, _mm256_mul_ps(_mm256_load_ps(buf), sv));
+    }
+  }
+};
+
+}  // namespace densa

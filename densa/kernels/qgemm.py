@@ -1,0 +1,169 @@
+"""W4A8, W8A8 and weight-only W8 matmuls (groups of 32): torch references, packing, and the C++
+kernels.
+
+Arithmetic (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0), for x [M, K] and weights [N, K]:
+
+    W4: w[n, k] = d[n, g] * q[n, k] + m[n, g]    q in 0..15          g = k // 32
+    W8: w[n, k] = d[n, g] * q[n, k]              q in -127..127
+    x[t, k] ~ dx[t, g] * qx[t, k],  dx = max_k |x[t, k]| / 127 over the group, qx = round(x / dx)
+    y[t, n] = sum_g dx d sum_k q qx  (+ m[n, g] dx sum_k qx for W4: the quantized x's sum, so the
+              error is sum_k w (x^ - x) as for W8; see csrc/qgemm.cpp)
+
+d and m are stored as fp16 (like the GGUF blocks). The C++ layout is described in
+csrc/qgemm.cpp; the references here compute the same sums in float64 (exact for the integer
+parts), so kernel and reference differ only by float32 rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from densa.kernels import native
+from densa.kernels.int4_linear import CODE_OFFSET, expand_groups, unpack_nibbles
+
+GROUP = 32
+PANEL = 16
+W8_FLOAT = 80  # the "bits" code of weight-only W8 (csrc/qgemm.h: kFormatW8)
+
+
+def fits(in_features: int, out_features: int) -> bool:
+    """Whether a [out, in] weight has the shape the kernels tile (K % 32, N % 16)."""
+    return in_features % GROUP == 0 and out_features % PANEL == 0
+
+
+# ---- activations -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Int8Activations:
+    qx: torch.Tensor  # [M, K] int8
+    dx: torch.Tensor  # [M, K/32] float32
+    sumx: torch.Tensor  # [M, K/32] float32: dx * sum(qx), the sum of the quantized group
+
+
+def quantize_activations(x: torch.Tensor) -> Int8Activations:
+    """Per row and group of 32: symmetric int8 with scale max|x| / 127 (round half to even)."""
+    rows, cols = x.shape
+    groups = x.float().view(rows, cols // GROUP, GROUP)
+    dx = groups.abs().amax(-1) / 127.0
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+    qx = torch.round(groups * inv[..., None]).to(torch.int8).view(rows, cols)
+    sumx = dx * qx.view(rows, cols // GROUP, GROUP).sum(-1, dtype=torch.int32).float()
+    return Int8Activations(qx, dx, sumx)
+
+
+# ---- references --------------------------------------------------------------------------------
+def w4a8_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """x [M, K] float32, codes [N, K] 0..15, d/m [N, K/32] (rounded to fp16 as stored)."""
+    act = quantize_activations(x)
+    d, m = d.half().double(), m.half().double()
+    dots = _group_dots(act.qx, codes)  # [M, N, G]
+    y = (dots * act.dx.double()[:, None, :] * d[None]).sum(-1)
+    y += act.sumx.double() @ m.T
+    return y.float()
+
+
+def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32, codes [N, K] int8, d [N, K/32]."""
+    act = quantize_activations(x)
+    dots = _group_dots(act.qx, codes)
+    return (dots * act.dx.double()[:, None, :] * d.half().double()[None]).sum(-1).float()
+
+
+def _group_dots(qx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """[M, K] x [N, K] integer codes -> [M, N, K/32] exact per-group dot products (float64)."""
+    rows, cols = qx.shape
+    a = qx.double().view(rows, 1, cols // GROUP, GROUP)
+    b = codes.double().view(1, codes.shape[0], cols // GROUP, GROUP)
+    return (a * b).sum(-1)
+
+
+# ---- weights in the kernels' terms -------------------------------------------------------------
+def int4_to_w4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    in_features: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """densa's INT4 layout (w = (q - 8) s + z, any group size dividing into 32s) -> W4 codes,
+    d, m in groups of 32: d = s, m = z - 8 s. Exact: larger groups repeat their scales."""
+    codes = unpack_nibbles(qweight, in_features)  # [N, K] 0..15
+    repeat = group_size // GROUP
+    num_groups = in_features // GROUP
+    s = scales.float().repeat_interleave(repeat, dim=1)[:, :num_groups]
+    z = torch.zeros_like(s) if zeros is None else zeros.float().repeat_interleave(repeat, 1)
+    return codes, s, z[:, :num_groups] - CODE_OFFSET * s
+
+
+def quantize_w8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense [N, K] weight -> int8 codes and fp16-representable d per group of 32 (Q8_0).
+
+    A weight that came from a Q8_0 GGUF tensor comes back exactly: its group maximum is
+    127 * d, so d and every code are recovered."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // GROUP, GROUP)
+    d = (groups.abs().amax(-1) / 127.0).half().float()
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    codes = torch.round(groups * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.view(rows, cols), d
+
+
+def dequantize_w4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    cols = codes.shape[1]
+    return codes.float() * expand_groups(d.half().float(), GROUP, cols) + expand_groups(
+        m.half().float(), GROUP, cols
+    )
+
+
+def dequantize_w8(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return codes.float() * expand_groups(d.half().float(), GROUP, codes.shape[1])
+
+
+# ---- the C++ kernels ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight in the kernels' block layout, for one code path (the W8 layout depends on it)."""
+
+    blocks: torch.Tensor  # uint8, flat
+    out_features: int
+    in_features: int
+    bits: int  # 4 (w4a8), 8 (w8a8) or W8_FLOAT (w8: float activations)
+    isa: str
+
+
+def pack_w4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, isa: str) -> PackedWeight:
+    ext = _ext()
+    blocks = ext.pack_w4(codes.to(torch.uint8).contiguous(), d.float(), m.float())
+    return PackedWeight(blocks, codes.shape[0], codes.shape[1], 4, isa)
+
+
+def pack_w8(codes: torch.Tensor, d: torch.Tensor, isa: str) -> PackedWeight:
+    blocks = _ext().pack_w8(codes.to(torch.int8).contiguous(), d.float(), isa)
+    return PackedWeight(blocks, codes.shape[0], codes.shape[1], 8, isa)
+
+
+def pack_w8_float(codes: torch.Tensor, d: torch.Tensor, isa: str) -> PackedWeight:
+    """W8 codes for the weight-only kernel (float activations, csrc/w8float.cpp)."""
+    blocks = _ext().pack_w8float(codes.to(torch.int8).contiguous(), d.float())
+    return PackedWeight(blocks, codes.shape[0], codes.shape[1], W8_FLOAT, isa)
+
+
+def quantized_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """[M, K] float32 -> [M, N] float32 through the C++ kernel of the weight's code path."""
+    ext = _ext()
+    run = {4: ext.w4a8_linear, 8: ext.w8a8_linear, W8_FLOAT: ext.w8float_linear}[weight.bits]
+    return run(x.float().contiguous(), weight.blocks, weight.out_features, weight.isa)
+
+
+def w8_float_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The weight-only W8 product in float64: x times the stored weights, no activation rounding."""
+    return (x.double() @ dequantize_w8(codes, d).double().T).float()
+
+
+def _ext() -> Any:
+    module = native.load()
+    if module is None:
+        raise RuntimeError("densa's C++ kernels are not built (see densa.kernels.native)")
+    return module

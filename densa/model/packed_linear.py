@@ -1,0 +1,129 @@
+"""Linear layers in the CPU kernels' packed formats: W4A8 and W8A8, groups of 32 (kernels/qgemm.py).
+
+    w4a8   4-bit weights, fp16 scale and minimum per 32 inputs (llama.cpp's Q4_1 arithmetic);
+           activations quantized to int8 per token and 32 inputs at every call (its Q8_1)
+    w8a8   8-bit weights, fp16 scale per 32 inputs (Q8_0); activations as above
+    w8     the same 8-bit weights with float32 activations (weight-only): the product with the
+           stored weights, no activation rounding; more arithmetic than w8a8, so meant for the
+           output head at decode (--head-format w8)
+
+Both are made at load time from dense weights. Weights that came from a GGUF file's Q4_1 / Q8_0
+blocks (the bundled model) come back as the very same codes and scales (quantize_q4_1 below,
+tests/model/test_packed_linear.py), so densa then computes with llama.cpp's bits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from densa.kernels import native, qgemm
+
+PACKED_FORMATS = ("w4a8", "w8a8", "w8")
+_BITS = {"w4a8": 4, "w8a8": 8, "w8": qgemm.W8_FLOAT}
+
+
+class PackedFormatUnavailable(RuntimeError):
+    """The packed formats need densa's C++ kernels, which could not be built on this machine."""
+
+
+def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] dense -> W4 codes (0..15), d and m per group of 32, as llama.cpp's Q4_1 makes them:
+    m = the group's minimum, d = (max - min) / 15, both rounded to fp16 first."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // qgemm.GROUP, qgemm.GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    m = low.half().float()
+    d = ((high - low) / 15.0).half().float()
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    codes = torch.round((groups - m[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.view(rows, cols), d, m
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T (+ b) with W in a packed format; x in any float dtype, y in x's dtype."""
+
+    blocks: torch.Tensor
+
+    def __init__(self, fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        isa = native.isa() if native.load() is not None else ""
+        if not isa:
+            raise PackedFormatUnavailable(
+                f"--weight-format {fmt} runs on densa's C++ CPU kernels, which are not built "
+                "here (they need a C++ compiler and an x86 CPU with AVX2); use dense weights"
+            )
+        self.fmt, self.isa = fmt, isa
+        self.out_features, self.in_features = weight.shape
+        packed = _pack(fmt, weight.detach(), isa)
+        self.register_buffer("blocks", packed.blocks)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+
+    @property
+    def bits(self) -> int:
+        """The kernels' code for this format (csrc/qgemm.h)."""
+        return _BITS[self.fmt]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = qgemm.PackedWeight(
+            self.blocks, self.out_features, self.in_features, self.bits, self.isa
+        )
+        out = qgemm.quantized_linear(x.reshape(-1, self.in_features), weight).to(x.dtype)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"format={self.fmt} ({self.isa})"
+        )
+
+
+def _pack(fmt: str, weight: torch.Tensor, isa: str) -> qgemm.PackedWeight:
+    if fmt == "w4a8":
+        return qgemm.pack_w4(*quantize_q4_1(weight), isa)
+    if fmt == "w8a8":
+        return qgemm.pack_w8(*qgemm.quantize_w8(weight), isa)
+    if fmt == "w8":
+        return qgemm.pack_w8_float(*qgemm.quantize_w8(weight), isa)
+    raise ValueError(f"unknown packed format {fmt!r}; choose from {PACKED_FORMATS}")
+
+
+def can_pack(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and weight.device.type == "cpu"
+        and qgemm.fits(weight.shape[1], weight.shape[0])
+    )
+
+
+def pack_linears(model: nn.Module, names: set[str], fmt: str) -> list[str]:
+    """Replace the named (loaded, dense) linear modules by packed ones; returns the names left
+    dense because their shape does not tile (K % 32, N % 16)."""
+    skipped = []
+    for name in sorted(names):
+        dense = model.get_submodule(name)
+        if not can_pack(dense):
+            skipped.append(name)
+            continue
+        weight, bias = getattr(dense, "weight"), getattr(dense, "bias", None)  # noqa: B009
+        model.set_submodule(name, PackedLinear(fmt, weight, bias))
+    return skipped
+
+
+def reference_linear(x: torch.Tensor, weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """What a PackedLinear of `weight` computes, in float64 (tests)."""
+    if fmt == "w4a8":
+        return qgemm.w4a8_reference(x, *quantize_q4_1(weight))
+    if fmt == "w8":
+        return qgemm.w8_float_reference(x, *qgemm.quantize_w8(weight))
+    return qgemm.w8a8_reference(x, *qgemm.quantize_w8(weight))
+
+
+def dequantized_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The weight a packed format stores, as float32 (quality analyses: weights-only error)."""
+    if fmt == "w4a8":
+        return qgemm.dequantize_w4(*quantize_q4_1(weight))
+    return qgemm.dequantize_w8(*qgemm.quantize_w8(weight))

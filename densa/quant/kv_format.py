@@ -1,0 +1,116 @@
+"""KVFormat: how KV pages store their values, decided once and carried by every cache.
+
+The engine resolves its options into one KVFormat (EngineArgs.kv_format) before anything is
+sized or allocated; each layer's cache carries it, and whoever stores into pages, reads them or
+describes them asks the format, instead of guessing it from a tensor's dtype or its scale
+tensor's rank.
+
+    name       storage                   scales                     bytes per value row of D
+    float32    float32                   none                       4 D
+    bfloat16   bfloat16                  none                       2 D
+    float16    float16                   none                       2 D
+    fp8_e4m3   float8_e4m3fn             dynamic: int8 exponent     D + 1
+                                         static: one float / layer  D
+    int8       int8 codes                one fp16 scale per row     D + 2
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from densa.kernels import fp8_store
+from densa.quant import fp8_kv, int8_kv
+
+_STORAGE = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    fp8_kv.KV_DTYPE: fp8_kv.FP8_DTYPE,
+    int8_kv.KV_DTYPE: int8_kv.CODE_DTYPE,
+}
+NO_SCALES, DYNAMIC, STATIC, ROW = "none", "dynamic", "static", "row"
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str  # a KV cache dtype name (densa.config.KV_CACHE_DTYPES, resolved)
+    scales: str = NO_SCALES  # none | dynamic | static (FP8) | row (INT8)
+    static_source: str | None = None  # where static FP8 scales came from (a file), for people
+
+    def __post_init__(self) -> None:
+        if self.name not in _STORAGE:
+            raise ValueError(f"KV cache dtype must be one of {tuple(_STORAGE)}, got {self.name!r}")
+        allowed = {fp8_kv.KV_DTYPE: (DYNAMIC, STATIC), int8_kv.KV_DTYPE: (ROW,)}
+        if self.scales not in allowed.get(self.name, (NO_SCALES,)):
+            raise ValueError(f"{self.name} pages cannot have {self.scales!r} scales")
+
+    @classmethod
+    def of(cls, name: str, fp8_scales: str, static_source: str | None = None) -> KVFormat:
+        """The format of a resolved KV dtype; `fp8_scales` (dynamic | static) applies to FP8."""
+        if name == fp8_kv.KV_DTYPE:
+            return cls(name, fp8_scales, static_source if fp8_scales == STATIC else None)
+        return cls(name, ROW if name == int8_kv.KV_DTYPE else NO_SCALES)
+
+    @classmethod
+    def of_tensors(cls, values: torch.Tensor, scale: torch.Tensor | None) -> KVFormat:
+        """The format of pages made by hand (tests, kernel benchmarks), read off the tensors.
+        The one place a format is inferred; the engine always builds its format from options."""
+        name = next(n for n, dtype in _STORAGE.items() if dtype == values.dtype)
+        if name == fp8_kv.KV_DTYPE:
+            return cls(name, STATIC if scale is None or scale.dim() == 0 else DYNAMIC)
+        return cls.of(name, DYNAMIC)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return _STORAGE[self.name]
+
+    @property
+    def is_quantized(self) -> bool:
+        """Values are stored scaled (FP8, INT8): a prefill chunk attends to its own new K/V as
+        computed, not as stored (docs/kv-cache.md)."""
+        return self.scales != NO_SCALES
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.name == fp8_kv.KV_DTYPE
+
+    @property
+    def fp8_policy(self) -> str:
+        """The FP8 scale policy (dynamic | static) the sizing functions take; dynamic otherwise,
+        where it is not read."""
+        return self.scales if self.is_fp8 else DYNAMIC
+
+    def scale_bytes_per_row(self) -> int:
+        """Bytes of scale each [head_dim] row of a token adds."""
+        return {NO_SCALES: 0, STATIC: 0, DYNAMIC: 1, ROW: int8_kv.SCALE_BYTES}[self.scales]
+
+    def value_bytes(self) -> int:
+        return self.storage_dtype.itemsize
+
+    def describe(self) -> str:
+        if self.scales == DYNAMIC:
+            return f"{self.name}, dynamic scales"
+        if self.scales == STATIC:
+            return f"{self.name}, static scales: {self.static_source or 'none given (1.0)'}"
+        return self.name
+
+    def store(
+        self,
+        pages: torch.Tensor,
+        scale: torch.Tensor | None,
+        slot_pages: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> None:
+        """Write rows [T, H, D] into slot (slot_pages[t], slot_offsets[t]) of pages [P, H, S, D],
+        quantizing (and filling per-row scales) as this format says."""
+        if self.is_fp8:
+            fp8_store.store_fp8(pages, scale, slot_pages, slot_offsets, rows)
+        elif self.scales == ROW:
+            if scale is None:
+                raise ValueError("int8 pages need their fp16 row scales")
+            int8_kv.store_int8(pages, scale, slot_pages, slot_offsets, rows)
+        else:
+            pages[slot_pages, :, slot_offsets] = rows.to(pages.dtype)

@@ -1,0 +1,124 @@
+"""`densa bench peers` without llama.cpp: fake OpenAI-compatible peers (real processes, real
+HTTP, the real openai client) check the interleaving, the per-token timing, the report and the
+goal ratios, and that a peer which does not produce exactly output_len tokens fails the run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from densa.bench.openai_load import StreamedRequest
+from densa.bench.peer_servers import PeerSpec
+from densa.bench.peers import PeersSettings, PromptMaker, run_peers
+from densa.bench.peers_report import build_report
+
+FAKE = str(Path(__file__).with_name("fake_openai_server.py"))
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+]
+
+
+def _fake(name: str, engine: str, *options: str, forced: bool = True) -> PeerSpec:
+    return PeerSpec(
+        name=name,
+        engine=engine,
+        argv=(sys.executable, FAKE, "--port", "{port}", *options),
+        model="fake",
+        formats={"linear": f"{name} weights"},
+        extra_body={"ignore_eos": True} if forced else {},
+        ready_path="/health",
+        start_timeout_s=60,
+    )
+
+
+def _prompts(settings: PeersSettings) -> PromptMaker:
+    return PromptMaker(
+        [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))],
+        encode=lambda text: [len(w) for w in text.split()],
+        decode=lambda ids: " ".join("w" for _ in ids),
+        settings=settings,
+    )
+
+
+def test_timing_spreads_packed_events_over_their_tokens() -> None:
+    record = StreamedRequest(submit_s=0.0, event_s=[1.0, 2.0, 3.0], completion_tokens=6)
+    timing = record.timing()
+    assert timing.token_s == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    assert timing.ttft_s == 1.0
+    assert timing.tpot_s == pytest.approx(2.0 / 5)
+
+
+def test_prompts_are_cut_to_length_and_repeat_per_key() -> None:
+    settings = PeersSettings(prompt_len=20)
+    maker = _prompts(settings)
+    first, second = maker.prompts(3, "c3-r0"), maker.prompts(3, "c3-r0")
+    assert first == second  # the same key gives every peer the same prompts
+    assert all(len(p.split()) == 20 for p in first)
+
+
+def test_fake_peers_run_interleaved_and_report(tmp_path: Path) -> None:
+    settings = PeersSettings(concurrency=(1, 2), prompt_len=8, output_len=6, repeats=2, warmup=1)
+    specs = [
+        _fake("densa fake", "densa", "--token-delay", "0.002"),
+        _fake("llama fake", "llama.cpp", "--token-delay", "0.004", "--tokens-per-event", "2"),
+    ]
+    waves, peers = run_peers(specs, settings, _prompts(settings), tmp_path / "logs")
+    order = [(w.wave.engine, w.wave.concurrency, w.wave.repeat_idx) for w in waves]
+    assert order == [
+        ("densa fake", 1, 0),
+        ("llama fake", 1, 0),
+        ("densa fake", 2, 0),
+        ("llama fake", 2, 0),
+        ("densa fake", 1, 1),
+        ("llama fake", 1, 1),
+        ("densa fake", 2, 1),
+        ("llama fake", 2, 1),
+    ]
+    for peer_wave in waves:
+        assert [r.completion_tokens for r in peer_wave.requests] == [6] * peer_wave.wave.concurrency
+        assert all(r.text.split() == ["forced"] * 6 for r in peer_wave.requests)  # extra_body sent
+        assert all(t.num_output_tokens == 6 for t in peer_wave.wave.requests)
+        assert all(r.prompt_tokens == 8 for r in peer_wave.requests)
+        # The fake waits first_delay, then token_delay per token after each event: the last
+        # token cannot arrive sooner (arrival gaps can shrink: events may be read together).
+        delay, per_event = (0.002, 1) if peer_wave.wave.engine == "densa fake" else (0.004, 2)
+        floor = 0.01 + (6 // per_event - 1) * per_event * delay
+        assert all(t.e2e_s >= floor * 0.95 for t in peer_wave.wave.requests)
+        assert peer_wave.wave.peak_rss_bytes > 0
+    llama_events = {
+        len(r.event_s) for w in waves if w.wave.engine == "llama fake" for r in w.requests
+    }
+    assert llama_events == {3}  # 2 tokens per event
+
+    report = build_report(waves, peers, {"what": "test"})
+    paths = report.write(tmp_path / "out")
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    kinds = {row["kind"] for row in data["summary"]}
+    assert kinds == {"peer", "ratio", "goal"}
+    goals = [row for row in data["summary"] if row["kind"] == "goal"]
+    decode_goal = next(g for g in goals if g["goal"].startswith("c=1 decode"))
+    assert decode_goal["peer"] == "densa fake" and decode_goal["versus"] == "llama fake"
+    assert decode_goal["ratio"] > 0
+    assert {p.name for p in paths} >= {"results.json", "README.md", "output_tok_s.png"}
+    assert "densa fake weights" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_a_peer_that_stops_early_fails_the_run(tmp_path: Path) -> None:
+    settings = PeersSettings(concurrency=(1,), prompt_len=8, output_len=6, repeats=1, warmup=0)
+    specs = [_fake("short fake", "densa", "--short-by", "2")]
+    with pytest.raises(RuntimeError, match="do not force the output length"):
+        run_peers(specs, settings, _prompts(settings), tmp_path / "logs")

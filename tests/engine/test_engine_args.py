@@ -1,0 +1,38 @@
+"""The engine's options have one set of defaults (EngineArgs) and one set of choices (densa.config):
+the command line shows exactly those, and parses back into the same EngineArgs."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from densa.config import ATTENTION_BACKENDS, COMPUTE_DTYPES, KV_CACHE_DTYPES, WEIGHT_FORMATS
+from densa.engine.args import EngineArgs
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def test_an_empty_command_line_is_the_dataclass_defaults() -> None:
+    assert EngineArgs.from_cli(_parser().parse_args([])) == EngineArgs()
+
+
+def test_every_field_is_an_option_and_the_choices_are_the_configs() -> None:
+    parser = _parser()
+    options = {a.dest: a for a in parser._actions}
+    assert {f.name for f in fields(EngineArgs)} <= set(options)
+    assert options["dtype"].choices == list(COMPUTE_DTYPES)
+    assert options["kv_cache_dtype"].choices == list(KV_CACHE_DTYPES)
+    assert options["weight_format"].choices == list(WEIGHT_FORMATS)
+    assert options["attention_backend"].choices == list(ATTENTION_BACKENDS)
+
+
+def test_options_parse_into_their_fields() -> None:
+    argv = ["--kv-cache-dtype", "fp8_e4m3", "--page-size", "8", "--kv-integrity", "off",
+            "--no-enable-prefix-caching", "--max-num-seqs", "4"]  # fmt: skip
+    args = EngineArgs.from_cli(_parser().parse_args(argv))
+    assert (args.kv_cache_dtype, args.page_size, args.kv_integrity) == ("fp8_e4m3", 8, False)
+    assert (args.enable_prefix_caching, args.max_num_seqs) == (False, 4)

@@ -1,0 +1,74 @@
+"""MLA latent pages: DeepSeek-V3's bytes per token (one [kv_lora_rank + rope] row per layer, no
+separate V), FP8 latent pages at ~2x BF16's tokens, `densa capacity` on the real shape, and
+latent pages allocated, filled and copied like K/V pages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from densa.cli import main
+from densa.model.arch import ArchConfig
+from densa.model.kv_layout import LatentKVCache
+from densa.worker.kv_cache import allocate_kv_caches, bytes_per_token, kv_capacity, page_bytes
+from tests.tiny_families import save_tiny
+from tests.worker.test_kv_page_copies import make_engine, prefilled
+
+GIB = 1024**3
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_shape(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3's (and Kimi K2's) config.json: 61 layers, latent 512 + rope 64 (no weights)."""
+    from transformers import DeepseekV3Config
+
+    out = tmp_path_factory.mktemp("deepseek-v3-config")
+    config = DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"]).to_dict()
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_latent_bytes_per_token(deepseek_v3_shape: Path) -> None:
+    arch = ArchConfig.from_dir(deepseek_v3_shape)
+    assert arch.num_layers == 61 and arch.mla is not None and arch.mla.latent_dim == 576
+    assert bytes_per_token(arch, "bfloat16") == 61 * 576 * 2 == 70272
+    # One int8 power-of-two exponent per latent row: 577 bytes per layer.
+    assert bytes_per_token(arch, "fp8_e4m3", "dynamic") == 61 * 577 == 35197
+    assert bytes_per_token(arch, "fp8_e4m3", "static") == 61 * 576
+    bf16 = kv_capacity(arch, 64 * GIB, 64, "bfloat16", None)
+    fp8 = kv_capacity(arch, 64 * GIB, 64, "fp8_e4m3", "dynamic")
+    assert fp8.resident_tokens / bf16.resident_tokens >= 1.99  # goal 1.9x; FlashMLA's is 1.76x
+
+
+def test_capacity_command_reports_the_latent(
+    deepseek_v3_shape: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["capacity", "--model", str(deepseek_v3_shape), "--kv-cache-memory", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "61 layers x MLA latent 576 values (kv_lora_rank 512 + rope 64)" in out
+    fp8_row = next(line for line in out.splitlines() if line.startswith("| fp8_e4m3 | dynamic"))
+    assert "| 35197 | 61 |" in fp8_row and fp8_row.endswith("| 1.997x |")
+
+
+def test_latent_pages_are_allocated_filled_and_copied(tmp_path: Path, smollm2_dir: Path) -> None:
+    model_dir = save_tiny("deepseek_v3", tmp_path, smollm2_dir)
+    arch = ArchConfig.from_dir(model_dir)
+    caches = allocate_kv_caches(arch, 10, 4, "fp8_e4m3", torch.device("cpu"))
+    assert all(isinstance(c, LatentKVCache) for c in caches) and len(caches) == arch.num_layers
+    cache = caches[0]
+    assert cache.latent.shape == (10, 1, 4, 40) and cache.scale is not None
+    allocated = sum(c.latent.nbytes + c.scale.nbytes for c in caches if c.scale is not None)
+    assert allocated == 10 * page_bytes(arch, 4, "fp8_e4m3")
+
+    # FP8 latent pages copy into an FP32 pool exactly (the real values travel, scales applied).
+    source, dest = make_engine(model_dir, "fp8_e4m3"), make_engine(model_dir, "float32")
+    _, src_pages, _ = prefilled(source)
+    payload = source.runner.read_kv_pages(src_pages)
+    assert payload.shape == (arch.num_layers, 1, 6, 1, 4, 40)  # one latent part per layer
+    assert payload.abs().sum() > 0
+    rid, dst_pages, tags = prefilled(dest)
+    assert dest.land_kv_pages(rid, dst_pages, tags, payload)
+    assert torch.equal(dest.runner.read_kv_pages(dst_pages), payload)

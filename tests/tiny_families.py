@@ -1,0 +1,157 @@
+"""Tiny random-weight models of every non-Llama family, built with transformers' own config and
+model classes (fixed seed, no download) and saved as HF directories with SmolLM2's tokenizer.
+
+Sizes are chosen so each family's distinctive parts are exercised by short prompts: Gemma's
+window (8 tokens) is shorter than most prompts, MoE layers route 8-16 tokens over 4-8 experts
+(every expert gets some), DeepSeek's first layer is dense and its groups restrict the choice.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def _common(**extra: Any) -> dict[str, Any]:
+    settings: dict[str, Any] = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return settings | extra
+
+
+def qwen3() -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_common(head_dim=24))
+
+
+def gemma3() -> Any:
+    from transformers import Gemma3TextConfig
+
+    layers = ["sliding_attention", "sliding_attention", "full_attention"]
+    return Gemma3TextConfig(
+        **_common(
+            head_dim=16, num_hidden_layers=3, layer_types=layers, sliding_window=8,
+            query_pre_attn_scalar=24, tie_word_embeddings=True,
+        ),
+        architectures=["Gemma3ForCausalLM"],
+    )  # fmt: skip
+
+
+def mixtral() -> Any:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**_common(num_local_experts=8, num_experts_per_tok=2))
+
+
+def qwen2_moe() -> Any:
+    from transformers import Qwen2MoeConfig
+
+    # Layer 1 is dense (mlp_only_layers); the shared expert is wider than a routed one.
+    return Qwen2MoeConfig(
+        **_common(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False,
+        )
+    )  # fmt: skip
+
+
+def qwen3_moe() -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **_common(
+            head_dim=24, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+            norm_topk_prob=True,
+        )
+    )  # fmt: skip
+
+
+def deepseek_v3(**overrides: Any) -> Any:
+    from transformers import DeepseekV3Config
+
+    # Layer 0 dense, layers 1-2 MoE: 8 experts in 4 groups, the best 2 groups eligible, top 2.
+    settings = _common(
+        num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        moe_intermediate_size=32, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )  # fmt: skip
+    return DeepseekV3Config(**(settings | overrides))
+
+
+def deepseek_v3_yarn() -> Any:
+    """No query LoRA, and YaRN-stretched RoPE (its mscale changes the softmax scale)."""
+    yarn = {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0,
+    }  # fmt: skip
+    return deepseek_v3(q_lora_rank=None, rope_parameters=yarn)
+
+
+CONFIGS: dict[str, Callable[[], Any]] = {
+    "qwen3": qwen3,
+    "gemma3": gemma3,
+    "mixtral": mixtral,
+    "qwen2_moe": qwen2_moe,
+    "qwen3_moe": qwen3_moe,
+    "deepseek_v3": deepseek_v3,
+    "deepseek_v3_yarn": deepseek_v3_yarn,
+}
+
+
+def save_tiny(
+    family: str,
+    out_dir: Path,
+    tokenizer_dir: Path | None = None,
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Build `family`'s tiny model with random weights (std 0.08, so logits are not flat and
+    greedy ties are rare) and save it, with the tokenizer files if `tokenizer_dir` is given.
+    `overrides` replace config fields."""
+    from transformers import AutoModelForCausalLM
+
+    config = CONFIGS[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                continue  # a buffer in some versions; kept small so groups still matter
+            param.normal_(0, 0.08)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.05)
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_dir / name).exists():
+                shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
