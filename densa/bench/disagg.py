@@ -30,10 +30,10 @@ from typing import Any
 
 import httpx
 
-from densa.bench.common import interleave, latency_stats
 from densa.bench.disagg_report import build_report
-from densa.bench.report import BenchReport
 from densa.engine.args import EngineArgs
+from densa.measure.report import BenchReport
+from densa.measure.stats import interleave, latency_stats
 from densa.serve.disagg import PREFILL_HEADER
 from densa.serve.engine_client import EngineClient
 from densa.serve.process import serve_engine_in_thread
