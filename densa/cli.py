@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from densa.bench import add_bench_parser
 from densa.eval import add_eval_parser
+from densa.router.cli import add_router_parser
 from densa.tools import add_tool_parsers
 from densa.utils.logging import configure_logging
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
     _add_serve(commands)
+    add_router_parser(commands)
     _add_generate(commands)
     add_tool_parsers(commands)  # densa quantize, densa capacity, densa calibrate-kv
     add_bench_parser(commands)

@@ -28,6 +28,7 @@ LAYERS = {
     "engine": 6,
     "ipc": 1,
     "serve": 7,
+    "router": 7,
     "bench": 7,
     "eval": 7,
     "tools": 7,
@@ -35,7 +36,10 @@ LAYERS = {
     "__init__": 7,
 }
 TORCH_FREE_BELOW = 3
-TORCH_FREE_MODULES = {"serve.router"}  # the router stays light: no torch (see also below)
+# The router stays light: no torch (see also below).
+TORCH_FREE_MODULES = {f"router.{m}" for m in ("app", "cli", "config", "incoming", "lengths",
+                      "metrics", "policy", "prefix", "proxy", "ring", "routing", "sessions", "tokens",
+                      "workers")}  # fmt: skip
 
 
 def _module_key(path: Path) -> str:
@@ -114,6 +118,13 @@ FRONT_MODULES = [
     "densa.text.tokenizer",
     "densa.text.output",
     "densa.cli",
+    "densa.serve.peer",
+    "densa.router",
+    "densa.router.app",
+    "densa.router.cli",
+    "densa.router.proxy",
+    "densa.router.routing",
+    "densa.router.workers",
 ]
 # Heavy numeric stacks the front has no business loading (they cost seconds and gigabytes).
 BLOCKED = ("torch", "numpy", "numba", "transformers", "triton")

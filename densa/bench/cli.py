@@ -34,6 +34,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_hostile(benchmarks)
     add_peers_parser(benchmarks)
     _add_structured(benchmarks)
+    _add_router(benchmarks)
     _add_step_bytes(benchmarks)
     _add_disagg(benchmarks)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
@@ -500,6 +501,50 @@ def _structured(ns: argparse.Namespace) -> int:
     if settings is None:
         return 2
     return _write(run_structured(settings, EngineArgs.from_cli(ns)), ns.out)
+
+
+def _add_router(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "router",
+        help="routing policies over 3 local workers: prefix hit rate, TTFT, router latency",
+        description="Three `densa serve` workers (1 thread each) behind `densa router` with each "
+        "policy in turn (round-robin, least-load, prefix, densa), interleaved: multi-tenant "
+        "multi-turn chat with shared system prompts and sessions.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--tenant-sessions", type=int, nargs="+", default=[6, 2, 1],
+                   help="sessions per tenant (one number per tenant)")  # fmt: skip
+    g.add_argument("--turns", type=int, default=6, help="turns per session")
+    g.add_argument("--system-words", type=int, default=100, help="words per system prompt")
+    g.add_argument("--user-words", type=int, default=60, help="words per user message")
+    g.add_argument("--max-tokens", type=int, default=24, help="output tokens per turn")
+    g.add_argument("--stagger", type=float, default=1.0, help="seconds between session starts")
+    g.add_argument("--repeats", type=int, default=2, help="runs per policy (interleaved)")
+    g.add_argument("--latency-probes", type=int, default=40, help="direct/routed request pairs")
+    g.add_argument("--model", default=None, help="the workers' model (default: the bundled one)")
+    g.add_argument("--kv-cache-memory", default="512MiB", help="KV budget per worker")
+    g.add_argument("--work-dir", type=Path, default=Path("/tmp/densa-bench-router"),
+                   help="worker and router logs")  # fmt: skip
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/router"), help="folder")
+    parser.set_defaults(handler=_router)
+
+
+def _router(ns: argparse.Namespace) -> int:
+    from densa.bench.router import RouterBenchSettings, run_router_bench
+
+    settings = _settings(
+        "router",
+        lambda: RouterBenchSettings(
+            tenant_sessions=tuple(ns.tenant_sessions), turns=ns.turns,
+            system_words=ns.system_words, user_words=ns.user_words, max_tokens=ns.max_tokens,
+            stagger_s=ns.stagger,
+            repeats=ns.repeats, latency_probes=ns.latency_probes,
+            kv_cache_memory=ns.kv_cache_memory, model=ns.model,
+        ),
+    )  # fmt: skip
+    if settings is None:
+        return 2
+    return _write(run_router_bench(settings, ns.work_dir), ns.out)
 
 
 def _add_step_bytes(benchmarks: argparse._SubParsersAction) -> None:

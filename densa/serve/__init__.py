@@ -12,6 +12,7 @@ generation  one request on the engine: text from token deltas, whole or as SSE; 
 auth        optional API keys
 tracking    one record per request: structured log line, x-request-id
 metrics     GET /metrics (Prometheus), per-app registry
+peer        GET /densa/info and /densa/load: what a router needs (tokenizer, page size, load)
 api_server  routes, `build_app`, the published OpenAPI schema
 process     `run_server` (signals, graceful drain) and `serve_in_thread` (tests, benchmarks)
 tools/      tool calls and structured output: models, formats, parser, prompts, schema checks

@@ -40,6 +40,7 @@ from densa.serve.errors import (
 )
 from densa.serve.generation import EngineCall, SSEResponse, StreamFormatter
 from densa.serve.metrics import CONTENT_TYPE, ServerMetrics
+from densa.serve.peer import peer_router
 from densa.serve.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -153,7 +154,8 @@ def build_app(
     app.state.densa = state
     install_error_handlers(app)
     app.include_router(open_router)
-    app.include_router(disagg_router)
+    app.include_router(disagg_router)  # /disagg/peer, for decode workers
+    app.include_router(peer_router)  # /densa/info and /densa/load, for routers
     app.include_router(router)
     app.add_middleware(RequestTracking, on_started=state.start, on_finished=state.finish)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]

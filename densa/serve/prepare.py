@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -150,6 +150,7 @@ async def chat_prompt(
     max_model_len: int,
     plan: ToolPlan = NO_TOOLS,
     fmt: ToolCallFormat = HERMES,
+    offload: bool = True,
 ) -> list[int]:
     """The conversation as prompt tokens, with the plan's tools rendered (serve/tools/render.py).
     A final assistant message is continued, not answered: the prompt ends inside that message,
@@ -167,23 +168,28 @@ async def chat_prompt(
     last = body.messages[-1]
     continue_final = last.role == "assistant" and not last.tool_calls
     try:
-        # Rendering and tokenizing a long prompt takes milliseconds: keep the event loop free.
-        return await asyncio.to_thread(tokenizer.encode_chat, messages, tools, continue_final)
+        # Rendering and tokenizing a long prompt takes milliseconds: keep the event loop free
+        # (unless the caller knows it is cheap: a thread hand-off costs more than a short prompt).
+        return await _run(offload, tokenizer.encode_chat, messages, tools, continue_final)
     except ChatTemplateError as exc:
         raise bad_request(str(exc), code="invalid_messages", param="messages") from exc
 
 
 async def completion_prompt(
-    tokenizer: Tokenizer, body: CompletionRequest, max_model_len: int
+    tokenizer: Tokenizer, body: CompletionRequest, max_model_len: int, offload: bool = True
 ) -> list[int]:
     if isinstance(body.prompt, str):
         _check_text_size(tokenizer, len(body.prompt.encode()), max_model_len, "prompt")
-        prompt_ids = await asyncio.to_thread(tokenizer.encode, body.prompt)
+        prompt_ids = await _run(offload, tokenizer.encode, body.prompt)
     else:
         prompt_ids = body.prompt
     if not prompt_ids:
         raise bad_request("the prompt is empty", param="prompt")
     return prompt_ids
+
+
+async def _run(offload: bool, function: Callable[..., list[int]], *args: Any) -> list[int]:
+    return await asyncio.to_thread(function, *args) if offload else function(*args)
 
 
 def _check_text_size(tokenizer: Tokenizer, num_bytes: int, max_model_len: int, param: str) -> None:

@@ -30,7 +30,7 @@ from densa.serve.auth import load_api_keys
 from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
 from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
 from densa.utils.logging import configure_logging, get_logger
-from densa.utils.net import bind_listener
+from densa.utils.net import bind_listener, tcp_socket
 
 logger = get_logger(__name__)
 
@@ -203,7 +203,7 @@ def serve_in_thread(
     app: FastAPI, log_level: str = "warning", header_timeout: float = DEFAULT_HEADER_TIMEOUT
 ) -> Iterator[str]:
     """Serve `app` with uvicorn on a free loopback port from a thread; yield the base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = tcp_socket()
     sock.bind(("127.0.0.1", 0))  # binding here, not in uvicorn, avoids a port race
     port = sock.getsockname()[1]
     # A deep backlog: load tests open dozens of connections at the same instant. The lifespan

@@ -103,6 +103,21 @@ class Tokenizer:
         return [self._tok.id_to_token(t) or "" for t in token_ids]
 
     @functools.cached_property
+    def verbatim_added_tokens(self) -> dict[str, int] | None:
+        """Added tokens (text -> id) if every one is matched verbatim in text -- not normalized,
+        not stripping neighbouring spaces, not whole-word only -- else None.
+
+        The tokenizer splits such tokens out before normalizing and pre-tokenizing, so a text
+        encodes as the pieces between them encoded one by one (the router caches the pieces).
+        """
+        tokens = {}
+        for token_id, token in self._tok.get_added_tokens_decoder().items():
+            if token.normalized or token.lstrip or token.rstrip or token.single_word:
+                return None
+            tokens[token.content] = int(token_id)
+        return tokens
+
+    @functools.cached_property
     def max_token_bytes(self) -> int:
         """An upper bound on the bytes of text one token stands for (special tokens included).
 

@@ -1,0 +1,55 @@
+"""The router's settings, validated once and frozen (flags: densa/router/cli.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from densa.router.lengths import DEFAULT_EXPECTED_TOKENS
+from densa.router.policy import POLICIES, Weights
+from densa.router.ring import DEFAULT_VNODES
+from densa.router.sessions import DEFAULT_TTL_S
+from densa.router.workers import HealthOptions
+from densa.serve.api_server import DEFAULT_MAX_BODY_BYTES
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: tuple[str, ...] = ()  # co-located workers: each runs prefill and decode
+    prefill: tuple[str, ...] = ()  # prefill pool (P/D mode)
+    decode: tuple[str, ...] = ()  # decode pool (P/D mode): responses come from these
+    policy: str = "densa"  # policy.POLICIES
+    weights: Weights = field(default_factory=Weights)
+    session_ttl_s: float = DEFAULT_TTL_S
+    ring_vnodes: int = DEFAULT_VNODES
+    health: HealthOptions = field(default_factory=HealthOptions)
+    max_attempts: int = 3  # workers one request may be tried on (before any byte is sent)
+    upstream_timeout_s: float = 600.0  # no byte from a worker for this long: the attempt fails
+    connect_timeout_s: float = 2.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    default_expected_tokens: int = DEFAULT_EXPECTED_TOKENS  # before any request has finished
+
+    def __post_init__(self) -> None:
+        urls = [*self.workers, *self.prefill, *self.decode]
+        if not self.workers and not self.decode:
+            raise ValueError("give at least one --worker URL (or --prefill and --decode URLs)")
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("--prefill and --decode come together: give both pools or neither")
+        if len(set(urls)) != len(urls):
+            raise ValueError("a worker URL is listed twice; give each worker once")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown --policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.max_attempts < 1:
+            raise ValueError("--max-attempts must be at least 1")
+        if self.session_ttl_s <= 0:
+            raise ValueError("--session-ttl must be a positive number of seconds")
+
+    def roles(self) -> dict[str, str]:
+        """url -> role, in command-line order."""
+        return {
+            **{u: "mixed" for u in self.workers},
+            **{u: "prefill" for u in self.prefill},
+            **{u: "decode" for u in self.decode},
+        }

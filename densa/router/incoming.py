@@ -1,0 +1,117 @@
+"""What the router reads from a request before placing it: the prompt's tokens and cache scope
+(for prefix overlap), the session, max_tokens and whether it streams.
+
+The prompt is rendered and tokenized by the workers' own code (densa/serve/prepare.py, with the
+tokenizer and tool-call format the workers reported), and the scope is the workers' own digest:
+the tenant is the identity of the bearer key (parsed as the workers' FastAPI security does), and
+`user` / `cache_salt` narrow it. So a block hash here is the one the chosen worker will look up.
+
+The router forwards the body's bytes untouched. A body it cannot read (bad JSON, invalid fields,
+a template error) is still forwarded -- the worker answers with its own exact error -- only
+without prefix information.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.datastructures import Headers
+
+from densa.cache.scope import tenant_of
+from densa.serve import prepare
+from densa.serve.errors import APIError
+from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
+from densa.serve.tools.formats import ToolCallFormat
+from densa.serve.tracking import SESSION_HEADER
+from densa.text.tokenizer import Tokenizer
+
+# Bodies up to this size are tokenized on the event loop: with the piece cache that takes well
+# under a millisecond, less than handing the work to a thread on a busy machine; larger ones
+# (a first sight of a long document) go to a thread so they cannot stall other requests.
+INLINE_BODY_BYTES = 64 * 1024
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model as the workers described it (GET /densa/info)."""
+
+    name: str
+    max_model_len: int
+    page_size: int
+    tokenizer: Tokenizer
+    tool_format: ToolCallFormat
+
+
+@dataclass(frozen=True)
+class Incoming:
+    endpoint: str
+    body: bytes
+    session_id: str | None = None
+    stream: bool = False
+    max_tokens: int | None = None
+    prompt_ids: list[int] | None = None  # None: not readable here (the worker will say why)
+    scope: str = ""
+
+    @property
+    def route(self) -> str:
+        """The key output lengths are learned under."""
+        return self.endpoint
+
+
+def tenant_from(headers: Headers) -> str | None:
+    scheme, credentials = get_authorization_scheme_param(headers.get("authorization"))
+    if scheme.lower() != "bearer" or not credentials:
+        return None
+    return tenant_of(credentials)
+
+
+async def read_incoming(
+    endpoint: str, body: bytes, headers: Headers, model: ModelInfo | None
+) -> Incoming:
+    session = headers.get(SESSION_HEADER) or None
+    data = _json_object(body)
+    if data is None:
+        return Incoming(endpoint, body, session)
+    stream = data.get("stream") is True
+    try:
+        parsed: ChatCompletionRequest | CompletionRequest
+        if endpoint == CHAT:
+            parsed = prepare.parse(ChatCompletionRequest, data)
+        else:
+            parsed = prepare.parse(CompletionRequest, data)
+    except APIError:
+        return Incoming(endpoint, body, session, stream)
+    max_tokens = parsed.requested_max_tokens
+    session = session or parsed.prompt_cache_key or None
+    scope = prepare.cache_scope(tenant_from(headers), parsed)
+    offload = len(body) > INLINE_BODY_BYTES
+    prompt_ids = await _prompt_ids(parsed, model, offload) if model is not None else None
+    return Incoming(endpoint, body, session, stream, max_tokens, prompt_ids, scope)
+
+
+async def _prompt_ids(
+    parsed: ChatCompletionRequest | CompletionRequest, model: ModelInfo, offload: bool
+) -> list[int] | None:
+    tokenizer, max_len = model.tokenizer, model.max_model_len
+    try:
+        if isinstance(parsed, ChatCompletionRequest):
+            plan = prepare.tool_plan(model.tool_format, parsed)
+            return await prepare.chat_prompt(
+                tokenizer, parsed, max_len, plan, model.tool_format, offload=offload
+            )
+        return await prepare.completion_prompt(tokenizer, parsed, max_len, offload=offload)
+    except APIError:
+        return None
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,200 @@
+"""The routing policy, the ring, the prefix index and the session table as pure functions:
+exact choices on hand-made snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from densa.cache.kv_manager import KVCacheManager
+from densa.cache.scope import CacheScope
+from densa.request import Request
+from densa.router.lengths import LengthEstimator
+from densa.router.policy import (
+    RoundRobin,
+    RouteFeatures,
+    WeightedPolicy,
+    Weights,
+    WorkerView,
+    make_policy,
+    signal_values,
+)
+from densa.router.prefix import WorkerPrefixIndex, block_hashes
+from densa.router.ring import HashRing
+from densa.router.sessions import SessionTable
+from densa.sampling_params import SamplingParams
+
+A, B, C = "http://a:1", "http://b:2", "http://c:3"
+
+
+def view(url: str, **overrides: int) -> WorkerView:
+    settings = {"queue_depth": 0, "num_free_kv_pages": 100, "num_kv_pages": 100, "page_size": 16,
+                "pending_output_tokens": 0, "num_routed": 0, "matched_blocks": 0}  # fmt: skip
+    settings.update(overrides)
+    return WorkerView(url=url, **settings)
+
+
+DENSA = WeightedPolicy(Weights())
+
+
+# ---- the weighted score --------------------------------------------------------------------------
+def test_a_live_session_stays_on_its_worker_even_against_a_full_prefix_elsewhere() -> None:
+    features = RouteFeatures(160, 10, 16, sticky_url=B)
+    decision = DENSA.choose(features, [view(A, matched_blocks=10), view(B), view(C)])
+    assert decision.url == B and decision.signal == "affinity"
+
+
+def test_a_new_sessions_prefix_beats_its_ring_home() -> None:
+    features = RouteFeatures(160, 10, 16, ring_url=C)
+    decision = DENSA.choose(features, [view(A, matched_blocks=9), view(B), view(C)])
+    assert decision.url == A and decision.signal == "prefix"
+    # 3 * 0.9 + kv vs ring 1: a one-block overlap (0.1 * 3 = 0.3) does not beat the ring home
+    small = DENSA.choose(features, [view(A, matched_blocks=1), view(B), view(C)])
+    assert small.url == C and small.signal == "ring"
+
+
+def test_among_idle_equal_workers_the_ring_home_wins() -> None:
+    decision = DENSA.choose(RouteFeatures(40, 2, 16, ring_url=B), [view(A), view(B), view(C)])
+    assert decision.url == B and decision.signal == "ring"
+
+
+def test_queue_depth_decides_without_session_or_prefix() -> None:
+    views = [view(A, queue_depth=4), view(B, queue_depth=1), view(C, queue_depth=2)]
+    decision = DENSA.choose(RouteFeatures(40, 2, 16), views)
+    assert decision.url == B and decision.signal == "queue"
+    assert signal_values(RouteFeatures(40, 2, 16), views)[B]["queue"] == pytest.approx(0.75)
+
+
+def test_free_kv_after_the_request_decides_between_equal_queues() -> None:
+    views = [view(A, num_free_kv_pages=10), view(B, num_free_kv_pages=60)]
+    decision = DENSA.choose(RouteFeatures(64, 4, 64), views)
+    assert decision.url == B and decision.signal == "kv"
+    # 64 prompt + 64 expected output tokens = 8 pages of 16: (60 - 8) / 100 free afterwards
+    assert signal_values(RouteFeatures(64, 4, 64), views)[B]["kv"] == pytest.approx(0.52)
+
+
+def test_cached_blocks_reduce_the_kv_the_request_needs() -> None:
+    features = RouteFeatures(64, 4, 0)
+    values = signal_values(features, [view(A, num_free_kv_pages=10, matched_blocks=3)])
+    assert values[A]["kv"] == pytest.approx((10 - 1) / 100)  # only the 4th block is new
+
+
+def test_expected_decode_work_decides_between_otherwise_equal_workers() -> None:
+    views = [view(A, pending_output_tokens=900), view(B, pending_output_tokens=100)]
+    decision = WeightedPolicy(Weights().only("length")).choose(RouteFeatures(16, 1, 100), views)
+    assert decision.url == B and decision.signal == "length"
+    values = signal_values(RouteFeatures(16, 1, 100), views)
+    assert values[A]["length"] == 0.0 and values[B]["length"] == pytest.approx(0.8)
+
+
+def test_ties_go_to_the_least_routed_then_the_first_listed() -> None:
+    views = [view(A, num_routed=3), view(B, num_routed=1), view(C, num_routed=1)]
+    decision = DENSA.choose(RouteFeatures(), views)
+    assert decision.url == B and decision.signal == "tie"
+    assert DENSA.choose(RouteFeatures(), [view(A)]).signal == "only"
+
+
+def test_round_robin_cycles_and_single_signal_policies_ignore_other_signals() -> None:
+    rr = RoundRobin()
+    views = [view(A), view(B), view(C)]
+    assert [rr.choose(RouteFeatures(), views).url for _ in range(4)] == [A, B, C, A]
+    prefix_only = make_policy("prefix", Weights())
+    loaded = [view(A, queue_depth=50, matched_blocks=2), view(B)]
+    assert prefix_only.choose(RouteFeatures(64, 4, 16, sticky_url=B), loaded).url == A
+    least = make_policy("least-load", Weights())
+    assert least.choose(RouteFeatures(64, 4, 16), loaded).url == B
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random", Weights())
+    with pytest.raises(ValueError, match="must be >= 0"):
+        Weights(prefix=-1)
+
+
+# ---- block hashes: the workers' own chain, scoped by tenant ------------------------------------
+def test_router_block_hashes_are_exactly_the_hashes_a_worker_caches() -> None:
+    scope = CacheScope(tenant="t1").digest()
+    tokens = list(range(1000, 1045))  # 2 full blocks of 16, then 13 tokens
+    kv = KVCacheManager(num_pages=16, page_size=16)
+    request = Request("r", tokens, SamplingParams(), cache_scope=scope)
+    kv.allocate_slots(request, len(tokens))
+    request.num_computed_tokens = len(tokens)
+    kv.cache_full_pages(request)
+    worker_hashes = kv._hashes(request)
+    assert block_hashes(tokens, 16, scope) == worker_hashes[:2]
+    # A follow-up that the worker finds 2 cached blocks for, the router finds too.
+    follow_up = Request("s", [*tokens[:32], 7, 7, 7], SamplingParams(), cache_scope=scope)
+    index = WorkerPrefixIndex(16)
+    index.insert(block_hashes(tokens, 16, scope))
+    assert len(kv.find_prefix(follow_up).page_ids) == 2
+    assert index.match(block_hashes(follow_up.prompt_token_ids, 16, scope)) == 2
+
+
+def test_another_tenants_identical_prompt_matches_nothing() -> None:
+    tokens = list(range(200))
+    index = WorkerPrefixIndex(64)
+    index.insert(block_hashes(tokens, 16, CacheScope(tenant="a").digest()))
+    assert index.match(block_hashes(tokens, 16, CacheScope(tenant="a").digest())) == 12
+    for other in (CacheScope(tenant="b"), CacheScope(tenant="a", user="u"), CacheScope()):
+        assert index.match(block_hashes(tokens, 16, other.digest())) == 0
+
+
+def test_the_last_token_block_is_never_counted_and_the_index_is_lru_bounded() -> None:
+    assert len(block_hashes(list(range(32)), 16, "")) == 1  # token 32 would need the 2nd block
+    assert len(block_hashes(list(range(33)), 16, "")) == 2
+    index = WorkerPrefixIndex(capacity=3)
+    first, second = block_hashes(list(range(64)), 16, "x"), block_hashes(list(range(64)), 16, "y")
+    index.insert(first)  # 3 blocks
+    index.insert(second[:1])  # evicts first[0]
+    assert len(index) == 3 and index.match(first) == 0 and index.match(second) == 1
+
+
+# ---- the ring ------------------------------------------------------------------------------------
+def test_adding_a_worker_moves_about_one_in_n_keys_all_to_the_new_worker() -> None:
+    keys = [f"session-{i}" for i in range(3000)]
+    ring = HashRing([A, B, C])
+    before = {k: ring.owner(k) for k in keys}
+    ring.add("http://d:4")
+    after = {k: ring.owner(k) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert {after[k] for k in moved} == {"http://d:4"}
+    assert 0.15 < len(moved) / len(keys) < 0.35  # ~1/4
+    ring.remove("http://d:4")
+    assert {k: ring.owner(k) for k in keys} == before
+
+
+def test_ring_spreads_keys_evenly_and_skips_members_not_allowed() -> None:
+    ring = HashRing([A, B, C])
+    counts = {m: 0 for m in (A, B, C)}
+    for i in range(3000):
+        owner = ring.owner(f"k{i}")
+        assert owner is not None
+        counts[owner] += 1
+    assert all(700 < n < 1300 for n in counts.values()), counts
+    key = next(f"k{i}" for i in range(100) if ring.owner(f"k{i}") == A)
+    assert ring.owner(key, {B, C}) in {B, C}
+    assert ring.owner(key, set()) is None and HashRing().owner(key) is None
+
+
+# ---- sessions and lengths ------------------------------------------------------------------------
+def test_sessions_stick_for_their_ttl_after_the_last_request() -> None:
+    now = [0.0]
+    table = SessionTable(ttl_s=10, clock=lambda: now[0])
+    table.stick("s", A)
+    now[0] = 9.0
+    assert table.lookup("s") == A
+    table.stick("s", A)  # a new turn renews the TTL
+    now[0] = 18.0
+    assert table.lookup("s") == A
+    now[0] = 19.5
+    assert table.lookup("s") is None and len(table) == 0
+    table.stick("x", B)
+    table.stick("y", B)
+    table.stick("z", C)
+    assert table.forget_worker(B) == 2 and table.lookup("z") == C
+
+
+def test_expected_length_is_max_tokens_then_the_learned_mean_capped_by_it() -> None:
+    lengths = LengthEstimator(default_tokens=256)
+    assert lengths.expect("chat", None) == 256 and lengths.expect("chat", 40) == 40
+    lengths.observe("chat", 20)
+    assert lengths.expect("chat", None) == 20 and lengths.expect("chat", 10) == 10
+    lengths.observe("chat", 120)  # moving average: 20 + 0.1 * 100
+    assert lengths.expect("chat", None) == 30 and lengths.expect("completions", None) == 256
