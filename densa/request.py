@@ -64,6 +64,10 @@ class Request:
     # How many page-table entries the runner has been sent since this request's admission.
     num_pages_sent: int = 0
     error: str | None = None
+    # Disaggregation (densa/disagg): while a KV transfer may still write into this request's pages
+    # (decode side) or read from them (prefill side), finishing it must not free them: the
+    # scheduler moves them to its held set until the transfer's state machine releases them.
+    hold_pages: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -36,6 +36,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_structured(benchmarks)
     _add_router(benchmarks)
     _add_step_bytes(benchmarks)
+    _add_disagg(benchmarks)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
 
@@ -88,6 +89,51 @@ def _add_integrity(benchmarks: argparse._SubParsersAction) -> None:
     _wave_args(parser, [1, 2, 4, 8], prompt_len=2048, output_len=256, repeats=3, name="integrity")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_integrity, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _add_disagg(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "disagg",
+        help="co-located vs 1 prefill + 1 decode worker while long prompts keep arriving",
+        description="Short requests decode while long prompts arrive: one co-located engine "
+        "(2 threads) vs a prefill and a decode worker (1 core each), same formats and the "
+        "reference split (prefill BF16 KV, decode INT4 + FP8 KV), interleaved.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--num-decoders", type=int, default=16, help="short requests decoding")
+    g.add_argument("--decoder-prompt-len", type=int, default=64)
+    g.add_argument("--decoder-output-len", type=int, default=96)
+    g.add_argument("--num-long", type=int, default=3, help="long prompts arriving meanwhile")
+    g.add_argument("--long-prompt-len", type=int, default=2048)
+    g.add_argument("--long-output-len", type=int, default=8)
+    g.add_argument("--long-interval", type=float, default=1.5, help="seconds between long ones")
+    g.add_argument("--repeats", type=int, default=3, help="timed runs per variant")
+    g.add_argument("--prompt-seed", type=int, default=0)
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/disagg"), help="folder")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_disagg, kv_cache_memory="1GiB")
+
+
+def _disagg(ns: argparse.Namespace) -> int:
+    from densa.bench.disagg import DisaggSettings, run_disagg
+
+    settings = _settings(
+        "disagg",
+        lambda: DisaggSettings(
+            num_decoders=ns.num_decoders,
+            decoder_prompt_len=ns.decoder_prompt_len,
+            decoder_output_len=ns.decoder_output_len,
+            num_long=ns.num_long,
+            long_prompt_len=ns.long_prompt_len,
+            long_output_len=ns.long_output_len,
+            long_interval_s=ns.long_interval,
+            repeats=ns.repeats,
+            prompt_seed=ns.prompt_seed,
+        ),
+    )
+    if settings is None:
+        return 2
+    return _write(run_disagg(settings, EngineArgs.from_cli(ns)), ns.out)
 
 
 def _add_kv_sweep(benchmarks: argparse._SubParsersAction) -> None:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the front builds its command line from here: no torch at im
 # scheduler never has to preempt at the default settings), but never more than this share of
 # the memory free once the weights are loaded.
 AUTO_KV_MEMORY = "auto"
+ROLES = ("both", "prefill", "decode")
 AUTO_KV_MAX_FRACTION = 0.5
 
 
@@ -88,6 +89,12 @@ class EngineArgs:
     # On a GPU, replay all-decode steps of up to 64 requests from CUDA graphs (Triton backend).
     cuda_graphs: bool = True
     seed: int = 0
+    # Prefill/decode disaggregation (docs/disaggregation.md): both = one server does all (today);
+    # prefill = also serves remote prefills to decode workers on kv_listen; decode = runs
+    # requests that name a prefill worker (header x-densa-prefill) with K/V copied from it.
+    role: str = "both"
+    kv_listen: str = "tcp://127.0.0.1:0"  # where a prefill worker accepts decode workers
+    kv_transfer_timeout: float = 30.0  # seconds any KV transfer state may last
 
     def resolve(
         self,
@@ -177,6 +184,10 @@ class EngineArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests must be >= 0")
+        if self.role not in ROLES:
+            raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.kv_transfer_timeout > 0:
+            raise ValueError("--kv-transfer-timeout must be > 0 seconds")
         if self.model is not None and not Path(self.model).expanduser().exists():
             raise ValueError(f"--model {self.model}: no such file or directory")
         if self.decode_model is not None and not Path(self.decode_model).expanduser().exists():
@@ -311,6 +322,20 @@ class EngineArgs:
             "compute, dense / w4a8 / w8a8 weights, CPU; otherwise the eager model)",
         )
         g.add_argument("--seed", type=int, default=d.seed)
+        g.add_argument(
+            "--role", default=d.role, choices=list(ROLES),
+            help="both: prefill and decode here (default); prefill: also run prompts for decode "
+            "workers and hand them the KV pages; decode: take requests whose x-densa-prefill "
+            "header names a prefill worker, and decode them with its pages",
+        )  # fmt: skip
+        g.add_argument(
+            "--kv-listen", default=d.kv_listen,
+            help="prefill role: the ZeroMQ address decode workers connect to (port 0: any free)",
+        )  # fmt: skip
+        g.add_argument(
+            "--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout,
+            help="seconds a KV transfer may stay in any one state (then it fails, pages freed)",
+        )  # fmt: skip
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:

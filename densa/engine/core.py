@@ -18,8 +18,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
+from densa.engine.disagg_port import KVAgents
 from densa.engine.llm_engine import LLMEngine
 from densa.engine.metrics import snapshot
 from densa.ipc import codec, transport
@@ -50,9 +52,12 @@ class CoreOptions:
     allow_debug_controls: bool = False  # honour SetStepDelay (tests only)
     watch_parent_pid: int | None = None  # exit if this process (the front) goes away
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    role: str = "both"  # disaggregation role (engine/disagg_port.py): both | prefill | decode
+    kv_listen: str = "tcp://127.0.0.1:0"  # prefill role: where decode workers connect
+    kv_transfer_timeout_s: float = 30.0
 
 
-def served_model(engine: LLMEngine) -> ServedModel:
+def served_model(engine: LLMEngine, role: str = "both", kv_address: str = "") -> ServedModel:
     """What the front needs to know, from the engine's resolved config."""
     config, arch = engine.config, engine.arch
     return ServedModel(
@@ -69,6 +74,8 @@ def served_model(engine: LLMEngine) -> ServedModel:
         weight_format=engine.weight_format,
         architecture=arch.signature(),
         engine_pid=os.getpid(),
+        role=role,
+        kv_address=kv_address,
     )
 
 
@@ -88,7 +95,10 @@ class EngineCore:
         self._step_delay_s = 0.0
         self._step_started: float | None = None  # monotonic time the running step began
         self.num_steps = 0
-        self.stats: EngineStats = snapshot(engine)  # replaced, never mutated: safe to share
+        self.kv_agents = KVAgents.for_role(
+            engine, options.role, context, options.kv_listen, options.kv_transfer_timeout_s
+        )
+        self.stats: EngineStats = self._snapshot()  # replaced, never mutated: safe to share
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self, on_ready: Callable[[], None] = lambda: None) -> None:
@@ -100,17 +110,28 @@ class EngineCore:
         beat = threading.Thread(target=self._heartbeat, name="densa-heartbeat", daemon=True)
         try:
             self.engine.warm_up()
-            self._send(outputs, Hello(served_model(self.engine)))
+            hello = served_model(self.engine, self.kv_agents.role, self.kv_agents.address)
+            self._send(outputs, Hello(hello))
             on_ready()
             beat.start()
+            poller = zmq.Poller()
+            for socket in [requests, *self.kv_agents.waitables()]:
+                poller.register(socket, zmq.POLLIN)
             while not self._stopping:
-                self._take_messages(requests, outputs)
-                if not self._stopping and self.engine.has_unfinished_requests():
+                applied = self._take_messages(requests, outputs, poller)
+                # Every turn, idle or not, so transfer deadlines fire on time; what the agents
+                # (or new requests) changed shows in the stats the heartbeat sends, even if no
+                # step follows (a request waiting for its pages is not stepped).
+                if self.kv_agents.poll() or applied:
+                    self.stats = self._snapshot()
+                # Requests waiting only for their KV pages to land need no step.
+                if not self._stopping and self.engine.has_runnable_work():
                     self._send(outputs, self._step())
         finally:
             self._stopping = True
             requests.close()
             outputs.close()
+            self.kv_agents.close()
         logger.info("engine core stopped after %d steps", self.num_steps)
 
     def _step(self) -> StepOutputs:
@@ -125,14 +146,22 @@ class EngineCore:
         finally:
             self._step_started = None
         self.num_steps += 1
-        self.stats = snapshot(self.engine, self.num_steps)
-        return StepOutputs(deltas, self.stats)
+        self.stats = self._snapshot()
+        return StepOutputs(self.kv_agents.take_outputs(deltas), self.stats)
 
-    def _take_messages(self, requests: zmq.Socket, outputs: zmq.Socket) -> None:
-        """Apply every message waiting; block up to _IDLE_POLL_MS first if there is no work."""
-        idle = not self.engine.has_unfinished_requests()
-        if not requests.poll(_IDLE_POLL_MS if idle else 0):
-            return
+    def _snapshot(self) -> EngineStats:
+        stats = snapshot(self.engine, self.num_steps)
+        disagg = self.kv_agents.stats()
+        return msgspec.structs.replace(stats, disagg=disagg) if disagg else stats
+
+    def _take_messages(self, requests: zmq.Socket, outputs: zmq.Socket, poller: zmq.Poller) -> bool:
+        """Apply every message waiting (returns whether there was one); if nothing can be
+        computed, first wait up to _IDLE_POLL_MS for a message from the front or a KV peer."""
+        idle = not self.engine.has_runnable_work()
+        if idle and not any(poller.poll(_IDLE_POLL_MS)):
+            return False
+        if not requests.poll(0):
+            return False
         refused: list[RequestDelta] = []
         while True:
             try:
@@ -142,6 +171,7 @@ class EngineCore:
             refused += self._apply(codec.decode_to_engine(data))
         if refused:  # answered at once, not after the next step
             self._send(outputs, StepOutputs(refused, self.stats))
+        return True
 
     def _apply(self, message: ToEngine) -> list[RequestDelta]:
         if isinstance(message, AddRequest):
@@ -157,6 +187,11 @@ class EngineCore:
         return []
 
     def _add(self, message: AddRequest) -> list[RequestDelta]:
+        decode = self.kv_agents.decode
+        # Structured outputs run locally: their grammar state would have to cross workers too.
+        remote = bool(message.prefill_address) and message.params.structured is None
+        if remote and decode is None:
+            return [_refusal(message.request_id, "this engine is not a decode worker")]
         try:
             self.engine.add_request(
                 message.prompt_token_ids,
@@ -164,9 +199,12 @@ class EngineCore:
                 request_id=message.request_id,
                 cache_scope=message.cache_scope,
                 session_id=message.session_id,
+                remote_prefill=remote,
             )
         except ValueError as exc:  # the front validates too: this is its safety net
             return [_refusal(message.request_id, str(exc))]
+        if remote and decode is not None:
+            decode.start(message.request_id, message.prefill_address)
         return []
 
     # ---- liveness --------------------------------------------------------------------------------

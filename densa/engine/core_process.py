@@ -38,12 +38,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     addresses = transport.Addresses(ns.requests, ns.outputs)
     context = zmq.Context()
     try:
-        engine = _load(json.loads(ns.engine_args), addresses, context)
+        engine_args = json.loads(ns.engine_args)
+        engine = _load(engine_args, addresses, context)
         if engine is None:
             return 2
         from densa.engine.core import CoreOptions, EngineCore
 
-        options = CoreOptions(ns.debug_controls, ns.parent_pid)
+        options = CoreOptions(
+            ns.debug_controls,
+            ns.parent_pid,
+            role=engine_args.get("role", "both"),
+            kv_listen=engine_args.get("kv_listen", "tcp://127.0.0.1:0"),
+            kv_transfer_timeout_s=engine_args.get("kv_transfer_timeout", 30.0),
+        )
         EngineCore(engine, addresses, context, options).run()
         return 0
     finally:

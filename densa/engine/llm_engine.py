@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from densa.cache.integrity import IntegrityStats
+from densa.cache.integrity import IntegrityStats, IntegrityViolation
 from densa.cache.kv_manager import KVCacheManager
 from densa.config import EngineConfig
 from densa.engine.args import EngineArgs
@@ -109,8 +109,14 @@ class LLMEngine:
         request_id: str | None = None,
         cache_scope: str = "",
         session_id: str | None = None,
+        remote_prefill: bool = False,
+        hold_pages: bool = False,
     ) -> str:
         """Queue a request. Raises ValueError (nothing changed) if it can never run.
+
+        remote_prefill: its prompt's K/V will be copied in by a KV transfer (densa/disagg): it
+        waits, unscheduled, until the transfer lands it. hold_pages: when it ends, its pages
+        are held for a transfer to read until released (the prefill side of a handoff).
 
         Everything per-request that could fail is computed here, at admission, not inside a
         step where a failure would be harder to pin on this request: the prefix-cache block
@@ -123,6 +129,7 @@ class LLMEngine:
             sampling_params=params,
             cache_scope=cache_scope,
             session_id=session_id,
+            hold_pages=hold_pages,
         )
         if request.request_id in self._tracked:
             raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -131,7 +138,10 @@ class LLMEngine:
         except Exception as exc:
             self.kv_manager.forget(request)
             raise ValueError(f"the request cannot be prepared: {exc}") from exc
-        self._submit(request)
+        if remote_prefill:
+            self.scheduler.add_remote(request)
+        else:
+            self._submit(request)
         self._tracked[request.request_id] = _Tracked(request=request)
         return request.request_id
 
@@ -198,9 +208,55 @@ class LLMEngine:
         self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
         return False
 
+    def fail_request(self, request_id: str, error: str) -> None:
+        """End one request with an error ("code: message"); its pages are freed (or held)."""
+        self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
+
+    def land_remote_prefill(
+        self,
+        request_id: str,
+        page_ids: list[int],
+        tags: list[int],
+        write: Callable[[], None],
+        first_token_id: int,
+        first_logprobs: TokenLogprobs | None,
+        num_cached_tokens: int,
+    ) -> IntegrityViolation | None:
+        """Land a prompt's K/V copied from a prefill worker, then run the request from its first
+        token. The writer must still own every destination page with its tag (else the write is
+        dropped, counted as an integrity violation and the request ended); `write` does the copy."""
+        request = self.scheduler.receiving.get(request_id)
+        violation = self.kv_manager.check_writer(request_id, request, page_ids, tags)
+        if violation is None:
+            # Releases since the last step have not reached the device tag table yet: sync first.
+            self.runner.execute(empty_step(self.kv_manager.pool.drain_tag_updates()))
+            violation = self.runner.integrity.check_write(request_id, page_ids, tags)
+        if violation is not None:
+            self.integrity_stats.record(violation)
+            self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
+            return violation
+        assert request is not None  # check_writer refuses a writer that maps no pages
+        tracked = self._tracked[request_id]
+        write()
+        self.runner.sampler.skip_draw(request_id, request.sampling_params, self.arch.vocab_size)
+        request.num_cached_tokens = max(request.num_cached_tokens, num_cached_tokens)
+        self.scheduler.land_remote(request_id, first_token_id)
+        self._absorb_token(tracked, first_logprobs)
+        self._finished_outputs.append(self._output(tracked))
+        return None
+
     def has_unfinished_requests(self) -> bool:
         return (
             self.scheduler.has_unfinished or bool(self._finished_outputs) or bool(self.grammar_gate)
+        )
+
+    def has_runnable_work(self) -> bool:
+        """Would a step compute or report anything? (Requests waiting for a KV transfer to land
+        would not: the loop then waits for messages instead of spinning.)"""
+        return (
+            self.scheduler.has_schedulable
+            or bool(self._finished_outputs)
+            or bool(self.grammar_gate)
         )
 
     @property
@@ -210,8 +266,9 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Assert the page pool matches the requests' page tables (tests run this every step)."""
         owners = {rid: req.page_ids for rid, req in self.scheduler.requests.items()}
+        owners.update({f"held:{rid}": pages for rid, (pages, _) in self.scheduler.held.items()})
         self.kv_manager.pool.check_consistency(owners)
-        if not self.scheduler.has_unfinished:
+        if not self.scheduler.has_unfinished and not self.scheduler.held:
             assert self.kv_manager.num_free_pages == self.kv_manager.num_pages, (
                 "idle but pages in use"
             )

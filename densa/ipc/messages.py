@@ -62,6 +62,8 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True):
     num_prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     num_prefix_hit_tokens: int = 0  # ... of which were found there
     integrity_violations: dict[str, int] = {}  # by ViolationKind value
+    # KV handoff counters and gauges of a prefill or decode worker (densa/disagg/stats.py).
+    disagg: dict[str, float] = {}
 
     @property
     def num_used_kv_pages(self) -> int:
@@ -99,6 +101,8 @@ class ServedModel(msgspec.Struct, frozen=True):
     weight_format: str  # e.g. "dense", "int4 g128 symmetric"
     architecture: dict[str, Any] = {}  # layer and head shapes, for peers to check they match
     engine_pid: int = 0
+    role: str = "both"  # both | prefill | decode (docs/disaggregation.md)
+    kv_address: str = ""  # a prefill worker's KV transfer address (decode workers connect)
 
 
 # ---- front -> engine ----------------------------------------------------------------------------
@@ -108,6 +112,8 @@ class AddRequest(msgspec.Struct, tag=True):
     params: SamplingParams
     cache_scope: str = ""  # the prefix-cache scope digest (cache/scope.py)
     session_id: str | None = None
+    # A decode worker: the KV address of the prefill worker that computes the prompt ("": here).
+    prefill_address: str = ""
 
 
 class AbortRequests(msgspec.Struct, tag=True):

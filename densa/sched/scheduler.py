@@ -50,6 +50,11 @@ class Scheduler:
         self.num_generated_tokens = 0
         # What the scheduler did on its own since the engine last looked (drain_events).
         self._events: list[SchedulerEvent] = []
+        # Disaggregation (see densa/disagg): requests whose prompt K/V comes from a prefill worker
+        # (admitted, maybe holding destination pages, not scheduled until the pages land), and
+        # pages of finished requests that a transfer may still touch: owner id -> (pages, tags).
+        self.receiving: dict[str, Request] = {}
+        self.held: dict[str, tuple[list[int], list[int]]] = {}
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -72,9 +77,13 @@ class Scheduler:
         if request is None:
             return None
         self._unqueue(request)
+        self.receiving.pop(request_id, None)
         request.status = status
         request.error = error
-        self._release(request)
+        if request.hold_pages and request.page_ids:
+            self._hold(request)
+        else:
+            self._release(request)
         self.kv.forget(request)
         self._finished_since_step.append(request_id)
         return request
@@ -99,6 +108,72 @@ class Scheduler:
                 if queued is request:
                     del queue[idx]
                     return
+
+    # ---- disaggregation hooks (densa/disagg drives them; see docs/disaggregation.md) -----------
+    def add_remote(self, request: Request) -> None:
+        """Track a request whose prompt K/V will be copied in: it waits for reserve_remote."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.receiving[request.request_id] = request
+
+    def reserve_remote(self, request_id: str) -> int | None:
+        """Map a receiving request's prefix hit and allocate (and tag) pages for the rest of its
+        prompt, before any byte moves. Returns the number of prompt tokens the hit covers, or None
+        (nothing changed) while there is no room or no sequence slot."""
+        request = self.receiving[request_id]
+        num_reserved = sum(1 for r in self.receiving.values() if r.page_ids)
+        if len(self.running) + num_reserved >= self.config.max_num_seqs:
+            return None
+        hit = self.kv.find_prefix(request)
+        num_hit_tokens = hit.num_tokens(self.kv.page_size)
+        if self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit_tokens, hit) is None:
+            return None
+        self.kv.record_prefix_query(request, hit)
+        request.num_cached_tokens = num_hit_tokens
+        return num_hit_tokens
+
+    def land_remote(self, request_id: str, first_token_id: int) -> Request | None:
+        """The prompt's K/V has landed in the request's pages and the prefill worker sampled its
+        first token: run it from here as if it had been prefilled locally."""
+        request = self.receiving.pop(request_id, None)
+        if request is None:
+            return None
+        request.hold_pages = False  # no writer is left
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.running.append(request)
+        self.kv.cache_full_pages(request)
+        request.output_token_ids.append(first_token_id)
+        status = self._stop_status(request, first_token_id)
+        if status is not None:
+            self.finish_request(request_id, status)
+        else:  # the runner learns it now, its first token included (penalties see it)
+            self._admitted_this_step.append(new_request_of(request))
+        return request
+
+    def release_held(self, owner_id: str) -> None:
+        """Free the pages a finished request left held for a transfer (idempotent)."""
+        held = self.held.pop(owner_id, None)
+        if held is not None:
+            page_ids, tags = held
+            problems = self.kv.release(owner_id, page_ids, tags)
+            self._events.extend(ReleaseViolation(v) for v in problems)
+
+    def _hold(self, request: Request) -> None:
+        # Tail first, as KVCacheManager.free does, so tail pages are evicted first.
+        self.held[request.request_id] = (request.page_ids[::-1], request.page_tags[::-1])
+        request.page_ids, request.page_tags = [], []
+
+    @property
+    def num_held_pages(self) -> int:
+        return sum(len(page_ids) for page_ids, _ in self.held.values())
+
+    @property
+    def has_schedulable(self) -> bool:
+        """Is there anything a step could compute? (receiving requests wait for their pages)"""
+        return bool(self.running or self.waiting)
 
     @property
     def num_unfinished(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from densa.cache.scope import tenant_of
 from densa.ipc.messages import ServedModel
 from densa.serve import generation, prepare
 from densa.serve.auth import ApiKeys
+from densa.serve.disagg import PrefillPeers, disagg_router, prefill_address
 from densa.serve.engine_client import EngineClient
 from densa.serve.errors import (
     APIError,
@@ -79,6 +81,7 @@ class ServerState:
     num_open_responses: int = 0  # generation responses started and not yet counted and logged
     tokenizer: Tokenizer | None = None  # the front's own copy of the engine's tokenizer
     token_texts: TokenTexts | None = None
+    prefill_peers: PrefillPeers = field(default_factory=PrefillPeers)  # decode role
 
     def on_engine_started(self, served: ServedModel) -> None:
         self.tokenizer = Tokenizer(served.tokenizer, served.eos_token_ids)
@@ -151,6 +154,7 @@ def build_app(
     app.state.densa = state
     install_error_handlers(app)
     app.include_router(open_router)
+    app.include_router(disagg_router)  # /disagg/peer, for decode workers
     app.include_router(peer_router)  # /densa/info and /densa/load, for routers
     app.include_router(router)
     app.add_middleware(RequestTracking, on_started=state.start, on_finished=state.finish)
@@ -291,6 +295,7 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
     prepare.check_lengths(state.max_model_len, len(prompt_ids), max_tokens, ("messages", param))
     max_tokens = max_tokens or state.max_model_len - len(prompt_ids)
     call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline, plan)
+    call = await _with_prefill(request, call)
     formatter = ChatFormatter(
         call.request_id,
         int(time.time()),
@@ -317,6 +322,7 @@ async def completions(request: Request, session_id: SessionHeader = None) -> Res
     )
     max_tokens = min(body.requested_max_tokens, state.max_model_len - len(prompt_ids))
     call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline)
+    call = await _with_prefill(request, call)
     formatter = CompletionFormatter(
         call.request_id, int(time.time()), body.model, _token_texts(state), body.num_logprobs
     )
@@ -388,6 +394,13 @@ def _engine_call(
         timeout=_state(request).request_timeout,
         deadline=deadline,
     )
+
+
+async def _with_prefill(request: Request, call: EngineCall) -> EngineCall:
+    """A decode worker: the prefill worker the request names (header x-densa-prefill)."""
+    state = _state(request)
+    address = await prefill_address(request, state.served.role, state.prefill_peers)
+    return dataclasses.replace(call, prefill_address=address) if address else call
 
 
 # ---- the published schema -----------------------------------------------------------------------

@@ -72,6 +72,7 @@ class EngineCall:
     session_id: str | None = None
     timeout: float | None = None  # seconds the whole request may take (None: no limit)
     deadline: float | None = None  # the same as an event-loop time (asyncio.timeout_at)
+    prefill_address: str = ""  # a decode worker: the prefill worker's KV address ("" = here)
 
 
 class StreamFormatter(Protocol):
@@ -91,8 +92,9 @@ async def text_outputs(
     the engine request."""
     stream = TextStream(tokenizer, call.request_id, call.prompt_token_ids, call.params)
     request = AddRequest(
-        call.request_id, call.prompt_token_ids, call.params, call.cache_scope, call.session_id
-    )
+        call.request_id, call.prompt_token_ids, call.params, call.cache_scope, call.session_id,
+        call.prefill_address,
+    )  # fmt: skip
     async with contextlib.aclosing(engine.generate(request)) as deltas:
         async for delta in deltas:
             try:

@@ -146,6 +146,15 @@ class _EngineCollector(Collector):
         for kind, count in sorted(s.integrity_violations.items()):
             violations.add_metric([kind], count)
         yield violations
+        if s.disagg:  # a prefill or decode worker (docs/disaggregation.md)
+            kv = GaugeMetricFamily(
+                "densa_kv_transfer",
+                "KV handoff counters (totals) and gauges (transfers per state, held pages)",
+                labels=["name"],
+            )
+            for name, value in sorted(s.disagg.items()):
+                kv.add_metric([name], value)
+            yield kv
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -101,10 +101,17 @@ def make_engine_client(engine_args: EngineArgs, options: ServerOptions) -> Engin
         step_timeout_s=options.engine_step_timeout, max_restarts=options.engine_restarts
     )
     if options.engine_placement == "thread":
+        from densa.engine.core import CoreOptions
         from densa.engine.inproc import ThreadLauncher  # imports torch: only in this placement
         from densa.engine.llm_engine import LLMEngine
 
-        return EngineClient(ThreadLauncher(LLMEngine.from_args(engine_args)), client_options)
+        core = CoreOptions(
+            role=engine_args.role,
+            kv_listen=engine_args.kv_listen,
+            kv_transfer_timeout_s=engine_args.kv_transfer_timeout,
+        )
+        engine = LLMEngine.from_args(engine_args)
+        return EngineClient(ThreadLauncher(engine, core), client_options)
     launcher = ProcessLauncher(dataclasses.asdict(engine_args), log_level=options.log_level)
     return EngineClient(launcher, client_options)
 

@@ -51,6 +51,14 @@ class Sampler:
         if self.structured is not None:
             self.structured.forget(request_id)
 
+    def skip_draw(self, request_id: str, params: SamplingParams, vocab_size: int) -> None:
+        """Advance a seeded request's RNG past one token drawn elsewhere (its first token, sampled
+        by a prefill worker), so the rest of its tokens are those one server would draw."""
+        if params.is_greedy or params.seed is None:
+            return
+        row = SampleRequest(request_id, params, [], [], frozenset())
+        torch.empty(vocab_size).exponential_(generator=self._generator(row))
+
     def sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         """logits: [N, V] float32, one row per entry of `rows`.
 

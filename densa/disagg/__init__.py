@@ -1,0 +1,13 @@
+"""Prefill/decode disaggregation: KV pages move from a prefill worker to a decode worker.
+
+    messages.py    the peer protocol (typed msgspec messages; page bytes travel as raw frames)
+    handshake.py   what two workers must share to exchange pages, and the check
+    wire.py        pages <-> frames: gather from the KV cache, land with format conversion
+    transport.py   the KVTransport protocol, an in-process and a ZeroMQ (TCP) implementation
+    ports.py       what the agents need from their engine (engine/disagg_port.py implements it)
+    faults.py      a KVTransport wrapper that drops, delays, duplicates, reorders, cuts, corrupts
+    decode_side.py the decode worker's transfer state machine (it drives: pages first)
+    prefill_side.py the prefill worker's state machine (runs prompts, holds pages until acked)
+
+docs/disaggregation.md has the protocol, its state diagram and the failure semantics.
+"""

@@ -1,0 +1,73 @@
+"""What two workers must share to exchange K/V pages, and the check both run at the handshake.
+
+Formats may differ on purpose (prefill BF16 KV, decode FP8 KV: pages are converted at landing);
+the model may not: the same architecture and shapes, the same vocabulary and tokenizer, the same
+page size. A mismatch is refused with a message that names every difference, never a silent
+corruption (SGLang's transfer paired BF16 with FP8 pages and produced garbage).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from densa.disagg.messages import PageFormat, PeerModel
+from densa.text.tokenizer import TokenizerFiles
+
+# Formats a page can be landed from (wire.py converts between any two of them).
+LANDABLE_KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3")
+
+
+def tokenizer_digest(files: TokenizerFiles) -> str:
+    digest = hashlib.sha256()
+    for text in (files.tokenizer_json, files.config_json, files.chat_template):
+        digest.update((text or "").encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def peer_model(
+    architecture: dict[str, Any],
+    tokenizer: TokenizerFiles,
+    page: PageFormat,
+    role: str,
+    weight_format: str = "",
+) -> PeerModel:
+    return PeerModel(architecture, tokenizer_digest(tokenizer), page, role, weight_format)
+
+
+def expected_page_bytes(architecture: dict[str, Any], page: PageFormat) -> int:
+    """Bytes of one page of `page`'s format for this model (what the peer must announce)."""
+    layers, heads, dim = (architecture[k] for k in ("num_layers", "num_kv_heads", "head_dim"))
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}[page.kv_dtype]
+    scale = 1 if page.kv_dtype == "fp8_e4m3" and page.kv_scales == "dynamic" else 0
+    return 2 * layers * heads * (dim * itemsize + scale) * page.page_size
+
+
+def mismatch(ours: PeerModel, theirs: PeerModel) -> str | None:
+    """Why these two workers cannot exchange pages, or None if they can."""
+    problems = []
+    for key in sorted(set(ours.architecture) | set(theirs.architecture)):
+        mine, other = ours.architecture.get(key), theirs.architecture.get(key)
+        if mine != other:
+            problems.append(f"{key}: {mine!r} here, {other!r} there")
+    if ours.tokenizer_digest != theirs.tokenizer_digest:
+        problems.append("the tokenizers differ")
+    if ours.page.page_size != theirs.page.page_size:
+        problems.append(f"page size: {ours.page.page_size} here, {theirs.page.page_size} there")
+    if theirs.page.kv_dtype not in LANDABLE_KV_DTYPES:
+        problems.append(f"their KV dtype {theirs.page.kv_dtype!r} cannot be landed")
+    elif "num_layers" in theirs.architecture and not problems:
+        expected = expected_page_bytes(theirs.architecture, theirs.page)
+        if theirs.page.page_bytes != expected:
+            problems.append(
+                f"their {theirs.page.kv_dtype} pages are announced as {theirs.page.page_bytes} "
+                f"bytes, but this model's take {expected}"
+            )
+    if theirs.role == ours.role:
+        problems.append(f"both workers have role {ours.role!r}")
+    if not problems:
+        return None
+    return "kv_peer_mismatch: the prefill and decode workers cannot exchange KV pages: " + (
+        "; ".join(problems)
+    )

@@ -1,0 +1,191 @@
+"""The engine's side of disaggregation: the KV agents (densa/disagg) wired to an LLMEngine.
+
+`KVAgents.for_role` builds what a role needs: a prefill worker listens for decode workers and
+runs their prompts (PrefillAgent); a decode worker reaches prefill workers named per request
+(DecodeAgent). The engine core calls `poll` on every turn of its loop (idle or not, at least
+every 100 ms), so every transfer deadline fires on time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import zmq
+
+from densa.disagg import wire
+from densa.disagg.decode_side import DecodeAgent
+from densa.disagg.handshake import peer_model
+from densa.disagg.messages import PageFormat, PeerModel, PrefillRequest
+from densa.disagg.ports import Landing, Reservation
+from densa.disagg.prefill_side import REQUEST_PREFIX, PrefillAgent
+from densa.disagg.transport import KVTransport, ZmqTransport
+from densa.engine.llm_engine import LLMEngine
+from densa.ipc.messages import RequestDelta
+from densa.model.attention import LayerKVCache
+from densa.worker.kv_cache import page_bytes
+
+
+def describe(engine: LLMEngine, role: str) -> PeerModel:
+    cache = engine.config.cache
+    scales = cache.kv_scales if cache.kv_cache_dtype == "fp8_e4m3" else "none"
+    size = page_bytes(engine.arch, cache.page_size, cache.kv_cache_dtype, cache.kv_scales)
+    page = PageFormat(cache.kv_cache_dtype, scales, cache.page_size, size)
+    architecture = engine.arch.signature()
+    return peer_model(architecture, engine.tokenizer.files, page, role, engine.weight_format)
+
+
+def layer_caches(engine: LLMEngine) -> list[LayerKVCache]:
+    """The engine's per-layer K/V caches; latent (MLA) caches have no wire format yet."""
+    caches = engine.runner.kv_caches
+    plain = [c for c in caches if isinstance(c, LayerKVCache)]
+    if len(plain) != len(caches):
+        raise ValueError("disaggregation moves K/V pages only: this model's latent KV cache is not")
+    return plain
+
+
+class DecodePort:
+    """DecodeEngine (disagg/decode_side.py) over an LLMEngine."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def is_receiving(self, request_id: str) -> bool:
+        return request_id in self.engine.scheduler.receiving
+
+    def reserve_remote(self, request_id: str) -> Reservation | None:
+        scheduler = self.engine.scheduler
+        num_hit_tokens = scheduler.reserve_remote(request_id)
+        if num_hit_tokens is None:
+            return None
+        request = scheduler.receiving[request_id]
+        request.hold_pages = True  # from now on a transfer may write into its pages
+        first_block = num_hit_tokens // self.engine.kv_manager.page_size
+        return Reservation(
+            first_block=first_block,
+            dest_page_ids=request.page_ids[first_block:],
+            dest_tags=request.page_tags[first_block:],
+            prompt_token_ids=request.prompt_token_ids,
+            params=request.sampling_params,
+            cache_scope=request.cache_scope,
+        )
+
+    def land_remote(self, request_id: str, landing: Landing) -> str | None:
+        caches = layer_caches(self.engine)
+
+        def write() -> None:
+            wire.land_pages(caches, landing.dest_page_ids, landing.layout, landing.frames)
+
+        violation = self.engine.land_remote_prefill(
+            request_id, landing.dest_page_ids, landing.dest_tags, write,
+            landing.first_token_id, landing.first_logprobs, landing.num_cached_tokens,
+        )  # fmt: skip
+        return None if violation is None else violation.message
+
+    def fail_remote(self, request_id: str, error: str) -> None:
+        self.engine.fail_request(request_id, error)
+
+    def release_held(self, request_id: str) -> None:
+        self.engine.scheduler.release_held(request_id)
+
+
+class PrefillPort:
+    """PrefillEngine (disagg/prefill_side.py) over an LLMEngine."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def start_prefill(self, request_id: str, request: PrefillRequest) -> str | None:
+        params = dataclasses.replace(request.params, max_tokens=1)
+        try:
+            self.engine.add_request(
+                request.prompt_token_ids, params, request_id=request_id,
+                cache_scope=request.cache_scope, hold_pages=True,
+            )  # fmt: skip
+        except ValueError as exc:
+            return f"kv_transfer_failed: the prefill worker refused the prompt: {exc}"
+        return None
+
+    def held_page_ids(self, request_id: str) -> list[int] | None:
+        held = self.engine.scheduler.held.get(request_id)
+        return None if held is None else held[0][::-1]
+
+    def pack(self, page_ids: list[int]) -> wire.Packed:
+        return wire.pack_pages(layer_caches(self.engine), page_ids)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+
+    def release_held(self, request_id: str) -> None:
+        self.engine.scheduler.release_held(request_id)
+
+
+class KVAgents:
+    """The agents of one engine, by role ("both" has none)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        role: str,
+        transport: KVTransport | None,
+        timeout_s: float,
+        listen: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.role = role
+        self.transport = transport
+        self.address = ""
+        self.decode: DecodeAgent | None = None
+        self.prefill: PrefillAgent | None = None
+        if transport is None:
+            return
+        layer_caches(engine)  # refuse a model whose pages cannot travel, at start-up
+        model = describe(engine, role)
+        if role == "prefill":
+            self.address = transport.listen(listen)
+            self.prefill = PrefillAgent(PrefillPort(engine), transport, model, timeout_s)
+        elif role == "decode":
+            self.decode = DecodeAgent(DecodePort(engine), transport, model, timeout_s)
+
+    @classmethod
+    def for_role(
+        cls, engine: LLMEngine, role: str, context: zmq.Context, listen: str, timeout_s: float
+    ) -> KVAgents:
+        transport = None if role == "both" else ZmqTransport(context)
+        return cls(engine, role, transport, timeout_s, listen)
+
+    def poll(self) -> bool:
+        """Run the agents; whether anything happened."""
+        happened = False
+        if self.prefill is not None:
+            happened = self.prefill.poll()
+        if self.decode is not None:
+            happened = self.decode.poll() or happened
+        return happened
+
+    def take_outputs(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
+        """The deltas for the front: remote prefills' own outputs never leave the engine."""
+        if self.prefill is not None:
+            deltas = self.prefill.take_outputs(deltas)
+        return [d for d in deltas if not d.request_id.startswith(REQUEST_PREFIX)]
+
+    def is_busy(self) -> bool:
+        return bool(
+            (self.prefill is not None and self.prefill.is_busy())
+            or (self.decode is not None and self.decode.is_busy())
+        )
+
+    def stats(self) -> dict[str, float]:
+        agent = self.prefill or self.decode
+        if agent is None:
+            return {}
+        gauges = agent.gauges()
+        gauges["held_pages"] = self.engine.scheduler.num_held_pages
+        return agent.stats.snapshot(gauges)
+
+    def waitables(self) -> list[Any]:
+        return [] if self.transport is None else self.transport.waitables()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
