@@ -82,6 +82,7 @@ class ServerState:
     tokenizer: Tokenizer | None = None  # the front's own copy of the engine's tokenizer
     token_texts: TokenTexts | None = None
     prefill_peers: PrefillPeers = field(default_factory=PrefillPeers)  # decode role
+    large_bodies: prepare.LargeBodyGate = field(default_factory=prepare.LargeBodyGate)
 
     def on_engine_started(self, served: ServedModel) -> None:
         self.tokenizer = Tokenizer(served.tokenizer, served.eos_token_ids)
@@ -348,7 +349,9 @@ async def _respond(
 
 async def _read(request: Request) -> Any:
     state = _state(request)
-    return await prepare.read_json(request, state.max_body_bytes, state.body_timeout)
+    return await prepare.read_json(
+        request, state.max_body_bytes, state.body_timeout, state.large_bodies
+    )
 
 
 def _token_texts(state: ServerState) -> TokenTexts:

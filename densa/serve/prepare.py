@@ -32,12 +32,43 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # ---- the body -----------------------------------------------------------------------------------
-async def read_json(request: Request, max_bytes: int, timeout: float | None = None) -> Any:
+# Bodies this large are read and parsed one at a time (the rest wait unread: the server stops
+# reading their sockets), so a flood of huge bodies cannot crowd the event loop that every other
+# request needs. A normal chat request is a few kilobytes and never waits here.
+LARGE_BODY_BYTES = 1024 * 1024
+
+
+class LargeBodyGate:
+    """One large body at a time, first come first served (made inside the running loop)."""
+
+    def __init__(self) -> None:
+        self._lock: asyncio.Lock | None = None
+
+    def lock(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+
+async def read_json(
+    request: Request,
+    max_bytes: int,
+    timeout: float | None = None,
+    large_bodies: LargeBodyGate | None = None,
+) -> Any:
     """The body as JSON, refusing oversized (413), slow (408), non-UTF-8 and malformed (400)
     bodies, and bodies holding text no UTF-8 encoder can write (400 naming the field)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
+    large = not declared.isdigit() or int(declared) > LARGE_BODY_BYTES
+    if large and large_bodies is not None:
+        async with large_bodies.lock():
+            return await _read_json(request, max_bytes, timeout)
+    return await _read_json(request, max_bytes, timeout)
+
+
+async def _read_json(request: Request, max_bytes: int, timeout: float | None) -> Any:
     try:
         async with asyncio.timeout(timeout):
             body = await _read_body(request, max_bytes)
@@ -81,7 +112,7 @@ def first_unencodable_field(data: Any) -> str | None:
     """The first field (OpenAI spelling, e.g. `messages[0].content`) whose text, or key, holds a
     lone surrogate; None if every string can be encoded as UTF-8."""
     for path, value in _strings(data):
-        if _SURROGATE.search(value):
+        if not value.isascii() and _SURROGATE.search(value):  # isascii: a fast C pass
             return path or "the request body"
     return None
 

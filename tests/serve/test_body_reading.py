@@ -1,0 +1,52 @@
+"""Reading request bodies: huge bodies are read one at a time, so a flood of them leaves the event
+loop to everyone else; small bodies never wait; lone surrogates are found in any string."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from densa.serve.prepare import LARGE_BODY_BYTES, LargeBodyGate, first_unencodable_field, read_json
+
+
+class FakeRequest:
+    """What read_json uses of a Starlette request: headers and the body stream."""
+
+    def __init__(self, body: bytes, log: list[str], name: str, chunk_delay: float = 0.0) -> None:
+        self.headers = {"content-length": str(len(body))}
+        self._body, self._log, self._name, self._delay = body, log, name, chunk_delay
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        self._log.append(f"{self._name} starts")
+        for start in range(0, len(self._body), 256 * 1024):
+            await asyncio.sleep(self._delay)
+            yield self._body[start : start + 256 * 1024]
+        self._log.append(f"{self._name} ends")
+
+
+def _body(num_bytes: int) -> bytes:
+    return json.dumps({"prompt": "x" * num_bytes}).encode()
+
+
+def test_large_bodies_are_read_one_at_a_time_and_small_ones_never_wait() -> None:
+    async def scenario() -> list[str]:
+        log: list[str] = []
+        gate = LargeBodyGate()
+        big = [FakeRequest(_body(2 * LARGE_BODY_BYTES), log, f"big{i}", 0.01) for i in range(2)]
+        small = FakeRequest(_body(100), log, "small")
+        tasks = [asyncio.create_task(read_json(r, 8 * LARGE_BODY_BYTES, 10, gate)) for r in big]
+        await asyncio.sleep(0.02)  # big0 is being read; big1 waits for the gate
+        await read_json(small, 8 * LARGE_BODY_BYTES, 10, gate)  # type: ignore[arg-type]
+        await asyncio.gather(*tasks)
+        return log
+
+    log = asyncio.run(scenario())
+    assert log.index("big0 ends") < log.index("big1 starts")  # never two huge bodies at once
+    assert log.index("small ends") < log.index("big0 ends")  # the small one did not queue
+
+
+def test_surrogates_are_found_in_non_ascii_text_and_ascii_text_is_skipped_fast() -> None:
+    assert first_unencodable_field({"messages": [{"content": "plain " * 1000}]}) is None
+    assert first_unencodable_field({"messages": [{"content": "é\ud800"}]}) == "messages[0].content"
+    assert first_unencodable_field({"user": "ok", "k\udfff": 1}) == "k\udfff"
