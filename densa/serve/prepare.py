@@ -38,23 +38,11 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 LARGE_BODY_BYTES = 1024 * 1024
 
 
-class LargeBodyGate:
-    """One large body at a time, first come first served (made inside the running loop)."""
-
-    def __init__(self) -> None:
-        self._lock: asyncio.Lock | None = None
-
-    def lock(self) -> asyncio.Lock:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
-
-
 async def read_json(
     request: Request,
     max_bytes: int,
     timeout: float | None = None,
-    large_bodies: LargeBodyGate | None = None,
+    large_bodies: asyncio.Lock | None = None,  # one large body at a time (FIFO)
 ) -> Any:
     """The body as JSON, refusing oversized (413), slow (408), non-UTF-8 and malformed (400)
     bodies, and bodies holding text no UTF-8 encoder can write (400 naming the field)."""
@@ -63,7 +51,7 @@ async def read_json(
         raise _too_large(max_bytes)
     large = not declared.isdigit() or int(declared) > LARGE_BODY_BYTES
     if large and large_bodies is not None:
-        async with large_bodies.lock():
+        async with large_bodies:
             return await _read_json(request, max_bytes, timeout)
     return await _read_json(request, max_bytes, timeout)
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-from densa.serve.prepare import LARGE_BODY_BYTES, LargeBodyGate, first_unencodable_field, read_json
+from densa.serve.prepare import LARGE_BODY_BYTES, first_unencodable_field, read_json
 
 
 class FakeRequest:
@@ -32,7 +32,7 @@ def _body(num_bytes: int) -> bytes:
 def test_large_bodies_are_read_one_at_a_time_and_small_ones_never_wait() -> None:
     async def scenario() -> list[str]:
         log: list[str] = []
-        gate = LargeBodyGate()
+        gate = asyncio.Lock()
         big = [FakeRequest(_body(2 * LARGE_BODY_BYTES), log, f"big{i}", 0.01) for i in range(2)]
         small = FakeRequest(_body(100), log, "small")
         tasks = [asyncio.create_task(read_json(r, 8 * LARGE_BODY_BYTES, 10, gate)) for r in big]
