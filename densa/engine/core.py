@@ -122,11 +122,17 @@ class EngineCore:
                 # Every turn, idle or not, so transfer deadlines fire on time; what the agents
                 # (or new requests) changed shows in the stats the heartbeat sends, even if no
                 # step follows (a request waiting for its pages is not stepped).
-                if self.kv_agents.poll() or applied:
+                changed = self.kv_agents.poll() or applied
+                if changed:
                     self.stats = self._snapshot()
                 # Requests waiting only for their KV pages to land need no step.
                 if not self._stopping and self.engine.has_runnable_work():
                     self._send(outputs, self._step())
+                elif changed:
+                    # No step follows to carry the new stats, and a phase shorter than the
+                    # heartbeat (a transfer in flight) would go unseen by the front and the
+                    # router: send them now.
+                    self._send(outputs, StepOutputs([], self.stats))
         finally:
             self._stopping = True
             requests.close()

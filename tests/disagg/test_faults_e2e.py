@@ -182,7 +182,7 @@ def test_client_disconnect_during_transfer_frees_both_sides(
 ) -> None:
     """Hang up the moment decode holds its destination pages (the prompt is computing or the
     pages are on their way): decode keeps them until prefill has stopped, then frees them."""
-    pf.set_step_delay(0.3)
+    pf.set_step_delay(1.0)  # the pages are requested for at least a second
     _request_then_hang_up(dc, pf, lambda: dc.stats.disagg.get("in_requested", 0) == 1)
     wait_for(lambda: dc.engine.num_in_flight == 0, 10, "the decode request ended")
 
