@@ -39,7 +39,7 @@ TORCH_FREE_BELOW = 3
 # The router stays light: no torch (see also below).
 TORCH_FREE_MODULES = {f"router.{m}" for m in ("app", "cli", "config", "incoming", "lengths",
                       "metrics", "policy", "prefix", "proxy", "ring", "routing", "sessions", "tokens",
-                      "workers")}  # fmt: skip
+                      "workers", "membership")}  # fmt: skip
 
 
 def _module_key(path: Path) -> str:

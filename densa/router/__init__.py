@@ -12,6 +12,7 @@ ring      consistent hashing with virtual nodes (new sessions' homes)
 sessions  x-session-affinity -> worker, with a TTL
 lengths   expected output length per route, learned from finished requests
 workers   worker state, load polling, ejection with exponential backoff, re-admission
+membership  the worker set replaced while serving (PUT /densa/workers; densa cluster)
 proxy     forwarding with retries before the first byte, streams relayed chunk by chunk
 metrics   GET /metrics (Prometheus)
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from densa.router.config import RouterConfig
 from densa.router.incoming import CHAT, COMPLETIONS, ModelInfo, read_incoming
 from densa.router.lengths import LengthEstimator
+from densa.router.membership import apply_membership, check_admin, describe, roles_from_body
 from densa.router.metrics import CONTENT_TYPE, RouterMetrics
 from densa.router.policy import make_policy
 from densa.router.prefix import WorkerPrefixIndex
@@ -140,6 +142,8 @@ def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/models/{model_id:path}", _models, methods=["GET"])
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.add_api_route("/densa/workers", _get_workers, methods=["GET"])
+    app.add_api_route("/densa/workers", _put_workers, methods=["PUT"])
 
 
 def _generate(endpoint: str) -> Callable[[Request], Awaitable[Response]]:
@@ -194,3 +198,23 @@ async def _health(request: Request) -> Response:
 
 async def _metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _get_workers(request: Request) -> Response:
+    return JSONResponse(describe(_state(request).router))
+
+
+async def _put_workers(request: Request) -> Response:
+    """Replace the worker set (router/membership.py); answers what changed."""
+    state = _state(request)
+    check_admin(request.headers.get("authorization"), state.config.admin_token)
+    body = await _read_body(request, state.config.max_body_bytes)
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        raise APIError(400, "the body is not valid JSON") from None
+    change = apply_membership(state.router, roles_from_body(parsed))
+    if state.proxy is not None:  # poll the newcomers now: admitted within one round trip
+        await state.router.pool.poll_due(state.proxy.client)
+    return JSONResponse({"joined": list(change.joined), "left": list(change.left),
+                         **describe(state.router)})  # fmt: skip

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 from collections.abc import Iterator
 
 import uvicorn
 
 from densa.router.config import RouterConfig
+from densa.router.membership import ADMIN_TOKEN_ENV
 from densa.router.policy import POLICIES, SIGNALS, Weights
 from densa.router.workers import HealthOptions
 from densa.utils.logging import get_logger
@@ -33,6 +35,8 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
         description="A torch-free router in front of densa workers: same OpenAI endpoints, each "
         "request placed by a weighted score of session affinity, prefix overlap, free KV, queue "
         "depth and expected output length (docs/routing.md).",
+        epilog=f"With ${ADMIN_TOKEN_ENV} set, PUT /densa/workers (Authorization: Bearer <it>) "
+        "replaces the worker set while the router serves (densa cluster uses it).",
     )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
@@ -81,6 +85,7 @@ def config_from(ns: argparse.Namespace) -> RouterConfig:
         policy=ns.policy, weights=weights, session_ttl_s=ns.session_ttl, health=health,
         max_attempts=ns.max_attempts, upstream_timeout_s=ns.upstream_timeout,
         default_expected_tokens=ns.expected_tokens,
+        admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from densa.router.lengths import DEFAULT_EXPECTED_TOKENS
+from densa.router.membership import check_pools
 from densa.router.policy import POLICIES, Weights
 from densa.router.ring import DEFAULT_VNODES
 from densa.router.sessions import DEFAULT_TTL_S
@@ -27,18 +28,15 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_expected_tokens: int = DEFAULT_EXPECTED_TOKENS  # before any request has finished
+    # Lets PUT /densa/workers replace the worker set (router/membership.py); None: fixed by flags.
+    admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        urls = [*self.workers, *self.prefill, *self.decode]
         if not self.workers and not self.decode:
             raise ValueError("give at least one --worker URL (or --prefill and --decode URLs)")
         if bool(self.prefill) != bool(self.decode):
             raise ValueError("--prefill and --decode come together: give both pools or neither")
-        if len(set(urls)) != len(urls):
-            raise ValueError("a worker URL is listed twice; give each worker once")
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"worker URL {url!r} must start with http:// or https://")
+        check_pools(list(self.workers), list(self.prefill), list(self.decode))
         if self.policy not in POLICIES:
             raise ValueError(f"unknown --policy {self.policy!r}; known: {', '.join(POLICIES)}")
         if self.max_attempts < 1:
