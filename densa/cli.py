@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from densa.bench import add_bench_parser
+from densa.cluster.cli import add_cluster_parser
 from densa.eval import add_eval_parser
 from densa.router.cli import add_router_parser
 from densa.tools import add_tool_parsers
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command")
     _add_serve(commands)
     add_router_parser(commands)
+    add_cluster_parser(commands)
     _add_generate(commands)
     add_tool_parsers(commands)  # densa quantize, densa capacity, densa calibrate-kv
     add_bench_parser(commands)

@@ -29,6 +29,7 @@ LAYERS = {
     "ipc": 1,
     "serve": 7,
     "router": 7,
+    "cluster": 7,  # runs routers and workers as processes; imports router.membership only
     "bench": 7,
     "eval": 7,
     "tools": 7,
@@ -125,6 +126,9 @@ FRONT_MODULES = [
     "densa.router.proxy",
     "densa.router.routing",
     "densa.router.workers",
+    "densa.cluster.config",
+    "densa.cluster.processes",
+    "densa.cluster.cli",
 ]
 # Heavy numeric stacks the front has no business loading (they cost seconds and gigabytes).
 BLOCKED = ("torch", "numpy", "numba", "transformers", "triton")

@@ -1,0 +1,97 @@
+"""SupervisedProcess with a real densa process (the torch-free router, quick to start): a life
+killed with SIGKILL is restarted on the same port; stop() leaves nothing; a supervisor killed
+with SIGKILL takes its child with it (no orphan holding the port)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from densa.cluster.config import RestartPolicy
+from densa.cluster.processes import ProcessSpec, SupervisedProcess, port_is_free
+
+ROUTER_ARGV = ("router", "--host", "{host}", "--port", "{port}", "--worker", "http://127.0.0.1:9")
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+def answers(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=1)  # 503 (no worker up) is an answer
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def is_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_a_killed_life_is_restarted_on_its_port_and_stop_leaves_nothing(tmp_path: Path) -> None:
+    spec = ProcessSpec("router", ROUTER_ARGV, host="127.0.0.1", log_dir=str(tmp_path))
+    process = SupervisedProcess(spec, RestartPolicy(backoff_s=0.2, max_backoff_s=1.0))
+    process.start()
+    try:
+        first = process.status()
+        assert first.generation == 1 and first.alive and first.pid is not None
+        wait_for(lambda: answers(first.url), "the first life answers")
+        os.kill(first.pid, signal.SIGKILL)
+        wait_for(lambda: process.status().generation == 2 and process.status().alive,
+                 "a second life")  # fmt: skip
+        second = process.status()
+        assert second.url == first.url and second.pid != first.pid
+        assert second.last_exit_code == -signal.SIGKILL
+        wait_for(lambda: answers(second.url), "the second life answers on the same port")
+    finally:
+        process.stop(timeout=10)
+    status = process.status()
+    assert not status.alive and status.pid is not None and is_gone(status.pid)
+    assert port_is_free("127.0.0.1", process.port)
+    time.sleep(0.5)  # a stopped process is not restarted
+    assert process.status().generation == 2
+    log = (tmp_path / "router.log").read_text()
+    assert "--- life 1:" in log and "--- life 2:" in log
+
+
+def test_a_supervisor_killed_with_sigkill_takes_its_process_with_it(tmp_path: Path) -> None:
+    script = textwrap.dedent(f"""
+        import sys, time
+        from densa.cluster.config import RestartPolicy
+        from densa.cluster.processes import ProcessSpec, SupervisedProcess
+        spec = ProcessSpec("router", {ROUTER_ARGV!r}, host="127.0.0.1", log_dir={str(tmp_path)!r})
+        process = SupervisedProcess(spec, RestartPolicy())
+        process.start()
+        print(process.status().pid, process.port, flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid, port = (int(x) for x in parent.stdout.readline().split())
+        wait_for(lambda: answers(f"http://127.0.0.1:{port}"), "the child answers")
+        parent.kill()  # SIGKILL: no cleanup code runs in the parent
+        parent.wait(10)
+        wait_for(lambda: is_gone(pid), "the orphan died with its parent")
+        wait_for(lambda: port_is_free("127.0.0.1", port), "the port is free")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
