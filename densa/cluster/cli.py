@@ -61,11 +61,12 @@ def run_up(ns: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
     cluster = Cluster(config, ns.log_dir, say=_say)
     try:
-        url = cluster.up()
+        url = cluster.up()  # Ctrl-C meanwhile: KeyboardInterrupt, and down() below
+        # After up(): ray.init installs handlers of its own that would kill this process.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
         print(f"densa cluster: serving the OpenAI API at {url}/v1 (Ctrl-C stops)", flush=True)
         cluster.follow(stop)
     finally:

@@ -209,10 +209,14 @@ class Cluster:
         members = [*([self.router] if self.router else []), *self.workers]
         stops = [m.actor.stop.remote() for m in members]
         ray.wait(stops, num_returns=len(stops), timeout=60)
+        # Best effort from here: an actor Ray already lost cannot be killed twice, and each
+        # server dies with its actor anyway (PR_SET_PDEATHSIG).
         for member in members:
-            ray.kill(member.actor, no_restart=True)
+            with contextlib.suppress(Exception):
+                ray.kill(member.actor, no_restart=True)
         if self._pg is not None:
-            remove_placement_group(self._pg)
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._pg)
         if self._started_ray:
             ray.shutdown()
         self.say("cluster down")

@@ -40,6 +40,8 @@ DECISION_HEADER = "x-densa-router-ms"  # the router's own time on the request be
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                          "te", "trailer", "transfer-encoding", "upgrade", "host",
                          "content-length"})  # fmt: skip
+# The router's own server writes these on every response: the worker's copies would repeat them.
+_ROUTER_OWN = frozenset({"date", "server"})
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 
@@ -217,7 +219,7 @@ def _upstream_headers(headers: Headers, placement: Placement) -> dict[str, str]:
 def _downstream_headers(
     headers: httpx.Headers, placement: Placement, decision_ms: float
 ) -> dict[str, str]:
-    out = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+    out = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP | _ROUTER_OWN}
     out[WORKER_HEADER] = placement.worker.url
     if placement.prefill is not None:
         out[PREFILL_HEADER] = placement.prefill.url

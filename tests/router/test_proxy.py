@@ -56,6 +56,8 @@ def test_answers_name_the_worker_exactly_as_given_and_streams_pass_through(
             client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
             raw = client.chat.completions.with_raw_response.create(**CHAT)  # type: ignore[call-overload]
             assert raw.headers["x-densa-worker"] == given
+            assert len(raw.headers.get_list("date")) == 1  # the router's, not also the worker's
+            assert len(raw.headers.get_list("server")) == 1
             assert raw.parse().usage.completion_tokens == 3
             stream = client.chat.completions.create(**CHAT, stream=True)  # type: ignore[call-overload]
             texts = [c.choices[0].delta.content for c in stream]
