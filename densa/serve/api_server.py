@@ -82,7 +82,8 @@ class ServerState:
     tokenizer: Tokenizer | None = None  # the front's own copy of the engine's tokenizer
     token_texts: TokenTexts | None = None
     prefill_peers: PrefillPeers = field(default_factory=PrefillPeers)  # decode role
-    large_bodies: asyncio.Lock = field(default_factory=asyncio.Lock)  # see prepare.read_json
+    # Huge bodies one at a time, with a bounded share of CPU (prepare.LargeBodyGate).
+    large_bodies: prepare.LargeBodyGate = field(default_factory=prepare.LargeBodyGate)
 
     def on_engine_started(self, served: ServedModel) -> None:
         self.tokenizer = Tokenizer(served.tokenizer, served.eos_token_ids)

@@ -7,9 +7,11 @@ changes nothing on the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -32,17 +34,56 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # ---- the body -----------------------------------------------------------------------------------
-# Bodies this large are read and parsed one at a time (the rest wait unread: the server stops
-# reading their sockets), so a flood of huge bodies cannot crowd the event loop that every other
-# request needs. A normal chat request is a few kilobytes and never waits here.
+# Bodies this large go through the LargeBodyGate. A normal chat request is a few kilobytes and
+# never waits there.
 LARGE_BODY_BYTES = 1024 * 1024
+LARGE_BODY_DUTY = 0.1  # the most of the front's CPU time large bodies may take, sustained
+MAX_LARGE_BODY_PAUSE_S = 1.0
+
+
+class LargeBodyGate:
+    """Large bodies are read and parsed one at a time, FIFO, and after each the next waits until
+    large-body work has taken at most `duty` of the event loop's CPU time.
+
+    The waiting bodies stay unread in their sockets, so their senders block too: a flood of
+    huge requests gets a bounded share of the front's CPU (and, paced by it, of its own), and
+    the rest goes to normal requests and to the engine on the same cores. The pause is measured
+    in the event loop thread's CPU time, not wall time: a huge body trickling in slowly costs
+    little CPU, so it does not hold up the next one for long (the body timeout bounds it).
+    """
+
+    def __init__(
+        self,
+        duty: float = LARGE_BODY_DUTY,
+        max_pause_s: float = MAX_LARGE_BODY_PAUSE_S,
+        cpu_clock: Callable[[], float] = time.thread_time,
+    ) -> None:
+        self.duty = duty
+        self.max_pause_s = max_pause_s
+        self.cpu_clock = cpu_clock
+        self._lock = asyncio.Lock()
+        self._not_before = 0.0  # monotonic time the next large body may start
+
+    @contextlib.asynccontextmanager
+    async def admit(self) -> AsyncIterator[None]:
+        async with self._lock:
+            pause = self._not_before - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)
+            cpu = self.cpu_clock()
+            try:
+                yield
+            finally:
+                spent = self.cpu_clock() - cpu
+                rest = min(spent * (1 / self.duty - 1), self.max_pause_s)
+                self._not_before = time.monotonic() + rest
 
 
 async def read_json(
     request: Request,
     max_bytes: int,
     timeout: float | None = None,
-    large_bodies: asyncio.Lock | None = None,  # one large body at a time (FIFO)
+    large_bodies: LargeBodyGate | None = None,
 ) -> Any:
     """The body as JSON, refusing oversized (413), slow (408), non-UTF-8 and malformed (400)
     bodies, and bodies holding text no UTF-8 encoder can write (400 naming the field)."""
@@ -51,7 +92,7 @@ async def read_json(
         raise _too_large(max_bytes)
     large = not declared.isdigit() or int(declared) > LARGE_BODY_BYTES
     if large and large_bodies is not None:
-        async with large_bodies:
+        async with large_bodies.admit():
             return await _read_json(request, max_bytes, timeout)
     return await _read_json(request, max_bytes, timeout)
 
