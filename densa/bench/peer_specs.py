@@ -19,6 +19,8 @@ from pathlib import Path
 
 from densa.bench.peer_servers import PeerSpec
 
+ISA_ENV = "DENSA_CPU_ISA"  # densa.kernels.native.ISA_ENV (not imported: it loads torch)
+
 LLAMA_SERVER_HINT = "build it with `scripts/setup.sh peers` or pass --llama-server PATH"
 
 
@@ -42,7 +44,9 @@ class PeerContext:
 Builder = Callable[[PeerContext], PeerSpec]
 
 
-def _densa(name: str, extra_args: list[str], formats: dict[str, str]) -> Builder:
+def _densa(
+    name: str, extra_args: list[str], formats: dict[str, str], env: dict[str, str] | None = None
+) -> Builder:
     def build(ctx: PeerContext) -> PeerSpec:
         argv = [sys.executable, "-m", "densa.cli", "serve", "--port", "{port}"]
         argv += ["--served-model-name", ctx.model_id, "--max-num-seqs", str(ctx.max_concurrency)]
@@ -54,7 +58,7 @@ def _densa(name: str, extra_args: list[str], formats: dict[str, str]) -> Builder
             model=ctx.model_id,
             formats=formats,
             extra_body={"ignore_eos": True},
-            env={"OMP_NUM_THREADS": str(ctx.threads)},
+            env={"OMP_NUM_THREADS": str(ctx.threads), **(env or {})},
         )
 
     return build
@@ -131,6 +135,13 @@ PEERS: dict[str, Builder] = {
         "densa single process",
         ["--model", "{gguf}", "--engine-placement", "thread"],
         DENSA_DEFAULT,
+    ),
+    # The default on the AVX2 code path (an AVX2-only machine's kernels, on any x86 machine).
+    "densa-avx2": _densa(
+        "densa (default, AVX2 kernels)",
+        ["--model", "{gguf}"],
+        DENSA_DEFAULT,
+        env={ISA_ENV: "avx2"},
     ),
     "densa-fp32": _densa(
         "densa fp32",
