@@ -32,6 +32,7 @@ from densa.cluster.processes import ProcessSpec, ProcessStatus
 from densa.router.membership import ADMIN_TOKEN_ENV
 
 FOLLOW_INTERVAL_S = 0.5
+OBJECT_STORE_BYTES = 128 * 1024 * 1024  # a local instance's (Ray's minimum is 75 MiB)
 STATUS_TIMEOUT_S = 2.0
 ROUTER_FLAG = {"both": "--worker", "prefill": "--prefill", "decode": "--decode"}
 MEMBERSHIP_KEY = {"both": "workers", "prefill": "prefill", "decode": "decode"}
@@ -90,8 +91,10 @@ class Cluster:
             return
         if self.config.ray_address is None:
             cpus = self.config.ray_num_cpus or sum(b["CPU"] for b in self._bundles())
+            # No data goes through Ray's object store here (only actor calls): keep it small
+            # rather than Ray's default 30% of RAM in /dev/shm.
             ray.init(num_cpus=math.ceil(cpus), include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)  # fmt: skip
+                     configure_logging=False, object_store_memory=OBJECT_STORE_BYTES)  # fmt: skip
             self.say(f"started a local Ray instance ({math.ceil(cpus)} CPUs)")
         else:
             ray.init(address=self.config.ray_address, log_to_driver=False)
