@@ -286,7 +286,7 @@ def _model_card(state: ServerState) -> ModelCard:
 )
 async def chat_completions(request: Request, session_id: SessionHeader = None) -> Response:
     state, deadline = _state(request), _deadline(request)
-    body = prepare.parse(ChatCompletionRequest, await _read(request))
+    body = await _read(ChatCompletionRequest, request)
     tokenizer = state.check_can_serve(body.model)
     plan = prepare.tool_plan(state.tool_format, body)
     prompt_ids = await prepare.chat_prompt(
@@ -316,7 +316,7 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
 )
 async def completions(request: Request, session_id: SessionHeader = None) -> Response:
     state, deadline = _state(request), _deadline(request)
-    body = prepare.parse(CompletionRequest, await _read(request))
+    body = await _read(CompletionRequest, request)
     tokenizer = state.check_can_serve(body.model)
     prompt_ids = await prepare.completion_prompt(tokenizer, body, state.max_model_len)
     prepare.check_lengths(
@@ -348,10 +348,10 @@ async def _respond(
     return Response(formatter.response(result).model_dump_json(), media_type="application/json")
 
 
-async def _read(request: Request) -> Any:
+async def _read(model: type[prepare.RequestT], request: Request) -> prepare.RequestT:
     state = _state(request)
-    return await prepare.read_json(
-        request, state.max_body_bytes, state.body_timeout, state.large_bodies
+    return await prepare.read_request(
+        model, request, state.max_body_bytes, state.body_timeout, state.large_bodies
     )
 
 
