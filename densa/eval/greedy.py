@@ -19,6 +19,7 @@ from densa.engine.llm import LLM
 from densa.eval.common import load_formats
 from densa.eval.formats import Format
 from densa.eval.report import QualityReport, new_report
+from densa.eval.stats import DEFAULT_BOOTSTRAP, Bootstrap, Estimate, mean_ci, proportion_ci
 from densa.measure.report import Table
 from densa.sampling_params import SamplingParams
 from densa.utils.logging import get_logger
@@ -79,6 +80,7 @@ class GreedyComparison:
     token_ids: list[list[int]]
     texts: list[str]
     first_divergence: list[int | None]  # per prompt: first differing position; None = identical
+    ref_lengths: list[int]  # per prompt: tokens the reference generated
 
     @property
     def num_identical(self) -> int:
@@ -93,11 +95,29 @@ class GreedyComparison:
         """Mean position of the first differing token, over the prompts that diverged."""
         return statistics.fmean(self.diverged_at) if self.diverged_at else None
 
+    @property
+    def matched_tokens(self) -> list[int]:
+        """Per prompt: how many leading tokens equal the reference's (all of them if identical)."""
+        return [
+            length if pos is None else pos
+            for pos, length in zip(self.first_divergence, self.ref_lengths, strict=True)
+        ]
+
+    def identical_share(self) -> Estimate:
+        """Share of prompts generated token-identically, with its Wilson 95% interval."""
+        return proportion_ci(self.num_identical, len(self.first_divergence))
+
+    def mean_matched_tokens(self, bootstrap: Bootstrap = DEFAULT_BOOTSTRAP) -> Estimate:
+        """Mean leading tokens equal to the reference's, bootstrapped over prompts."""
+        return mean_ci(self.matched_tokens, bootstrap)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "label": self.label,
             "num_prompts": len(self.first_divergence),
             "num_identical": self.num_identical,
+            "identical_share": self.identical_share().to_json(),
+            "mean_matched_tokens": self.mean_matched_tokens().to_json(),
             "mean_first_divergence": self.mean_first_divergence,
             "first_divergence": self.first_divergence,
         }
@@ -143,6 +163,7 @@ def compare_greedy(
                 first_divergence=[
                     first_divergence(r, t) for r, t in zip(ref_out, out, strict=True)
                 ],
+                ref_lengths=[len(r) for r in ref_out],
             )
         )
     return ref_out, comparisons
@@ -195,6 +216,8 @@ def _table(comparisons: list[GreedyComparison], max_tokens: int) -> Table:
             [
                 c.label,
                 f"{c.num_identical} / {len(c.first_divergence)}",
+                c.identical_share().format(".1f", scale=100),
+                c.mean_matched_tokens().format(".1f"),
                 "" if mean is None else f"{mean:.1f}",
                 "" if mean is None else f"{min(c.diverged_at)}..{max(c.diverged_at)}",
             ]
@@ -202,6 +225,8 @@ def _table(comparisons: list[GreedyComparison], max_tokens: int) -> Table:
     columns = [
         "format",
         "token-identical to ref",
+        "identical, % [95% CI]",
+        "mean tokens equal to ref before the first divergence [95% CI]",
         f"mean first divergence (of {max_tokens} tokens; diverged prompts only)",
         "first divergence, min..max",
     ]
@@ -216,4 +241,7 @@ _NOTES = [
     "amplifies near-ties: one flipped token changes the rest of the text, so this shows how "
     "often and how early formats part ways, not how different their distributions are "
     "(see densa eval distribution).",
+    "Intervals: the identical share's is a Wilson score interval over prompts; the mean of "
+    "leading tokens equal to the reference (a whole generation when identical) is a percentile "
+    "bootstrap over prompts (2000 resamples, seed 0).",
 ]

@@ -11,8 +11,10 @@ format, so intervals of different formats come from the same draws.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 import torch
@@ -121,6 +123,22 @@ def paired_difference_ci(
         raise ValueError(f"paired samples differ in length: {len(ref)} vs {len(test)}")
     diffs = np.asarray(test, dtype=np.float64) - np.asarray(ref, dtype=np.float64)
     return mean_ci(diffs, bootstrap)
+
+
+def proportion_ci(successes: int, trials: int, confidence: float = DEFAULT_CONFIDENCE) -> Estimate:
+    """successes / trials with its Wilson score interval. For a count of independent yes/no
+    outcomes (e.g. prompts whose generation stayed identical): unlike a percentile bootstrap it
+    gives a non-empty interval at 0 / n and n / n."""
+    if not 0 <= successes <= trials or trials < 1:
+        raise ValueError(f"need 0 <= successes <= trials and trials >= 1, got {successes}/{trials}")
+    z = float(NormalDist().inv_cdf(0.5 + confidence / 2))
+    share = successes / trials
+    center = (share + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(share * (1 - share) / trials + z * z / (4 * trials * trials))
+    half /= 1 + z * z / trials
+    low = 0.0 if successes == 0 else max(0.0, center - half)
+    high = 1.0 if successes == trials else min(1.0, center + half)
+    return Estimate(share, low, high, confidence)
 
 
 # ---- next-token distributions ----------------------------------------------------------------

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from densa.engine.llm import LLM
-from densa.eval.greedy import DEFAULT_PROMPTS, GreedySettings, compare_greedy, first_divergence
+from densa.eval.greedy import (
+    DEFAULT_PROMPTS,
+    GreedyComparison,
+    GreedySettings,
+    compare_greedy,
+    first_divergence,
+)
+from densa.eval.stats import Bootstrap, proportion_ci
 
 
 @pytest.mark.parametrize(
@@ -34,3 +41,21 @@ def test_settings_are_checked() -> None:
     assert len(GreedySettings().selected_prompts) == 20
     with pytest.raises(ValueError, match="num_prompts"):
         GreedySettings(num_prompts=len(DEFAULT_PROMPTS) + 1)
+
+
+def test_comparison_intervals_count_prompts_and_matched_tokens() -> None:
+    c = GreedyComparison("t", [], [], first_divergence=[None, 3, 0, None], ref_lengths=[8, 8, 5, 6])
+    assert c.matched_tokens == [8, 3, 0, 6]
+    mean = c.mean_matched_tokens(Bootstrap(num_resamples=200))
+    assert mean.value == 17 / 4 and 0 <= mean.low <= mean.value <= mean.high <= 8
+    share = c.identical_share()
+    assert share.value == 0.5 and 0.15 < share.low < 0.5 < share.high < 0.85
+
+
+def test_wilson_interval_is_not_empty_at_the_edges() -> None:
+    none, all_ = proportion_ci(0, 20), proportion_ci(20, 20)
+    assert (none.value, none.low) == (0.0, 0.0) and 0.15 < none.high < 0.17  # 16.1%
+    assert (all_.value, all_.high) == (1.0, 1.0) and 0.83 < all_.low < 0.85
+    assert proportion_ci(1, 20).format(".1f", scale=100) == "5.0 [0.9, 23.6]"
+    with pytest.raises(ValueError):
+        proportion_ci(3, 2)
