@@ -83,7 +83,7 @@ class KVCapacity:
     """What one KV format buys in a fixed budget (`densa capacity` prints these)."""
 
     kv_dtype: str
-    kv_scales: str | None  # None for formats without scales
+    kv_scales: str | None  # FP8: dynamic | static; INT8: row (one fp16 per row); None: no scales
     bytes_per_token: int
     scale_bytes_per_token: int
     num_pages: int
@@ -107,12 +107,18 @@ def kv_capacity(
     values_only = value_bytes_per_token(arch, kv_dtype)
     return KVCapacity(
         kv_dtype=kv_dtype,
-        kv_scales=kv_scales if kv_dtype == fp8_kv.KV_DTYPE else None,
+        kv_scales=_capacity_scales(kv_dtype, kv_scales),
         bytes_per_token=per_token,
         scale_bytes_per_token=per_token - values_only,
         num_pages=budget_bytes // (per_token * page_size),
         page_size=page_size,
     )
+
+
+def _capacity_scales(kv_dtype: str, fp8_scales: str | None) -> str | None:
+    if kv_dtype == fp8_kv.KV_DTYPE:
+        return fp8_scales
+    return "row" if kv_dtype == int8_kv.KV_DTYPE else None
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
