@@ -99,6 +99,9 @@ def test_capacity_command_prints_every_kv_dtype(
     assert f"| fp8_e4m3 | dynamic | 136 | 8 | {pages} | {pages * 4} | {pages // 25} |" in out
     assert "| bfloat16 | - | 256 | 0 | 1024 | 4096 | 40 | 1.000x |" in out
     assert "| fp8_e4m3 | static | 128 | 0 | 2048 | 8192 | 81 | 2.000x |" in out
+    # INT8: 16 codes + a 2-byte fp16 scale per row: 144 bytes/token (the tiny head_dim makes
+    # the scale's share large: 1.78x; SmolLM2's head_dim 64 gives 1.94x).
+    assert "| int8 | row | 144 | 16 | 1820 | 7280 | 72 | 1.777x |" in out
 
 
 # ---- the pool really holds what the arithmetic promises ---------------------------------------
