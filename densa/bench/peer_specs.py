@@ -109,10 +109,12 @@ def transformers(ctx: PeerContext) -> PeerSpec:
 
 
 DENSA_FP32 = {"linear": "fp32", "head": "fp32", "kv": "fp32", "compute": "fp32"}
+# scripts/serve.sh adds these to `densa serve` (docs/kv-cache.md, "The default").
+SERVE_SH_ARGS = ["--kv-cache-dtype", "int8"]
 DENSA_DEFAULT = {
     "linear": "w4a8: the GGUF's Q4_1 bits",
     "head": "w8: the GGUF's Q8_0 bits, float activations",
-    "kv": "fp32",
+    "kv": "int8, an fp16 scale per row",
     "compute": "int8 dot (activations Q8 per 32); head in fp32",
 }
 DENSA_LLAMA_NUMERICS = {
@@ -124,22 +126,24 @@ DENSA_LLAMA_NUMERICS = {
 PEERS: dict[str, Builder] = {
     "llama.cpp": llama_cpp,
     "transformers": transformers,
-    # What scripts/serve.sh starts: the bundled GGUF with its auto formats.
-    "densa": _densa("densa (default)", ["--model", "{gguf}"], DENSA_DEFAULT),
+    # What scripts/serve.sh starts: the bundled GGUF with its auto formats, INT8 KV pages.
+    "densa": _densa("densa (default)", ["--model", "{gguf}", *SERVE_SH_ARGS], DENSA_DEFAULT),
     # llama.cpp's numerics exactly: int8 activations for the head too.
     "densa-w8a8-head": _densa(
-        "densa w8a8 head", ["--model", "{gguf}", "--head-format", "w8a8"], DENSA_LLAMA_NUMERICS
+        "densa w8a8 head",
+        ["--model", "{gguf}", *SERVE_SH_ARGS, "--head-format", "w8a8"],
+        DENSA_LLAMA_NUMERICS,
     ),
     # The engine core in the server's process (a thread) instead of its own: the split's cost.
     "densa-thread": _densa(
         "densa single process",
-        ["--model", "{gguf}", "--engine-placement", "thread"],
+        ["--model", "{gguf}", *SERVE_SH_ARGS, "--engine-placement", "thread"],
         DENSA_DEFAULT,
     ),
     # The default on the AVX2 code path (an AVX2-only machine's kernels, on any x86 machine).
     "densa-avx2": _densa(
         "densa (default, AVX2 kernels)",
-        ["--model", "{gguf}"],
+        ["--model", "{gguf}", *SERVE_SH_ARGS],
         DENSA_DEFAULT,
         env={ISA_ENV: "avx2"},
     ),
