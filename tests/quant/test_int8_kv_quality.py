@@ -4,7 +4,7 @@ decode does; see test_fp8_kv_quality.py).
 
 Dense weights, not the GGUF's default w4a8: w4a8 rounds every activation to int8, which turns
 any tiny difference in attention output into whole rounding steps; under it even fp32 vs BF16
-KV differ by KL ~0.003 (docs/kv-cache.md), so an INT8 cache broken by a bit would not show.
+KV differ by KL 0.0024 (docs/kv-cache.md), so an INT8 cache broken by a bit would not show.
 
 The test runs a broken INT8 format next to the real one: the same codes with their lowest bit
 cleared (a lost bit of precision, errors up to a whole step instead of half). Measured on these
