@@ -43,6 +43,32 @@ def scoring_request(
         engine.runner.execute(empty_step(kv.pool.drain_tag_updates(), [request.request_id]))
 
 
+@contextlib.contextmanager
+def cached_scoring_request(
+    engine: LLMEngine, token_ids: list[int], cache_scope: str, kind: str = "cached"
+) -> Iterator[tuple[Request, int]]:
+    """Like `scoring_request` for the whole text, but its leading full blocks that the prefix
+    cache holds in `cache_scope` are mapped, not allocated: yields (request, number of leading
+    tokens whose K/V came from the cache). Positions from there on are the caller's to compute."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("score with an idle engine: requests are in flight")
+    request = Request(
+        f"{kind}-{next(_ids)}", list(token_ids), SamplingParams(), cache_scope=cache_scope
+    )
+    kv = engine.kv_manager
+    hit = kv.find_prefix(request)
+    num_hit_tokens = hit.num_tokens(kv.page_size)
+    if kv.allocate_slots(request, len(token_ids) - num_hit_tokens, hit) is None:
+        kv.forget(request)
+        raise RuntimeError("not enough free KV pages to score this text")
+    try:
+        yield request, num_hit_tokens
+    finally:
+        kv.free(request)  # the hit pages go back to the cache, still indexed
+        kv.forget(request)
+        engine.runner.execute(empty_step(kv.pool.drain_tag_updates(), [request.request_id]))
+
+
 def score_positions(
     engine: LLMEngine, request: Request, token_ids: list[int], start_pos: int
 ) -> torch.Tensor:

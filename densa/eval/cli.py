@@ -35,6 +35,7 @@ def add_eval_parser(commands: argparse._SubParsersAction) -> None:
     )
     evaluations = parser.add_subparsers(title="evaluations", metavar="EVALUATION")
     _add_distribution(evaluations)
+    _add_split(evaluations)
     _add_choice(evaluations)
     _add_greedy(evaluations)
     _add_gsm8k(evaluations)
@@ -47,7 +48,13 @@ def _print_help(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def _add_common(parser: argparse.ArgumentParser, name: str, handler: Callable[..., int]) -> None:
+def _add_common(
+    parser: argparse.ArgumentParser,
+    name: str,
+    handler: Callable[..., int],
+    tests_required: bool = True,
+    test_help: str = "a format to compare with the reference (repeat for several)",
+) -> None:
     g = parser.add_argument_group("formats")
     g.add_argument(
         "--ref",
@@ -56,13 +63,8 @@ def _add_common(parser: argparse.ArgumentParser, name: str, handler: Callable[..
         help="the reference format: [label:]key=value,... over engine options (default: the "
         "engine options as given)",
     )
-    g.add_argument(
-        "--test",
-        action="append",
-        required=True,
-        metavar="SPEC",
-        help="a format to compare with the reference (repeat for several)",
-    )
+    g.add_argument("--test", action="append", required=tests_required, default=[],
+                   metavar="SPEC", help=test_help)  # fmt: skip
     g.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
     g.add_argument("--bootstrap-seed", type=int, default=0)
     g.add_argument("--out", type=Path, default=Path("docs/eval") / name, help="output folder")
@@ -82,6 +84,33 @@ def _add_distribution(evaluations: argparse._SubParsersAction) -> None:
     g.add_argument("--segment-len", type=int, default=512, help="tokens per resampled segment")
     g.add_argument("--chunk-size", type=int, default=512, help="tokens per forward pass")
     _add_common(parser, "distribution", _distribution)
+
+
+def _add_split(evaluations: argparse._SubParsersAction) -> None:
+    parser = evaluations.add_parser(
+        "split",
+        help="prefill/decode split vs co-location: KL and top-1 of the continuation",
+        description="Each segment's prompt on a prefill engine, its KV pages handed over "
+        "(densa's KV agents, in-process transport, conversion at landing) to a decode engine "
+        "that scores the continuation; vs the reference and the decode formats co-located. "
+        "See docs/disaggregation.md.",
+    )
+    g = parser.add_argument_group("the split")
+    g.add_argument("--prefill", default=None, metavar="SPEC", help="prefill formats (--ref's)")
+    g.add_argument("--decode", required=True, metavar="SPEC", help="decode formats")
+    g.add_argument("--tokens", type=int, default=10240, help="tokens of text (whole segments)")
+    g.add_argument("--segment-len", type=int, default=512, help="tokens per resampled segment")
+    g.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help="prompt tokens per segment, whole pages (default: half a segment)",
+    )
+    g.add_argument(
+        "--chunk-size", type=int, default=16, help="continuation tokens per forward pass"
+    )
+    test_help = "a further co-located format (the decode formats co-located always are)"
+    _add_common(parser, "pd_split_distribution", _split, False, test_help)
 
 
 def _add_choice(evaluations: argparse._SubParsersAction) -> None:
@@ -173,6 +202,28 @@ def _distribution(ns: argparse.Namespace) -> int:
         return lambda: run_distribution(ref, tests, settings)
 
     return _run("distribution", prepare, ns.out)
+
+
+def _split(ns: argparse.Namespace) -> int:
+    from densa.eval.distribution import DistributionSettings
+    from densa.eval.split import SplitFormats, SplitSettings, run_split
+
+    def prepare() -> Callable[[], Any]:
+        text = DistributionSettings(
+            num_tokens=ns.tokens,
+            segment_len=ns.segment_len,
+            chunk_size=ns.chunk_size,
+            bootstrap=_bootstrap(ns),
+        )
+        settings = SplitSettings(text, ns.prompt_len)
+        settings.resolved_prompt_len(ns.page_size)
+        base = EngineArgs.from_cli(ns)
+        ref, tests = _formats(ns)
+        prefill = parse_format(ns.ref if ns.prefill is None else ns.prefill, base)
+        formats = SplitFormats(ref, prefill, parse_format(ns.decode, base), tests)
+        return lambda: run_split(formats, settings)
+
+    return _run("split", prepare, ns.out)
 
 
 def _choice(ns: argparse.Namespace) -> int:

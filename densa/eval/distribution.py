@@ -14,7 +14,7 @@ distributions exist one chunk at a time. Intervals resample whole segments (see 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from densa.engine.llm import LLM
-from densa.engine.llm_engine import LLMEngine
 from densa.engine.scoring import iter_logits
 from densa.eval.common import load_formats
 from densa.eval.formats import Format
@@ -120,7 +119,7 @@ class DistributionResult:
 
 
 @dataclass
-class _Sums:
+class SegmentSums:
     """Per-segment sums of one test format (one list entry per segment)."""
 
     kl: list[float] = field(default_factory=list)
@@ -154,44 +153,59 @@ def compare_distributions(
     """Score every segment with every format in lockstep (the first is the reference) and
     compare each of the others with it."""
     ref_label, *test_labels = llms
-    ref = llms[ref_label].engine
-    tests = {label: llms[label].engine for label in test_labels}
-    sums = {label: _Sums() for label in tests}
+    engines = [llms[label].engine for label in llms]
+    sums = {label: SegmentSums() for label in test_labels}
     ref_nll: list[float] = []
     counts: list[float] = []
     with progress(len(segments), "distribution", "segment") as bar:
         for segment in segments:
-            ref_nll.append(_score_segment(ref, tests, segment, chunk_size, sums))
+            streams = [iter_logits(e, segment, chunk_size) for e in engines]
+            ref_nll.append(accumulate_segment(streams, torch.tensor(segment[1:]), sums))
             counts.append(len(segment) - 1)
             bar.update()
-    ref_ppl = block_bootstrap({"nll": ref_nll, "n": counts}, _perplexity("nll"), bootstrap)
-    formats = [_summarize(label, s, ref_nll, counts, bootstrap) for label, s in sums.items()]
-    return DistributionResult(ref_label, ref_ppl, formats, len(segments), int(sum(counts)))
+    return divergence_result(ref_label, sums, ref_nll, counts, bootstrap)
 
 
-def _score_segment(
-    ref: LLMEngine,
-    tests: Mapping[str, LLMEngine],
-    segment: list[int],
-    chunk_size: int,
-    sums: Mapping[str, _Sums],
+def accumulate_segment(
+    streams: Sequence[Iterator[torch.Tensor]],
+    targets: torch.Tensor,
+    sums: Mapping[str, SegmentSums],
 ) -> float:
-    """Add one segment to every test format's sums; return the reference's NLL sum."""
-    targets = torch.tensor(segment[1:])
-    streams = [iter_logits(e, segment, chunk_size) for e in (ref, *tests.values())]
-    for label in tests:
+    """Add one segment to every test format's sums; return the reference's NLL sum.
+
+    streams: per format (the reference first, then the tests in `sums` order) the logits of
+    consecutive scored positions in the same chunks; row i of the concatenation predicts
+    targets[i]. A final row past the targets (it predicts past the text) is ignored.
+    """
+    for label in sums:
         sums[label].start_segment()
     ref_nll, offset = 0.0, 0
     for ref_logits, *test_logits in zip(*streams, strict=True):
-        rows = min(len(ref_logits), len(targets) - offset)  # the last row predicts past the text
+        rows = min(len(ref_logits), len(targets) - offset)
         chunk_targets = targets[offset : offset + rows]
         ref_lp = torch.log_softmax(ref_logits[:rows], dim=-1)
         ref_nll += float(target_nll(ref_lp, chunk_targets).sum())
-        for label, logits in zip(tests, test_logits, strict=True):
+        for label, logits in zip(sums, test_logits, strict=True):
             test_lp = torch.log_softmax(logits[:rows], dim=-1)
             sums[label].add_chunk(ref_lp, test_lp, chunk_targets)
         offset += rows
+    if offset != len(targets):
+        raise ValueError(f"the streams scored {offset} positions of {len(targets)}")
     return ref_nll
+
+
+def divergence_result(
+    ref_label: str,
+    sums: Mapping[str, SegmentSums],
+    ref_nll: list[float],
+    counts: list[float],
+    bootstrap: Bootstrap,
+) -> DistributionResult:
+    """Every test format's estimates from its per-segment sums (`counts`: predictions per
+    segment)."""
+    ref_ppl = block_bootstrap({"nll": ref_nll, "n": counts}, _perplexity("nll"), bootstrap)
+    formats = [_summarize(label, s, ref_nll, counts, bootstrap) for label, s in sums.items()]
+    return DistributionResult(ref_label, ref_ppl, formats, len(counts), int(sum(counts)))
 
 
 def _perplexity(column: str) -> Statistic:
@@ -199,7 +213,7 @@ def _perplexity(column: str) -> Statistic:
 
 
 def _summarize(
-    label: str, s: _Sums, ref_nll: list[float], counts: list[float], bootstrap: Bootstrap
+    label: str, s: SegmentSums, ref_nll: list[float], counts: list[float], bootstrap: Bootstrap
 ) -> FormatDivergence:
     columns = {"ref": ref_nll, "test": s.nll, "n": counts}
     token_kl = torch.cat(s.token_kl).double()
@@ -238,9 +252,10 @@ def distribution_report(
     ref: Format,
     tests: Sequence[Format],
     settings: DistributionSettings,
+    name: str = "distribution",
 ) -> QualityReport:
     report = new_report(
-        "distribution",
+        name,
         [ref, *tests],
         {
             "text": TEXT_SOURCE,
