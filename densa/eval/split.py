@@ -39,7 +39,7 @@ from densa.eval.distribution import (
     divergence_result,
     text_segments,
 )
-from densa.eval.formats import Format
+from densa.eval.formats import Format, split_options
 from densa.eval.report import QualityReport
 from densa.eval.stats import Bootstrap, Estimate, block_bootstrap
 from densa.measure.progress import progress
@@ -243,14 +243,16 @@ def split_report(
 
 
 def _describe_split_format(report: QualityReport, formats: SplitFormats) -> None:
-    """The formats table's split row: the options of both sides, not the decode's alone."""
-    sides = {"prefill": formats.prefill.overrides, "decode": formats.decode.overrides}
+    """The formats table's split row: both sides' options (those not shared by every engine,
+    as in the other rows), not the decode's alone."""
+    engines = [formats.ref, formats.prefill, formats.decode, *formats.colocated]
+    _, differing = split_options(engines)
+    sides = {"prefill": differing[1], "decode": differing[2]}
     report.formats[1]["options"] = sides
-    text = "; ".join(
-        f"{side}: " + (", ".join(f"{k}={v}" for k, v in opts.items()) or "base options")
+    report.tables[0].rows[1][1] = "; ".join(
+        f"{side}: " + (", ".join(f"{k}={v}" for k, v in opts.items()) or "the shared options")
         for side, opts in sides.items()
     )
-    report.tables[0].rows[1][1] = text
 
 
 def _split_settings(result: SplitResult) -> dict[str, object]:

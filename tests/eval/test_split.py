@@ -153,7 +153,7 @@ def test_the_command_writes_its_report(tiny_model_dir: Path, tmp_path: Path) -> 
     assert results["settings"]["prompt_len"] == 48
     assert results["settings"]["decode_prompt_tokens_from_transfer"] == 2 * 48
     assert results["formats"][1]["options"] == {
-        "prefill": {},
+        "prefill": {"kv_cache_dtype": "auto"},
         "decode": {"kv_cache_dtype": "bfloat16"},
     }
     markdown = (out / "README.md").read_text()
