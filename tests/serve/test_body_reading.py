@@ -69,7 +69,7 @@ def test_after_a_large_body_the_next_waits_for_its_cpu_share_and_small_ones_do_n
 
     times = asyncio.run(scenario())
     assert times["big1"] - times["big0"] >= 0.38  # the pause: 0.1 x (1 / 0.2 - 1)
-    assert times["small"] - times["big0"] < 0.2  # a small body never waits for the gate
+    assert times["small"] - times["big0"] < 0.3  # a small body never waits for the gate
 
 
 def test_a_large_body_pause_is_capped() -> None:
@@ -82,7 +82,7 @@ def test_a_large_body_pause_is_capped() -> None:
         async with gate.admit():
             return time.monotonic() - started
 
-    assert 0.25 <= asyncio.run(scenario()) < 0.6
+    assert 0.25 <= asyncio.run(scenario()) < 2.0  # uncapped it would be 5 x 99 = 495 s
 
 
 def test_surrogates_are_found_in_non_ascii_text_and_ascii_text_is_skipped_fast() -> None:
