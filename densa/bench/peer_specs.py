@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from densa.bench.peer_servers import PeerSpec
-
-ISA_ENV = "DENSA_CPU_ISA"  # densa.kernels.native.ISA_ENV (not imported: it loads torch)
+from densa.utils.cpu import ISA_ENV
 
 LLAMA_SERVER_HINT = "build it with `scripts/setup.sh peers` or pass --llama-server PATH"
 

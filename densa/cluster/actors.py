@@ -8,6 +8,7 @@ SupervisedProcess, which is quicker and keeps the URL.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import httpx
@@ -26,7 +27,7 @@ class ProcessActor:
         # A local cluster keeps everything on loopback; one spanning machines listens on the
         # node's address so the router (and decode workers) on other nodes reach it.
         if public_host and spec.host in ("", LOOPBACK):
-            spec = ProcessSpec(**{**spec.__dict__, "host": ray.util.get_node_ip_address()})
+            spec = dataclasses.replace(spec, host=ray.util.get_node_ip_address())
         self.process = SupervisedProcess(spec, restart)
         self.process.start()
 

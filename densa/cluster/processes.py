@@ -92,6 +92,7 @@ class SupervisedProcess:
         self._started_at = 0.0
         self._restart_at: float | None = None
         self._stopping = threading.Event()
+        self._first_life = threading.Event()
         self._lock = threading.Lock()
         self._watcher = threading.Thread(target=self._watch, name=f"watch-{spec.name}", daemon=True)
 
@@ -104,9 +105,7 @@ class SupervisedProcess:
         that forked, so every life is forked by the one thread that lives as long as we do)."""
         self._restart_at = self.clock()
         self._watcher.start()
-        deadline = self.clock() + 30
-        while self.generation == 0 and self.clock() < deadline:
-            time.sleep(0.01)
+        self._first_life.wait(30)
 
     def status(self) -> ProcessStatus:
         with self._lock:
@@ -148,6 +147,7 @@ class SupervisedProcess:
                 env=env, start_new_session=True, preexec_fn=_die_with_parent,
             )  # fmt: skip
         self._started_at = self.clock()
+        self._first_life.set()
         logger.info("%s: life %d, pid %d, %s", self.spec.name, self.generation,
                     self._process.pid, self.url)  # fmt: skip
 

@@ -22,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from densa.utils.cpu import ISA_ENV
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -30,7 +31,6 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("module.cpp", "qgemm.cpp", "w8float.cpp", "decoder.cpp")]
 HEADERS = [CSRC / name for name in ("qgemm.h", "decoder.h", "vec.h")]
 CACHE_ROOT = Path(os.environ.get("DENSA_EXTENSIONS_DIR", "~/.cache/densa/extensions")).expanduser()
-ISA_ENV = "DENSA_CPU_ISA"
 ISAS = ("avx512_vnni", "avx2")
 
 

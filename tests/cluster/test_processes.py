@@ -10,23 +10,15 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from densa.cluster.config import RestartPolicy
 from densa.cluster.processes import ProcessSpec, SupervisedProcess, port_is_free
+from tests.processes import pid_gone, wait_for
 
 ROUTER_ARGV = ("router", "--host", "{host}", "--port", "{port}", "--worker", "http://127.0.0.1:9")
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 def answers(url: str) -> bool:
@@ -35,15 +27,6 @@ def answers(url: str) -> bool:
         return True
     except httpx.HTTPError:
         return False
-
-
-def is_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
 def test_a_killed_life_is_restarted_on_its_port_and_stop_leaves_nothing(tmp_path: Path) -> None:
@@ -64,7 +47,7 @@ def test_a_killed_life_is_restarted_on_its_port_and_stop_leaves_nothing(tmp_path
     finally:
         process.stop(timeout=10)
     status = process.status()
-    assert not status.alive and status.pid is not None and is_gone(status.pid)
+    assert not status.alive and status.pid is not None and pid_gone(status.pid)
     assert port_is_free("127.0.0.1", process.port)
     time.sleep(0.5)  # a stopped process is not restarted
     assert process.status().generation == 2
@@ -90,7 +73,7 @@ def test_a_supervisor_killed_with_sigkill_takes_its_process_with_it(tmp_path: Pa
         wait_for(lambda: answers(f"http://127.0.0.1:{port}"), "the child answers")
         parent.kill()  # SIGKILL: no cleanup code runs in the parent
         parent.wait(10)
-        wait_for(lambda: is_gone(pid), "the orphan died with its parent")
+        wait_for(lambda: pid_gone(pid), "the orphan died with its parent")
         wait_for(lambda: port_is_free("127.0.0.1", port), "the port is free")
     finally:
         if parent.poll() is None:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,18 +22,10 @@ import ray
 from densa.cluster.config import parse_config
 from densa.cluster.processes import port_is_free
 from densa.cluster.supervisor import Cluster
-
-from .test_processes import is_gone
+from tests.processes import pid_gone, wait_for
 
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")  # (silences a FutureWarning)
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.1)
+WAIT_S = 60.0  # restarts and admissions, on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +49,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         # down() drained and stopped every process and freed every port.
         for member in members:
             assert member.status is not None and member.status.pid is not None
-            assert is_gone(member.status.pid), f"{member.name} outlived down()"
+            assert pid_gone(member.status.pid), f"{member.name} outlived down()"
             port = int(member.status.url.rsplit(":", 1)[1])
             assert port_is_free("127.0.0.1", port), f"{member.name}'s port is still taken"
 
@@ -103,7 +94,7 @@ def outcome(cluster: Cluster) -> str:
 
 def test_the_cluster_serves_through_its_router(cluster: Cluster) -> None:
     wait_for(lambda: all(listed(cluster).values()) and len(listed(cluster)) == 2,
-             "both workers admitted")  # fmt: skip
+             "both workers admitted", WAIT_S)  # fmt: skip
     served = {complete(cluster)[0] for _ in range(6)}
     assert served <= worker_urls(cluster) and served
     assert complete(cluster)[1].usage.completion_tokens == 4
@@ -123,9 +114,10 @@ def test_a_worker_killed_is_restarted_on_its_url_and_traffic_goes_on(cluster: Cl
     assert all(r == "ok" or r.startswith("5") for r in results), results
     assert results[-8:].count("ok") == 8, results  # once ejected, the other worker serves
     wait_for(lambda: (cluster.refresh(), victim.status)[1].generation > before.generation,
-             "the actor started a new life")  # fmt: skip
+             "the actor started a new life", WAIT_S)  # fmt: skip
     assert victim.status.url == before.url  # same port: the router re-admits the same URL
-    wait_for(lambda: listed(cluster).get(before.url) is True, "the restarted worker re-admitted")
+    wait_for(lambda: listed(cluster).get(before.url) is True, "the restarted worker re-admitted",
+             WAIT_S)  # fmt: skip
 
 
 def test_an_actor_killed_comes_back_and_the_router_follows(cluster: Cluster) -> None:
@@ -137,10 +129,11 @@ def test_an_actor_killed_comes_back_and_the_router_follows(cluster: Cluster) -> 
     wait_for(lambda: (cluster.refresh(), victim.status)[1].pid != old_pid, "a new actor life",
              timeout=120)  # fmt: skip
     new_url = victim.status.url
-    wait_for(lambda: cluster.follow_once() or new_url in listed(cluster), "the router was told")
+    wait_for(lambda: cluster.follow_once() or new_url in listed(cluster), "the router was told",
+             WAIT_S)  # fmt: skip
     if new_url != old_url:  # a new port (the old one was still draining): the old URL left
         assert old_url not in listed(cluster)
-    wait_for(lambda: listed(cluster).get(new_url) is True, "the new worker admitted")
-    assert old_pid is not None and is_gone(old_pid)  # the old server died with its actor
+    wait_for(lambda: listed(cluster).get(new_url) is True, "the new worker admitted", WAIT_S)
+    assert old_pid is not None and pid_gone(old_pid)  # the old server died with its actor
     served = {complete(cluster)[0] for _ in range(8)}
     assert served <= worker_urls(cluster)

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from densa.serve.engine_client import ClientOptions
+from tests.processes import pid_gone
 
 from .support import MODEL_NAME, RunningServer, engine_client, running_server
 from .test_lifecycle import free_port, wait_healthy
@@ -119,16 +120,7 @@ def test_a_stuck_step_is_detected_by_the_heartbeat(fragile: RunningServer) -> No
     wait_for(lambda: httpx.get(fragile.base_url + "/health", timeout=5).status_code == 200,
              60, "the engine restarted")  # fmt: skip
     assert engine_pid(fragile) != first_pid
-    wait_for(lambda: _pid_gone(first_pid), 10, "the stuck engine was killed")
-
-
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # A zombie until its parent reaps it: gone as far as serving goes.
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    wait_for(lambda: pid_gone(first_pid), 10, "the stuck engine was killed")
 
 
 def _start(model_dir: Path, port: int, *flags: str) -> subprocess.Popen[str]:
@@ -164,7 +156,7 @@ def test_an_engine_whose_front_is_killed_exits_too(tiny_model_dir: Path) -> None
         pid = int(httpx.get(base_url + "/health", timeout=5).json()["engine_pid"])
         process.kill()
         process.wait(10)
-        wait_for(lambda: _pid_gone(pid), 10, "the orphaned engine exited")
+        wait_for(lambda: pid_gone(pid), 10, "the orphaned engine exited")
     finally:
         if process.poll() is None:
             process.kill()
