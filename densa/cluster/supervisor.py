@@ -73,12 +73,12 @@ class Cluster:
                                f"not enough CPUs in the cluster?")  # fmt: skip
         self.say(f"placement group ready: {len(self._bundles())} bundles, {self.config.placement}")
         self.workers = self._start_workers()
-        self.refresh()
+        self._first_statuses(self.workers, timeout_s)
         for member in self.workers:
             assert member.status is not None
             self.say(f"worker {member.name} ({member.role}) at {member.status.url}")
         self.router = self._start_router()
-        self.refresh()
+        self._first_statuses([self.router], timeout_s)
         assert self.router.status is not None
         self._router_generation = self.router.status.generation
         self._pushed = self.membership()
@@ -157,11 +157,22 @@ class Cluster:
                            f"(logs: {self.log_dir})")  # fmt: skip
 
     # ---- following ---------------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Ask every actor for its status; one restarting (or unreachable) keeps its last one."""
-        members = [*self.workers, *([self.router] if self.router else [])]
+    def _first_statuses(self, members: list[Member], timeout_s: float) -> None:
+        """Wait for new actors' first status: Ray may take seconds to start their processes."""
+        self.refresh(members, timeout_s)
+        missing = [m.name for m in members if m.status is None]
+        if missing:
+            raise RuntimeError(f"{', '.join(missing)} did not start within {timeout_s:g} s "
+                               f"(logs: {self.log_dir})")  # fmt: skip
+
+    def refresh(self, members: list[Member] | None = None,
+                timeout_s: float = STATUS_TIMEOUT_S) -> None:  # fmt: skip
+        """Ask the actors (default: all) for their status; one restarting (or unreachable) keeps
+        its last one."""
+        if members is None:
+            members = [*self.workers, *([self.router] if self.router else [])]
         refs = {m.actor.status.remote(): m for m in members}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=STATUS_TIMEOUT_S)
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         for ref in ready:
             # An actor that died raises: Ray is restarting it, and its next status tells.
             with contextlib.suppress(ray.exceptions.RayError):
