@@ -63,20 +63,28 @@ def forced_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     native.isa.cache_clear()
 
 
+# Three prompts (lengths, page tables): pages are scattered and shared by no one.
+SHORT_PROMPTS = ([7, 13, 4], [[30, 2, 17, 9], [5, 33, 21, 11, 26], [14, 38]])
+
+
 def _step(
-    model_dir: Path, weight_format: str, kv: str, head_format: str = "dense"
+    model_dir: Path,
+    weight_format: str,
+    kv: str,
+    head_format: str = "dense",
+    prompts: tuple[list[int], list[list[int]]] = SHORT_PROMPTS,
 ) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """Prefill three sequences eagerly, then run one decode step eagerly and fused from copies
+    """Prefill the prompts eagerly, then run one decode step eagerly and fused from copies
     of the same caches; returns (eager hidden, fused hidden, [(eager cache, fused cache)])."""
     arch = ArchConfig.from_dir(model_dir)
     cpu = torch.device("cpu")
     model = load_model(model_dir, arch, "float32", 512, cpu, weight_format, head_format)
     kv_dtype, policy, static = KV_FORMATS[kv]
-    caches = allocate_kv_caches(arch, 40, PAGE_SIZE, kv_dtype, cpu, policy, static)
+    lens, tables = prompts
+    num_pages = max(max(table) for table in tables) + 1
+    caches = allocate_kv_caches(arch, num_pages, PAGE_SIZE, kv_dtype, cpu, policy, static)
     backend = CpuAttentionBackend()
     gen = torch.Generator().manual_seed(0)
-    lens = [7, 13, 4]  # prompt lengths; pages are scattered and shared by no one
-    tables = [[30, 2, 17, 9], [5, 33, 21, 11, 26], [14, 38]]
     with torch.inference_mode():
         for length, table in zip(lens, tables, strict=True):
             ids = torch.randint(300, 40000, (length,), generator=gen)
@@ -88,12 +96,12 @@ def _step(
                 prefill=build_group(0, [table], [length], [length], PAGE_SIZE, cpu),
             )
             model(ids, pos, caches, meta, backend)
-        ids = torch.randint(300, 40000, (3,), generator=gen)
+        ids = torch.randint(300, 40000, (len(lens),), generator=gen)
         pos = torch.tensor(lens)
         meta = AttentionMetadata(
             slot_pages=torch.tensor([t[p // PAGE_SIZE] for t, p in zip(tables, lens, strict=True)]),
             slot_offsets=pos % PAGE_SIZE,
-            decode=build_group(0, tables, [n + 1 for n in lens], [1, 1, 1], PAGE_SIZE, cpu),
+            decode=build_group(0, tables, [n + 1 for n in lens], [1] * len(lens), PAGE_SIZE, cpu),
             prefill=None,
         )
         fused_caches = [_copy(c) for c in caches]
@@ -134,6 +142,35 @@ def test_fused_step_matches_eager(
     forced_isa: str, kv: str, weight_format: str, tiny_model_dir: Path
 ) -> None:
     eager, fused, pairs = _step(tiny_model_dir, weight_format, kv)
+    torch.testing.assert_close(fused, eager, **_tolerance(kv))
+    _assert_same_pages(pairs)
+
+
+def test_context_splits_balance_the_threads() -> None:
+    splits = native.load().context_splits
+    assert splits(3, 2, 330) == 2  # 3 kv heads on 2 threads: 1.5 head-contexts per thread, not 2
+    assert splits(1, 2, 600) == 2  # one kv head: both threads take half
+    assert splits(96, 2, 330) == 1  # a batch already spreads evenly
+    assert splits(3, 2, 200) == 1  # parts under 128 tokens cost more to merge than they save
+    assert splits(2, 2, 4000) == 1
+
+
+@pytest.mark.parametrize("forced_isa", PATHS, indirect=True)
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+def test_fused_step_over_a_split_context(forced_isa: str, kv: str, tiny_model_dir: Path) -> None:
+    """One 301-token context on 4 threads: each kv head's context is cut into page-aligned parts
+    whose partial softmaxes are merged (context_splits(2, 4, 301) = 2), as eager computes it whole.
+    Dense weights: with int8 activations a last-bit difference in the attention's output can flip
+    one activation's rounding before o_proj, which would hide what this test checks."""
+    assert native.load().context_splits(2, 4, 301) == 2
+    length = 300
+    table = [(7 * p) % 97 for p in range(length // PAGE_SIZE + 1)]  # scattered, distinct (97 prime)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        eager, fused, pairs = _step(tiny_model_dir, "dense", kv, prompts=([length], [table]))
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(fused, eager, **_tolerance(kv))
     _assert_same_pages(pairs)
 

@@ -59,6 +59,10 @@ struct StepInputs {
   const int64_t* slot_offsets;
 };
 
+// Parts each (sequence, kv head)'s context is split into at decode, for `items` (sequence, kv
+// head) pairs on `threads` threads and a longest context of `longest` tokens (decoder.cpp).
+int64_t context_splits(int64_t items, int64_t threads, int64_t longest);
+
 struct Decoder {
   Config config;
   Isa isa;

@@ -265,6 +265,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
         return quantized_linear(x, packed, n, 8, isa);
       },
       "x [M,K] f32, packed W8, N, isa -> [M,N] f32");
+  module.def("context_splits", &context_splits,
+             "items, threads, longest context -> parts per (sequence, kv head) at decode");
   module.def("pack_w8float", &pack_w8float, "W8 codes [N,K] s8, d [N,K/32] -> w8 blocks");
   module.def("w8float_linear", &w8float_linear, "x [M,K] f32, w8 blocks, N, isa -> [M,N] f32");
   pybind11::class_<PyDecoder>(module, "Decoder")
