@@ -20,6 +20,15 @@ from pathlib import Path
 from densa.bench.peer_servers import PeerSpec
 from densa.utils.cpu import ISA_ENV
 
+# An AVX2-only machine's code paths on any x86 machine: densa's kernels (ISA_ENV) and torch's
+# own (aten's vectorized kernels, MKL's GEMMs, oneDNN), so an AVX2 peer runs no AVX-512 code.
+AVX2_ENV = {
+    ISA_ENV: "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+
 LLAMA_SERVER_HINT = "build it with `scripts/setup.sh peers` or pass --llama-server PATH"
 
 
@@ -87,24 +96,30 @@ def llama_cpp(ctx: PeerContext) -> PeerSpec:
     )
 
 
-def transformers(ctx: PeerContext) -> PeerSpec:
-    cli = shutil.which("transformers", path=str(Path(sys.executable).parent))
-    if cli is None:
-        raise FileNotFoundError("the `transformers` command is missing next to this Python")
-    argv = [cli, "serve", str(ctx.hf_dir), "--continuous-batching", "--device", "cpu"]
-    argv += ["--dtype", "float32", "--host", "127.0.0.1", "--port", "{port}"]
-    # Exactly output_len greedy tokens (it has no ignore_eos; min_new_tokens does the same).
-    generation = {"do_sample": False, "min_new_tokens": ctx.output_len}
-    return PeerSpec(
-        name="transformers fp32",
-        engine="transformers",
-        argv=tuple(argv),
-        model=str(ctx.hf_dir),
-        formats={"linear": "fp32", "head": "fp32", "kv": "fp32 (paged)", "compute": "fp32"},
-        extra_body={"generation_config": json.dumps(generation)},
-        env={"OMP_NUM_THREADS": str(ctx.threads)},
-        ready_path="/health",
-    )
+def _transformers(name: str, env: dict[str, str] | None = None) -> Builder:
+    def build(ctx: PeerContext) -> PeerSpec:
+        cli = shutil.which("transformers", path=str(Path(sys.executable).parent))
+        if cli is None:
+            raise FileNotFoundError("the `transformers` command is missing next to this Python")
+        argv = [cli, "serve", str(ctx.hf_dir), "--continuous-batching", "--device", "cpu"]
+        argv += ["--dtype", "float32", "--host", "127.0.0.1", "--port", "{port}"]
+        # Exactly output_len greedy tokens (it has no ignore_eos; min_new_tokens does the same).
+        generation = {"do_sample": False, "min_new_tokens": ctx.output_len}
+        return PeerSpec(
+            name=name,
+            engine="transformers",
+            argv=tuple(argv),
+            model=str(ctx.hf_dir),
+            formats={"linear": "fp32", "head": "fp32", "kv": "fp32 (paged)", "compute": "fp32"},
+            extra_body={"generation_config": json.dumps(generation)},
+            env={"OMP_NUM_THREADS": str(ctx.threads), **(env or {})},
+            ready_path="/health",
+        )
+
+    return build
+
+
+transformers = _transformers("transformers fp32")
 
 
 DENSA_FP32 = {"linear": "fp32", "head": "fp32", "kv": "fp32", "compute": "fp32"}
@@ -125,6 +140,8 @@ DENSA_LLAMA_NUMERICS = {
 PEERS: dict[str, Builder] = {
     "llama.cpp": llama_cpp,
     "transformers": transformers,
+    # torch on its AVX2 code paths (MKL, aten, oneDNN), the peer of densa-avx2.
+    "transformers-avx2": _transformers("transformers fp32 (AVX2)", AVX2_ENV),
     # What scripts/serve.sh starts: the bundled GGUF with its auto formats, INT8 KV pages.
     "densa": _densa("densa (default)", ["--model", "{gguf}", *SERVE_SH_ARGS], DENSA_DEFAULT),
     # llama.cpp's numerics exactly: int8 activations for the head too.
@@ -139,12 +156,12 @@ PEERS: dict[str, Builder] = {
         ["--model", "{gguf}", *SERVE_SH_ARGS, "--engine-placement", "thread"],
         DENSA_DEFAULT,
     ),
-    # The default on the AVX2 code path (an AVX2-only machine's kernels, on any x86 machine).
+    # The default on the AVX2 code paths (its kernels' and torch's), on any x86 machine.
     "densa-avx2": _densa(
         "densa (default, AVX2 kernels)",
         ["--model", "{gguf}", *SERVE_SH_ARGS],
         DENSA_DEFAULT,
-        env={ISA_ENV: "avx2"},
+        env=AVX2_ENV,
     ),
     "densa-fp32": _densa(
         "densa fp32",

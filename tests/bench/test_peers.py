@@ -122,3 +122,23 @@ def test_a_peer_that_stops_early_fails_the_run(tmp_path: Path) -> None:
     specs = [_fake("short fake", "densa", "--short-by", "2")]
     with pytest.raises(RuntimeError, match="do not force the output length"):
         run_peers(specs, settings, _prompts(settings), tmp_path / "logs")
+
+
+def test_avx2_peers_run_no_avx512_code_and_the_others_run_native(tmp_path: Path) -> None:
+    """densa-avx2 and transformers-avx2 force densa's kernels and torch's (aten, MKL, oneDNN)
+    onto AVX2, so an AVX-512 machine can stand in for an AVX2 one; the other peers are native."""
+    from densa.bench.peer_specs import AVX2_ENV, PeerContext, build_specs
+
+    ctx = PeerContext(
+        gguf=tmp_path / "m.gguf", hf_dir=tmp_path / "hf", llama_server=None, threads=2,
+        max_concurrency=8, context_len=128, output_len=8,
+    )  # fmt: skip
+    specs = build_specs(["densa-avx2", "transformers-avx2", "densa", "transformers"], ctx)
+    avx2, native = specs[:2], specs[2:]
+    for spec in avx2:
+        assert AVX2_ENV.items() <= spec.env.items(), spec.name
+        assert spec.env["OMP_NUM_THREADS"] == "2"
+    assert {"DENSA_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS"} <= set(AVX2_ENV)
+    for spec in native:
+        assert not set(AVX2_ENV) & set(spec.env), spec.name
+    assert avx2[1].engine == "transformers"  # the goals compare densa with it by engine
