@@ -10,7 +10,8 @@ better; the highest score wins:
        or a new worker moves few of them); 0 for requests without a session
     P  matched / total: the prompt's full blocks that w probably caches, in the request's scope
     K  w's free KV pages after this request's uncached prompt and expected output, / total pages
-    Q  (q_max - q) / q_max over candidates, q = requests queued or running on w
+    Q  (q_max - q) / (q_max - q_min) over candidates (1 if all equal), q = requests queued or
+       running on w
     L  the same for d = w's expected decode tokens still to come (its requests' expected lengths)
 
 Policies are pure functions of immutable snapshots (`WorkerView`, `RouteFeatures`), so tests pin
@@ -87,20 +88,31 @@ def signal_values(
     features: RouteFeatures, views: Sequence[WorkerView]
 ) -> dict[str, dict[str, float]]:
     """url -> signal -> value in [0, 1] (the table the weighted sum is taken over)."""
-    max_queue = max(v.queue_depth for v in views)
-    max_pending = max(v.pending_output_tokens + features.expected_output_tokens for v in views)
+    queue = _min_max_scores({v.url: v.queue_depth for v in views})
+    # This request's own expected output is the same on every worker, so only theirs compare.
+    length = _min_max_scores({v.url: v.pending_output_tokens for v in views})
     table = {}
     for view in views:
-        pending = view.pending_output_tokens + features.expected_output_tokens
         table[view.url] = {
             "affinity": float(view.url == features.sticky_url),
             "ring": float(view.url == features.ring_url),
             "prefix": view.matched_blocks / features.num_blocks if features.num_blocks else 0.0,
             "kv": _free_after(features, view),
-            "queue": (max_queue - view.queue_depth) / max_queue if max_queue else 1.0,
-            "length": (max_pending - pending) / max_pending if max_pending else 1.0,
+            "queue": queue[view.url],
+            "length": length[view.url],
         }
     return table
+
+
+def _min_max_scores(loads: dict[str, int]) -> dict[str, float]:
+    """(max - load) / (max - min): 1 for the least loaded candidate, 0 for the busiest, 1 for
+    all when they are equal (llm-d's queue scorer). Normalizing by max alone would score queues
+    of 2 and 3 as 0.33 and 0: one request of difference would count a third as much as between
+    an idle and a busy worker, and a shared system prompt would pile sessions onto busy ones."""
+    most, least = max(loads.values()), min(loads.values())
+    if most == least:
+        return dict.fromkeys(loads, 1.0)
+    return {url: (most - load) / (most - least) for url, load in loads.items()}
 
 
 def _free_after(features: RouteFeatures, view: WorkerView) -> float:

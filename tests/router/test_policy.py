@@ -61,7 +61,42 @@ def test_queue_depth_decides_without_session_or_prefix() -> None:
     views = [view(A, queue_depth=4), view(B, queue_depth=1), view(C, queue_depth=2)]
     decision = DENSA.choose(RouteFeatures(40, 2, 16), views)
     assert decision.url == B and decision.signal == "queue"
-    assert signal_values(RouteFeatures(40, 2, 16), views)[B]["queue"] == pytest.approx(0.75)
+    values = signal_values(RouteFeatures(40, 2, 16), views)
+    # min-max over the candidates: (4 - q) / (4 - 1)
+    assert [values[u]["queue"] for u in (A, B, C)] == pytest.approx([0.0, 1.0, 2 / 3])
+
+
+def test_queue_and_length_are_min_max_normalized_and_equal_loads_score_one() -> None:
+    busy = [view(A, queue_depth=5, pending_output_tokens=300),
+            view(B, queue_depth=5, pending_output_tokens=300)]  # fmt: skip
+    values = signal_values(RouteFeatures(40, 2, 16), busy)
+    assert all(values[u]["queue"] == values[u]["length"] == 1.0 for u in (A, B))
+    # one request of difference between two busy workers is a full queue lead, as between an
+    # idle and a busy one (normalized by the max alone, 5 vs 6 would score only 1/6)
+    values = signal_values(
+        RouteFeatures(40, 2, 16), [view(A, queue_depth=6), view(B, queue_depth=5)]
+    )
+    assert values[A]["queue"] == 0.0 and values[B]["queue"] == 1.0
+
+
+def test_a_new_session_goes_to_a_less_busy_worker_rather_than_pile_onto_the_prompt_holders() -> (
+    None
+):
+    # A and C hold the tenant's system prompt (13 of the prompt's 22 blocks) and run 3 sessions'
+    # requests each (24 output tokens expected per request); B holds nothing and runs 2. The
+    # prefix, 3 * 13/22 = 1.77 (and B's extra 13 pages of KV), loses to B's queue and length
+    # leads of 2 + 1; normalized by the max alone they were worth 2 * 1/3 + 1 * 1/4, and the
+    # session piled onto a prompt holder.
+    def worker(url: str, queue: int, matched: int = 0) -> WorkerView:
+        return view(url, queue_depth=queue, pending_output_tokens=24 * queue,
+                    num_kv_pages=182, num_free_kv_pages=182, matched_blocks=matched)  # fmt: skip
+
+    features = RouteFeatures(365, 22, 24)
+    decision = DENSA.choose(features, [worker(A, 3, 13), worker(B, 2), worker(C, 3, 13)])
+    assert decision.url == B and decision.signal == "queue"
+    # with equal queues, the prompt holders win on the prefix
+    even = DENSA.choose(features, [worker(A, 3, 13), worker(B, 3), worker(C, 3, 13)])
+    assert even.url == A and even.scores[A] == even.scores[C] > even.scores[B]
 
 
 def test_free_kv_after_the_request_decides_between_equal_queues() -> None:
@@ -83,7 +118,9 @@ def test_expected_decode_work_decides_between_otherwise_equal_workers() -> None:
     decision = WeightedPolicy(Weights().only("length")).choose(RouteFeatures(16, 1, 100), views)
     assert decision.url == B and decision.signal == "length"
     values = signal_values(RouteFeatures(16, 1, 100), views)
-    assert values[A]["length"] == 0.0 and values[B]["length"] == pytest.approx(0.8)
+    assert values[A]["length"] == 0.0 and values[B]["length"] == 1.0
+    three = [*views, view(C, pending_output_tokens=500)]
+    assert signal_values(RouteFeatures(16, 1, 100), three)[C]["length"] == pytest.approx(0.5)
 
 
 def test_ties_go_to_the_least_routed_then_the_first_listed() -> None:
