@@ -11,7 +11,7 @@ better; the highest score wins:
     P  matched / total: the prompt's full blocks that w probably caches, in the request's scope
     K  w's free KV pages after this request's uncached prompt and expected output, / total pages
     Q  (q_max - q) / (q_max - q_min) over candidates (1 if all equal), q = requests queued or
-       running on w
+       running on w; for a new session, q = max(that, live sessions stuck to w)
     L  the same for d = w's expected decode tokens still to come (its requests' expected lengths)
 
 Policies are pure functions of immutable snapshots (`WorkerView`, `RouteFeatures`), so tests pin
@@ -64,6 +64,7 @@ class WorkerView:
     pending_output_tokens: int  # expected output tokens of our requests still open there
     num_routed: int = 0  # requests routed there so far (tie-break)
     matched_blocks: int = 0  # leading prompt blocks it probably caches (this request's scope)
+    num_sessions: int = 0  # live sessions stuck to it
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class RouteFeatures:
     expected_output_tokens: int = 0
     sticky_url: str | None = None  # the session's worker, if it has a live one
     ring_url: str | None = None  # a new session's ring home
+    is_new_session: bool = False  # it names a session that has no live worker yet
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ def signal_values(
     features: RouteFeatures, views: Sequence[WorkerView]
 ) -> dict[str, dict[str, float]]:
     """url -> signal -> value in [0, 1] (the table the weighted sum is taken over)."""
-    queue = _min_max_scores({v.url: v.queue_depth for v in views})
+    queue = _min_max_scores({v.url: _queue_load(features, v) for v in views})
     # This request's own expected output is the same on every worker, so only theirs compare.
     length = _min_max_scores({v.url: v.pending_output_tokens for v in views})
     table = {}
@@ -102,6 +104,17 @@ def signal_values(
             "length": length[view.url],
         }
     return table
+
+
+def _queue_load(features: RouteFeatures, view: WorkerView) -> int:
+    """What the request will queue behind on w. A new session will come back turn after turn:
+    it shares w with w's live sessions, not only with the requests in flight this instant (a
+    session between two turns has none in flight, and a snapshot taken then would call a worker
+    with three conversations idle). Its in-flight requests are its sessions' turns, so the two
+    counts overlap: the larger one is the load."""
+    if features.is_new_session:
+        return max(view.queue_depth, view.num_sessions)
+    return view.queue_depth
 
 
 def _min_max_scores(loads: dict[str, int]) -> dict[str, float]:

@@ -102,16 +102,17 @@ class Router:
         self, incoming: Incoming, hashes: list[BlockHash], expected: int, targets: list[Worker]
     ) -> RouteFeatures:
         sticky = ring_home = None
+        is_new_session = False
         if incoming.session_id is not None:
             sticky = self.sessions.lookup(incoming.session_id)
             if sticky not in {w.url for w in targets}:
                 sticky = None
                 ring_home = self.ring.owner(incoming.session_id, {w.url for w in targets})
+                is_new_session = True
         num_tokens = len(incoming.prompt_ids) if incoming.prompt_ids is not None else 0
-        return RouteFeatures(num_tokens, len(hashes), expected, sticky, ring_home)
+        return RouteFeatures(num_tokens, len(hashes), expected, sticky, ring_home, is_new_session)
 
-    @staticmethod
-    def _views(workers: list[Worker], hashes: list[BlockHash]) -> list[WorkerView]:
+    def _views(self, workers: list[Worker], hashes: list[BlockHash]) -> list[WorkerView]:
         views = []
         for w in workers:
             load = w.load
@@ -122,6 +123,7 @@ class Router:
                 page_size=load.page_size if load else 1,
                 pending_output_tokens=w.pending_output_tokens, num_routed=w.num_routed,
                 matched_blocks=w.prefix.match(hashes),
+                num_sessions=self.sessions.num_live(w.url),
             ))  # fmt: skip
         return views
 

@@ -4,6 +4,9 @@ A session's first request is placed by the policy (the ring home is one of its s
 then on the session is *stuck* to that worker for `ttl_s` after its latest request, so its
 growing prefix keeps hitting one cache. An entry whose worker is ejected is dropped, and the
 session is placed again (its cache died with the worker anyway).
+
+The table also counts each worker's live sessions: the load a new session will share that
+worker with turn after turn (policy.py's queue signal, for new sessions).
 """
 
 from __future__ import annotations
@@ -28,32 +31,55 @@ class SessionTable:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self._clock = clock
-        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (url, expiry)
+        # id -> (url, expiry); in expiry order, since every stick moves its entry to the end with
+        # an expiry `ttl_s` ahead, so expired entries are dropped from the front.
+        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._num_live: dict[str, int] = {}  # url -> live sessions stuck to it
 
     def __len__(self) -> int:
+        self._drop_expired()
         return len(self._entries)
 
     def lookup(self, session_id: str) -> str | None:
-        """The session's worker if its entry is live (no mutation but dropping an expired one)."""
+        """The session's worker if its entry is live (dropping expired entries first)."""
+        self._drop_expired()
         entry = self._entries.get(session_id)
-        if entry is None:
-            return None
-        url, expiry = entry
-        if expiry <= self._clock():
-            del self._entries[session_id]
-            return None
-        return url
+        return entry[0] if entry is not None else None
 
     def stick(self, session_id: str, url: str) -> None:
         """The session now lives on `url`, for another TTL."""
+        self._remove(session_id)
         self._entries[session_id] = (url, self._clock() + self.ttl_s)
-        self._entries.move_to_end(session_id)
+        self._num_live[url] = self._num_live.get(url, 0) + 1
         while len(self._entries) > self.max_sessions:
-            self._entries.popitem(last=False)
+            self._remove(next(iter(self._entries)))
+
+    def num_live(self, url: str) -> int:
+        """Live sessions stuck to `url`."""
+        self._drop_expired()
+        return self._num_live.get(url, 0)
 
     def forget_worker(self, url: str) -> int:
         """Drop every session stuck to `url` (ejected); returns how many."""
         gone = [sid for sid, (owner, _) in self._entries.items() if owner == url]
         for sid in gone:
-            del self._entries[sid]
+            self._remove(sid)
         return len(gone)
+
+    def _remove(self, session_id: str) -> None:
+        entry = self._entries.pop(session_id, None)
+        if entry is None:
+            return
+        left = self._num_live[entry[0]] - 1
+        if left:
+            self._num_live[entry[0]] = left
+        else:
+            del self._num_live[entry[0]]
+
+    def _drop_expired(self) -> None:
+        now = self._clock()
+        while self._entries:
+            session_id, (_, expiry) = next(iter(self._entries.items()))
+            if expiry > now:
+                return
+            self._remove(session_id)

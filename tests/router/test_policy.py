@@ -99,6 +99,22 @@ def test_a_new_session_goes_to_a_less_busy_worker_rather_than_pile_onto_the_prom
     assert even.url == A and even.scores[A] == even.scores[C] > even.scores[B]
 
 
+def test_a_new_session_counts_a_workers_live_sessions_as_its_load() -> None:
+    # A's three conversations are between turns (nothing in flight this instant); B runs one
+    # request of its one session. A new session will share A with three conversations: B.
+    views = [view(A, queue_depth=0, num_sessions=3), view(B, queue_depth=1, num_sessions=1)]
+    new_session = DENSA.choose(RouteFeatures(40, 2, 16, ring_url=A, is_new_session=True), views)
+    assert new_session.url == B and new_session.signal == "queue"
+    # a request without a session only waits behind what is in flight: A
+    assert DENSA.choose(RouteFeatures(40, 2, 16), views).url == A
+    # in-flight requests are their sessions' turns: the larger count is the load, not the sum
+    values = signal_values(
+        RouteFeatures(40, 2, 16, is_new_session=True),
+        [view(A, queue_depth=2, num_sessions=2), view(B, queue_depth=0, num_sessions=2)],
+    )
+    assert values[A]["queue"] == values[B]["queue"] == 1.0
+
+
 def test_free_kv_after_the_request_decides_between_equal_queues() -> None:
     views = [view(A, num_free_kv_pages=10), view(B, num_free_kv_pages=60)]
     decision = DENSA.choose(RouteFeatures(64, 4, 64), views)
@@ -226,6 +242,27 @@ def test_sessions_stick_for_their_ttl_after_the_last_request() -> None:
     table.stick("y", B)
     table.stick("z", C)
     assert table.forget_worker(B) == 2 and table.lookup("z") == C
+
+
+def test_sessions_are_counted_per_worker_while_live() -> None:
+    now = [0.0]
+    table = SessionTable(ttl_s=10, clock=lambda: now[0])
+    for sid, url in (("s1", A), ("s2", A), ("s3", B)):
+        table.stick(sid, url)
+    assert (table.num_live(A), table.num_live(B), table.num_live(C)) == (2, 1, 0)
+    now[0] = 5.0
+    table.stick("s1", A)  # another turn: still one session, renewed
+    table.stick("s3", C)  # moved (its worker was worse off): counted where it lives now
+    assert (table.num_live(A), table.num_live(B), table.num_live(C)) == (2, 0, 1)
+    now[0] = 12.0  # s2 expired (last seen at 0), s1 and s3 live until 15
+    assert (table.num_live(A), table.num_live(C), len(table)) == (1, 1, 2)
+    assert table.lookup("s2") is None
+    table.forget_worker(A)
+    assert table.num_live(A) == 0 and table.num_live(C) == 1
+    bounded = SessionTable(max_sessions=2)
+    for sid in ("a", "b", "c"):
+        bounded.stick(sid, A)
+    assert bounded.num_live(A) == 2 and bounded.lookup("a") is None
 
 
 def test_expected_length_is_max_tokens_then_the_learned_mean_capped_by_it() -> None:

@@ -115,3 +115,20 @@ def test_open_requests_count_as_queue_and_expected_decode_work_until_closed() ->
     assert router.lengths.mean("/v1/chat/completions") == 7
     excluded = router.place(incoming([1, 2, 3]), exclude=frozenset({D1, D2}))
     assert excluded is None
+
+
+def test_a_new_session_avoids_the_worker_whose_sessions_are_between_turns() -> None:
+    router = make_router({D1: "mixed", D2: "mixed"})
+    for i in range(3):  # three conversations on D1, none of them in flight now
+        turn = router.place(incoming(list(range(40)), session=f"old-{i}"))
+        assert turn is not None
+        turn.worker = router.pool.workers[D1]
+        router.opened(turn)
+        router.closed(turn, 5)
+    assert router.pool.workers[D1].queue_depth == 0 and router.sessions.num_live(D1) == 3
+    new = router.place(incoming(list(range(40)), session="new"))
+    assert new is not None and new.worker.url == D2 and new.decision.signal == "queue"
+    # D1's own sessions stay there; a request without a session sees two idle workers
+    again = router.place(incoming(list(range(40)), session="old-0"))
+    assert again is not None and again.worker.url == D1 and again.decision.signal == "affinity"
+    assert router.place(incoming(list(range(40)))) is not None
