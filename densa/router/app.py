@@ -80,7 +80,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=_NO_DELAY)
         async with httpx.AsyncClient(timeout=timeout, transport=transport) as client:
-            state.proxy = Proxy(router, client, metrics, config.max_attempts)
+            state.proxy = Proxy(router, client, transport, timeout, metrics, config.max_attempts)
             await router.pool.poll_due(client)  # admit whoever is up before the first request
             tasks = [asyncio.create_task(router.pool.run(client)),
                      asyncio.create_task(_learn_model(router, client))]  # fmt: skip

@@ -59,10 +59,20 @@ def no_worker_available() -> APIError:
 
 @dataclass
 class Proxy:
+    """Requests go to the workers through `transport` itself, not through an httpx client: a
+    client's per-request work (merging its URL, headers, cookies and params, auth and redirect
+    handling, a log record) costs the router's hop more than its scoring does, and its cookie
+    jar would keep a worker's Set-Cookie and send it on with every later client's request."""
+
     router: Router
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient  # polls and /v1/models (over the same transport)
+    transport: httpx.AsyncBaseTransport
+    timeout: httpx.Timeout
     metrics: RouterMetrics
     max_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        self._timeout = self.timeout.as_dict()  # the form a transport reads from extensions
 
     async def forward(self, incoming: Incoming, headers: Headers, arrived: float) -> Response:
         tried: set[str] = set()
@@ -89,12 +99,12 @@ class Proxy:
             self.metrics.decision_seconds.observe(decision_ms / 1000)
         self.router.opened(placement)
         done = _Once(lambda n: self.router.closed(placement, n))
-        request = self.client.build_request(
+        request = httpx.Request(
             "POST", worker.endpoint(incoming.endpoint), content=incoming.body,
-            headers=_upstream_headers(headers, placement),
+            headers=_upstream_headers(headers, placement), extensions={"timeout": self._timeout},
         )  # fmt: skip
         try:
-            upstream = await self.client.send(request, stream=True)
+            upstream = await self.transport.handle_async_request(request)
         except httpx.TransportError as exc:
             done(None)
             self.router.pool.report_failure(worker, f"connection failed: {type(exc).__name__}")
