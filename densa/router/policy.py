@@ -33,7 +33,7 @@ class Weights:
     """Weights of the signals; the defaults are argued in docs/routing.md."""
 
     affinity: float = 8.0  # a live session stays put unless its worker is badly worse off
-    ring: float = 1.0  # a new session's ring home, unless a real prefix or load says otherwise
+    ring: float = 0.5  # a new session's home among equals; a real prefix or load decides first
     prefix: float = 3.0  # cached blocks save prefill compute (llm-d's default ratio 3:2:2)
     kv: float = 2.0
     queue: float = 2.0

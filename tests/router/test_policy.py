@@ -115,6 +115,20 @@ def test_a_new_session_counts_a_workers_live_sessions_as_its_load() -> None:
     assert values[A]["queue"] == values[B]["queue"] == 1.0
 
 
+def test_a_long_shared_prompt_draws_a_new_session_past_its_ring_home_and_one_more_session() -> None:
+    # A holds 19 of the prompt's 20 blocks (a tenant's long system prompt) and one live session;
+    # B, the new session's ring home, has none. 3 * 19/20 = 2.85 of prefix beats B's queue lead
+    # of 2 plus its ring home's 0.5 (at the ring's old weight of 1 it lost).
+    big = {"num_kv_pages": 1000, "num_free_kv_pages": 1000}  # free KV hardly differs
+    views = [view(A, num_sessions=1, matched_blocks=19, **big), view(B, **big)]
+    decision = DENSA.choose(RouteFeatures(330, 20, 16, ring_url=B, is_new_session=True), views)
+    assert decision.url == A and decision.signal == "prefix"
+    old_ring = WeightedPolicy(Weights(ring=1.0))
+    assert (
+        old_ring.choose(RouteFeatures(330, 20, 16, ring_url=B, is_new_session=True), views).url == B
+    )
+
+
 def test_free_kv_after_the_request_decides_between_equal_queues() -> None:
     views = [view(A, num_free_kv_pages=10), view(B, num_free_kv_pages=60)]
     decision = DENSA.choose(RouteFeatures(64, 4, 64), views)
