@@ -61,8 +61,9 @@ def no_worker_available() -> APIError:
 class Proxy:
     """Requests go to the workers through `transport` itself, not through an httpx client: a
     client's per-request work (merging its URL, headers, cookies and params, auth and redirect
-    handling, a log record) costs the router's hop more than its scoring does, and its cookie
-    jar would keep a worker's Set-Cookie and send it on with every later client's request."""
+    handling, a log record) cost the router's hop about as much as its scoring (0.4-0.6 ms of
+    ~2.3 ms added to a tiny request on the 2-core development machine), and its cookie jar
+    would keep a worker's Set-Cookie and send it on with every later client's request."""
 
     router: Router
     client: httpx.AsyncClient  # polls and /v1/models (over the same transport)

@@ -24,6 +24,7 @@ class FakeWorker:
     num_chunks_sent: int = 0
     num_free_kv_pages: int = 100
     num_running: int = 0
+    set_cookie: str | None = None  # a Set-Cookie header on every answer to a chat request
     received: list[dict[str, Any]] = field(default_factory=list)  # headers + body per request
 
     def app(self) -> FastAPI:
@@ -59,9 +60,10 @@ class FakeWorker:
         if self.mode == "400":
             return Response(b'{"error": {"message": "exactly these bytes"}}', status_code=400,
                             media_type="application/json")  # fmt: skip
+        cookie = {"set-cookie": self.set_cookie} if self.set_cookie else None
         if body.get("stream"):
-            return StreamingResponse(self._events(), media_type="text/event-stream")
-        return JSONResponse(_completion("hello", 3))
+            return StreamingResponse(self._events(), media_type="text/event-stream", headers=cookie)
+        return JSONResponse(_completion("hello", 3), headers=cookie)
 
     async def _events(self) -> AsyncIterator[bytes]:
         try:

@@ -65,6 +65,18 @@ def test_answers_name_the_worker_exactly_as_given_and_streams_pass_through(
         assert worker.received[0]["headers"]["authorization"] == "Bearer k"
 
 
+def test_a_workers_cookie_reaches_its_client_but_never_another_clients_request(
+    tokenizer_files: TokenizerFiles,
+) -> None:
+    with fakes(tokenizer_files, 1) as [(url, worker)]:
+        worker.set_cookie = "sid=client-a-secret; Path=/"
+        with router(workers=(url,)) as base:
+            first = httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=10)
+            assert first.headers["set-cookie"] == "sid=client-a-secret; Path=/"
+            httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=10).raise_for_status()
+        assert [r["headers"].get("cookie") for r in worker.received] == [None, None]
+
+
 def test_429_and_4xx_bodies_pass_through_untouched_and_are_not_retried(
     tokenizer_files: TokenizerFiles,
 ) -> None:
