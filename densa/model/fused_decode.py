@@ -32,7 +32,7 @@ _KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
 
 
 def fp8_table() -> torch.Tensor:
-    """float32 value of each e4m3fn code (the fused kernel widens fp8 by table lookup)."""
+    """float32 value of each e4m3fn code (the fused kernel's scalar tails widen fp8 through it)."""
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 

@@ -9,6 +9,7 @@
 
 #include "decoder.h"
 #include "qgemm.h"
+#include "vec.h"
 
 namespace densa {
 namespace {
@@ -88,6 +89,28 @@ KVSide make_kv_side(const at::Tensor& cache, const std::optional<at::Tensor>& sc
     side.exponents = scale->data_ptr<int8_t>();
   }
   return side;
+}
+
+// Cached K/V bytes widened to float32 times `scale`, as the decode attention reads them
+// (dtype: kKvF32 / kKvBf16 / kKvFp8 / kKvInt8): lets tests check every code of every format.
+at::Tensor widen_kv(const at::Tensor& raw, int64_t dtype, double scale,
+                    const at::Tensor& fp8_table, const std::string& isa) {
+  TORCH_CHECK(raw.dim() == 1 && raw.is_contiguous(), "raw: 1-D contiguous");
+  const int64_t element = dtype == kKvF32 ? 4 : (dtype == kKvBf16 ? 2 : 1);
+  TORCH_CHECK(raw.element_size() == element, "raw: ", element, "-byte elements for this dtype");
+  const at::Tensor table = fp8_table.contiguous().to(at::kFloat);
+  TORCH_CHECK(table.numel() == 256, "fp8 table: 256 float32 values");
+  const int64_t n = raw.numel();
+  at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+  const int kind = static_cast<int>(dtype);
+  if (parse_isa(isa) == Isa::kAvx512Vnni) {
+    Avx512::widen(raw.data_ptr(), kind, static_cast<int>(n), static_cast<float>(scale),
+                  table.data_ptr<float>(), out.data_ptr<float>());
+  } else {
+    Avx2::widen(raw.data_ptr(), kind, static_cast<int>(n), static_cast<float>(scale),
+                table.data_ptr<float>(), out.data_ptr<float>());
+  }
+  return out;
 }
 
 class PyDecoder {
@@ -265,6 +288,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
         return quantized_linear(x, packed, n, 8, isa);
       },
       "x [M,K] f32, packed W8, N, isa -> [M,N] f32");
+  module.def("widen_kv", &widen_kv, "raw K/V bytes [n], dtype code, scale, fp8 table, isa -> f32");
   module.def("context_splits", &context_splits,
              "items, threads, longest context -> parts per (sequence, kv head) at decode");
   module.def("pack_w8float", &pack_w8float, "W8 codes [N,K] s8, d [N,K/32] -> w8 blocks");

@@ -45,6 +45,23 @@ struct Avx512 {
                       : static_cast<__mmask16>((1u << left) - 1u);
   }
 
+  // e4m3 codes (one per 32-bit lane) -> float32, exactly (what the 256-entry table holds, for
+  // every code a store writes: NaN is never stored), in registers instead of a 16-load gather.
+  // A normal code s.eeee.mmm is 2**(e-7) (1 + m/8): its magnitude bits moved to float32's
+  // exponent and mantissa fields read as 2**(e-127) (1 + m/8), times 2**120. A subnormal (e = 0)
+  // is m * 2**-9, converted from the integer (no float32 subnormal, so flush-to-zero modes
+  // cannot change it).
+  DENSA_AVX512_TARGET static inline __m512 e4m3_to_float(__m512i codes) {
+    const __m512i magnitude = _mm512_and_si512(codes, _mm512_set1_epi32(0x7F));
+    const __m512 normal = _mm512_mul_ps(
+        _mm512_castsi512_ps(_mm512_slli_epi32(magnitude, 20)), _mm512_set1_ps(0x1p120f));
+    const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(0x1p-9f));
+    const __mmask16 is_sub = _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(0x08));
+    const __m512 value = _mm512_mask_blend_ps(is_sub, normal, subnormal);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign));
+  }
+
   // y = x * w / rms(x): RMSNorm of one row.
   DENSA_AVX512_TARGET static void rmsnorm(const float* x, const float* w, float* y, int64_t n,
                                           float eps) {
@@ -153,8 +170,7 @@ struct Avx512 {
         v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
       } else {
         const __m128i codes = _mm_maskz_loadu_epi8(m, static_cast<const uint8_t*>(src) + i);
-        v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, _mm512_cvtepu8_epi32(codes),
-                                     fp8_table, 4);
+        v = e4m3_to_float(_mm512_cvtepu8_epi32(codes));
       }
       _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(v, sv));
     }
@@ -195,6 +211,18 @@ struct Avx2 {
     const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+  }
+
+  // As Avx512::e4m3_to_float, 8 lanes.
+  DENSA_AVX2_TARGET static inline __m256 e4m3_to_float(__m256i codes) {
+    const __m256i magnitude = _mm256_and_si256(codes, _mm256_set1_epi32(0x7F));
+    const __m256 normal = _mm256_mul_ps(
+        _mm256_castsi256_ps(_mm256_slli_epi32(magnitude, 20)), _mm256_set1_ps(0x1p120f));
+    const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(0x1p-9f));
+    const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(0x08), magnitude));
+    const __m256 value = _mm256_blendv_ps(normal, subnormal, is_sub);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(value), sign));
   }
 
   DENSA_AVX2_TARGET static void rmsnorm(const float* x, const float* w, float* y, int64_t n,
@@ -303,7 +331,7 @@ struct Avx2 {
         if (dtype == 3) {
           v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
         } else {
-          v = _mm256_i32gather_ps(fp8_table, _mm256_cvtepu8_epi32(codes), 4);
+          v = e4m3_to_float(_mm256_cvtepu8_epi32(codes));
         }
       }
       _mm256_storeu_ps(out + i, _mm256_mul_ps(v, sv));
