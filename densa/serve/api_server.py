@@ -255,8 +255,20 @@ def _request_body(model: type[BaseModel]) -> dict[str, Any]:
 
 
 def _ok(model: type[BaseModel]) -> dict[str, Any]:
-    """A 200 that is JSON (`model`) or, with "stream": true, server-sent events."""
-    events = {"schema": {"type": "string"}}
+    """A 200 that is JSON (`model`) or, with "stream": true, server-sent events. Before OpenAPI
+    3.2 (no `itemSchema`), a text/event-stream `schema` describes each event: its `data` is one
+    JSON chunk (or `[DONE]`)."""
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "string"},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+    }
+    events = {"schema": event}
     return {"model": model, "content": {"text/event-stream": events}}
 
 

@@ -159,10 +159,17 @@ def test_a_worker_killed_mid_traffic_is_ejected_and_no_request_is_lost_silently(
                     return "ok" if n == 40 else f"{n} output tokens"
                 stream = api.chat.completions.create(
                     model="tiny", messages=message, max_tokens=40, stream=True, extra_body=body,
-                    extra_headers=session,
+                    extra_headers=session, stream_options={"include_usage": True},
                 )  # fmt: skip
-                num_chunks = sum(1 for _ in stream)
-                return "ok" if num_chunks >= 40 else f"a silent truncation: {num_chunks} chunks"
+                # Complete = the usage chunk says 40 tokens and the last choice ended on length
+                # (chunks are text deltas: a token that ends mid-character adds no chunk, so
+                # counting chunks under-counts a complete answer).
+                finish, tokens = None, 0
+                for chunk in stream:
+                    finish = next((c.finish_reason for c in chunk.choices), finish)
+                    tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+                complete = finish == "length" and tokens == 40
+                return "ok" if complete else f"a silent truncation: {tokens} tokens, {finish}"
             except openai.APIError as exc:  # an explicit error, never a silent truncation
                 explicit = "was lost" in str(exc) and i % 3 == 0
                 return "explicit error" if explicit else f"{type(exc).__name__}: {exc}"
