@@ -159,21 +159,6 @@ void quantize_activations(const float* src, int64_t rows, int64_t cols, Isa isa,
   });
 }
 
-// Software prefetch of the weight stream: a panel's blocks are read front to back, but at batch 1
-// there is little arithmetic between loads to hide DRAM latency behind, and the hardware
-// prefetchers restart at every 4 KiB page. Asking for the block kPrefetchBlocks ahead (in the
-// same panel or the next, which is the next work item) keeps loads in flight.
-#ifndef DENSA_PREFETCH_BYTES
-#define DENSA_PREFETCH_BYTES 2560
-#endif
-constexpr int kPrefetchBytes = DENSA_PREFETCH_BYTES;
-
-inline void prefetch_block(const uint8_t* blk, int bytes) {
-  if (kPrefetchBytes <= 0) return;
-  for (int off = 0; off < bytes; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + off), _MM_HINT_T0);
-}
-
 // ---- AVX-512 VNNI ------------------------------------------------------------------------------
 
 template <int T>
@@ -185,7 +170,7 @@ DENSA_AVX512 void w4_panel_avx512(const uint8_t* blocks, int64_t groups, const i
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* blk = blocks + g * kW4Block;
-    prefetch_block(blk, kW4Block);
+    prefetch_weights(blk, kW4Block);
     __m512i acci[T];
     for (int t = 0; t < T; ++t) acci[t] = _mm512_setzero_si512();
     for (int o = 0; o < 4; ++o) {
@@ -220,7 +205,7 @@ DENSA_AVX512 void w8_panel_avx512(const uint8_t* blocks, int64_t groups, const i
   for (int t = 0; t < T; ++t) accf[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* blk = blocks + g * kW8Block;
-    prefetch_block(blk, kW8Block);
+    prefetch_weights(blk, kW8Block);
     __m512i acci[T];
     for (int t = 0; t < T; ++t) acci[t] = _mm512_setzero_si512();
     for (int c = 0; c < 8; ++c) {
@@ -265,7 +250,7 @@ DENSA_AVX2 void w4_panel_avx2(const uint8_t* blocks, int64_t groups, const int8_
     for (int t = 0; t < T; ++t) accf[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* blk = blocks + g * kW4Block;
-      if (h == 0) prefetch_block(blk, kW4Block);
+      if (h == 0) prefetch_weights(blk, kW4Block);
       __m256i acci[T];
       for (int t = 0; t < T; ++t) acci[t] = _mm256_setzero_si256();
       for (int o = 0; o < 4; ++o) {
@@ -303,7 +288,7 @@ DENSA_AVX2 void w8_panel_avx2(const uint8_t* blocks, int64_t groups, const int8_
   for (int t = 0; t < T; ++t) accf[t][0] = accf[t][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* blk = blocks + g * kW8Block;
-    prefetch_block(blk, kW8Block);
+    prefetch_weights(blk, kW8Block);
     __m256i acci[T][2];
     for (int t = 0; t < T; ++t) acci[t][0] = acci[t][1] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {

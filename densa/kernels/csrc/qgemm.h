@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <immintrin.h>
 
 #include <cstdint>
 #include <string>
@@ -12,6 +13,18 @@ constexpr int kGroup = 32;     // input columns per scale
 constexpr int kPanel = 16;     // output rows per block
 constexpr int kW4Block = 320;  // bytes per W4 block: 256 codes + 32 d + 32 m
 constexpr int kW8Block = 544;  // bytes per W8 block: 512 codes + 32 d
+
+// Software prefetch of a weight stream (qgemm.cpp, w8float.cpp): a panel's blocks are read
+// front to back, but at batch 1 there is little arithmetic between loads to hide DRAM latency
+// behind, and the hardware prefetchers restart at every 4 KiB page. Asking for the block
+// kPrefetchBytes ahead (in the same panel or the next, the next work item) keeps loads in
+// flight; 2.5 KiB was the best of 0.6-16 KiB tried on SmolLM2's shapes.
+constexpr int kPrefetchBytes = 2560;
+
+inline void prefetch_weights(const uint8_t* block, int bytes) {
+  for (int off = 0; off < bytes; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + off), _MM_HINT_T0);
+}
 
 enum class Isa { kAvx2 = 0, kAvx512Vnni = 1 };
 

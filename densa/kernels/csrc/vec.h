@@ -312,7 +312,7 @@ struct Avx2 {
 
   DENSA_AVX2_TARGET static void widen(const void* src, int dtype, int n, float scale,
                                       const float* fp8_table, float* out) {
-    // Full groups of 8 widen in vectors (8-byte / 16-byte loads, fp8 through a table gather);
+    // Full groups of 8 widen in vectors (8-byte / 16-byte loads, e4m3 in registers);
     // a tail below 8 (head_dim is a multiple of 8 in every supported model) goes scalar, since
     // AVX2 has no masked byte or word loads.
     const __m256 sv = _mm256_set1_ps(scale);

@@ -21,14 +21,6 @@ namespace {
 
 constexpr int kCodes = 512;
 
-// Prefetch distance of the weight stream, as in qgemm.cpp (why: see there).
-constexpr int kPrefetchBytes = 2560;
-
-inline void prefetch_block(const uint8_t* blk) {
-  for (int off = 0; off < kW8Block; off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + off), _MM_HINT_T0);
-}
-
 #define DENSA_W8F_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
 #define DENSA_W8F_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -39,7 +31,7 @@ DENSA_W8F_AVX512 void panel_avx512(const uint8_t* blocks, int64_t groups, const 
   for (int t = 0; t < T; ++t) accf[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* blk = blocks + g * kW8Block;
-    prefetch_block(blk);
+    prefetch_weights(blk, kW8Block);
     __m512 acc[T];
     for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
     for (int k = 0; k < kGroup; ++k) {
@@ -61,7 +53,7 @@ DENSA_W8F_AVX2 void panel_avx2(const uint8_t* blocks, int64_t groups, const floa
   for (int t = 0; t < T; ++t) accf[t][0] = accf[t][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* blk = blocks + g * kW8Block;
-    prefetch_block(blk);
+    prefetch_weights(blk, kW8Block);
     __m256 acc[T][2];
     for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int k = 0; k < kGroup; ++k) {
