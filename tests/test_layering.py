@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "densa"
 
 LAYERS = {
     "utils": 0,
+    "auth": 0,  # the cluster secret and what is derived from it (hmac only)
     "config": 1,
     "sampling_params": 1,
     "request": 1,

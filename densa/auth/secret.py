@@ -1,0 +1,69 @@
+"""The cluster secret: what makes a process a member of the internal plane.
+
+Every member (router, workers, the cluster supervisor) is given the same secret, as a file
+(`--cluster-secret-file`, mode 0600) or the environment variable DENSA_CLUSTER_SECRET; never on
+the command line, where `ps` would show it. Nothing uses the secret itself: each purpose gets its
+own key, HMAC-SHA256(secret, "densa/v1/" + purpose), so a key leaked from one use (say a
+placement token's) tells nothing about another's (the KV link's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SECRET_ENV = "DENSA_CLUSTER_SECRET"
+MIN_SECRET_BYTES = 16  # shorter secrets are refused: they could be guessed offline
+_KEY_LABEL = b"densa/v1/"
+
+
+class SecretError(ValueError):
+    """The cluster secret is missing, unreadable or too short (the message says which)."""
+
+
+@dataclass(frozen=True)
+class ClusterSecret:
+    value: bytes = field(repr=False)  # never printed, never logged
+
+    def __post_init__(self) -> None:
+        if len(self.value) < MIN_SECRET_BYTES:
+            raise SecretError(
+                f"the cluster secret has {len(self.value)} bytes; it needs at least "
+                f"{MIN_SECRET_BYTES} (make one with `densa secret new FILE`)"
+            )
+
+    def key(self, purpose: str) -> bytes:
+        """The 32-byte key for one purpose ("placement", "kv-link", ...)."""
+        return hmac.new(self.value, _KEY_LABEL + purpose.encode(), hashlib.sha256).digest()
+
+    @classmethod
+    def generate(cls) -> ClusterSecret:
+        return cls(secrets.token_hex(32).encode())
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ClusterSecret:
+        try:
+            text = Path(path).read_text().strip()
+        except OSError as exc:
+            raise SecretError(f"cannot read the cluster secret file {path}: {exc.strerror}") from exc
+        return cls(text.encode())
+
+    def write(self, path: str | Path) -> None:
+        """Write the secret to a new file only its owner can read."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(self.value.decode() + "\n")
+        os.chmod(path, 0o600)  # O_CREAT's mode does not apply to a file that existed
+
+
+def load_secret(path: str | None = None) -> ClusterSecret | None:
+    """The secret from `path` if given, else from DENSA_CLUSTER_SECRET, else None (no internal
+    plane: a worker's KV port then binds only to loopback)."""
+    if path:
+        return ClusterSecret.from_file(path)
+    value = os.environ.get(SECRET_ENV, "").strip()
+    return ClusterSecret(value.encode()) if value else None
