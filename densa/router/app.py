@@ -12,6 +12,7 @@ import contextlib
 import json
 import socket
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
 _INFO_RETRY_S = 0.5
+_MAX_MODEL_ID_LEN = 512
 # Requests to workers may go out as a header write and a body write: without TCP_NODELAY the
 # second could wait for the worker's delayed ACK of the first (see densa/utils/net.py).
 _NO_DELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
@@ -80,7 +82,8 @@ def build_router_app(config: RouterConfig) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=_NO_DELAY)
         async with httpx.AsyncClient(timeout=timeout, transport=transport) as client:
-            state.proxy = Proxy(router, client, transport, timeout, metrics, config.max_attempts)
+            state.proxy = Proxy(router, client, transport, timeout, metrics, config.max_attempts,
+                                config.secret, config.debug_headers)  # fmt: skip
             await router.pool.poll_due(client)  # admit whoever is up before the first request
             tasks = [asyncio.create_task(router.pool.run(client)),
                      asyncio.create_task(_learn_model(router, client))]  # fmt: skip
@@ -138,8 +141,8 @@ def _state(request: Request) -> RouterState:
 def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/chat/completions", _generate(CHAT), methods=["POST"])
     app.add_api_route("/v1/completions", _generate(COMPLETIONS), methods=["POST"])
-    app.add_api_route("/v1/models", _models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", _models, methods=["GET"])
+    app.add_api_route("/v1/models", _list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", _get_model, methods=["GET"])
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/densa/workers", _get_workers, methods=["GET"])
@@ -168,8 +171,25 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return bytes(body)
 
 
-async def _models(request: Request) -> Response:
-    """Any healthy worker's answer (they serve the same model), naming the worker."""
+async def _list_models(request: Request) -> Response:
+    return await _ask_models(request, "/v1/models")
+
+
+async def _get_model(request: Request, model_id: str) -> Response:
+    return await _ask_models(request, model_path(model_id))
+
+
+def model_path(model_id: str) -> str:
+    """The worker path for one model id: the id is one percent-encoded path segment, dots
+    included, so no id names another path on the worker (`../../metrics` is the model
+    `../../metrics` there, never its /metrics). The worker decodes it back to the same id."""
+    if len(model_id) > _MAX_MODEL_ID_LEN:
+        raise APIError(404, "no such model", code="model_not_found", param="model")
+    return "/v1/models/" + urllib.parse.quote(model_id, safe="").replace(".", "%2E")
+
+
+async def _ask_models(request: Request, path: str) -> Response:
+    """Any healthy worker's answer (they serve the same model)."""
     state = _state(request)
     assert state.proxy is not None
     headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
@@ -177,13 +197,14 @@ async def _models(request: Request) -> Response:
         if worker.role == "prefill":
             continue
         try:
-            upstream = await state.proxy.client.get(worker.endpoint(request.url.path),
-                                                    headers=headers, timeout=10)  # fmt: skip
+            upstream = await state.proxy.client.get(worker.endpoint(path), headers=headers,
+                                                    timeout=10)  # fmt: skip
         except httpx.TransportError:
             continue
+        debug = {WORKER_HEADER: worker.url} if state.config.debug_headers else None
         return Response(upstream.content, status_code=upstream.status_code,
                         media_type=upstream.headers.get("content-type"),
-                        headers={WORKER_HEADER: worker.url})  # fmt: skip
+                        headers=debug)  # fmt: skip
     return no_worker_available().to_response()
 
 
@@ -201,7 +222,9 @@ async def _metrics(request: Request) -> Response:
 
 
 async def _get_workers(request: Request) -> Response:
-    return JSONResponse(describe(_state(request).router))
+    state = _state(request)
+    check_admin(request.headers.get("authorization"), state.config.admin_token, "list")
+    return JSONResponse(describe(state.router))
 
 
 async def _put_workers(request: Request) -> Response:
@@ -213,7 +236,8 @@ async def _put_workers(request: Request) -> Response:
         parsed = json.loads(body)
     except ValueError:
         raise APIError(400, "the body is not valid JSON") from None
-    change = apply_membership(state.router, roles_from_body(parsed))
+    roles = roles_from_body(parsed, has_secret=state.config.secret is not None)
+    change = apply_membership(state.router, roles)
     if state.proxy is not None:  # poll the newcomers now: admitted within one round trip
         await state.router.pool.poll_due(state.proxy.client)
     return JSONResponse({"joined": list(change.joined), "left": list(change.left),

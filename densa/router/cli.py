@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from densa.auth.secret import SECRET_ENV, load_secret
 from densa.router.config import RouterConfig
 from densa.router.membership import ADMIN_TOKEN_ENV
 from densa.router.policy import POLICIES, SIGNALS, Weights
@@ -35,8 +36,8 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
         description="A torch-free router in front of densa workers: same OpenAI endpoints, each "
         "request placed by a weighted score of session affinity, prefix overlap, free KV, queue "
         "depth and expected output length (docs/routing.md).",
-        epilog=f"With ${ADMIN_TOKEN_ENV} set, PUT /densa/workers (Authorization: Bearer <it>) "
-        "replaces the worker set while the router serves (densa cluster uses it).",
+        epilog=f"With ${ADMIN_TOKEN_ENV} set, GET and PUT /densa/workers (Authorization: Bearer "
+        "<it>) list and replace the worker set while the router serves (densa cluster uses it).",
     )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
@@ -47,6 +48,16 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
                        help="a prefill-pool worker; repeat (needs --decode)")  # fmt: skip
     pools.add_argument("--decode", action="append", default=[], metavar="URL",
                        help="a decode-pool worker; repeat (needs --prefill)")  # fmt: skip
+    pools.add_argument(
+        "--cluster-secret-file", metavar="FILE",
+        help=f"the cluster secret (else ${SECRET_ENV}); needed with --prefill/--decode: the "
+        "router signs each placement with it, and decode workers act on no other",
+    )  # fmt: skip
+    pools.add_argument(
+        "--debug-headers", action="store_true",
+        help="add x-densa-worker, x-densa-prefill and x-densa-router-ms to answers (off: they "
+        "tell any client the workers' addresses and time the router's own work)",
+    )  # fmt: skip
     policy = parser.add_argument_group("policy")
     policy.add_argument("--policy", default="densa", choices=list(POLICIES),
                         help="densa (the weighted score) or a single-signal baseline")  # fmt: skip
@@ -86,6 +97,7 @@ def config_from(ns: argparse.Namespace) -> RouterConfig:
         max_attempts=ns.max_attempts, upstream_timeout_s=ns.upstream_timeout,
         default_expected_tokens=ns.expected_tokens,
         admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
+        secret=load_secret(ns.cluster_secret_file), debug_headers=ns.debug_headers,
     )  # fmt: skip
 
 

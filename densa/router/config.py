@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from densa.auth.secret import ClusterSecret
 from densa.router.lengths import DEFAULT_EXPECTED_TOKENS
 from densa.router.membership import check_pools
 from densa.router.policy import POLICIES, Weights
@@ -30,13 +31,20 @@ class RouterConfig:
     default_expected_tokens: int = DEFAULT_EXPECTED_TOKENS  # before any request has finished
     # Lets PUT /densa/workers replace the worker set (router/membership.py); None: fixed by flags.
     admin_token: str | None = field(default=None, repr=False)
+    # Signs each placement on a prefill + decode pair (densa/auth/placement.py); decode workers
+    # refuse an x-densa-prefill without it, so prefill and decode pools need one.
+    secret: ClusterSecret | None = field(default=None, repr=False)
+    # x-densa-worker, x-densa-prefill and x-densa-router-ms on answers: off by default, since
+    # they tell any client the internal addresses and a timer of the router's own work.
+    debug_headers: bool = False
 
     def __post_init__(self) -> None:
         if not self.workers and not self.decode:
             raise ValueError("give at least one --worker URL (or --prefill and --decode URLs)")
         if bool(self.prefill) != bool(self.decode):
             raise ValueError("--prefill and --decode come together: give both pools or neither")
-        check_pools(list(self.workers), list(self.prefill), list(self.decode))
+        check_pools(list(self.workers), list(self.prefill), list(self.decode),
+                    has_secret=self.secret is not None)  # fmt: skip
         if self.policy not in POLICIES:
             raise ValueError(f"unknown --policy {self.policy!r}; known: {', '.join(POLICIES)}")
         if self.max_attempts < 1:

@@ -1,6 +1,9 @@
 """What the router reads from a request before placing it: the prompt's tokens and cache scope
 (for prefix overlap), the session, max_tokens and whether it streams.
 
+The prompt is tokenized under its cache scope (`PieceCachingTokenizer.scoped`): text another
+tenant sent before is no faster to read, so the router's timing tells nothing about it.
+
 The prompt is rendered and tokenized by the workers' own code (densa/serve/prepare.py, with the
 tokenizer and tool-call format the workers reported), and the scope is the workers' own digest:
 the tenant is the identity of the bearer key (parsed as the workers' FastAPI security does), and
@@ -21,12 +24,12 @@ from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
 
 from densa.cache.scope import tenant_of
+from densa.router.tokens import PieceCachingTokenizer
 from densa.serve import prepare
 from densa.serve.errors import APIError
 from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
 from densa.serve.tools.formats import ToolCallFormat
 from densa.serve.tracking import SESSION_HEADER
-from densa.text.tokenizer import Tokenizer
 
 # Bodies up to this size are tokenized on the event loop: with the piece cache that takes well
 # under a millisecond, less than handing the work to a thread on a busy machine; larger ones
@@ -43,7 +46,7 @@ class ModelInfo:
     name: str
     max_model_len: int
     page_size: int
-    tokenizer: Tokenizer
+    tokenizer: PieceCachingTokenizer
     tool_format: ToolCallFormat
 
 
@@ -90,14 +93,14 @@ async def read_incoming(
     session = session or parsed.prompt_cache_key or None
     scope = prepare.cache_scope(tenant_from(headers), parsed)
     offload = len(body) > INLINE_BODY_BYTES
-    prompt_ids = await _prompt_ids(parsed, model, offload) if model is not None else None
+    prompt_ids = await _prompt_ids(parsed, model, scope, offload) if model is not None else None
     return Incoming(endpoint, body, session, stream, max_tokens, prompt_ids, scope)
 
 
 async def _prompt_ids(
-    parsed: ChatCompletionRequest | CompletionRequest, model: ModelInfo, offload: bool
+    parsed: ChatCompletionRequest | CompletionRequest, model: ModelInfo, scope: str, offload: bool
 ) -> list[int] | None:
-    tokenizer, max_len = model.tokenizer, model.max_model_len
+    tokenizer, max_len = model.tokenizer.scoped(scope), model.max_model_len
     try:
         if isinstance(parsed, ChatCompletionRequest):
             plan = prepare.tool_plan(model.tool_format, parsed)

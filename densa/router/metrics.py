@@ -3,7 +3,10 @@
 densa_router_decisions_total{signal}          placements by the signal that decided them
 densa_router_requests_total{worker,status}    responses by worker and HTTP status
 densa_router_retries_total{reason}            attempts moved to another worker (no byte sent)
-densa_router_ejections_total{worker}          workers taken out of rotation
+densa_router_ejections_total{worker,reason}   workers taken out of rotation
+
+Label values are the router's own: worker URLs from its flags or an admin's PUT, a status code
+it checked is one, and reasons from the fixed FAILURE_REASONS (anything else counts as "other").
 densa_router_no_worker_total                  requests answered 503: no worker could take them
 densa_router_decision_seconds                 read + tokenize + score, per request
 densa_router_worker_*{worker}                 per-worker load as the router sees it (scrape time)
@@ -18,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from densa.router.workers import Worker
+from densa.router.workers import FAILURE_REASONS, Worker
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
@@ -40,8 +43,9 @@ class RouterMetrics:
             ["reason"], registry=r,
         )  # fmt: skip
         self.ejections = Counter(
-            "densa_router_ejections", "Workers taken out of rotation", ["worker"], registry=r
-        )
+            "densa_router_ejections", "Workers taken out of rotation", ["worker", "reason"],
+            registry=r,
+        )  # fmt: skip
         self.no_worker = Counter(
             "densa_router_no_worker", "Requests answered 503 because no worker could take them",
             registry=r,
@@ -52,8 +56,22 @@ class RouterMetrics:
         )  # fmt: skip
         r.register(_WorkerCollector(workers))
 
+    def count_response(self, worker: str, status: int) -> None:
+        self.requests.labels(worker, str(status) if 100 <= status <= 599 else "other").inc()
+
+    def count_retry(self, reason: str) -> None:
+        self.retries.labels(reason_label(reason)).inc()
+
+    def count_ejection(self, worker: str, reason: str) -> None:
+        self.ejections.labels(worker, reason_label(reason)).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def reason_label(reason: str) -> str:
+    """`reason` if it is one of the fixed FAILURE_REASONS, else "other"."""
+    return reason if reason in FAILURE_REASONS else "other"
 
 
 class _WorkerCollector(Collector):

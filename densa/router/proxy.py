@@ -8,6 +8,12 @@ reads it (each chunk is pulled from the worker only after the previous one was s
 client slows the worker's socket, not the router's memory); a worker lost mid-stream ends the
 stream with an explicit `data: {"error": ...}` event, as a worker's own failures do.
 Every other status -- 4xx, 429, 500 -- is passed through as the worker wrote it.
+
+Headers (docs/routing.md): the client's go on, except hop-by-hop ones and every `x-densa-*`
+header, which only the router writes: on a prefill + decode pair it names the prefill worker
+(`x-densa-prefill`) with a placement token it signed (`x-densa-placement`). A worker's answer
+goes back without its `x-densa-*` headers; the router's own (the worker's URL, its own time)
+only with `--debug-headers`.
 """
 
 from __future__ import annotations
@@ -17,13 +23,15 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 from starlette.datastructures import Headers
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from densa.auth.placement import PLACEMENT_HEADER, sign_placement
+from densa.auth.secret import ClusterSecret
 from densa.router.incoming import Incoming
 from densa.router.metrics import RouterMetrics
 from densa.router.routing import Placement, Router
@@ -35,6 +43,7 @@ request_log = get_logger("densa.router.requests")
 WORKER_HEADER = "x-densa-worker"
 PREFILL_HEADER = "x-densa-prefill"
 DECISION_HEADER = "x-densa-router-ms"  # the router's own time on the request before forwarding
+INTERNAL_PREFIX = "x-densa-"  # headers of the internal plane: no client may send them on
 # Hop-by-hop headers describe one connection, not the message (RFC 9110 7.6.1); lengths are
 # recomputed for each side.
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
@@ -71,6 +80,8 @@ class Proxy:
     timeout: httpx.Timeout
     metrics: RouterMetrics
     max_attempts: int = 3
+    secret: ClusterSecret | None = field(default=None, repr=False)  # signs P/D placements
+    debug_headers: bool = False
 
     def __post_init__(self) -> None:
         self._timeout = self.timeout.as_dict()  # the form a transport reads from extensions
@@ -85,7 +96,7 @@ class Proxy:
                 return await self._attempt(placement, incoming, headers, arrived, len(tried) + 1)
             except _Retry as retry:
                 tried.add(placement.worker.url)
-                self.metrics.retries.labels(retry.reason).inc()
+                self.metrics.count_retry(retry.reason)
         self.metrics.no_worker.inc()
         request_log.info("POST %s -> no worker (tried %s)", incoming.endpoint, sorted(tried))
         return no_worker_available().to_response()
@@ -102,21 +113,22 @@ class Proxy:
         done = _Once(lambda n: self.router.closed(placement, n))
         request = httpx.Request(
             "POST", worker.endpoint(incoming.endpoint), content=incoming.body,
-            headers=_upstream_headers(headers, placement), extensions={"timeout": self._timeout},
+            headers=self._upstream_headers(headers, placement),
+            extensions={"timeout": self._timeout},
         )  # fmt: skip
         try:
             upstream = await self.transport.handle_async_request(request)
         except httpx.TransportError as exc:
             done(None)
-            self.router.pool.report_failure(worker, f"connection failed: {type(exc).__name__}")
+            self.router.pool.report_failure(worker, "connect", type(exc).__name__)
             raise _Retry("connect") from exc
         if upstream.status_code == 503:  # draining or restarting: another worker may take it
             await upstream.aclose()
             done(None)
             raise _Retry("worker_unavailable")
-        out_headers = _downstream_headers(upstream.headers, placement, decision_ms)
+        out_headers = self._downstream_headers(upstream.headers, placement, decision_ms)
         self._log(incoming, placement, upstream.status_code, attempt, decision_ms)
-        self.metrics.requests.labels(worker.url, str(upstream.status_code)).inc()
+        self.metrics.count_response(worker.url, upstream.status_code)
         if incoming.stream and upstream.status_code == 200:
             return await self._stream(upstream, placement, done, out_headers)
         content = await self._read_whole(upstream, placement, done)
@@ -130,7 +142,8 @@ class Proxy:
             return b"".join([chunk async for chunk in upstream.aiter_raw()])
         except httpx.TransportError as exc:
             done(None)
-            self.router.pool.report_failure(placement.worker, f"lost: {type(exc).__name__}")
+            self.router.pool.report_failure(placement.worker, "lost_before_answer",
+                                            type(exc).__name__)  # fmt: skip
             raise _Retry("lost_before_answer") from exc
         finally:
             await upstream.aclose()
@@ -145,7 +158,7 @@ class Proxy:
         except (httpx.TransportError, StopAsyncIteration) as exc:
             await upstream.aclose()
             done(None)
-            self.router.pool.report_failure(placement.worker, "lost before its first byte")
+            self.router.pool.report_failure(placement.worker, "lost_before_answer")
             raise _Retry("lost_before_answer") from exc
         return _ClosingStream(self._relay(first, chunks, upstream, placement, done), headers)
 
@@ -161,7 +174,8 @@ class Proxy:
                 counter.see(chunk)
                 yield chunk
         except httpx.TransportError as exc:  # bytes already sent: no retry, an explicit error
-            self.router.pool.report_failure(placement.worker, f"lost mid-stream: {exc!r}")
+            self.router.pool.report_failure(placement.worker, "lost_mid_stream",
+                                            type(exc).__name__)  # fmt: skip
             yield _worker_lost_event(placement.worker.url)
         finally:
             await upstream.aclose()
@@ -172,11 +186,34 @@ class Proxy:
         incoming: Incoming, placement: Placement, status: int, attempt: int, decision_ms: float
     ) -> None:
         prefill = f" prefill={placement.prefill.url}" if placement.prefill else ""
+        # The session id is the client's text: escaped and cut, so it cannot forge log lines.
+        session = ascii(incoming.session_id[:64]) if incoming.session_id else "-"
         request_log.info(
             "POST %s -> %s%s status=%d signal=%s attempt=%d decide_ms=%.2f session=%s",
             incoming.endpoint, placement.worker.url, prefill, status, placement.decision.signal,
-            attempt, decision_ms, incoming.session_id or "-",
+            attempt, decision_ms, session,
         )  # fmt: skip
+
+    def _upstream_headers(self, headers: Headers, placement: Placement) -> dict[str, str]:
+        out = {k: v for k, v in headers.items() if not _is_dropped(k)}
+        if placement.prefill is not None:
+            # RouterConfig refuses a decode pool without a secret, so a pair always has one.
+            assert self.secret is not None, "a prefill + decode placement needs the secret"
+            out[PREFILL_HEADER] = placement.prefill.url
+            out[PLACEMENT_HEADER] = sign_placement(self.secret, placement.prefill.url)
+        return out
+
+    def _downstream_headers(
+        self, headers: httpx.Headers, placement: Placement, decision_ms: float
+    ) -> dict[str, str]:
+        out = {k: v for k, v in headers.items()
+               if not _is_dropped(k) and k.lower() not in _ROUTER_OWN}  # fmt: skip
+        if self.debug_headers:
+            out[WORKER_HEADER] = placement.worker.url
+            if placement.prefill is not None:
+                out[PREFILL_HEADER] = placement.prefill.url
+            out[DECISION_HEADER] = f"{decision_ms:.3f}"
+        return out
 
 
 class _Once:
@@ -220,22 +257,10 @@ def _worker_lost_event(url: str) -> bytes:
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
-def _upstream_headers(headers: Headers, placement: Placement) -> dict[str, str]:
-    out = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
-    if placement.prefill is not None:
-        out[PREFILL_HEADER] = placement.prefill.url
-    return out
-
-
-def _downstream_headers(
-    headers: httpx.Headers, placement: Placement, decision_ms: float
-) -> dict[str, str]:
-    out = {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP | _ROUTER_OWN}
-    out[WORKER_HEADER] = placement.worker.url
-    if placement.prefill is not None:
-        out[PREFILL_HEADER] = placement.prefill.url
-    out[DECISION_HEADER] = f"{decision_ms:.3f}"
-    return out
+def _is_dropped(name: str) -> bool:
+    """Hop-by-hop, or the internal plane's (x-densa-*, whoever sent it)."""
+    name = name.lower()
+    return name in _HOP_BY_HOP or name.startswith(INTERNAL_PREFIX)
 
 
 class _ClosingStream(StreamingResponse):

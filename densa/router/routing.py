@@ -153,4 +153,4 @@ class Router:
     def on_ejected(self, url: str, reason: str) -> None:
         self.sessions.forget_worker(url)
         if self.metrics is not None:
-            self.metrics.ejections.labels(url).inc()
+            self.metrics.count_ejection(url, reason)

@@ -27,6 +27,12 @@ from densa.utils.logging import get_logger
 logger = get_logger(__name__)
 
 ROLES = ("mixed", "prefill", "decode")
+# Why an attempt moved on or a worker left rotation: fixed words, the only values of the metrics'
+# `reason` labels (router/metrics.py). Nothing a worker writes (an error body, an exception's
+# message) becomes a reason: a label value is a series of its own, so a worker's text there
+# would grow /metrics without bound and write into it.
+FAILURE_REASONS = ("connect", "worker_unavailable", "lost_before_answer", "lost_mid_stream",
+                   "poll_status", "poll_failed", "other")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -112,17 +118,19 @@ class WorkerPool:
             logger.info("worker %s admitted (%d free KV pages)", worker.url, load.num_free_kv_pages)
             self.on_admitted(worker.url)
 
-    def report_failure(self, worker: Worker, reason: str) -> None:
-        """A poll or a proxy connection failed: eject the worker (if in rotation), back off."""
+    def report_failure(self, worker: Worker, reason: str, detail: str = "") -> None:
+        """A poll or a proxy connection failed: eject the worker (if in rotation), back off.
+        `reason` is one of FAILURE_REASONS; `detail` (our own words) goes to the log only."""
+        if reason not in FAILURE_REASONS:
+            detail, reason = f"{reason} {detail}".strip(), "other"
         worker.num_failures += 1
         delay = self.options.backoff(worker.num_failures)
         worker.next_probe_at = self.clock() + delay
         if worker.is_healthy:
             worker.is_healthy = False
             worker.prefix.clear()  # whatever comes back may be a new engine with an empty cache
-            logger.warning(
-                "worker %s ejected (%s); next probe in %.1f s", worker.url, reason, delay
-            )
+            logger.warning("worker %s ejected (%s%s); next probe in %.1f s", worker.url, reason,
+                           f": {detail!r}" if detail else "", delay)  # fmt: skip
             self.on_ejected(worker.url, reason)
 
     # ---- polling ------------------------------------------------------------------------------
@@ -137,11 +145,11 @@ class WorkerPool:
                 worker.endpoint("/densa/load"), timeout=self.options.poll_timeout_s
             )
             if response.status_code != 200:
-                self.report_failure(worker, f"/densa/load answered {response.status_code}")
+                self.report_failure(worker, "poll_status", f"/densa/load {response.status_code}")
                 return
             self.report_ok(worker, LoadReport.from_json(response.json(), self.clock()))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            self.report_failure(worker, f"/densa/load failed: {type(exc).__name__}")
+            self.report_failure(worker, "poll_failed", f"/densa/load {type(exc).__name__}")
 
     async def run(self, client: httpx.AsyncClient) -> None:
         """Poll forever (until cancelled)."""

@@ -24,17 +24,37 @@ class FakeWorker:
     num_chunks_sent: int = 0
     num_free_kv_pages: int = 100
     num_running: int = 0
+    load_status: int = 200  # else /densa/load answers this status with a hostile error text
     set_cookie: str | None = None  # a Set-Cookie header on every answer to a chat request
+    answer_headers: dict[str, str] = field(default_factory=dict)  # more headers on chat answers
     received: list[dict[str, Any]] = field(default_factory=list)  # headers + body per request
+    paths: list[str] = field(default_factory=list)  # GET paths asked (models, metrics), decoded
 
     def app(self) -> FastAPI:
         app = FastAPI()
         app.add_api_route("/densa/load", self._load, methods=["GET"])
         app.add_api_route("/densa/info", self._info, methods=["GET"])
         app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
+        app.add_api_route("/v1/models", self._models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self._models, methods=["GET"])
+        app.add_api_route("/metrics", self._models, methods=["GET"])
         return app
 
+    async def _models(self, request: Request) -> Response:
+        self.paths.append(request.scope["path"])
+        if request.scope["path"] == "/metrics":
+            return Response(b"densa_worker_secret_metric 1\n", media_type="text/plain")
+        model_id = request.path_params.get("model_id")
+        if model_id is None:
+            return JSONResponse({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+        if model_id != "tiny":
+            return JSONResponse({"error": {"message": f"no model {model_id!r}"}}, status_code=404)
+        return JSONResponse({"id": "tiny", "object": "model"})
+
     async def _load(self) -> Response:
+        if self.load_status != 200:
+            text = b'kv_peer_mismatch: evil"} 1\ninjected_metric{x="'
+            return Response(text, status_code=self.load_status)
         return JSONResponse({"num_running": self.num_running, "num_waiting": 0,
                              "num_in_flight": self.num_running, "num_kv_pages": 100,
                              "num_free_kv_pages": self.num_free_kv_pages, "page_size": 16,
@@ -60,10 +80,14 @@ class FakeWorker:
         if self.mode == "400":
             return Response(b'{"error": {"message": "exactly these bytes"}}', status_code=400,
                             media_type="application/json")  # fmt: skip
-        cookie = {"set-cookie": self.set_cookie} if self.set_cookie else None
+        headers = dict(self.answer_headers)
+        if self.set_cookie:
+            headers["set-cookie"] = self.set_cookie
         if body.get("stream"):
-            return StreamingResponse(self._events(), media_type="text/event-stream", headers=cookie)
-        return JSONResponse(_completion("hello", 3), headers=cookie)
+            return StreamingResponse(
+                self._events(), media_type="text/event-stream", headers=headers
+            )
+        return JSONResponse(_completion("hello", 3), headers=headers)
 
     async def _events(self) -> AsyncIterator[bytes]:
         try:

@@ -16,6 +16,7 @@ from densa.text.tokenizer import TokenizerFiles
 from .test_proxy import CHAT, dead_url, fakes, router
 
 TOKEN = "s3cret-admin"
+ADMIN = {"authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def served_by(base: str, n: int) -> list[str]:
 def wait_healthy(base: str, urls: set[str], timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        listed = httpx.get(base + "/densa/workers", timeout=5).json()["workers"]
+        listed = httpx.get(base + "/densa/workers", headers=ADMIN, timeout=5).json()["workers"]
         if {w["url"] for w in listed if w["healthy"]} == urls:
             return
         time.sleep(0.05)
@@ -50,7 +51,7 @@ def test_a_joining_worker_takes_traffic_and_a_leaving_one_gets_none(
 ) -> None:
     with (
         fakes(tokenizer_files, 2) as [(u1, w1), (u2, _)],
-        router(workers=(u1,), admin_token=TOKEN, policy="round-robin") as base,
+        router(workers=(u1,), admin_token=TOKEN, policy="round-robin", debug_headers=True) as base,
     ):
         wait_healthy(base, {u1})
         answer = put(base, workers=[u1, u2])
@@ -80,7 +81,8 @@ def test_membership_needs_the_admin_token_and_a_valid_set(tokenizer_files: Token
                             headers={"authorization": f"Bearer {TOKEN}"})  # fmt: skip
             assert bad.status_code == 400
             # Nothing above changed the set.
-            assert [w["url"] for w in httpx.get(base + "/densa/workers").json()["workers"]] == [u1]
+            listed = httpx.get(base + "/densa/workers", headers=ADMIN).json()["workers"]
+            assert [w["url"] for w in listed] == [u1]
 
 
 def test_only_the_leaving_workers_sessions_move(tokenizer_files: TokenizerFiles) -> None:
@@ -95,14 +97,15 @@ def test_only_the_leaving_workers_sessions_move(tokenizer_files: TokenizerFiles)
     for i in range(200):
         rt.sessions.stick(f"s{i}", urls[i % 4])
     homes = {f"s{i}": rt.ring.owner(f"s{i}") for i in range(200)}
-    change = apply_membership(rt, roles_from_body({"workers": urls[:3]}))
+    change = apply_membership(rt, roles_from_body({"workers": urls[:3]}, has_secret=False))
     assert change.left == (urls[3],) and change.joined == ()
     assert all(rt.sessions.lookup(f"s{i}") == urls[i % 4] for i in range(200) if i % 4 != 3)
     assert all(rt.sessions.lookup(f"s{i}") is None for i in range(200) if i % 4 == 3)
     moved = [s for s, home in homes.items() if rt.ring.owner(s) != home]
     assert moved and all(homes[s] == urls[3] for s in moved)
-    change = apply_membership(rt, roles_from_body({"prefill": [urls[0]], "decode": urls[1:3]}))
+    pools = {"prefill": [urls[0]], "decode": urls[1:3]}
+    change = apply_membership(rt, roles_from_body(pools, has_secret=True))
     assert change.left == tuple(urls[:3]) and change.joined == tuple(urls[:3])  # roles changed
     assert rt.pool.workers[urls[0]].role == "prefill" and urls[0] not in rt.ring
     with pytest.raises(APIError):
-        roles_from_body({"workers": [urls[0]], "extra": []})
+        roles_from_body({"workers": [urls[0]], "extra": []}, has_secret=True)

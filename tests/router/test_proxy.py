@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from densa.auth.placement import PLACEMENT_HEADER, PlacementError, PlacementVerifier
+from densa.auth.secret import ClusterSecret
 from densa.router.app import build_router_app
 from densa.router.config import RouterConfig
 from densa.router.workers import HealthOptions
@@ -52,7 +54,7 @@ def test_answers_name_the_worker_exactly_as_given_and_streams_pass_through(
 ) -> None:
     with fakes(tokenizer_files, 1) as [(url, worker)]:
         given = url + "/"  # a trailing slash: the header repeats it as given
-        with router(workers=(given,)) as base:
+        with router(workers=(given,), debug_headers=True) as base:
             client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
             raw = client.chat.completions.with_raw_response.create(**CHAT)  # type: ignore[call-overload]
             assert raw.headers["x-densa-worker"] == given
@@ -101,7 +103,7 @@ def test_a_refused_connection_or_a_503_moves_the_request_and_ejects_a_dead_worke
         w1.mode = "503"
         doomed = serve_in_thread(FakeWorker(tokenizer_files).app())
         dead = doomed.__enter__()
-        with router(workers=(dead, u1, u2), health=slow_polls) as base:
+        with router(workers=(dead, u1, u2), health=slow_polls, debug_headers=True) as base:
             assert httpx.get(base + "/health", timeout=5).json()["workers"][dead] is True
             doomed.__exit__(None, None, None)  # the admitted worker stops listening
             for _ in range(3):
@@ -113,7 +115,9 @@ def test_a_refused_connection_or_a_503_moves_the_request_and_ejects_a_dead_worke
             metrics = httpx.get(base + "/metrics", timeout=5).text
             assert 'densa_router_retries_total{reason="worker_unavailable"}' in metrics
             assert 'densa_router_retries_total{reason="connect"} 1.0' in metrics
-            assert f'densa_router_ejections_total{{worker="{dead}"}} 1.0' in metrics
+            assert (
+                f'densa_router_ejections_total{{reason="connect",worker="{dead}"}} 1.0' in metrics
+            )
             assert f'densa_router_worker_healthy{{worker="{dead}"}} 0.0' in metrics
 
 
@@ -145,18 +149,26 @@ def test_a_worker_lost_mid_stream_ends_the_stream_with_an_explicit_error(
             assert texts == ["t0 ", "t1 "]
 
 
-def test_pd_mode_forwards_to_the_decode_worker_naming_the_prefill_worker(
+def test_pd_mode_forwards_to_the_decode_worker_naming_the_prefill_worker_signed(
     tokenizer_files: TokenizerFiles,
 ) -> None:
+    secret = ClusterSecret.generate()
     with fakes(tokenizer_files, 3) as [(p, wp), (d1, wd1), (d2, wd2)]:
         wd1.num_free_kv_pages = 10  # d2 has more room
-        with router(prefill=(p,), decode=(d1, d2)) as base:
+        with router(prefill=(p,), decode=(d1, d2), secret=secret, debug_headers=True) as base:
             response = httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=10)
             assert response.status_code == 200
             assert response.headers["x-densa-worker"] == d2
             assert response.headers["x-densa-prefill"] == p
         assert wp.received == [] and wd1.received == []
-        assert wd2.received[0]["headers"]["x-densa-prefill"] == p
+        sent = wd2.received[0]["headers"]
+        assert sent["x-densa-prefill"] == p
+        # The token authorizes exactly this prefill worker, under exactly this secret.
+        PlacementVerifier(secret).verify(sent[PLACEMENT_HEADER], p)
+        with pytest.raises(PlacementError):
+            PlacementVerifier(secret).verify(sent[PLACEMENT_HEADER], d1)
+        with pytest.raises(PlacementError):
+            PlacementVerifier(ClusterSecret.generate()).verify(sent[PLACEMENT_HEADER], p)
 
 
 def test_a_client_that_disconnects_mid_stream_closes_the_workers_stream(

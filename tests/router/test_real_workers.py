@@ -36,7 +36,7 @@ def workers(
 @contextlib.contextmanager
 def router_over(urls: list[str], **config: Any) -> Iterator[tuple[str, Any]]:
     """(base URL, the app's Router) for a router served from a thread of the test process."""
-    app = build_router_app(RouterConfig(workers=tuple(urls), **config))
+    app = build_router_app(RouterConfig(workers=tuple(urls), debug_headers=True, **config))
     with serve_in_thread(app) as base:
         state = app.state.router
         wait_until(lambda: state.router.model is not None, "the router learned the model")
@@ -190,7 +190,10 @@ def test_a_worker_killed_mid_traffic_is_ejected_and_no_request_is_lost_silently(
             )
             assert worker != victim.url
         metrics = httpx.get(base + "/metrics", timeout=5).text
-        assert f'densa_router_ejections_total{{worker="{victim.url}"}} 1.0' in metrics
+        ejected = [line for line in metrics.splitlines()
+                   if line.startswith("densa_router_ejections_total{")
+                   and f'worker="{victim.url}"' in line]  # fmt: skip
+        assert len(ejected) == 1 and ejected[0].endswith(" 1.0"), ejected
         # The victim's requests were really in flight: retried elsewhere, or ended explicitly.
         retried = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                       if line.startswith("densa_router_retries_total"))  # fmt: skip
@@ -215,7 +218,7 @@ def test_the_densa_router_command_serves_and_stops_on_sigterm(
     from densa.bench.local_workers import REPO, free_port
 
     port = free_port()
-    command = [sys.executable, "-m", "densa.cli", "router", "--port", str(port),
+    command = [sys.executable, "-m", "densa.cli", "router", "--port", str(port), "--debug-headers",
                *[arg for w in workers[:2] for arg in ("--worker", w.url)]]  # fmt: skip
     log = (tmp_path / "router.log").open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
