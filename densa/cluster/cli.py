@@ -30,7 +30,9 @@ def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
 
 def plan(config: ClusterConfig) -> list[str]:
     where = config.ray_address or f"a local Ray instance ({config.ray_num_cpus or 'sized to fit'})"
+    secret = config.secret_file or "$DENSA_CLUSTER_SECRET, else a new one in --log-dir"
     lines = [f"Ray: {where}; placement {config.placement}",
+             f"cluster secret: {secret} (to every member in its environment)",
              f"router: {config.router.host}:{config.router.port}, {config.router.num_cpus:g} CPU, "
              f"args {list(config.router.args)}"]  # fmt: skip
     for pool in config.pools:

@@ -4,6 +4,8 @@ ray:                      # where the cluster runs
   address: null           #   null: start a local Ray instance; "auto" or "HOST:6379": join one
   num_cpus: 4             #   CPUs of a local instance (ignored when joining)
 placement: PACK           # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD over all bundles
+secret_file: null         # the cluster secret (a 0600 file on the supervisor's machine); null:
+                          #   $DENSA_CLUSTER_SECRET if set, else `up` makes one in --log-dir
 serve_args: [--max-num-seqs, "8"]   # `densa serve` flags every worker gets
 router:
   host: 127.0.0.1         # 0.0.0.0 to take clients from other machines
@@ -31,9 +33,11 @@ import yaml
 
 ROLES = ("both", "prefill", "decode")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-# Flags the cluster sets itself: each worker's address, and the router's pools.
-_OWN_SERVE_FLAGS = ("--host", "--port", "--role", "--kv-listen")
-_OWN_ROUTER_FLAGS = ("--host", "--port", "--worker", "--prefill", "--decode")
+# Flags the cluster sets itself: each worker's address, the router's pools, and the secret
+# (every member gets the cluster's own, through its environment).
+_OWN_SERVE_FLAGS = ("--host", "--port", "--role", "--kv-listen", "--cluster-secret-file")
+_OWN_ROUTER_FLAGS = ("--host", "--port", "--worker", "--prefill", "--decode",
+                     "--cluster-secret-file")  # fmt: skip
 
 
 class ClusterConfigError(ValueError):
@@ -74,6 +78,7 @@ class ClusterConfig:
     ray_address: str | None = None
     ray_num_cpus: float | None = None
     placement: str = "PACK"
+    secret_file: str | None = None  # None: $DENSA_CLUSTER_SECRET, else a new one
     serve_args: tuple[str, ...] = ()
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 
@@ -90,15 +95,17 @@ def load_config(path: str | Path) -> ClusterConfig:
 
 
 def parse_config(raw: Any) -> ClusterConfig:
-    _mapping(raw, "the file", {"ray", "placement", "serve_args", "router", "pools", "restart"})
+    keys = {"ray", "placement", "secret_file", "serve_args", "router", "pools", "restart"}
+    _mapping(raw, "the file", keys)
     ray = raw.get("ray") or {}
     _mapping(ray, "ray", {"address", "num_cpus"})
     config = ClusterConfig(
         pools=tuple(_pool(p, i) for i, p in enumerate(_list(raw.get("pools"), "pools"))),
         router=_router(raw.get("router") or {}),
-        ray_address=_optional_str(ray.get("address"), "ray.address"),
+        ray_address=_optional_str(ray.get("address"), "ray.address", "a local Ray instance"),
         ray_num_cpus=_optional_number(ray.get("num_cpus"), "ray.num_cpus"),
         placement=str(raw.get("placement", "PACK")).upper(),
+        secret_file=_optional_str(raw.get("secret_file"), "secret_file", "a new secret"),
         serve_args=_args(raw.get("serve_args"), "serve_args", _OWN_SERVE_FLAGS),
         restart=_restart(raw.get("restart") or {}),
     )
@@ -209,9 +216,9 @@ def _optional_number(raw: Any, where: str) -> float | None:
     return None if raw is None else _number(raw, where)
 
 
-def _optional_str(raw: Any, where: str) -> str | None:
+def _optional_str(raw: Any, where: str, null_means: str) -> str | None:
     if raw is None:
         return None
     if not isinstance(raw, str) or not raw:
-        raise ClusterConfigError(f"{where} must be a string (or null for a local Ray instance)")
+        raise ClusterConfigError(f"{where} must be a string (or null for {null_means})")
     return raw

@@ -9,6 +9,9 @@ port, the next life gets a new one and the cluster tells the router the URL chan
 The child is in its own process group (a stop takes its engine process too) and is told by the
 kernel to die with its parent (PR_SET_PDEATHSIG, Linux), so a Ray actor killed with SIGKILL leaves
 no orphan server holding a port or a GPU.
+
+The cluster secret reaches the child in its environment ($DENSA_CLUSTER_SECRET), never on its
+command line (which `ps` shows every user) and never in the log.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from densa.auth.secret import SECRET_ENV, ClusterSecret
 from densa.cluster.config import RestartPolicy
 from densa.utils.logging import get_logger
 
@@ -44,6 +48,7 @@ class ProcessSpec:
     port: int | None = None  # None: a free port; else exactly this one (the router's)
     env: tuple[tuple[str, str], ...] = ()
     log_dir: str = "/tmp/densa-cluster"
+    secret: ClusterSecret | None = field(default=None, repr=False)  # into the child's env
 
 
 @dataclass(frozen=True)
@@ -139,6 +144,8 @@ class SupervisedProcess:
         log = Path(self.spec.log_dir) / f"{self.spec.name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **dict(self.spec.env)}
+        if self.spec.secret is not None:
+            env[SECRET_ENV] = self.spec.secret.value.decode()
         with log.open("ab") as out:
             out.write(f"--- life {self.generation}: {' '.join(argv)}\n".encode())
             out.flush()

@@ -9,6 +9,12 @@
 
 The supervisor holds no request state: if it dies, the actors and the router keep serving, only
 membership stops following changes until it is started again.
+
+The cluster secret (densa/auth/secret.py) is config.secret_file's, else $DENSA_CLUSTER_SECRET's,
+else a new one written 0600 to <log dir>/cluster-secret (for members started by hand). Every
+process gets it in its environment, through its actor's spec: never on a command line. Ray carries
+that spec to the actor's node (and keeps it to restart the actor), so whoever can use the Ray
+cluster can read the secret: Ray's members are inside the boundary.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from densa.auth.secret import ClusterSecret, load_secret
 from densa.cluster.actors import RemoteProcessActor
 from densa.cluster.config import ClusterConfig, PoolConfig
 from densa.cluster.processes import ProcessSpec, ProcessStatus
@@ -55,12 +63,26 @@ class Cluster:
         self.log_dir = log_dir
         self.say = say
         self.token = secrets.token_urlsafe(24)
+        self.secret_path: Path | None = None  # where a secret made here was written
+        self.secret = self._cluster_secret()  # a bad secret file: one line, before Ray starts
         self.workers: list[Member] = []
         self.router: Member | None = None
         self._pushed: dict[str, list[str]] | None = None
         self._router_generation = 0
         self._pg: Any = None
         self._started_ray = False
+
+    def _cluster_secret(self) -> ClusterSecret:
+        secret = load_secret(self.config.secret_file)
+        if secret is not None:
+            return secret
+        secret = ClusterSecret.generate()
+        self.secret_path = Path(self.log_dir) / "cluster-secret"
+        self.secret_path.parent.mkdir(parents=True, exist_ok=True)
+        secret.write(self.secret_path)
+        self.say(f"new cluster secret in {self.secret_path} (mode 0600; give it to members "
+                 f"started by hand with --cluster-secret-file)")  # fmt: skip
+        return secret
 
     # ---- up ----------------------------------------------------------------------------------
     def up(self, timeout_s: float = 300.0) -> str:
@@ -132,7 +154,8 @@ class Cluster:
                 *self.config.serve_args, *pool.args)  # fmt: skip
         threads = str(max(1, math.floor(pool.num_cpus)))
         env = (("OMP_NUM_THREADS", threads), ("NUMBA_NUM_THREADS", threads))
-        return ProcessSpec(name, argv, host="127.0.0.1", env=env, log_dir=self.log_dir)
+        return ProcessSpec(name, argv, host="127.0.0.1", env=env, log_dir=self.log_dir,
+                           secret=self.secret)  # fmt: skip
 
     def _start_router(self) -> Member:
         spec = self.config.router
@@ -140,7 +163,7 @@ class Cluster:
                  for a in (ROUTER_FLAG[m.role], m.status.url)]  # fmt: skip
         argv = ("router", "--host", "{host}", "--port", "{port}", *flags, *spec.args)
         env = ((ADMIN_TOKEN_ENV, self.token),)
-        process = ProcessSpec("router", argv, spec.host, spec.port, env, self.log_dir)
+        process = ProcessSpec("router", argv, spec.host, spec.port, env, self.log_dir, self.secret)
         return Member("router", "router", self._actor(process, spec.num_cpus, 0, False))
 
     def _wait_router_healthy(self, timeout_s: float) -> None:

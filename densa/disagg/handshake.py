@@ -12,10 +12,12 @@ import hashlib
 from typing import Any
 
 from densa.disagg.messages import PageFormat, PeerModel
+from densa.quant.kv_format import KV_FORMAT_NAMES, KVFormat
 from densa.text.tokenizer import TokenizerFiles
 
-# Formats a page can be landed from (wire.py converts between any two of them).
-LANDABLE_KV_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3")
+# Formats a page can be landed from: every KV format densa serves (landing converts between
+# any two of them, densa/worker/kv_io.py).
+LANDABLE_KV_DTYPES = KV_FORMAT_NAMES
 
 
 def tokenizer_digest(files: TokenizerFiles) -> str:
@@ -36,12 +38,24 @@ def peer_model(
     return PeerModel(architecture, tokenizer_digest(tokenizer), page, role, weight_format)
 
 
+def is_landable(page: PageFormat) -> bool:
+    """Is `page`'s format one densa serves (and so can land, converting if it must)?"""
+    if page.kv_dtype not in LANDABLE_KV_DTYPES:
+        return False
+    try:
+        KVFormat(page.kv_dtype, page.kv_scales)
+    except ValueError:
+        return False
+    return True
+
+
 def expected_page_bytes(architecture: dict[str, Any], page: PageFormat) -> int:
-    """Bytes of one page of `page`'s format for this model (what the peer must announce)."""
+    """Bytes of one page of `page`'s format for this model (what the peer must announce).
+    Raises ValueError for a format densa does not serve."""
+    kv_format = KVFormat(page.kv_dtype, page.kv_scales)
     layers, heads, dim = (architecture[k] for k in ("num_layers", "num_kv_heads", "head_dim"))
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1}[page.kv_dtype]
-    scale = 1 if page.kv_dtype == "fp8_e4m3" and page.kv_scales == "dynamic" else 0
-    return 2 * layers * heads * (dim * itemsize + scale) * page.page_size
+    row_bytes = dim * kv_format.value_bytes() + kv_format.scale_bytes_per_row()
+    return 2 * layers * heads * row_bytes * page.page_size
 
 
 def mismatch(ours: PeerModel, theirs: PeerModel) -> str | None:
@@ -55,8 +69,11 @@ def mismatch(ours: PeerModel, theirs: PeerModel) -> str | None:
         problems.append("the tokenizers differ")
     if ours.page.page_size != theirs.page.page_size:
         problems.append(f"page size: {ours.page.page_size} here, {theirs.page.page_size} there")
-    if theirs.page.kv_dtype not in LANDABLE_KV_DTYPES:
-        problems.append(f"their KV dtype {theirs.page.kv_dtype!r} cannot be landed")
+    if not is_landable(theirs.page):
+        problems.append(
+            f"their KV format {theirs.page.kv_dtype!r} ({theirs.page.kv_scales!r} scales) "
+            "cannot be landed"
+        )
     elif "num_layers" in theirs.architecture and not problems:
         expected = expected_page_bytes(theirs.architecture, theirs.page)
         if theirs.page.page_bytes != expected:

@@ -63,15 +63,17 @@ class PrefillRequest(msgspec.Struct, tag=True):
 
 
 class WireLayout(msgspec.Struct, frozen=True):
-    """What the raw frames after a KVPages header hold.
+    """What the raw frames after a KVPages header hold: pages in the sender's KV format
+    (densa.quant.kv_format.KVFormat(kv_dtype, kv_scales); densa/disagg/wire.py frames them).
 
     frame 1: values [num_layers, 2 (K, V), num_pages, num_kv_heads, page_size, head_dim]
-             in `kv_dtype` (fp8 as its bytes)
-    frame 2: fp8 dynamic only: int8 scale exponents [num_layers, 2, num_pages, heads, page_size]
+             in the format's storage dtype (fp8 and int8 as their bytes)
+    frame 2: formats with a scale per row only: [num_layers, 2, num_pages, heads, page_size]
+             fp8 dynamic: int8 power-of-two exponents; int8: fp16 scales
     """
 
-    kv_dtype: str
-    kv_scales: str
+    kv_dtype: str  # KVFormat.name: float32 | bfloat16 | float16 | fp8_e4m3 | int8
+    kv_scales: str  # KVFormat.scales: none | dynamic | static (fp8) | row (int8)
     shape: list[int]
     static_scales: list[list[float]] = []  # fp8 static: [num_layers][K scale, V scale]
     checksums: list[int] = []  # crc32 of each raw frame, to detect damage in flight

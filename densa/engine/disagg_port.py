@@ -23,14 +23,16 @@ from densa.disagg.transport import KVTransport, ZmqTransport
 from densa.engine.llm_engine import LLMEngine
 from densa.ipc.messages import RequestDelta
 from densa.model.attention import LayerKVCache
+from densa.worker import kv_io
 from densa.worker.kv_cache import page_bytes
 
 
 def describe(engine: LLMEngine, role: str) -> PeerModel:
-    cache = engine.config.cache
-    scales = cache.kv_scales if cache.kv_cache_dtype == "fp8_e4m3" else "none"
-    size = page_bytes(engine.arch, cache.page_size, cache.kv_cache_dtype, cache.kv_scales)
-    page = PageFormat(cache.kv_cache_dtype, scales, cache.page_size, size)
+    """What this worker announces at the handshake: its model, and its pages' KVFormat."""
+    kv_format = kv_io.cache_format(layer_caches(engine))
+    page_size = engine.config.cache.page_size
+    size = page_bytes(engine.arch, page_size, kv_format.name, kv_format.fp8_policy)
+    page = PageFormat(kv_format.name, kv_format.scales, page_size, size)
     architecture = engine.arch.signature()
     return peer_model(architecture, engine.tokenizer.files, page, role, engine.weight_format)
 
@@ -74,7 +76,8 @@ class DecodePort:
         caches = layer_caches(self.engine)
 
         def write() -> None:
-            wire.land_pages(caches, landing.dest_page_ids, landing.layout, landing.frames)
+            pages = wire.unpack(landing.layout, landing.frames)
+            kv_io.land(caches, landing.dest_page_ids, pages)
 
         violation = self.engine.land_remote_prefill(
             request_id, landing.dest_page_ids, landing.dest_tags, write,

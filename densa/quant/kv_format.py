@@ -12,6 +12,10 @@ tensor's rank.
     fp8_e4m3   float8_e4m3fn             dynamic: int8 exponent     D + 1
                                          static: one float / layer  D
     int8       int8 codes                one fp16 scale per row     D + 2
+
+A format is also the codec of its pages: `store` encodes real values (as a prefill does),
+`dequantize` decodes stored pages back to real values. Copies between workers (densa/worker/
+kv_io.py) use exactly these two, so a new format is one entry here, not a case in every reader.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ _STORAGE = {
     int8_kv.KV_DTYPE: int8_kv.CODE_DTYPE,
 }
 NO_SCALES, DYNAMIC, STATIC, ROW = "none", "dynamic", "static", "row"
+# Per-row scale tensors, as stored next to the values ([pages, heads, page_size], one per row).
+_ROW_SCALE_DTYPES = {DYNAMIC: fp8_kv.EXPONENT_SCALE_DTYPE, ROW: int8_kv.SCALE_DTYPE}
+KV_FORMAT_NAMES = tuple(_STORAGE)
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,21 @@ class KVFormat:
         where it is not read."""
         return self.scales if self.is_fp8 else DYNAMIC
 
+    @property
+    def row_scale_dtype(self) -> torch.dtype | None:
+        """The dtype of the per-row scales stored next to the values (None: no per-row scales;
+        static FP8 keeps one float per layer and part instead)."""
+        return _ROW_SCALE_DTYPES.get(self.scales)
+
+    @classmethod
+    def served(cls) -> list[KVFormat]:
+        """Every KV format an engine can serve (each FP8 scale policy counts as its own)."""
+        formats: list[KVFormat] = []
+        for name in KV_FORMAT_NAMES:
+            policies = (DYNAMIC, STATIC) if name == fp8_kv.KV_DTYPE else (DYNAMIC,)
+            formats.extend(cls.of(name, policy) for policy in policies)
+        return formats
+
     def scale_bytes_per_row(self) -> int:
         """Bytes of scale each [head_dim] row of a token adds."""
         return {NO_SCALES: 0, STATIC: 0, DYNAMIC: 1, ROW: int8_kv.SCALE_BYTES}[self.scales]
@@ -114,3 +136,20 @@ class KVFormat:
             int8_kv.store_int8(pages, scale, slot_pages, slot_offsets, rows)
         else:
             pages[slot_pages, :, slot_offsets] = rows.to(pages.dtype)
+
+    def dequantize(self, values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """Stored pages [..., D] of this format -> their real values (float32), the inverse of
+        `store` up to its rounding. `scale`: the per-row scales [...] (FP8 dynamic: int8
+        power-of-two exponents; INT8: fp16), the 0-dim static FP8 scale, or None (no scales)."""
+        real = values.to(torch.float32)
+        if self.scales == NO_SCALES:
+            return real
+        if scale is None:
+            if self.scales != STATIC:
+                raise ValueError(f"{self.describe()} pages need their scales")
+            return real  # static FP8 without a scale file stores with 1.0
+        if self.scales == STATIC:
+            return real * scale.to(torch.float32)
+        if self.scales == DYNAMIC:
+            return real * torch.exp2(scale.to(torch.float32)).unsqueeze(-1)
+        return int8_kv.dequantize_rows(values, scale)

@@ -6,12 +6,16 @@ changed: the tokens this step computes and the pages mapped since the runner las
 The runner mirrors each request's page table and tokens (worker/request_states.py), so a step costs
 O(new tokens + new pages) to describe, not O(context): the same contract works when the runner
 lives in another process or on another host.
+
+K/V computed elsewhere (a prefill worker's pages, densa/disagg) reaches the runner the same way:
+as a KVLanding in the step, which the runner writes before the step reads any page.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from densa.ipc.messages import TokenLogprobs
 from densa.sampling_params import SamplingParams
 
 
@@ -61,6 +65,45 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class PackedPages:
+    """Whole K/V pages as raw bytes in one KV format (densa.quant.kv_format), as
+    densa/worker/kv_io.py packs them on one worker and lands them on another:
+
+        values      [num_layers, num_parts, num_pages, num_heads, page_size, head_dim]
+                    in the format's storage dtype (num_parts: 2 for K and V)
+        row_scales  [num_layers, num_parts, num_pages, num_heads, page_size] when the format
+                    keeps one scale per row (FP8 dynamic: int8 exponents; INT8: fp16), else None
+        static      [num_layers][num_parts] static FP8 scales, else empty
+    """
+
+    kv_dtype: str  # KVFormat.name
+    kv_scales: str  # KVFormat.scales
+    shape: tuple[int, ...]  # of `values`
+    values: memoryview
+    row_scales: memoryview | None = None
+    static_scales: list[list[float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class KVLanding:
+    """A receiving request's prompt K/V, copied in from elsewhere: the runner writes `pages`
+    into `page_ids` (converting the format where it differs), but only if every page still
+    carries the tag in `page_tags`; otherwise nothing is written and the request alone ends.
+    The request then runs from `first_token_id`, sampled where its prompt was computed."""
+
+    request_id: str
+    page_ids: list[int]
+    page_tags: list[int]
+    pages: PackedPages
+    # The runner advances a seeded request's random stream past the first token's draw, so
+    # the tokens after it are those one worker would have drawn.
+    sampling_params: SamplingParams
+    first_token_id: int
+    first_logprobs: TokenLogprobs | None = None
+    num_cached_tokens: int = 0  # prompt tokens the computing side served from its own cache
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: list[ScheduledChunk]
     # (page, tag) for every tag change since the last step -- pages allocated or released -- which
@@ -72,6 +115,8 @@ class SchedulerOutput:
     # Requests admitted (first scheduled, or re-admitted after preemption) in this step. They are
     # also the first suspects when a step fails (engine fault confinement).
     new_requests: list[NewRequest] = field(default_factory=list)
+    # Copied-in K/V to write before this step reads any page (tags are updated first).
+    kv_landings: list[KVLanding] = field(default_factory=list)
 
     @property
     def new_request_ids(self) -> list[str]:
@@ -83,7 +128,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.kv_landings
 
 
 def empty_step(

@@ -13,6 +13,7 @@ from densa.cluster.config import ClusterConfigError, RestartPolicy, load_config,
 GOOD = """
 ray: {address: null, num_cpus: 4}
 placement: spread
+secret_file: /etc/densa/cluster-secret
 serve_args: [--max-num-seqs, 8]
 router: {host: 0.0.0.0, port: 9000, args: [--policy, densa]}
 pools:
@@ -27,6 +28,7 @@ def test_a_full_file_parses_with_every_value(tmp_path: Path) -> None:
     path.write_text(GOOD)
     config = load_config(path)
     assert config.placement == "SPREAD" and config.ray_num_cpus == 4
+    assert config.secret_file == "/etc/densa/cluster-secret"
     assert config.serve_args == ("--max-num-seqs", "8")
     assert (config.router.host, config.router.port) == ("0.0.0.0", 9000)
     assert [(p.name, p.role, p.replicas, p.num_cpus) for p in config.pools] == [
@@ -41,6 +43,7 @@ def test_check_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main(["cluster", "check", "--config", str(path)]) == 0
     out = capsys.readouterr().out
     assert "pool decode: 2 x densa serve --role decode" in out and "SPREAD" in out
+    assert "cluster secret: /etc/densa/cluster-secret" in out
 
 
 @pytest.mark.parametrize(
@@ -61,6 +64,9 @@ def test_check_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str
         ({"pools": [{"name": "a"}], "ray": {"adress": "auto"}}, "unknown key 'adress'"),
         ({"pools": [{"name": "a"}], "pool": []}, "unknown key 'pool'"),
         ({"pools": {"name": "a"}}, "pools must be a list"),
+        ({"pools": [{"name": "a"}], "secret_file": 3}, "secret_file must be a string"),
+        ({"pools": [{"name": "a", "args": ["--cluster-secret-file", "f"]}]}, "set by the cluster"),
+        ({"pools": [{"name": "a"}], "router": {"args": ["--cluster-secret-file=f"]}}, "set by"),
     ],
 )
 def test_each_mistake_names_its_key(raw: dict[str, Any], message: str) -> None:

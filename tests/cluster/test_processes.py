@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from densa.auth.secret import SECRET_ENV, ClusterSecret
 from densa.cluster.config import RestartPolicy
 from densa.cluster.processes import ProcessSpec, SupervisedProcess, port_is_free
 from tests.processes import pid_gone, wait_for
@@ -78,3 +79,26 @@ def test_a_supervisor_killed_with_sigkill_takes_its_process_with_it(tmp_path: Pa
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_the_secret_reaches_the_child_by_its_environment_only(tmp_path: Path) -> None:
+    """A router with P/D pools starts only with the cluster secret: it answering proves the
+    secret arrived; /proc shows it in the environment, not the command line, nor in the log."""
+    secret = ClusterSecret.generate()
+    argv = ("router", "--host", "{host}", "--port", "{port}",
+            "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:10")  # fmt: skip
+    spec = ProcessSpec("router", argv, host="127.0.0.1", log_dir=str(tmp_path), secret=secret)
+    assert secret.value.decode() not in repr(spec)
+    process = SupervisedProcess(spec, RestartPolicy(backoff_s=0.2, max_backoff_s=1.0))
+    process.start()
+    try:
+        status = process.status()
+        wait_for(lambda: answers(status.url), "the P/D router answers")
+        assert process.status().generation == 1  # it did not exit for want of the secret
+        assert status.pid is not None
+        environ = Path(f"/proc/{status.pid}/environ").read_bytes().split(b"\0")
+        assert f"{SECRET_ENV}={secret.value.decode()}".encode() in environ
+        assert secret.value not in Path(f"/proc/{status.pid}/cmdline").read_bytes()
+    finally:
+        process.stop(timeout=10)
+    assert secret.value.decode() not in (tmp_path / "router.log").read_text()

@@ -19,6 +19,7 @@ import openai
 import pytest
 import ray
 
+from densa.auth.secret import SECRET_ENV
 from densa.cluster.config import parse_config
 from densa.cluster.processes import port_is_free
 from densa.cluster.supervisor import Cluster
@@ -34,7 +35,8 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "ray": {"num_cpus": 3},
         "serve_args": ["--model", str(tiny_model_dir), "--served-model-name", "tiny",
                        "--kv-cache-memory", "32MiB", "--max-model-len", "256"],
-        "router": {"port": _free_port(), "args": ["--poll-interval", "0.2", "--max-backoff", "1"]},
+        "router": {"port": _free_port(), "args": ["--poll-interval", "0.2", "--max-backoff", "1",
+                                                  "--debug-headers"]},
         "pools": [{"name": "chat", "role": "both", "replicas": 2, "num_cpus": 1}],
         "restart": {"backoff_s": 0.2, "max_backoff_s": 1.0},
     })  # fmt: skip
@@ -68,7 +70,11 @@ def router_url(cluster: Cluster) -> str:
 
 
 def listed(cluster: Cluster) -> dict[str, bool]:
-    body = httpx.get(router_url(cluster) + "/densa/workers", timeout=5).json()
+    body = httpx.get(
+        router_url(cluster) + "/densa/workers",
+        timeout=5,
+        headers={"authorization": f"Bearer {cluster.token}"},
+    ).json()
     return {w["url"]: w["healthy"] for w in body["workers"]}
 
 
@@ -98,6 +104,15 @@ def test_the_cluster_serves_through_its_router(cluster: Cluster) -> None:
     served = {complete(cluster)[0] for _ in range(6)}
     assert served <= worker_urls(cluster) and served
     assert complete(cluster)[1].usage.completion_tokens == 4
+    # Every member got the cluster's secret, in its environment and not on its command line.
+    assert cluster.router is not None
+    for member in [*cluster.workers, cluster.router]:
+        assert member.status is not None and member.status.pid is not None
+        proc = Path(f"/proc/{member.status.pid}")
+        entry = f"{SECRET_ENV}={cluster.secret.value.decode()}".encode()
+        assert entry in (proc / "environ").read_bytes().split(b"\0"), member.name
+        assert cluster.secret.value not in (proc / "cmdline").read_bytes()
+    assert httpx.get(router_url(cluster) + "/densa/workers", timeout=5).status_code == 401
 
 
 def test_a_worker_killed_is_restarted_on_its_url_and_traffic_goes_on(cluster: Cluster) -> None:

@@ -7,12 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from densa.cache.integrity import ViolationKind
 from densa.disagg.decode_side import DecodeState
 from densa.disagg.faults import Fault, FaultyTransport
 from densa.disagg.prefill_side import PrefillState
 from densa.disagg.transport import KVTransport
+from densa.quant import fp8_kv, int8_kv
 from densa.sampling_params import SamplingParams
 
 from .support import Pair, colocated_tokens, make_pair
@@ -24,6 +26,7 @@ SMALL = {
     "max_model_len": 128,
 }  # a small pool: page ids and tags are predictable
 TIMEOUT_S = 5.0
+LAYERS_OF_TINY = 2  # the tiny model: 2 layers, 2 KV heads, head_dim 16
 
 
 def faulty(side: str, *faults: Fault) -> Any:
@@ -339,30 +342,148 @@ def test_pages_arriving_right_after_an_abort_are_dropped_not_counted_as_violatio
     pair.assert_all_free()
 
 
-def test_fp8_pages_move_as_bytes_and_decode_exactly_as_one_fp8_engine(
-    tiny_model_dir: Path,
-) -> None:
-    fp8 = {**SMALL, "kv_cache_dtype": "fp8_e4m3"}
-    want = colocated_tokens(tiny_model_dir, [PROMPT], GREEDY, **fp8)[0]
-    pair = make_pair(tiny_model_dir, fp8, fp8, timeout_s=TIMEOUT_S)
+# ---- every KV format densa serves, on either side -----------------------------------------------
+FORMAT_ARGS = {
+    "float32": {"kv_cache_dtype": "float32"},
+    "bfloat16": {"kv_cache_dtype": "bfloat16"},
+    "float16": {"kv_cache_dtype": "float16"},
+    "fp8-dynamic": {"kv_cache_dtype": "fp8_e4m3", "kv_scales": "dynamic"},
+    "fp8-static": {"kv_cache_dtype": "fp8_e4m3", "kv_scales": "static"},  # no file: scale 1.0
+    "int8": {"kv_cache_dtype": "int8"},
+}
+# Each format is a source and a destination of a conversion at least once (a cycle), plus the
+# reference split's own (BF16 -> FP8) and INT8's neighbours.
+CONVERSIONS = [
+    ("bfloat16", "int8"), ("int8", "fp8-dynamic"), ("fp8-dynamic", "float16"),
+    ("float16", "fp8-static"), ("fp8-static", "float32"), ("float32", "int8"),
+    ("int8", "bfloat16"), ("bfloat16", "fp8-dynamic"),
+]  # fmt: skip
+
+
+def test_the_handoff_formats_are_every_format_densa_serves() -> None:
+    from densa.engine.args import EngineArgs
+    from densa.quant.kv_format import KVFormat
+
+    served = {(f.name, f.scales) for f in KVFormat.served()}
+    ours = {(f.name, f.scales) for f in (EngineArgs(model="x", **a).kv_format() for a in FORMAT_ARGS.values())}  # fmt: skip
+    assert ours == served
+    assert {name for pair in CONVERSIONS for name in pair} == set(FORMAT_ARGS)
+    assert {s for s, _ in CONVERSIONS} == {d for _, d in CONVERSIONS} == set(FORMAT_ARGS)
+
+
+def landed_pair(model_dir: Path, source: str, dest: str) -> tuple[Pair, list[int], list[int]]:
+    """A handoff from a `source`-format prefill to a `dest`-format decode worker, stopped right
+    after the pages landed (P still holds its pages: the ack is late). Returns the pair, P's
+    source pages and D's destination pages, in block order."""
+    pair = make_pair(
+        model_dir, {**SMALL, **FORMAT_ARGS[source]}, {**SMALL, **FORMAT_ARGS[dest]},
+        timeout_s=TIMEOUT_S, wrap=faulty("decode", Fault("delay", "KVAck", delay_s=1.0)),
+    )  # fmt: skip
+    for side in (pair.p_agents, pair.d_agents):
+        if isinstance(side.transport, FaultyTransport):
+            side.transport.clock = pair.clock
     pair.submit(PROMPT, GREEDY, "r")
+    transfer = transfer_of(pair)
+    for _ in range(10):
+        pair.turn()
+        if transfer.state == DecodeState.LANDED and "r" in pair.outputs:
+            break
+    assert transfer.state == DecodeState.LANDED and pair.tokens("r")  # the first token is out
+    p_request_id = next(iter(pair.p_agent.transfers.values())).request_id
+    source_pages = pair.prefill.scheduler.held[p_request_id][0][::-1]
+    return pair, source_pages, transfer.reservation.dest_page_ids
+
+
+def prompt_slots(cache: Any, page_ids: list[int]) -> list[tuple[Any, Any]]:
+    """(values, scales) of the prompt's token rows, per part: [tokens, heads, D] and
+    [tokens, heads] (scales: None, a 0-dim static scale, or one per row)."""
+    pages = torch.tensor([page_ids[p // 16] for p in range(len(PROMPT))])
+    slots = torch.tensor([p % 16 for p in range(len(PROMPT))])
+    out = []
+    for values, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+        rows = values[pages, :, slots]
+        if scale is not None and scale.dim() > 0:
+            scale = scale[pages, :, slots]
+        out.append((rows, scale))
+    return out
+
+
+def reference_real(values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The slow reader: stored rows [T, H, D] x their scales (any format)."""
+    real = values.to(torch.float32)
+    if scale is None:
+        return real
+    if scale.dim() == 0:
+        return real * scale
+    wide = torch.exp2(scale.float()) if scale.dtype == torch.int8 else scale.float()
+    return real * wide.unsqueeze(-1)
+
+
+def reference_store(dest: str, real: torch.Tensor, scale: torch.Tensor | None) -> tuple:
+    """The slow writer: what `dest` stores for real rows [T, H, D]."""
+    if dest == "fp8-dynamic":
+        return fp8_kv.quantize_fp8_exponent(real)
+    if dest == "fp8-static":
+        assert scale is not None
+        return fp8_kv.quantize_fp8_static(real, scale), scale
+    if dest == "int8":
+        return int8_kv.quantize_rows(real)
+    return real.to(getattr(torch, dest)), None
+
+
+def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None or a.dim() == 0:
+        return (a is None) == (b is None)
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", list(FORMAT_ARGS))
+def test_same_format_pages_land_as_their_bytes_and_decode_exactly_as_one_engine(
+    tiny_model_dir: Path, fmt: str
+) -> None:
+    pair, source_pages, dest_pages = landed_pair(tiny_model_dir, fmt, fmt)
+    for p_cache, d_cache in zip(pair.prefill.runner.kv_caches, pair.decode.runner.kv_caches, strict=True):  # fmt: skip
+        for (p_rows, p_scale), (d_rows, d_scale) in zip(
+            prompt_slots(p_cache, source_pages), prompt_slots(d_cache, dest_pages), strict=True
+        ):
+            assert same_bits(p_rows, d_rows) and same_bits(p_scale, d_scale)
+    pair.clock.now += 1.5
     pair.run()
+    want = colocated_tokens(tiny_model_dir, [PROMPT], GREEDY, **SMALL, **FORMAT_ARGS[fmt])[0]
     assert pair.tokens("r") == want
-    # 3 pages x 16 tokens x 2 layers x K,V x 2 heads x (16 e4m3 bytes + 1 exponent)
-    assert pair.d_agent.stats.counts["bytes"] == 3 * 16 * 2 * 2 * 2 * (16 + 1)
     pair.assert_all_free()
 
 
-def test_bf16_prefill_pages_are_converted_into_an_fp8_decode_cache(tiny_model_dir: Path) -> None:
-    pair = make_pair(
-        tiny_model_dir,
-        {**SMALL, "kv_cache_dtype": "bfloat16"},
-        {**SMALL, "kv_cache_dtype": "fp8_e4m3"},
-        timeout_s=TIMEOUT_S,
-    )
-    pair.submit(PROMPT, GREEDY, "r")
+@pytest.mark.parametrize(("source", "dest"), CONVERSIONS)
+def test_pages_converted_at_landing_hold_what_the_reference_stores(
+    tiny_model_dir: Path, source: str, dest: str
+) -> None:
+    pair, source_pages, dest_pages = landed_pair(tiny_model_dir, source, dest)
+    rows = LAYERS_OF_TINY * 2 * len(PROMPT) * 2  # layers x (K, V) x tokens x kv heads
+    checked = 0
+    for p_cache, d_cache in zip(pair.prefill.runner.kv_caches, pair.decode.runner.kv_caches, strict=True):  # fmt: skip
+        for (p_rows, p_scale), (d_rows, d_scale) in zip(
+            prompt_slots(p_cache, source_pages), prompt_slots(d_cache, dest_pages), strict=True
+        ):
+            want_rows, want_scale = reference_store(dest, reference_real(p_rows, p_scale), d_scale)
+            assert same_bits(d_rows, want_rows) and same_bits(d_scale, want_scale)
+            checked += p_rows.shape[0] * p_rows.shape[1]
+    assert checked == rows
+    pair.clock.now += 1.5
     pair.run()
     final = pair.final("r")
     assert final.finish_reason == "length" and len(pair.tokens("r")) == GREEDY.max_tokens
-    assert pair.d_agent.stats.counts["bytes"] == 3 * 16 * 2 * 2 * 2 * 16 * 2  # BF16 on the wire
     pair.assert_all_free()
+
+
+def test_bf16_pages_travel_as_bf16_and_fp8_as_e4m3_bytes_and_exponents(
+    tiny_model_dir: Path,
+) -> None:
+    for source, per_row in (("bfloat16", 16 * 2), ("fp8-dynamic", 16 + 1), ("int8", 16 + 2)):
+        pair = make_pair(tiny_model_dir, {**SMALL, **FORMAT_ARGS[source]},
+                         {**SMALL, **FORMAT_ARGS["fp8-dynamic"]}, timeout_s=TIMEOUT_S)  # fmt: skip
+        pair.submit(PROMPT, GREEDY, "r")
+        pair.run()
+        # 3 pages x 16 tokens x 2 layers x K,V x 2 heads x the format's bytes per row
+        assert pair.d_agent.stats.counts["bytes"] == 3 * 16 * 2 * 2 * 2 * per_row
+        pair.assert_all_free()

@@ -1,172 +1,216 @@
-"""Pages on the wire: each format travels as its own bytes (never float32), and landing converts
-exactly as a prefill store into the destination format would."""
+"""Pages on the wire, for every KV format densa serves and every pair of them: each format travels
+as its own bytes (never float32), the frames are what its KVFormat says, and landing stores
+exactly what a slow reference (the torch quantizers, not the store path) computes from the
+source's real values, or copies the bytes where the formats are the same."""
 
 from __future__ import annotations
+
+import itertools
+import zlib
 
 import pytest
 import torch
 
-from densa.disagg.wire import WireError, check_frames, land_pages, pack_pages
-from densa.kernels.fp8_store import store_fp8
+from densa.disagg.messages import WireLayout
+from densa.disagg.wire import WireError, check_frames, pack_pages, unpack
 from densa.kernels.paged_attention_ref import dequantize_pages
 from densa.model.attention import LayerKVCache
-from densa.quant import fp8_kv
+from densa.quant import fp8_kv, int8_kv
+from densa.quant.kv_format import DYNAMIC, ROW, STATIC, KVFormat
+from densa.worker import kv_io
 
 NUM_PAGES, HEADS, PAGE, DIM, LAYERS = 6, 2, 4, 8, 2
+SRC, DST = [1, 4], [5, 0]  # source page ids, destination page ids
+STATIC_SCALE = 0.5
+
+# Every format an engine serves (KVFormat.served), static FP8 with a scale file's 0.5.
+FORMATS = {
+    "float32": KVFormat("float32"),
+    "bfloat16": KVFormat("bfloat16"),
+    "float16": KVFormat("float16"),
+    "fp8-dynamic": KVFormat("fp8_e4m3", DYNAMIC),
+    "fp8-static": KVFormat("fp8_e4m3", STATIC),
+    "int8": KVFormat("int8", ROW),
+}
 
 
-def caches(dtype: str, scales: str = "none", static: float = 0.5) -> list[LayerKVCache]:
+def test_the_formats_here_are_every_format_densa_serves() -> None:
+    served = {(f.name, f.scales) for f in KVFormat.served()}
+    assert served == {(f.name, f.scales) for f in FORMATS.values()}
+
+
+def caches(fmt: str, static: float = STATIC_SCALE) -> list[LayerKVCache]:
+    kv_format = FORMATS[fmt]
+    shape = (NUM_PAGES, HEADS, PAGE, DIM)
     out = []
     for _ in range(LAYERS):
-        shape = (NUM_PAGES, HEADS, PAGE, DIM)
-        if dtype != "fp8_e4m3":
-            torch_dtype = getattr(torch, dtype)
-            out.append(
-                LayerKVCache(
-                    k=torch.zeros(shape, dtype=torch_dtype), v=torch.zeros(shape, dtype=torch_dtype)
-                )
-            )
-            continue
-        k, v = (
-            torch.zeros(shape, dtype=fp8_kv.FP8_DTYPE),
-            torch.zeros(shape, dtype=fp8_kv.FP8_DTYPE),
-        )
-        cache = LayerKVCache(k=k, v=v)
-        if scales == "dynamic":
-            cache.k_scale = torch.zeros(shape[:-1], dtype=torch.int8)
-            cache.v_scale = torch.zeros(shape[:-1], dtype=torch.int8)
-        else:
-            cache.k_scale, cache.v_scale = torch.tensor(static), torch.tensor(static)
-        out.append(cache)
+        k, v = (torch.zeros(shape, dtype=kv_format.storage_dtype) for _ in range(2))
+        scales: tuple[torch.Tensor | None, ...] = (None, None)
+        if kv_format.row_scale_dtype is not None:
+            scales = tuple(torch.zeros(shape[:-1], dtype=kv_format.row_scale_dtype) for _ in "kv")
+        elif kv_format.scales == STATIC:
+            scales = (torch.tensor(static), torch.tensor(static))
+        out.append(LayerKVCache(k, v, scales[0], scales[1], kv_format))
     return out
 
 
-def fill(layers: list[LayerKVCache], seed: int = 0) -> list[torch.Tensor]:
-    """Store random values into every page as a prefill would; returns them [L][2][pages...]."""
+def parts(cache: LayerKVCache) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    return [(cache.k, cache.k_scale), (cache.v, cache.v_scale)]
+
+
+def fill(layers: list[LayerKVCache], seed: int = 0) -> None:
+    """Store random values into every page as a prefill would (rows of very different sizes,
+    so per-row scales matter)."""
     gen = torch.Generator().manual_seed(seed)
-    values = []
+    index = torch.arange(NUM_PAGES)
     for cache in layers:
-        for tensor, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
-            real = torch.randn(NUM_PAGES, HEADS, PAGE, DIM, generator=gen) * 3
-            store(tensor, scale, list(range(NUM_PAGES)), real)
-            values.append(real)
-    return values
+        for values, scale in parts(cache):
+            row_size = torch.exp2(torch.randint(-4, 5, (NUM_PAGES, HEADS, PAGE, 1), generator=gen))
+            real = torch.randn(NUM_PAGES, HEADS, PAGE, DIM, generator=gen) * row_size
+            kv_io.store_pages(cache.kv_format, values, scale, index, real)
 
 
-def store(
-    cache: torch.Tensor, scale: torch.Tensor | None, pages: list[int], real: torch.Tensor
-) -> None:
-    if cache.dtype != fp8_kv.FP8_DTYPE:
-        cache[pages] = real.to(cache.dtype)
-        return
-    index = torch.tensor(pages)
-    rows = real.transpose(1, 2).reshape(len(pages) * PAGE, HEADS, DIM)  # [n*P, H, D]
-    slots = index.repeat_interleave(PAGE), torch.arange(PAGE).repeat(len(pages))
-    store_fp8(cache, scale, slots[0], slots[1], rows.contiguous())
+def real(values: torch.Tensor, scale: torch.Tensor | None, pages: list[int]) -> torch.Tensor:
+    """The reference reader: stored values x their scale, whatever the format."""
+    return dequantize_pages(values, torch.tensor(pages), scale)
 
 
-def real(cache: LayerKVCache, pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    index = torch.tensor(pages)
-    return dequantize_pages(cache.k, index, cache.k_scale), dequantize_pages(
-        cache.v, index, cache.v_scale
-    )
-
-
-SRC, DST = [1, 4], [5, 0]  # source page ids, destination page ids
+def quantized(kv_format: KVFormat, x: torch.Tensor, scale: torch.Tensor | None) -> tuple:
+    """The reference store: what `kv_format` holds for real values x [..., D]."""
+    if kv_format.scales == DYNAMIC:
+        return fp8_kv.quantize_fp8_exponent(x)
+    if kv_format.scales == STATIC:
+        assert scale is not None
+        return fp8_kv.quantize_fp8_static(x, scale), scale
+    if kv_format.scales == ROW:
+        return int8_kv.quantize_rows(x)
+    return x.to(kv_format.storage_dtype), None
 
 
 def move(src: list[LayerKVCache], dst: list[LayerKVCache]) -> int:
     packed = pack_pages(src, SRC)
     check_frames(packed.layout, packed.frames, len(SRC))
-    land_pages(dst, DST, packed.layout, packed.frames)
+    kv_io.land(dst, DST, unpack(packed.layout, packed.frames))
     return packed.num_bytes
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_same_dtype_moves_bytes_exactly_in_the_sources_width(dtype: str) -> None:
-    src, dst = caches(dtype), caches(dtype)
+def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_each_format_travels_as_its_own_bytes(fmt: str) -> None:
+    src, dst = caches(fmt), caches(fmt)
     fill(src)
     num_bytes = move(src, dst)
-    itemsize = 4 if dtype == "float32" else 2
-    assert num_bytes == LAYERS * 2 * len(SRC) * HEADS * PAGE * DIM * itemsize
+    kv_format = FORMATS[fmt]
+    rows = LAYERS * 2 * len(SRC) * HEADS * PAGE
+    assert num_bytes == rows * (DIM * kv_format.value_bytes() + kv_format.scale_bytes_per_row())
     for s, d in zip(src, dst, strict=True):
-        assert torch.equal(s.k[SRC], d.k[DST]) and torch.equal(s.v[SRC], d.v[DST])
-        assert not d.k[[1, 2, 3, 4]].any()  # nothing else written
+        for (s_values, s_scale), (d_values, d_scale) in zip(parts(s), parts(d), strict=True):
+            assert same_bits(s_values[SRC], d_values[DST])
+            if kv_format.row_scale_dtype is not None:
+                assert same_bits(s_scale[SRC], d_scale[DST])  # type: ignore[index]
+            untouched = [p for p in range(NUM_PAGES) if p not in DST]
+            assert not d_values[untouched].float().any()  # nothing else written
 
 
-def test_fp8_to_fp8_dynamic_moves_e4m3_bytes_and_exponents_only() -> None:
-    src, dst = caches("fp8_e4m3", "dynamic"), caches("fp8_e4m3", "dynamic")
-    fill(src)
-    num_bytes = move(src, dst)
-    num_values = LAYERS * 2 * len(SRC) * HEADS * PAGE * DIM
-    assert num_bytes == num_values + num_values // DIM  # 1 byte a value + 1 exponent a row
-    for s, d in zip(src, dst, strict=True):
-        assert torch.equal(s.k[SRC].view(torch.uint8), d.k[DST].view(torch.uint8))
-        assert torch.equal(s.k_scale[SRC], d.k_scale[DST])
-        assert torch.equal(s.v_scale[SRC], d.v_scale[DST])
-
-
-@pytest.mark.parametrize("source", ["float32", "bfloat16"])
-def test_high_precision_to_fp8_quantizes_with_fresh_scales_as_a_prefill_store_would(
-    source: str,
-) -> None:
-    src, dst = caches(source), caches("fp8_e4m3", "dynamic")
-    fill(src)
-    move(src, dst)
-    want = caches("fp8_e4m3", "dynamic")
-    for layer, cache in enumerate(src):
-        for tensor, target, scale in (
-            (cache.k, want[layer].k, want[layer].k_scale),
-            (cache.v, want[layer].v, want[layer].v_scale),
-        ):
-            store(target, scale, DST, tensor[SRC].float())
-    for w, d in zip(want, dst, strict=True):
-        assert torch.equal(w.k.view(torch.uint8), d.k.view(torch.uint8))
-        assert torch.equal(w.k_scale, d.k_scale) and torch.equal(w.v_scale, d.v_scale)
-
-
-def test_fp8_to_bfloat16_lands_the_real_values() -> None:
-    src, dst = caches("fp8_e4m3", "dynamic"), caches("bfloat16")
+@pytest.mark.parametrize(("source", "dest"), [pair for pair in itertools.permutations(FORMATS, 2)])
+def test_every_pair_of_formats_lands_what_the_reference_stores(source: str, dest: str) -> None:
+    src, dst = caches(source), caches(dest)
     fill(src)
     move(src, dst)
     for s, d in zip(src, dst, strict=True):
-        k, v = real(s, SRC)
-        assert torch.equal(d.k[DST], k.to(torch.bfloat16)) and torch.equal(
-            d.v[DST], v.to(torch.bfloat16)
-        )
+        for (s_values, s_scale), (d_values, d_scale) in zip(parts(s), parts(d), strict=True):
+            want_values, want_scale = quantized(
+                FORMATS[dest], real(s_values, s_scale, SRC), d_scale
+            )
+            assert same_bits(d_values[DST], want_values)
+            if FORMATS[dest].row_scale_dtype is not None:
+                assert same_bits(d_scale[DST], want_scale)  # type: ignore[index]
+            untouched = [p for p in range(NUM_PAGES) if p not in DST]
+            assert not d_values[untouched].float().any()
 
 
-def test_fp8_static_scales_copy_bytes_when_equal_and_requantize_when_not() -> None:
-    src = caches("fp8_e4m3", "static", static=0.5)
+@pytest.mark.parametrize("dest", list(FORMATS))
+def test_landed_real_values_are_the_sources_within_the_destinations_rounding(dest: str) -> None:
+    src, dst = caches("float32"), caches(dest)
     fill(src)
-    same, other = (
-        caches("fp8_e4m3", "static", static=0.5),
-        caches("fp8_e4m3", "static", static=0.25),
-    )
+    move(src, dst)
+    # The largest relative error of one stored value in each format (of its row's max for INT8).
+    tolerance = {"float32": 0.0, "bfloat16": 2**-8, "float16": 2**-11, "fp8-dynamic": 2**-4,
+                 "fp8-static": 2**-4, "int8": 1 / 254}[dest]  # fmt: skip
+    for s, d in zip(src, dst, strict=True):
+        for (s_values, s_scale), (d_values, d_scale) in zip(parts(s), parts(d), strict=True):
+            want, got = real(s_values, s_scale, SRC), real(d_values, d_scale, DST)
+            scale = want.abs().amax(-1, keepdim=True) if dest == "int8" else want.abs()
+            # FP8's subnormals step by 2**-9 of the scale (a static 0.5; a dynamic row's max/224)
+            floor = torch.zeros(())
+            if dest == "fp8-static":
+                floor = torch.tensor(STATIC_SCALE * 2**-10)
+            elif dest == "fp8-dynamic":
+                floor = want.abs().amax(-1, keepdim=True) / 224 * 2**-10
+            assert torch.all((got - want).abs() <= scale * tolerance + floor)
+
+
+def test_fp8_static_pages_copy_bytes_only_when_the_scales_are_equal() -> None:
+    src = caches("fp8-static", static=0.5)
+    fill(src)
+    same, other = caches("fp8-static", static=0.5), caches("fp8-static", static=0.25)
     move(src, same)
     move(src, other)
     for s, a, b in zip(src, same, other, strict=True):
-        assert torch.equal(s.k[SRC].view(torch.uint8), a.k[DST].view(torch.uint8))
-        k_src, _ = real(s, SRC)
-        k_other, _ = real(b, DST)
-        # e4m3 * 0.25 holds every e4m3 * 0.5 value below its max: the real values survive
-        assert torch.allclose(k_other, k_src.clamp(-448 * 0.25, 448 * 0.25), rtol=0.07)
+        assert same_bits(s.k[SRC], a.k[DST])
+        want, _ = quantized(FORMATS["fp8-static"], real(s.k, s.k_scale, SRC), b.k_scale)
+        assert same_bits(b.k[DST], want)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "layout"])
+def test_the_format_comes_from_the_cache_not_its_tensors() -> None:
+    """INT8 pages carry fp16 row scales; read off the tensors, nothing could tell them from a
+    made-up format. The layout names the format the caches carry."""
+    packed = pack_pages(caches("int8"), SRC)
+    assert (packed.layout.kv_dtype, packed.layout.kv_scales) == ("int8", "row")
+    assert len(packed.frames) == 2
+    assert packed.frames[1].nbytes == LAYERS * 2 * len(SRC) * HEADS * PAGE * 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "layout", "format", "scales", "static"])
 def test_damaged_frames_are_refused_before_landing(damage: str) -> None:
-    src = caches("fp8_e4m3", "dynamic")
+    src = caches("int8")
     fill(src)
     packed = pack_pages(src, SRC)
     frames = [memoryview(bytes(f)) for f in packed.frames]
-    num_pages = len(SRC)
+    layout, num_pages = packed.layout, len(SRC)
     if damage == "truncate":
         frames[0] = frames[0][: frames[0].nbytes // 2]
     elif damage == "flip":
         raw = bytearray(frames[1])
         raw[3] ^= 0x10
         frames[1] = memoryview(bytes(raw))
-    else:
+    elif damage == "layout":
         num_pages = 3
+    elif damage == "format":  # a format densa does not serve
+        layout = WireLayout("int4", "row", layout.shape, [], layout.checksums)
+    elif damage == "scales":  # INT8 announced without its row scales
+        layout = WireLayout("int8", "none", layout.shape, [], layout.checksums[:1])
+        frames = frames[:1]
+    else:  # static scales where the format has none
+        layout = WireLayout("int8", "row", layout.shape, [[1.0, 1.0]] * LAYERS, layout.checksums)
     with pytest.raises(WireError):
-        check_frames(packed.layout, frames, num_pages)
+        check_frames(layout, frames, num_pages)
+
+
+def test_pages_of_another_shape_are_refused_before_anything_is_written() -> None:
+    src = caches("bfloat16")
+    fill(src)
+    packed = pack_pages(src, SRC)
+    layout = packed.layout
+    wrong = WireLayout(layout.kv_dtype, layout.kv_scales, [LAYERS, 2, 2, HEADS, PAGE * 2, DIM // 2],
+                       [], [zlib.crc32(f) for f in packed.frames])  # fmt: skip
+    check_frames(wrong, packed.frames, len(SRC))  # the bytes add up...
+    dst = caches("bfloat16")
+    with pytest.raises(kv_io.LandingError):  # ...but not to this model's pages
+        kv_io.land(dst, DST, unpack(wrong, packed.frames))
+    assert not any(c.k.float().any() or c.v.float().any() for c in dst)
