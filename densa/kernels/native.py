@@ -13,10 +13,13 @@ back to torch ops (slower, same results up to rounding).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -49,16 +52,34 @@ def load() -> ModuleType | None:
     build_dir = CACHE_ROOT / f"cpu-kernels-{_build_key()}"
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return cpp_extension.load(
-            name="densa_cpu_kernels",
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
-            build_directory=str(build_dir),
-            verbose=False,
-        )
+        with _build_lock(build_dir):
+            return cpp_extension.load(
+                name="densa_cpu_kernels",
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=["-O3", "-fopenmp", "-std=c++17"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler, failed build
         logger.warning("densa's C++ CPU kernels are unavailable (%s); using torch ops", exc)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Serialize builds with a lock the kernel releases when its holder dies.
+
+    torch's own lock is a file it deletes when done: a process killed mid-build (a test's
+    timeout, Ctrl-C) leaves it behind, and every later engine then waits on it forever (seen:
+    engines that never started, `uvicorn did not start` after 300 s). Whoever holds this flock is
+    the only process that can be building, so a torch lock file found under it is stale."""
+    with open(build_dir / "densa.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def is_available() -> bool:
