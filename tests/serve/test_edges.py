@@ -190,6 +190,52 @@ def test_a_surrogate_in_a_key_is_refused(server: RunningServer) -> None:
     assert response.json()["error"]["code"] == "invalid_encoding"
 
 
+# ---- token ids the model does not have ----------------------------------------------------------
+def _vocab(server: RunningServer) -> int:
+    vocab = server.app.state.densa.served.vocab_size
+    assert isinstance(vocab, int)
+    return vocab
+
+
+# In 32 or 64 bits (so nothing on the way overflows): only the vocabulary check can refuse them.
+OUT_OF_VOCABULARY: list[int | str] = ["vocab", "vocab+1", 2**31 - 1, 2**32, 2**63 - 1, 2**64 - 1,
+                                      -1, -(2**31), -(2**63)]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad_id", OUT_OF_VOCABULARY)
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_out_of_vocabulary_token_ids_are_refused_naming_the_prompt(
+    server: RunningServer, bad_id: int | str, stream: bool
+) -> None:
+    vocab = _vocab(server)
+    bad = {"vocab": vocab, "vocab+1": vocab + 1}.get(bad_id, bad_id)
+    server.wait_idle()
+    engine_before = server.stats
+    for prompt in ([bad], [300, 301, bad, 302], [[300, bad]]):
+        body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "stream": stream}
+        response = post(server, COMPLETIONS, json=body)
+        assert response.status_code == 400, (prompt, response.text)
+        error = response.json()["error"]
+        got = (error["type"], error["code"], error["param"])
+        assert got == ("invalid_request_error", "invalid_value", "prompt"), (prompt, error)
+        assert f"token ids out of range [0, {vocab}): [{bad}]" in error["message"], error
+    # Refused in front: the engine never saw them.
+    assert server.stats == engine_before
+    # The last id in the vocabulary is fine.
+    body = {"model": MODEL_NAME, "prompt": [300, vocab - 1], "max_tokens": 1}
+    assert post(server, COMPLETIONS, json=body).status_code == 200
+
+
+def test_out_of_vocabulary_stop_token_ids_are_refused_by_name(server: RunningServer) -> None:
+    vocab = _vocab(server)
+    for bad in (vocab, 2**31 - 1):
+        body = {"model": MODEL_NAME, "prompt": [300], "max_tokens": 2, "stop_token_ids": [5, bad]}
+        response = post(server, COMPLETIONS, json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_value", "stop_token_ids"), error
+
+
 # ---- too long to fit is refused before tokenizing -----------------------------------------------
 def test_text_too_long_for_the_context_is_refused_before_tokenizing(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch

@@ -5,6 +5,12 @@ value in turn: a lone UTF-16 surrogate, null, denormal and huge floats, integers
 infinity, and a 200 KB string. Meanwhile victim clients stream greedy requests over and over.
 Each hostile request must get a 200 or an OpenAI-style 4xx (never a 5xx), and every victim
 output must equal its reference, token for token.
+
+Token ids the model does not have, of every width a client's integers come in (16, 32 and 64 bits,
+signed and unsigned, so they pass every size check on the way) and negative ones, anywhere in a
+token-id prompt or in stop_token_ids, must get exactly the front's answer: a 400 `invalid_value`
+naming the field. (The engine refuses them too, as `invalid_request` without a field: that answer
+means the front let them through.)
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import json
+import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +63,33 @@ def with_raw(body: dict[str, Any], path: str, raw: str) -> str:
     last: Any = int(steps[-1]) if steps[-1].isdigit() else steps[-1]
     target[last] = marker
     return json.dumps(data).replace(f'"{marker}"', raw)
+
+
+def out_of_vocabulary_ids(vocab: int, seed: int = 0) -> list[int]:
+    """Ids >= vocab or < 0 that fit in 64 bits: the edges of each width, and random ones."""
+    rng = random.Random(seed)
+    edges = [vocab, vocab + 1, 2 * vocab, 2**15, 2**16 - 1, 2**16, 2**31 - 1, 2**31, 2**32 - 1,
+             2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1,
+             -1, -2, -vocab, -(2**15), -(2**31), -(2**31) - 1, -(2**32), -(2**63)]  # fmt: skip
+    drawn = [rng.randrange(vocab, max(2**bits, vocab + 1)) for bits in (16, 32, 32, 64, 64, 64)]
+    drawn += [-rng.randrange(1, 2**bits) for bits in (16, 32, 63)]
+    return [t for t in edges + drawn if not 0 <= t < vocab]
+
+
+def token_id_cases(vocab: int) -> list[tuple[str, str, str]]:
+    """(path, body, the param the 400 must name): an out-of-vocabulary id first, last, alone or
+    among valid ones in a token-id prompt (flat or nested), or in stop_token_ids."""
+    rng = random.Random(1)
+    out = []
+    for bad in out_of_vocabulary_ids(vocab):
+        valid = [rng.randrange(256, vocab) for _ in range(4)]
+        prompts = [[bad], [bad, *valid], [*valid, bad], [[*valid[:2], bad, *valid[2:]]]]
+        for prompt in prompts:
+            out.append(("/v1/completions", {**base_completion(), "prompt": prompt}, "prompt"))
+        if 0 <= bad <= 2**31 - 1:  # larger or negative stop ids are refused by the schema
+            body = {**base_completion(), "stop_token_ids": [valid[0], bad]}
+            out.append(("/v1/completions", body, "stop_token_ids"))
+    return [(path, json.dumps(body), param) for path, body, param in out]
 
 
 def cases() -> list[tuple[str, str]]:
@@ -111,19 +145,26 @@ def test_hostile_fields_never_cost_other_clients_anything(fuzz_server: RunningSe
                 rounds[idx] += 1
 
     def hostile(case: tuple[str, str]) -> tuple[str, int, dict[str, Any] | None]:
-        path, text = case
+        path, text = case[:2]
         headers = {"content-type": "application/json"}
         with httpx.Client() as client:
             response = client.post(base + path, content=text.encode(), headers=headers, timeout=60)
         error = None if response.status_code == 200 else response.json()["error"]
         return text[:160], response.status_code, error
 
+    id_cases = token_id_cases(fuzz_server.app.state.densa.served.vocab_size)
     with concurrent.futures.ThreadPoolExecutor(len(VICTIMS) + 4) as pool:
         victims = [pool.submit(victim, i) for i in range(len(VICTIMS))]
         results = list(pool.map(hostile, cases()))
+        id_results = list(pool.map(hostile, id_cases))
         stop.set()
         for future in victims:
             future.result()
+    for (_, _, param), (text, status, error) in zip(id_cases, id_results, strict=True):
+        assert status == 400, (text, status, error)
+        assert error is not None and error["type"] == "invalid_request_error", (text, error)
+        assert (error["code"], error["param"]) == ("invalid_value", param), (text, error)
+        assert "out of range" in error["message"], (text, error)
     for text, status, error in results:
         assert status < 500, (text, status, error)
         if error is not None:

@@ -1,4 +1,5 @@
-"""Request deadlines, and bad inputs that must be refused without changing anything else."""
+"""Request deadlines, clients that leave, and bad inputs that must be refused without changing
+anything else."""
 
 from __future__ import annotations
 
@@ -87,6 +88,39 @@ def test_a_deadline_can_pass_before_the_first_token(server: RunningServer) -> No
 
 def test_short_requests_finish_within_the_deadline(server: RunningServer, deadline: float) -> None:
     assert post(server, CHAT, json=chat_body(max_tokens=3)).status_code == 200
+
+
+# ---- clients that leave -------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_request_whose_client_left_is_aborted(
+    server: RunningServer, slow_steps: SlowDown, stream: bool
+) -> None:
+    """With 10 ms steps the 400-token answer needs >= 4 s; the client leaves after 0.5 s (a
+    non-streaming one gives up waiting, a streaming one after two events), and the request must
+    leave the engine within a few steps, not run to its end for nobody."""
+    slow_steps(server)
+    server.wait_idle()
+    before, engine_before = scrape(server.base_url), server.stats
+    long = chat_body(max_tokens=400, ignore_eos=True, stream=stream)
+    if stream:
+        with httpx.stream("POST", server.base_url + CHAT, json=long, timeout=30) as response:
+            assert response.status_code == 200
+            events = (line for line in response.iter_lines() if line.startswith("data: {"))
+            next(events), next(events)  # then leave: the connection closes mid-stream
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base_url + CHAT, json=long, timeout=httpx.Timeout(30, read=0.5))
+    left = server.stats
+    server.wait_idle(timeout=30)  # every page free again
+    idle = server.stats
+    after_leaving = idle.num_generated_tokens - left.num_generated_tokens
+    assert after_leaving < 100, f"{after_leaving} tokens sampled after the client left"
+    assert idle.num_generated_tokens - engine_before.num_generated_tokens < 200
+    metrics = scrape(server.base_url)
+    status = "200" if stream else "499"  # the stream had its status line; the other did not
+    closed = {"status": status, "outcome": "client_closed"}
+    counted = metrics.value("densa_requests_total", **closed)
+    assert counted == before.value("densa_requests_total", **closed) + 1
 
 
 # ---- bad inputs ---------------------------------------------------------------------------------
