@@ -23,6 +23,7 @@ from densa.disagg.transport import KVTransport, ZmqTransport
 from densa.engine.llm_engine import LLMEngine
 from densa.ipc.messages import RequestDelta
 from densa.model.attention import LayerKVCache
+from densa.sched.output import KVLanding
 from densa.worker import kv_io
 from densa.worker.kv_cache import page_bytes
 
@@ -53,37 +54,38 @@ class DecodePort:
         self.engine = engine
 
     def is_receiving(self, request_id: str) -> bool:
-        return request_id in self.engine.scheduler.receiving
+        return self.engine.scheduler.is_receiving(request_id)
 
     def reserve_remote(self, request_id: str) -> Reservation | None:
-        scheduler = self.engine.scheduler
-        num_hit_tokens = scheduler.reserve_remote(request_id)
-        if num_hit_tokens is None:
+        reserved = self.engine.scheduler.reserve_remote(request_id)
+        if reserved is None:
             return None
-        request = scheduler.receiving[request_id]
-        request.hold_pages = True  # from now on a transfer may write into its pages
-        first_block = num_hit_tokens // self.engine.kv_manager.page_size
+        request = reserved.request
         return Reservation(
-            first_block=first_block,
-            dest_page_ids=request.page_ids[first_block:],
-            dest_tags=request.page_tags[first_block:],
+            first_block=reserved.first_block,
+            dest_page_ids=reserved.dest_page_ids,
+            dest_tags=reserved.dest_tags,
             prompt_token_ids=request.prompt_token_ids,
             params=request.sampling_params,
             cache_scope=request.cache_scope,
         )
 
     def land_remote(self, request_id: str, landing: Landing) -> str | None:
-        caches = layer_caches(self.engine)
-
-        def write() -> None:
-            pages = wire.unpack(landing.layout, landing.frames)
-            kv_io.land(caches, landing.dest_page_ids, pages)
-
-        violation = self.engine.land_remote_prefill(
-            request_id, landing.dest_page_ids, landing.dest_tags, write,
-            landing.first_token_id, landing.first_logprobs, landing.num_cached_tokens,
+        """Queue the pages for the engine's next step, whose runner writes them (checking the
+        destination tags again) before the step reads any page; the request then runs from its
+        first token. Refused now, the request ended, if it no longer owns its pages alone; a
+        refusal in the step ends it the same way (the agent has acked either way)."""
+        kv_landing = KVLanding(
+            request_id, landing.dest_page_ids, landing.dest_tags,
+            wire.unpack(landing.layout, landing.frames), landing.first_token_id,
+            landing.first_logprobs, landing.num_cached_tokens,
         )  # fmt: skip
-        return None if violation is None else violation.message
+        violation = self.engine.scheduler.queue_landing(kv_landing)
+        if violation is None:
+            return None
+        self.engine.integrity_stats.record(violation)
+        self.engine.fail_request(request_id, violation.message)
+        return violation.message
 
     def fail_remote(self, request_id: str, error: str) -> None:
         self.engine.fail_request(request_id, error)
@@ -110,8 +112,7 @@ class PrefillPort:
         return None
 
     def held_page_ids(self, request_id: str) -> list[int] | None:
-        held = self.engine.scheduler.held.get(request_id)
-        return None if held is None else held[0][::-1]
+        return self.engine.scheduler.held_page_ids(request_id)
 
     def pack(self, page_ids: list[int]) -> wire.Packed:
         return wire.pack_pages(layer_caches(self.engine), page_ids)

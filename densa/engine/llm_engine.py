@@ -12,9 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from densa.cache.integrity import IntegrityStats, IntegrityViolation
+from densa.cache.integrity import IntegrityStats
 from densa.cache.kv_manager import KVCacheManager
 from densa.config import EngineConfig
 from densa.engine.args import EngineArgs
@@ -26,7 +24,7 @@ from densa.model.arch import ArchConfig
 from densa.request import Request, RequestStatus
 from densa.sampling_params import SamplingParams
 from densa.sched.events import ReleaseViolation
-from densa.sched.output import SchedulerOutput, empty_step
+from densa.sched.output import SchedulerOutput
 from densa.sched.scheduler import Scheduler
 from densa.text.tokenizer import Tokenizer
 from densa.utils.logging import get_logger
@@ -115,7 +113,8 @@ class LLMEngine:
         """Queue a request. Raises ValueError (nothing changed) if it can never run.
 
         remote_prefill: its prompt's K/V will be copied in by a KV transfer (densa/disagg): it
-        waits, unscheduled, until the transfer lands it. hold_pages: when it ends, its pages
+        waits, unscheduled, until the transfer lands it (Scheduler.reserve_remote, then
+        Scheduler.queue_landing; a step writes the pages). hold_pages: when it ends, its pages
         are held for a transfer to read until released (the prefill side of a handoff).
 
         Everything per-request that could fail is computed here, at admission, not inside a
@@ -189,61 +188,9 @@ class LLMEngine:
             return
         self._finish(request_id, RequestStatus.FINISHED_ABORTED)
 
-    def land_kv_pages(
-        self, request_id: str, page_ids: list[int], expected_tags: list[int], payload: torch.Tensor
-    ) -> bool:
-        """Write copied K/V pages for a request (a transfer landing). A writer that no longer owns
-        a destination page is refused: nothing is written and the issuing request is aborted."""
-        violation = None
-        if self.config.cache.kv_integrity:
-            request = self.scheduler.requests.get(request_id)
-            violation = self.kv_manager.check_writer(request_id, request, page_ids, expected_tags)
-        if violation is None:
-            # Tag changes since the last step have not reached the runner yet: send them first.
-            self.runner.execute(empty_step(self.kv_manager.pool.drain_tag_updates()))
-            violation = self.runner.write_kv_pages(request_id, page_ids, expected_tags, payload)
-        if violation is None:
-            return True
-        self.integrity_stats.record(violation)
-        self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
-        return False
-
     def fail_request(self, request_id: str, error: str) -> None:
         """End one request with an error ("code: message"); its pages are freed (or held)."""
         self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
-
-    def land_remote_prefill(
-        self,
-        request_id: str,
-        page_ids: list[int],
-        tags: list[int],
-        write: Callable[[], None],
-        first_token_id: int,
-        first_logprobs: TokenLogprobs | None,
-        num_cached_tokens: int,
-    ) -> IntegrityViolation | None:
-        """Land a prompt's K/V copied from a prefill worker, then run the request from its first
-        token. The writer must still own every destination page with its tag (else the write is
-        dropped, counted as an integrity violation and the request ended); `write` does the copy."""
-        request = self.scheduler.receiving.get(request_id)
-        violation = self.kv_manager.check_writer(request_id, request, page_ids, tags)
-        if violation is None:
-            # Releases since the last step have not reached the device tag table yet: sync first.
-            self.runner.execute(empty_step(self.kv_manager.pool.drain_tag_updates()))
-            violation = self.runner.integrity.check_write(request_id, page_ids, tags)
-        if violation is not None:
-            self.integrity_stats.record(violation)
-            self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
-            return violation
-        assert request is not None  # check_writer refuses a writer that maps no pages
-        tracked = self._tracked[request_id]
-        write()
-        self.runner.sampler.skip_draw(request_id, request.sampling_params, self.arch.vocab_size)
-        request.num_cached_tokens = max(request.num_cached_tokens, num_cached_tokens)
-        self.scheduler.land_remote(request_id, first_token_id)
-        self._absorb_token(tracked, first_logprobs)
-        self._finished_outputs.append(self._output(tracked))
-        return None
 
     def has_unfinished_requests(self) -> bool:
         return (
@@ -329,16 +276,21 @@ class LLMEngine:
             )
             for observer in self.step_observers:
                 observer(record)
+        for violation in self.runner.take_refused_landings():
+            self.integrity_stats.record(violation)  # its request is among the errors
         for request_id, violation in runner_out.failed.items():
             self.integrity_stats.record(violation)
             self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
         for request_id, error in runner_out.errors.items():
             self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
         updated = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        # A landed request's first token was sampled where its prompt was computed.
+        logprobs = {landing.request_id: landing.first_logprobs for landing in sched_out.kv_landings}
+        logprobs.update(runner_out.logprobs)
         for request in updated:
             tracked = self._tracked.get(request.request_id)
             if tracked is not None:
-                self._absorb_token(tracked, runner_out.logprobs.get(request.request_id))
+                self._absorb_token(tracked, logprobs.get(request.request_id))
                 outputs.append(self._output(tracked))
         self._take_scheduler_events()
         outputs.extend(self._finished_outputs)

@@ -95,9 +95,8 @@ class KVLanding:
     page_ids: list[int]
     page_tags: list[int]
     pages: PackedPages
-    # The runner advances a seeded request's random stream past the first token's draw, so
-    # the tokens after it are those one worker would have drawn.
-    sampling_params: SamplingParams
+    # The runner advances the request's random stream past this token's draw, so a seeded
+    # request's tokens after it are those one worker would have drawn.
     first_token_id: int
     first_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int = 0  # prompt tokens the computing side served from its own cache

@@ -21,11 +21,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from densa.cache.integrity import IntegrityViolation
 from densa.cache.kv_manager import NO_HIT, KVCacheManager
 from densa.config import SchedulerConfig
 from densa.request import Request, RequestStatus
 from densa.sched.events import ReleaseViolation, RequestEnded, SchedulerEvent
-from densa.sched.output import NewRequest, PageGrant, ScheduledChunk, SchedulerOutput
+from densa.sched.output import KVLanding, NewRequest, PageGrant, ScheduledChunk, SchedulerOutput
+from densa.sched.remote import RemoteRequests, RemoteReservation
 from densa.sched.stop import StopRule
 
 logger = logging.getLogger(__name__)
@@ -50,11 +52,9 @@ class Scheduler:
         self.num_generated_tokens = 0
         # What the scheduler did on its own since the engine last looked (drain_events).
         self._events: list[SchedulerEvent] = []
-        # Disaggregation (see densa/disagg): requests whose prompt K/V comes from a prefill worker
-        # (admitted, maybe holding destination pages, not scheduled until the pages land), and
-        # pages of finished requests that a transfer may still touch: owner id -> (pages, tags).
-        self.receiving: dict[str, Request] = {}
-        self.held: dict[str, tuple[list[int], list[int]]] = {}
+        # Disaggregation (see densa/disagg): requests whose prompt K/V comes from another worker,
+        # and pages of finished requests that a transfer may still touch.
+        self.remote = RemoteRequests(kv_manager)
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -77,11 +77,11 @@ class Scheduler:
         if request is None:
             return None
         self._unqueue(request)
-        self.receiving.pop(request_id, None)
+        self.remote.forget(request_id)
         request.status = status
         request.error = error
         if request.hold_pages and request.page_ids:
-            self._hold(request)
+            self.remote.hold(request)
         else:
             self._release(request)
         self.kv.forget(request)
@@ -116,64 +116,67 @@ class Scheduler:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.receiving[request.request_id] = request
+        self.remote.add(request)
 
-    def reserve_remote(self, request_id: str) -> int | None:
+    def is_receiving(self, request_id: str) -> bool:
+        """Is the request alive and still waiting for its prompt's K/V to land?"""
+        return request_id in self.remote.receiving
+
+    def reserve_remote(self, request_id: str) -> RemoteReservation | None:
         """Map a receiving request's prefix hit and allocate (and tag) pages for the rest of its
-        prompt, before any byte moves. Returns the number of prompt tokens the hit covers, or None
-        (nothing changed) while there is no room or no sequence slot."""
-        request = self.receiving[request_id]
-        num_reserved = sum(1 for r in self.receiving.values() if r.page_ids)
-        if len(self.running) + num_reserved >= self.config.max_num_seqs:
+        prompt, before any byte moves; None (nothing changed) while there is no room or no
+        sequence slot."""
+        if len(self.running) + self.remote.num_reserved >= self.config.max_num_seqs:
             return None
-        hit = self.kv.find_prefix(request)
-        num_hit_tokens = hit.num_tokens(self.kv.page_size)
-        if self.kv.allocate_slots(request, request.num_prompt_tokens - num_hit_tokens, hit) is None:
-            return None
-        self.kv.record_prefix_query(request, hit)
-        request.num_cached_tokens = num_hit_tokens
-        return num_hit_tokens
+        return self.remote.reserve(request_id)
 
-    def land_remote(self, request_id: str, first_token_id: int) -> Request | None:
-        """The prompt's K/V has landed in the request's pages and the prefill worker sampled its
-        first token: run it from here as if it had been prefilled locally."""
-        request = self.receiving.pop(request_id, None)
+    def queue_landing(self, landing: KVLanding) -> IntegrityViolation | None:
+        """Queue a receiving request's copied-in K/V for the next step (its runner writes it);
+        the violation, with nothing queued, if the writer no longer owns every page alone. The
+        caller ends the request then."""
+        return self.remote.queue_landing(landing)
+
+    def _land(self, landing: KVLanding) -> Request | None:
+        """The step wrote the request's prompt K/V: run it from its first token as if it had
+        been prefilled here. None if it ended meanwhile (e.g. the runner refused the write)."""
+        request = self.remote.landed(landing.request_id)
         if request is None:
             return None
-        request.hold_pages = False  # no writer is left
+        request.num_cached_tokens = max(request.num_cached_tokens, landing.num_cached_tokens)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = request.num_prompt_tokens
         self.running.append(request)
-        self.kv.cache_full_pages(request)
-        request.output_token_ids.append(first_token_id)
-        status = self._stop_status(request, first_token_id)
+        self.kv.cache_full_pages(request)  # only now: the pages hold what their hashes say
+        request.output_token_ids.append(landing.first_token_id)
+        status = self._stop_status(request, landing.first_token_id)
         if status is not None:
-            self.finish_request(request_id, status)
+            self.finish_request(request.request_id, status)
         else:  # the runner learns it now, its first token included (penalties see it)
             self._admitted_this_step.append(new_request_of(request))
         return request
 
     def release_held(self, owner_id: str) -> None:
         """Free the pages a finished request left held for a transfer (idempotent)."""
-        held = self.held.pop(owner_id, None)
-        if held is not None:
-            page_ids, tags = held
-            problems = self.kv.release(owner_id, page_ids, tags)
-            self._events.extend(ReleaseViolation(v) for v in problems)
+        self._events.extend(ReleaseViolation(v) for v in self.remote.release(owner_id))
 
-    def _hold(self, request: Request) -> None:
-        # Tail first, as KVCacheManager.free does, so tail pages are evicted first.
-        self.held[request.request_id] = (request.page_ids[::-1], request.page_tags[::-1])
-        request.page_ids, request.page_tags = [], []
+    def held_page_ids(self, owner_id: str) -> list[int] | None:
+        """A finished request's held pages in block order (None: it holds none)."""
+        return self.remote.held_page_ids(owner_id)
+
+    @property
+    def held(self) -> dict[str, tuple[list[int], list[int]]]:
+        """Held pages by owner, tail first (read-only: use release_held)."""
+        return self.remote.held
 
     @property
     def num_held_pages(self) -> int:
-        return sum(len(page_ids) for page_ids, _ in self.held.values())
+        return self.remote.num_held_pages
 
     @property
     def has_schedulable(self) -> bool:
-        """Is there anything a step could compute? (receiving requests wait for their pages)"""
-        return bool(self.running or self.waiting)
+        """Is there anything a step could compute or write? (receiving requests wait for their
+        pages; once their pages arrive, a step lands them)"""
+        return bool(self.running or self.waiting or self.remote.has_landings)
 
     @property
     def num_unfinished(self) -> int:
@@ -196,6 +199,7 @@ class Scheduler:
             finished_request_ids=self._finished_since_step,
             preempted_request_ids=self._preempted_since_step,
             new_requests=self._admitted_this_step,
+            kv_landings=self.remote.take_landings(),
         )
         self._finished_since_step, self._preempted_since_step = [], []
         self._admitted_this_step = []
@@ -287,7 +291,8 @@ class Scheduler:
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
     ) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests that hit a stop.
+        """Advance computed tokens, append sampled tokens, finish requests that hit a stop; run
+        requests whose K/V the step landed from their first token.
 
         Returns the requests that got a new token or finished this step.
         """
@@ -303,6 +308,10 @@ class Scheduler:
                 continue
             if has_token:
                 updated.append(request)
+        for landing in output.kv_landings:
+            landed = self._land(landing)
+            if landed is not None:
+                updated.append(landed)
         return updated
 
     def _advance(self, request: Request, item: ScheduledChunk, token_id: int | None) -> bool:

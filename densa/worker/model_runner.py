@@ -1,7 +1,9 @@
 """Runs one scheduled step: build the flattened batch, run the model over paged KV, sample.
 
 Input:  a SchedulerOutput (plain data).  Output: a RunnerOutput (plain data).
-The runner owns the KV tensors and the sampler's per-request RNG state, nothing else.
+The runner owns the KV tensors and the sampler's per-request RNG state, nothing else. K/V copied
+in from another worker arrives in the step too (KVLanding) and is written before the step reads
+any page, through worker/kv_io.py.
 """
 
 from __future__ import annotations
@@ -12,19 +14,21 @@ import torch
 
 from densa.cache.integrity import IntegrityViolation
 from densa.ipc.messages import TokenLogprobs
-from densa.kernels.paged_attention_ref import dequantize_pages
 from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, build_group
 from densa.model.interface import CausalLM
-from densa.model.kv_layout import LayerCache, cache_parts
-from densa.quant.kv_format import KVFormat
-from densa.sched.output import SchedulerOutput
+from densa.model.kv_layout import LayerCache
+from densa.sched.output import KVLanding, SchedulerOutput
 from densa.sched.stop import StopRule
+from densa.utils.logging import get_logger
+from densa.worker import kv_io
 from densa.worker.cuda_graphs import DecodeGraphs
 from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker
 from densa.worker.request_states import RequestStates, ScheduledRequest, UnknownRequest
 from densa.worker.sampler import Sampler, SampleRequest
 from densa.worker.structured import StructuredSampler
+
+logger = get_logger(__name__)
 
 
 @dataclass
@@ -81,6 +85,7 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         # The runner's mirror of each running request, kept from the scheduler's deltas.
         self.requests = RequestStates()
+        self._refused_landings: list[IntegrityViolation] = []
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Take in the step's deltas, then compute it."""
@@ -90,20 +95,50 @@ class ModelRunner:
         return output
 
     def begin(self, step: SchedulerOutput) -> tuple[list[ScheduledRequest], dict[str, str]]:
-        """Apply the step's deltas (ended and new requests, tags, pages) exactly once; the
-        chunks resolved to full views, and the requests whose chunk could not be resolved."""
+        """Apply the step's deltas (ended and new requests, tags, landed K/V, pages) exactly
+        once; the chunks resolved to full views, and the requests that failed on their own (a
+        chunk that could not be resolved, a landing refused or that could not be written)."""
         for request_id in step.finished_request_ids:
             self.sampler.forget(request_id)
         self.integrity.apply_tag_updates(step.tag_updates)
+        errors = self._land_all(step.kv_landings)
         self.requests.apply_lifecycle(step)
         items: list[ScheduledRequest] = []
-        errors: dict[str, str] = {}
         for chunk in step.scheduled:
             try:
                 items.append(self.requests.resolve(chunk))
             except UnknownRequest as exc:  # a broken delta: that request alone cannot run
                 errors[chunk.request_id] = f"engine_error: {exc}"
         return items, errors
+
+    def take_refused_landings(self) -> list[IntegrityViolation]:
+        """Landings refused by the tag check since the last call (their requests are among
+        `begin`'s errors; these are for counting violations by kind)."""
+        refused, self._refused_landings = self._refused_landings, []
+        return refused
+
+    @torch.inference_mode()
+    def _land_all(self, landings: list[KVLanding]) -> dict[str, str]:
+        """Write each landing whose writer still owns every destination page (tags checked
+        against the table the step's updates just refreshed); the requests that failed."""
+        errors: dict[str, str] = {}
+        for landing in landings:
+            violation = self.integrity.check_write(
+                landing.request_id, landing.page_ids, landing.page_tags
+            )
+            if violation is not None:  # dropped whole: it can never touch another's pages
+                self._refused_landings.append(violation)
+                errors[landing.request_id] = violation.message
+                continue
+            try:
+                kv_io.land(self.kv_caches, landing.page_ids, landing.pages)
+            except Exception as exc:  # confined to this request, as a failed step would be
+                if not isinstance(exc, kv_io.LandingError):
+                    logger.exception("landing K/V for %s failed", landing.request_id)
+                errors[landing.request_id] = f"kv_transfer_failed: the KV pages cannot land: {exc}"
+                continue
+            self.sampler.skip_draw(landing.request_id)
+        return errors
 
     @torch.inference_mode()
     def compute(self, items: list[ScheduledRequest]) -> RunnerOutput:
@@ -203,40 +238,6 @@ class ModelRunner:
             samplers=[item for item in order if item.sample],
         )
 
-    # ---- page copies (transfers, offload) -------------------------------------------------------
-    def read_kv_pages(self, page_ids: list[int]) -> torch.Tensor:
-        """K/V of whole pages, all layers, as real float32 values (FP8 scales applied):
-        [num_layers, parts, len(page_ids), KVH, P, D] (parts: K and V, or MLA's one latent).
-
-        Real values make a copy independent of either side's KV format: a page read from an FP8
-        pool lands exactly in a BF16 pool or an FP8 pool with dynamic (or the same static) scales,
-        as e4m3 times a power of two fits both; a BF16 page landing in an FP8 pool is quantized
-        by the same store path as a prefill."""
-        index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
-        layers = [
-            torch.stack([dequantize_pages(values, index, scale) for values, scale in parts])
-            for parts in map(cache_parts, self.kv_caches)
-        ]
-        return torch.stack(layers)
-
-    def write_kv_pages(
-        self, request_id: str, page_ids: list[int], expected_tags: list[int], payload: torch.Tensor
-    ) -> IntegrityViolation | None:
-        """Land copied pages (real values, as `read_kv_pages` returns them), but only if the
-        writer still owns every destination page.
-
-        A late or aborted copy carries tags issued before its pages were released; it is dropped
-        whole and the violation returned, so it can never overwrite another request's pages.
-        """
-        violation = self.integrity.check_write(request_id, page_ids, expected_tags)
-        if violation is not None:
-            return violation
-        index = torch.tensor(page_ids, dtype=torch.long, device=self.device)
-        for layer, cache in enumerate(self.kv_caches):
-            for part, (values, scale) in enumerate(cache_parts(cache)):
-                _store_pages(cache.kv_format, values, scale, index, payload[layer, part])
-        return None
-
     def _group(self, start: int, items: list[ScheduledRequest]) -> AttentionGroup | None:
         if not items:
             return None
@@ -274,22 +275,3 @@ class ModelRunner:
             if logprobs is not None:
                 output.logprobs[item.request_id] = logprobs
         output.errors.update(result.errors)
-
-
-def _store_pages(
-    kv_format: KVFormat,
-    cache: torch.Tensor,
-    scale: torch.Tensor | None,
-    index: torch.Tensor,
-    values: torch.Tensor,
-) -> None:
-    """Write real-valued pages [n, KVH, P, D] into `cache` at page ids `index`, quantized as
-    `kv_format` says (fresh per-token scales for dynamic ones), exactly as a prefill store."""
-    if not kv_format.is_quantized:
-        cache[index] = values.to(cache.dtype)
-        return
-    num_pages, num_kv_heads, page_size, head_dim = values.shape
-    slot_pages = index.repeat_interleave(page_size)
-    slot_offsets = torch.arange(page_size, device=index.device).repeat(num_pages)
-    rows = values.transpose(1, 2).reshape(num_pages * page_size, num_kv_heads, head_dim)
-    kv_format.store(cache, scale, slot_pages, slot_offsets, rows.contiguous())

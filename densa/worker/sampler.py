@@ -29,6 +29,16 @@ class SampleRequest:
 
 
 @dataclass(frozen=True)
+class _SavedRng:
+    """The random state a sampling attempt may change, to put back if it raises."""
+
+    seed_state: torch.Tensor
+    states: dict[str, torch.Tensor]  # generators of the attempt's rows that existed before it
+    skipped_draws: dict[str, int]
+    known: frozenset[str]  # every generator that existed before it
+
+
+@dataclass(frozen=True)
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
@@ -43,21 +53,23 @@ class SampleResult:
 class Sampler:
     def __init__(self, default_seed: int = 0, structured: StructuredSampler | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        # Draws made elsewhere (a first token sampled by a prefill worker), by request: skipped
+        # when the request's generator is first used, as wide as the logits then are.
+        self._skipped_draws: dict[str, int] = {}
         self._seed_source = torch.Generator().manual_seed(default_seed)
         self.structured = structured  # None: the engine serves no structured outputs
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._skipped_draws.pop(request_id, None)
         if self.structured is not None:
             self.structured.forget(request_id)
 
-    def skip_draw(self, request_id: str, params: SamplingParams, vocab_size: int) -> None:
-        """Advance a seeded request's RNG past one token drawn elsewhere (its first token, sampled
-        by a prefill worker), so the rest of its tokens are those one server would draw."""
-        if params.is_greedy or params.seed is None:
-            return
-        row = SampleRequest(request_id, params, [], [], frozenset())
-        torch.empty(vocab_size).exponential_(generator=self._generator(row))
+    def skip_draw(self, request_id: str) -> None:
+        """Advance the request's RNG past one token drawn elsewhere (its first token, sampled by
+        a prefill worker), so a seeded request's next tokens are those one server would draw.
+        The draw is skipped when the request next samples at random (as wide as the logits)."""
+        self._skipped_draws[request_id] = self._skipped_draws.get(request_id, 0) + 1
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         """logits: [N, V] float32, one row per entry of `rows`.
@@ -92,20 +104,23 @@ class Sampler:
         logprobs = _logprobs(raw_logprobs, rows, chosen)
         return SampleResult(chosen, logprobs, no_choice | failed, errors)
 
-    def _save_rng(self, rows: list[SampleRequest]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _save_rng(self, rows: list[SampleRequest]) -> _SavedRng:
         states = {
             r.request_id: self._generators[r.request_id].get_state()
             for r in rows
             if not r.params.is_greedy and r.request_id in self._generators
         }
-        return self._seed_source.get_state(), states
+        known = frozenset(self._generators)
+        return _SavedRng(self._seed_source.get_state(), states, dict(self._skipped_draws), known)
 
-    def _restore_rng(self, saved: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
-        seed_state, states = saved
-        self._seed_source.set_state(seed_state)
+    def _restore_rng(self, saved: _SavedRng) -> None:
+        self._seed_source.set_state(saved.seed_state)
         for request_id in list(self._generators):
-            if request_id in states:
-                self._generators[request_id].set_state(states[request_id])
+            if request_id not in saved.known:  # made in the failed attempt: made again, the same
+                del self._generators[request_id]
+            elif request_id in saved.states:
+                self._generators[request_id].set_state(saved.states[request_id])
+        self._skipped_draws = saved.skipped_draws
 
     def _apply_grammar(
         self, logits: torch.Tensor, constrained: list[StructuredRow]
@@ -138,10 +153,10 @@ class Sampler:
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row uses its own RNG.
         noise = torch.empty_like(probs)
         for i, row in enumerate(rows):
-            noise[i].exponential_(generator=self._generator(row))
+            noise[i].exponential_(generator=self._generator(row, probs.shape[-1]))
         return torch.argmax(probs / noise, dim=-1)
 
-    def _generator(self, row: SampleRequest) -> torch.Generator:
+    def _generator(self, row: SampleRequest, vocab_size: int) -> torch.Generator:
         generator = self._generators.get(row.request_id)
         if generator is None:
             seed = row.params.seed
@@ -149,6 +164,8 @@ class Sampler:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
             generator = torch.Generator().manual_seed(seed)
             self._generators[row.request_id] = generator
+        for _ in range(self._skipped_draws.pop(row.request_id, 0)):
+            torch.empty(vocab_size).exponential_(generator=generator)
         return generator
 
 

@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from densa.cache.integrity import ViolationKind
+from densa.disagg import wire
 from densa.disagg.decode_side import DecodeState
 from densa.disagg.faults import Fault, FaultyTransport
+from densa.disagg.ports import Landing
 from densa.disagg.prefill_side import PrefillState
 from densa.disagg.transport import KVTransport
+from densa.engine.disagg_port import DecodePort
 from densa.quant import fp8_kv, int8_kv
 from densa.sampling_params import SamplingParams
 
@@ -171,14 +174,46 @@ def test_a_late_write_onto_reallocated_pages_is_refused_by_the_tags(
     pair.decode.step()
     owner = pair.decode.scheduler.requests["new"]
     assert owner.page_ids == [2, 1, 0] or set(owner.page_ids) == {0, 1, 2}
-    # The stale writer tries to land with the tags it was issued: refused, counted.
-    violation = pair.decode.land_remote_prefill(
-        "r", reservation.dest_page_ids, reservation.dest_tags, lambda: pytest.fail("written"),
-        1, None, 0,
-    )  # fmt: skip
-    assert violation is not None and violation.kind == ViolationKind.STALE_WRITE
+    # The stale writer tries to land with the tags it was issued: refused, counted, and
+    # nothing is queued for a step to write.
+    packed = wire.pack_pages(pair.prefill.runner.kv_caches, [3, 4, 5])
+    landing = Landing(reservation.dest_page_ids, reservation.dest_tags, packed.layout,
+                      packed.frames, 1, None, 0)  # fmt: skip
+    refused = DecodePort(pair.decode).land_remote("r", landing)
+    assert refused is not None and "stale_write" in refused
     assert pair.decode.integrity_stats.counts[ViolationKind.STALE_WRITE] == 1
+    assert not pair.decode.scheduler.remote.has_landings
     assert "new" in pair.decode.scheduler.requests  # the new owner is untouched
+
+
+def test_a_landing_the_runner_finds_stale_is_dropped_and_ends_only_its_request(
+    tiny_model_dir: Path,
+) -> None:
+    """The scheduler's tags let the landing through, the runner's table does not (they
+    disagree: a bug, or corruption): the write is dropped at the step, the request ends with
+    the violation, and a request running beside it is untouched."""
+    pair = pair_with(tiny_model_dir, faulty("prefill", Fault("delay", "KVPages", delay_s=1.0)))
+    pair.decode.add_request(PROMPT[:20], GREEDY, request_id="local")
+    pair.submit(PROMPT, GREEDY, "r")
+    for _ in range(2):
+        pair.turn()
+    reservation = transfer_of(pair).reservation
+    page = reservation.dest_page_ids[1]
+    table: Any = pair.decode.runner.integrity
+    table.tags[page] += 1  # the runner's table disagrees about one page
+    caches: Any = pair.decode.runner.kv_caches
+    before = [c.k[page].clone() for c in caches]
+    pair.clock.now += 1.5
+    pair.run()
+    final = pair.final("r")
+    assert final.finish_reason == "error" and final.error_code == "kv_integrity_violation"
+    assert pair.decode.integrity_stats.counts[ViolationKind.STALE_WRITE] == 1
+    assert all(torch.equal(c.k[page], b) for c, b in zip(caches, before, strict=True))
+    local = [t for d in pair.outputs.get("local", []) for t in d.new_token_ids]
+    assert local == colocated_tokens(tiny_model_dir, [PROMPT[:20]], GREEDY, **SMALL)[0]
+    for engine in (pair.prefill, pair.decode):
+        assert not engine.scheduler.requests and not engine.scheduler.held
+        assert engine.kv_manager.num_free_pages == engine.kv_manager.num_pages
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt"])
@@ -365,7 +400,8 @@ def test_the_handoff_formats_are_every_format_densa_serves() -> None:
     from densa.quant.kv_format import KVFormat
 
     served = {(f.name, f.scales) for f in KVFormat.served()}
-    ours = {(f.name, f.scales) for f in (EngineArgs(model="x", **a).kv_format() for a in FORMAT_ARGS.values())}  # fmt: skip
+    args: list[Any] = list(FORMAT_ARGS.values())
+    ours = {(f.name, f.scales) for f in (EngineArgs(model="x", **a).kv_format() for a in args)}
     assert ours == served
     assert {name for pair in CONVERSIONS for name in pair} == set(FORMAT_ARGS)
     assert {s for s, _ in CONVERSIONS} == {d for _, d in CONVERSIONS} == set(FORMAT_ARGS)

@@ -7,10 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from densa.cache.integrity import ViolationKind
+from densa.disagg import wire
+from densa.disagg.ports import Landing
 from densa.engine.args import EngineArgs
+from densa.engine.disagg_port import DecodePort
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
 
@@ -119,11 +121,12 @@ def test_late_write_to_a_reallocated_page_is_dropped(tiny_model_dir: Path, clean
             rid, page, tag = stale[0]
             owner = [r for r in engine.scheduler.requests.values() if page in r.page_ids]
             assert owner, "the released page should have been reused"
-            before = engine.runner.read_kv_pages([page]).clone()
-            garbage = torch.full_like(before, 7.0)
-            landed = engine.land_kv_pages(rid, [page], [tag], garbage)
-            assert not landed
-            assert torch.equal(engine.runner.read_kv_pages([page]), before)
+            # Any bytes of one page: the landing must be refused before a step could write them.
+            packed = wire.pack_pages(engine.runner.kv_caches, [page])
+            landing = Landing([page], [tag], packed.layout, packed.frames, 7, None, 0)
+            refused = DecodePort(engine).land_remote(rid, landing)
+            assert refused is not None and "stale_write" in refused
+            assert not engine.scheduler.remote.has_landings  # nothing queued for the next step
 
     outputs = run(engine, fault)
     assert outputs[0].finish_reason == "abort"

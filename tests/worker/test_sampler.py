@@ -167,3 +167,41 @@ def test_a_failed_sample_leaves_every_generator_where_it_was() -> None:
     finally:
         torch.Tensor.exponential_ = original  # type: ignore[method-assign]
     assert sampler.sample(logits, rows).token_ids[0] == reference
+
+
+def test_a_draw_made_elsewhere_is_skipped_so_seeded_tokens_continue_as_on_one_sampler() -> None:
+    """A prefill worker drew a seeded request's first token; the decode worker's sampler skips
+    that draw, so its tokens from the second on are the ones one sampler would draw."""
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(3))
+    one = Sampler()
+    tokens = [
+        one.sample(logits, [row("r", seed=11, temperature=1.0)]).token_ids[0] for _ in range(4)
+    ]
+    decode = Sampler()
+    decode.skip_draw("r")
+    rest = [
+        decode.sample(logits, [row("r", seed=11, temperature=1.0)]).token_ids[0] for _ in range(3)
+    ]
+    assert rest == tokens[1:]
+
+
+def test_a_skipped_draw_survives_a_failed_sample() -> None:
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(3))
+    want = Sampler()
+    want.skip_draw("r")
+    expected = want.sample(logits, [row("r", seed=11, temperature=1.0)]).token_ids[0]
+    sampler = Sampler()
+    sampler.skip_draw("r")
+    original = torch.Tensor.exponential_
+
+    def failing(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        original(self, *args, **kwargs)  # type: ignore[arg-type]  # the skipped draw happens...
+        raise RuntimeError("injected")  # ...then the attempt fails
+
+    torch.Tensor.exponential_ = failing  # type: ignore[method-assign]
+    try:
+        with contextlib.suppress(RuntimeError):
+            sampler.sample(logits, [row("r", seed=11, temperature=1.0)])
+    finally:
+        torch.Tensor.exponential_ = original  # type: ignore[method-assign]
+    assert sampler.sample(logits, [row("r", seed=11, temperature=1.0)]).token_ids[0] == expected
