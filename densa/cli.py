@@ -103,6 +103,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--api-key-file", default=None, help="more API keys, one per line")
     parser.add_argument(
+        "--prefill-peer", action="append", default=[], metavar="URL",
+        help="decode role: a prefill worker (scheme://host:port) requests may name in "
+        "x-densa-prefill without the router's signed placement (repeatable; docs/security.md)",
+    )  # fmt: skip
+    parser.add_argument(
         "--header-timeout", type=_seconds, default=10.0,
         help="seconds a client may take to send its request headers (then 408 and close)",
     )  # fmt: skip
@@ -179,6 +184,7 @@ def _serve(ns: argparse.Namespace) -> int:
         engine_step_timeout=ns.engine_step_timeout,
         engine_restarts=ns.engine_restarts,
         tool_call_format=ns.tool_call_format,
+        prefill_peers=tuple(ns.prefill_peer),
     )
     return 0
 

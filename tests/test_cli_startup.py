@@ -39,6 +39,10 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
         (["--kv-cache-memory", "1.5"], ["(0, 1]", "1.5GiB"]),
         (["--kv-cache-memory", "1000"], ["no unit"]),
         (["--max-num-seqs", "0"], ["--max-num-seqs"]),
+        # The trust boundary (docs/security.md): a KV port open to other hosts needs the secret.
+        (["--role", "prefill", "--kv-listen", "tcp://0.0.0.0:0"], ["--kv-listen", "secret"]),
+        (["--role", "decode", "--prefill-peer", "http://p:1/x"], ["--prefill-peer", "a path"]),
+        (["--cluster-secret-file", "/no/such/secret"], ["cannot read the cluster secret"]),
     ],
 )
 def test_bad_options_fail_in_one_line_before_loading(args: list[str], needles: list[str]) -> None:

@@ -16,6 +16,11 @@ another, and the two directions use different labels, so a message cannot be ref
     P -> D  PeerWelcome(nonce_p)     MAC under welcome_key(nonce_d) = K("welcome" | nonce_d)
     both    session_key = K("session" | nonce_d | nonce_p); then every message:
             MAC(session_key, direction | len(frame) | frame | len(frame) | frame ...)
+    P -> D  PrefillFailed(kv_peer_unknown) from a P that has no session with D (it restarted):
+            MAC under K("unknown-peer"); D then shakes hands again
+
+Replays inside one session are not refused by the MAC (the transport may duplicate and reorder
+on purpose); the state machines drop duplicates by transfer id, as they always did.
 
 where K(x) = HMAC(link key, x) and the link key is ClusterSecret.key("kv-link"). Without a
 secret, the link key is a public constant: the MACs still detect damage but authenticate nothing,
@@ -85,6 +90,11 @@ class LinkKeys:
 
     def welcome(self, nonce_d: bytes) -> FrameKey:
         return FrameKey(self._derive(b"welcome", nonce_d), P_TO_D)
+
+    def unknown_peer(self) -> FrameKey:
+        """P's one message outside a session: "I have no session with you" (it restarted), so
+        D shakes hands again. Any member can make it; it changes nothing but that."""
+        return FrameKey(self._derive(b"unknown-peer"), P_TO_D)
 
     def session(self, nonce_d: bytes, nonce_p: bytes) -> Session:
         return Session(self._derive(b"session", nonce_d, nonce_p))

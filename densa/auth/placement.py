@@ -8,9 +8,11 @@ cluster secret can make a token, so no client can choose where a worker connects
     TOKEN = "v1." placement_id "." expiry "." hex(HMAC-SHA256(placement key, signed text))
     signed text = "v1|" placement_id "|" expiry "|" prefill URL
 
-placement_id is random per routed request (a replayed token is refused by the worker within its
-lifetime, see PlacementVerifier); expiry is in Unix seconds, so router and workers need clocks
-that agree to within the token's lifetime (30 s by default).
+placement_id is random per routed request, so tokens never repeat; expiry is in Unix seconds, so
+router and workers need clocks that agree to within the token's lifetime (30 s by default).
+A token is not single-use on purpose: a client's or the router's retry of the same request
+resends it, and reusing it within its lifetime can only repeat what the router allowed (reach
+that prefill worker), never choose another. It binds the URL, so it cannot be moved to another.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import hashlib
 import hmac
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 from densa.auth.secret import ClusterSecret
@@ -28,7 +29,6 @@ PLACEMENT_HEADER = "x-densa-placement"
 DEFAULT_TTL_S = 30.0
 _VERSION = "v1"
 _MAX_TOKEN_LEN = 256
-_MAX_REMEMBERED = 65536  # placement ids kept to refuse replays (each lives a token's lifetime)
 
 
 class PlacementError(ValueError):
@@ -59,28 +59,20 @@ def sign_placement(
 
 
 class PlacementVerifier:
-    """Checks tokens on a worker; remembers the ids it accepted until they expire (replays)."""
+    """Checks tokens on a worker."""
 
     def __init__(self, secret: ClusterSecret, clock: Callable[[], float] = time.time) -> None:
         self._key = secret.key("placement")
         self._clock = clock
-        self._seen: OrderedDict[str, int] = OrderedDict()  # placement id -> expiry, oldest first
 
     def verify(self, token: str, prefill_url: str) -> None:
-        """Raise PlacementError unless `token` authorizes `prefill_url` now, for the first time."""
+        """Raise PlacementError unless `token` authorizes `prefill_url` now."""
         placement_id, expiry = self._parse(token)
         mac = token.rsplit(".", 1)[1]
         if not hmac.compare_digest(mac, _mac(self._key, placement_id, expiry, prefill_url)):
             raise PlacementError("bad_signature")
-        now = self._clock()
-        if expiry < now:
+        if expiry < self._clock():
             raise PlacementError("expired")
-        self._forget_expired(now)
-        if placement_id in self._seen:
-            raise PlacementError("replayed")
-        if len(self._seen) >= _MAX_REMEMBERED:
-            self._seen.popitem(last=False)
-        self._seen[placement_id] = expiry
 
     @staticmethod
     def _parse(token: str) -> tuple[str, int]:
@@ -91,12 +83,3 @@ class PlacementVerifier:
         if not (placement_id.isalnum() and expiry.isdigit() and len(mac) == 64):
             raise PlacementError("malformed")
         return placement_id, int(expiry)
-
-    def _forget_expired(self, now: float) -> None:
-        # Tokens are issued with one lifetime, so expiries arrive nearly in order: the oldest
-        # first entries are the ones that can go.
-        while self._seen:
-            placement_id, expiry = next(iter(self._seen.items()))
-            if expiry >= now:
-                return
-            del self._seen[placement_id]

@@ -33,7 +33,7 @@ class ClusterSecret:
         if len(self.value) < MIN_SECRET_BYTES:
             raise SecretError(
                 f"the cluster secret has {len(self.value)} bytes; it needs at least "
-                f"{MIN_SECRET_BYTES} (make one with `densa secret new FILE`)"
+                f"{MIN_SECRET_BYTES} (make one with `umask 077; openssl rand -hex 32 > FILE`)"
             )
 
     def key(self, purpose: str) -> bytes:
@@ -49,7 +49,8 @@ class ClusterSecret:
         try:
             text = Path(path).read_text().strip()
         except OSError as exc:
-            raise SecretError(f"cannot read the cluster secret file {path}: {exc.strerror}") from exc
+            reason = exc.strerror or type(exc).__name__
+            raise SecretError(f"cannot read the cluster secret file {path}: {reason}") from exc
         return cls(text.encode())
 
     def write(self, path: str | Path) -> None:

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import random
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,11 +31,13 @@ from typing import Any
 
 import httpx
 
+from densa.auth.placement import PLACEMENT_HEADER, sign_placement
+from densa.auth.secret import ClusterSecret
 from densa.bench.disagg_report import build_report
 from densa.engine.args import EngineArgs
 from densa.measure.report import BenchReport
 from densa.measure.stats import interleave, latency_stats
-from densa.serve.disagg import PREFILL_HEADER
+from densa.serve.disagg import PREFILL_HEADER, PlacementPolicy
 from densa.serve.engine_client import EngineClient
 from densa.serve.process import serve_engine_in_thread
 
@@ -101,13 +104,18 @@ class RequestResult:
 # ---- workers ------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _engine(
-    base: EngineArgs, overrides: dict[str, Any], threads: int, cpu: int | None
+    base: EngineArgs,
+    overrides: dict[str, Any],
+    threads: int,
+    cpu: int | None,
+    **app_options: Any,
 ) -> Iterator[tuple[str, EngineClient]]:
     """One worker; its engine process sees `threads` threads (and one core, if `cpu` is set)."""
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
     os.environ.update(OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads))
+    args = dataclasses.replace(base, **overrides)
     try:
-        with serve_engine_in_thread(dataclasses.replace(base, **overrides)) as (url, client):
+        with serve_engine_in_thread(args, **app_options) as (url, client):
             if cpu is not None:
                 _pin(client.served.engine_pid, cpu)
             for key, value in saved.items():
@@ -138,16 +146,29 @@ def _pin(pid: int, cpu: int) -> None:
 def _workers(variant: Variant, base: EngineArgs) -> Iterator[dict[str, Any]]:
     if not variant.split:
         with _engine(base, variant.decode, threads=variant.threads, cpu=None) as (url, client):
-            yield {"url": url, "headers": {}, "decode": client, "model": client.served.name}
+            yield {"url": url, "headers": dict, "decode": client, "model": client.served.name}
         return
-    prefill_args = {"role": "prefill", "kv_transfer_timeout": 300.0, **variant.prefill}
-    decode_args = {"role": "decode", "kv_transfer_timeout": 300.0, **variant.decode}
-    with (
-        _engine(base, prefill_args, threads=1, cpu=0) as (p_url, _),
-        _engine(base, decode_args, threads=1, cpu=1) as (d_url, d_client),
-    ):
-        workers = {"url": d_url, "headers": {PREFILL_HEADER: p_url}, "decode": d_client}
-        yield {**workers, "model": d_client.served.name}
+    # As deployed: the pair shares a cluster secret (the KV link's MACs are part of what is
+    # measured) and every request carries a placement signed as the router signs it.
+    secret = ClusterSecret.generate()
+    with tempfile.TemporaryDirectory(prefix="densa-bench-") as folder:
+        secret_file = Path(folder) / "cluster-secret"
+        secret.write(secret_file)
+        pair = {"kv_transfer_timeout": 300.0, "cluster_secret_file": str(secret_file)}
+        prefill_args = {"role": "prefill", **pair, **variant.prefill}
+        decode_args = {"role": "decode", **pair, **variant.decode}
+        with (
+            _engine(base, prefill_args, threads=1, cpu=0) as (p_url, p_client),
+            _engine(base, decode_args, threads=1, cpu=1, placement=PlacementPolicy(secret)) as (
+                d_url, d_client,
+            ),
+        ):  # fmt: skip
+
+            def headers() -> dict[str, str]:
+                return {PREFILL_HEADER: p_url, PLACEMENT_HEADER: sign_placement(secret, p_url)}
+
+            yield {"url": d_url, "headers": headers, "decode": d_client, "prefill": p_client,
+                   "model": d_client.served.name}  # fmt: skip
 
 
 # ---- one run ------------------------------------------------------------------------------------
@@ -177,7 +198,7 @@ async def _one(
             "ignore_eos": True, "stream": True}  # fmt: skip
     result.submit_s = time.perf_counter()
     url = workers["url"] + "/v1/completions"
-    async with http.stream("POST", url, json=body, headers=workers["headers"]) as response:
+    async with http.stream("POST", url, json=body, headers=workers["headers"]()) as response:
         if response.status_code != 200:
             result.error = f"http {response.status_code}: {(await response.aread())[:200]!r}"
             return
@@ -226,6 +247,7 @@ def _sample(
     wall_s: float,
     before: dict[str, float],
     after: dict[str, float],
+    prefill_mac_ms: float = 0.0,
 ) -> dict[str, Any]:
     decoders = [r for r in results if r.kind == "decoder"]
     longs = [r for r in results if r.kind == "long"]
@@ -249,7 +271,16 @@ def _sample(
         "transfer_ms_per_request": delta.get("transfer_ms", 0.0) / landed if landed else 0.0,
         "landing_ms_per_request": delta.get("landing_ms", 0.0) / landed if landed else 0.0,
         "prefill_ms_per_request": delta.get("prefill_ms", 0.0) / landed if landed else 0.0,
+        # The link's authentication: P's MACs over the pages it sends + D's checks of them.
+        "mac_ms_per_request": (delta.get("mac_ms", 0.0) + prefill_mac_ms) / landed
+        if landed
+        else 0.0,
     }
+
+
+def _mac_ms(workers: dict[str, Any]) -> float:
+    prefill = workers.get("prefill")
+    return 0.0 if prefill is None else float(prefill.stats.disagg.get("mac_ms", 0.0))
 
 
 def run_disagg(settings: DisaggSettings, base: EngineArgs) -> BenchReport:
@@ -269,11 +300,11 @@ def run_disagg(settings: DisaggSettings, base: EngineArgs) -> BenchReport:
             w = workers[name]
             short, long = _prompts(settings, vocab, repeat)  # the same for every variant
             before = dict(w["decode"].stats.disagg)
+            p_before = _mac_ms(w)
             results, wall = asyncio.run(_run_workload(w, settings, short, long))
             time.sleep(0.6)  # a heartbeat brings the counters of the last transfers
+            after = dict(w["decode"].stats.disagg)
             samples.append(
-                _sample(
-                    variants[name], repeat, results, wall, before, dict(w["decode"].stats.disagg)
-                )
+                _sample(variants[name], repeat, results, wall, before, after, _mac_ms(w) - p_before)
             )
     return build_report(settings, samples, base)

@@ -35,11 +35,20 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["ttft_s_p95"] = _spread_of(runs, lambda s: s["ttft_s"].get("p95"))
         row["long_ttft_s_median"] = _spread_of(runs, lambda s: s["long_ttft_s"].get("median"))
         for key in ("output_tok_s", "transfer_bytes_per_request", "transfer_ms_per_request",
-                    "landing_ms_per_request", "prefill_ms_per_request"):  # fmt: skip
-            row[key] = _spread_of(runs, lambda s, k=key: s[k])
+                    "landing_ms_per_request", "prefill_ms_per_request",
+                    "mac_ms_per_request"):  # fmt: skip
+            row[key] = _spread_of(runs, lambda s, k=key: s.get(k, 0.0))
+        row["mac_share_of_transfer"] = _spread_of(runs, _mac_share)
         row["errors"] = sum(len(s["errors"]) for s in runs)
         summary.append(row)
     return summary
+
+
+def _mac_share(sample: dict[str, Any]) -> float:
+    """The KV link's authentication (MACs computed by P, checked by D) as a share of the
+    transfer time (PrefillRequest sent -> pages landed)."""
+    transfer = sample.get("transfer_ms_per_request", 0.0)
+    return sample.get("mac_ms_per_request", 0.0) / transfer if transfer else 0.0
 
 
 def build_report(settings: Any, samples: list[dict[str, Any]], base: EngineArgs) -> BenchReport:
@@ -78,6 +87,8 @@ def build_report(settings: Any, samples: list[dict[str, Any]], base: EngineArgs)
             "transfer ms (asked -> landed)",
             "landing + conversion ms",
             "prefill worker ms (queue + compute + pack)",
+            "authentication ms (MACs, both sides)",
+            "authentication / transfer",
         ],
         [
             [
@@ -86,6 +97,8 @@ def build_report(settings: Any, samples: list[dict[str, Any]], base: EngineArgs)
                 _cell(r["transfer_ms_per_request"]),
                 _cell(r["landing_ms_per_request"], 1.0, 2),
                 _cell(r["prefill_ms_per_request"]),
+                _cell(r["mac_ms_per_request"], 1.0, 3),
+                _cell(r["mac_share_of_transfer"], 100.0, 2) + " %",
             ]
             for r in summary
             if r["variant"].startswith("split")
@@ -125,7 +138,9 @@ NOTES = [
     "colocated: one engine process with 2 threads on both cores; split: a prefill and a decode "
     "engine process with 1 thread each, each pinned to its own core. Every worker has its HTTP "
     "front on a thread of the benchmark process, and the requests go to the decode worker with "
-    "x-densa-prefill (no router in between).",
+    "x-densa-prefill and a placement token signed as the router signs it (no router in between). "
+    "The pair shares a cluster secret, so every KV message carries its HMAC-SHA256 "
+    "(docs/security.md): 'authentication' is the time P spent computing and D spent checking them.",
     "Decode ITL is the gap between consecutive streamed tokens of the short requests; the long "
     "prompts' own first tokens are in TTFT (and long-prompt TTFT).",
     "Where 2 cores make the split lose: the split gives each phase one core, so a long prompt "

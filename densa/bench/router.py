@@ -77,8 +77,10 @@ class RouterBenchSettings:
 def router_process(urls: list[str], policy: str, log: Path) -> Iterator[str]:
     port = free_port()
     workers = [arg for url in urls for arg in ("--worker", url)]
+    # --debug-headers: the benchmark reads which worker served each request and the router's
+    # own time (x-densa-worker, x-densa-router-ms), which clients do not get by default.
     command = [sys.executable, "-m", "densa.cli", "--log-level", "WARNING", "router",
-               "--port", str(port), "--policy", policy, *workers]  # fmt: skip
+               "--port", str(port), "--policy", policy, "--debug-headers", *workers]  # fmt: skip
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     with log.open("wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -2,7 +2,7 @@
 
     messages.py    the peer protocol (typed msgspec messages; page bytes travel as raw frames)
     handshake.py   what two workers must share to exchange pages, and the check
-    wire.py        pages <-> frames: gather from the KV cache, land with format conversion
+    wire.py        packed pages <-> frames and their layout (worker/kv_io.py packs and lands)
     transport.py   the KVTransport protocol, an in-process and a ZeroMQ (TCP) implementation
     ports.py       what the agents need from their engine (engine/disagg_port.py implements it)
     faults.py      a KVTransport wrapper that drops, delays, duplicates, reorders, cuts, corrupts

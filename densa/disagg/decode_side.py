@@ -14,6 +14,12 @@ the page tags (the pages were released, so their tags changed) and counted.
 Every state has a deadline; `poll` (called by the engine loop at least every 100 ms, idle or
 not) fires them, so cleanup never waits for new traffic. LANDED and CLOSED transfers are kept as
 tombstones for a while, so a duplicate or late message is recognised and dropped.
+
+Trust (docs/security.md): a message counts only if its MAC verifies under the session this agent
+shook hands for with that very peer (densa/auth/frames.py), and a transfer takes messages only
+from the peer it asked. What an authentic message says is still checked against the local model
+and the reservation (pages, tags, layout, first token, cached tokens): a bad one fails that
+transfer alone. Any exception while handling one message is confined the same way.
 """
 
 from __future__ import annotations
@@ -24,11 +30,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from densa.auth.frames import FrameKey, LinkKeys, Session, new_nonce
 from densa.disagg import messages as m
 from densa.disagg.handshake import mismatch
 from densa.disagg.ports import DecodeEngine, Landing, Reservation
 from densa.disagg.stats import AgentStats
-from densa.disagg.transport import KVTransport
+from densa.disagg.transport import KVTransport, TransportError
 from densa.disagg.wire import WireError, check_frames
 from densa.utils.logging import get_logger
 
@@ -38,6 +45,8 @@ logger = get_logger(__name__)
 UNKNOWN_PEER = "kv_peer_unknown"
 MAX_RESENDS = 2  # damaged frames asked again before the transfer fails
 TOMBSTONE_S = 60.0  # how long a finished transfer is remembered (late and duplicate messages)
+MAX_PEERS = 64  # prefill workers connected at once; idle ones are disconnected beyond that
+_BAD_PEER = "kv_transfer_failed: the prefill worker sent"
 
 
 class DecodeState(enum.Enum):
@@ -56,6 +65,8 @@ _TERMINAL = (DecodeState.LANDED, DecodeState.CLOSED)
 class _Peer:
     address: str
     peer_id: str
+    nonce: bytes  # our half of the session key, sent in PeerHello
+    session: Session | None = None  # set by an authentic, accepting PeerWelcome
     ready: bool = False
     error: str | None = None
     deadline: float = 0.0
@@ -82,10 +93,14 @@ class DecodeAgent:
         model: m.PeerModel,
         timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        keys: LinkKeys | None = None,
     ) -> None:
         self.engine = engine
         self.transport = transport
         self.model = model
+        self.keys = keys or LinkKeys(None)
+        vocab_size = model.architecture.get("vocab_size")
+        self.vocab_size = vocab_size if isinstance(vocab_size, int) else 0
         self.timeout_s = timeout_s
         self.clock = clock
         self.stats = AgentStats()
@@ -97,7 +112,6 @@ class DecodeAgent:
     # ---- entry points ----------------------------------------------------------------------------
     def start(self, request_id: str, address: str) -> DecodeTransfer:
         """Take over a request the engine admitted as receiving; its prefill runs at `address`."""
-        peer = self._peer(address)
         transfer = DecodeTransfer(
             transfer_id=f"{request_id}#{next(self._ids)}",
             request_id=request_id,
@@ -107,6 +121,12 @@ class DecodeAgent:
         )
         self.transfers[transfer.transfer_id] = transfer
         self._by_request[request_id] = transfer.transfer_id
+        try:
+            peer = self._peer(address)
+        except TransportError as exc:
+            self.stats.add("peer_unreachable")
+            self._close_unreserved(transfer, f"kv_peer_unreachable: {exc}")
+            return transfer
         if peer.ready or peer.error:
             self._after_handshake(transfer, peer)
         return transfer
@@ -141,24 +161,39 @@ class DecodeAgent:
         peer = self._peers.get(address)
         # A refused or silent peer is asked again once its deadline passed (it may be replaced).
         if peer is None or (not peer.ready and self.clock() > peer.deadline):
-            peer = _Peer(address, self.transport.connect(address))
+            if peer is None:
+                self._make_room_for_a_peer()
+            peer = _Peer(address, self.transport.connect(address), new_nonce())
             peer.deadline = self.clock() + self.timeout_s
             self._peers[address] = peer
-            self._send(peer.peer_id, m.PeerHello(self.model))
+            self._send(peer, m.PeerHello(self.model, peer.nonce), self.keys.hello())
         return peer
 
-    def _on_welcome(self, peer_id: str, welcome: m.PeerWelcome) -> None:
-        peer = next((p for p in self._peers.values() if p.peer_id == peer_id), None)
-        if peer is None or peer.ready:
+    def _make_room_for_a_peer(self) -> None:
+        """Disconnect the oldest peer no live transfer uses, once MAX_PEERS are connected."""
+        if len(self._peers) < MAX_PEERS:
+            return
+        in_use = {t.address for t in self.transfers.values() if t.state not in _TERMINAL}
+        idle = next((a for a in self._peers if a not in in_use), None)
+        if idle is None:
+            raise TransportError(f"all {MAX_PEERS} prefill worker connections are in use")
+        self.transport.disconnect(self._peers.pop(idle).peer_id)
+
+    def _peer_by_id(self, peer_id: str) -> _Peer | None:
+        return next((p for p in self._peers.values() if p.peer_id == peer_id), None)
+
+    def _on_welcome(self, peer: _Peer, welcome: m.PeerWelcome) -> None:
+        if peer.ready:
             return
         peer.error = mismatch(self.model, welcome.model) or welcome.error
         peer.ready = peer.error is None
         if peer.error:
             self.stats.add("handshake_failures")
-            logger.error("prefill worker %s refused: %s", peer.address, peer.error)
+            logger.error("prefill worker %r refused: %r", peer.address, peer.error)
             peer.deadline = self.clock() + 1.0  # retried after a second (it may be replaced)
         else:
-            logger.info("prefill worker %s: %s", peer.address, welcome.model.weight_format)
+            peer.session = self.keys.session(peer.nonce, welcome.nonce)
+            logger.info("prefill worker %r: %r", peer.address, welcome.model.weight_format)
         for transfer in list(self.transfers.values()):
             if transfer.address == peer.address and transfer.state == DecodeState.WAITING_PEER:
                 self._after_handshake(transfer, peer)
@@ -225,13 +260,13 @@ class DecodeAgent:
             transfer.transfer_id, r.prompt_token_ids, r.params, r.cache_scope, r.first_block,
             r.dest_page_ids, r.dest_tags,
         )  # fmt: skip
-        self._send(self._peers[transfer.address].peer_id, request)
+        self._send_to(transfer, request)
 
     def _abort(self, transfer: DecodeTransfer) -> None:
         """The request no longer wants the pages, but P may still be writing: hold, ask, wait."""
         self.stats.add("transfers_aborted")
         self._enter(transfer, DecodeState.ABORTING)
-        self._send(self._peers[transfer.address].peer_id, m.AbortTransfer(transfer.transfer_id))
+        self._send_to(transfer, m.AbortTransfer(transfer.transfer_id))
 
     def _close_unreserved(self, transfer: DecodeTransfer, error: str | None) -> None:
         if error is not None:
@@ -252,30 +287,113 @@ class DecodeAgent:
 
     # ---- messages --------------------------------------------------------------------------------
     def _receive(self, peer_id: str, frames: list[memoryview]) -> None:
+        peer = self._peer_by_id(peer_id)
+        if peer is None:  # nobody this agent reached: nothing it says can concern a transfer
+            self.stats.add("unauthenticated_messages")
+            return
+        message = self._authentic(peer, frames)
+        if message is None:
+            return
+        try:
+            self._dispatch(peer, message, frames[1:-1])
+        except Exception:  # confined: this message's transfer fails, the worker goes on
+            self.stats.add("peer_faults")
+            logger.exception("handling a %s from %r failed", type(message).__name__, peer_id)
+            self._fail_after_fault(getattr(message, "transfer_id", None))
+
+    def _authentic(self, peer: _Peer, frames: list[memoryview]) -> m.PeerMessage | None:
+        """The message, if its MAC verifies under this peer's session (or, before the session,
+        under the welcome key of our hello); None (counted) otherwise."""
+        key = peer.session.to_decode if peer.session else self.keys.welcome(peer.nonce)
+        started = self.clock()
+        authentic = key.verify(frames)
+        self.stats.add("mac_ms", 1000 * (self.clock() - started))
+        if not authentic:
+            self._on_unauthentic(peer, frames)
+            return None
         try:
             message = m.decode(frames[0])
-        except (m.DecodeError, IndexError):
+        except m.DecodeError:
             self.stats.add("undecodable_messages")
-            logger.warning("dropped an undecodable message from %s", peer_id)
+            logger.warning("dropped an undecodable message from %r", peer.address)
+            return None
+        if isinstance(message, m.PeerWelcome) != (peer.session is None):
+            self.stats.add("duplicate_messages_dropped")  # a second welcome, or none yet
+            return None
+        return message
+
+    def _on_unauthentic(self, peer: _Peer, frames: list[memoryview]) -> None:
+        """A MAC that does not verify: damage in flight, a restarted peer, or a forgery. Only
+        what the session's peer would be asked anyway follows: a resend of damaged pages (for a
+        transfer that waits on this very peer), or a fresh handshake if P forgot us."""
+        if self.keys.unknown_peer().verify(frames):
+            self._on_forgotten(peer, frames[0])
             return
+        self.stats.add("unauthenticated_messages")
+        try:
+            claimed = m.decode(frames[0]) if frames else None
+        except m.DecodeError:
+            claimed = None
+        transfer = None
+        if isinstance(claimed, m.KVPages):
+            transfer = self.transfers.get(claimed.transfer_id)
+        if (
+            transfer is not None
+            and transfer.state == DecodeState.REQUESTED
+            and transfer.address == peer.address
+        ):
+            self._on_damaged(transfer, "a frame fails its MAC")
+            return
+        logger.warning("dropped a message from %r that fails its MAC", peer.address)
+
+    def _on_forgotten(self, peer: _Peer, header: memoryview) -> None:
+        """P answered that it has no session with us (it restarted): shake hands again."""
+        try:
+            message = m.decode(header)
+        except m.DecodeError:
+            return
+        if not isinstance(message, m.PrefillFailed) or not message.error.startswith(UNKNOWN_PEER):
+            return
+        transfer = self.transfers.get(message.transfer_id)
+        if transfer is not None and transfer.address == peer.address:
+            self._on_prefill_failed(peer, transfer, message)
+
+    def _dispatch(self, peer: _Peer, message: m.PeerMessage, frames: list[memoryview]) -> None:
         if isinstance(message, m.PeerWelcome):
-            self._on_welcome(peer_id, message)
+            self._on_welcome(peer, message)
             return
         transfer_id = getattr(message, "transfer_id", None)
         transfer = self.transfers.get(transfer_id) if transfer_id else None
+        if transfer is not None and transfer.address != peer.address:
+            # Bound to the peer that was asked: another prefill worker cannot answer for it.
+            self.stats.add("misdirected_messages")
+            logger.warning("%r answered for a transfer it was not asked", peer.address)
+            return
         if isinstance(message, m.KVPages):
-            self._on_pages(peer_id, transfer, message, frames[1:])
+            self._on_pages(peer, transfer, message, frames)
         elif isinstance(message, m.PrefillFailed):
-            self._on_prefill_failed(transfer, message)
+            self._on_prefill_failed(peer, transfer, message)
         elif isinstance(message, m.AbortAck):
             if transfer is not None and transfer.state == DecodeState.ABORTING:
                 self._close(transfer)
             else:
                 self.stats.add("duplicate_messages_dropped")
 
+    def _fail_after_fault(self, transfer_id: str | None) -> None:
+        transfer = self.transfers.get(transfer_id) if transfer_id else None
+        if transfer is None or transfer.state in _TERMINAL:
+            return
+        error = "kv_transfer_failed: the prefill worker's answer could not be handled"
+        if transfer.state == DecodeState.REQUESTED:
+            self.engine.fail_remote(transfer.request_id, error)
+            self.stats.add("transfers_failed")
+            self._abort(transfer)
+        elif transfer.state != DecodeState.ABORTING:
+            self._close_unreserved(transfer, error)
+
     def _on_pages(
         self,
-        peer_id: str,
+        peer: _Peer,
         transfer: DecodeTransfer | None,
         message: m.KVPages,
         frames: list[memoryview],
@@ -287,13 +405,16 @@ class DecodeAgent:
         ):
             self._enter(transfer, DecodeState.ABORTING)  # it ended since the last poll
         if transfer is None or transfer.state != DecodeState.REQUESTED:
-            self._drop_late_pages(peer_id, transfer, message)
+            self._drop_late_pages(peer, transfer, message)
             return
-        try:
-            check_frames(message.layout, frames, len(message.dest_page_ids))
-            self._check_destination(transfer, message)
-        except WireError as exc:
-            self._on_damaged(transfer, str(exc))
+        invalid = self._invalid_pages(transfer, message, frames)
+        if invalid is not None:
+            self._send(peer, m.KVAck(message.transfer_id))  # P may free its pages
+            self.stats.add("invalid_pages")
+            self.stats.add("transfers_failed")
+            logger.error("transfer %r: %s", transfer.transfer_id, invalid)
+            self.engine.fail_remote(transfer.request_id, invalid)
+            self._close(transfer)
             return
         landing = Landing(
             message.dest_page_ids, message.dest_tags, message.layout, frames,
@@ -301,10 +422,10 @@ class DecodeAgent:
         )  # fmt: skip
         started = self.clock()
         refused = self.engine.land_remote(transfer.request_id, landing)
-        self._send(peer_id, m.KVAck(message.transfer_id))  # either way P may free its pages
+        self._send(peer, m.KVAck(message.transfer_id))  # either way P may free its pages
         if refused is not None:
             self.stats.add("stale_writes_dropped")
-            logger.error("transfer %s refused at landing: %s", transfer.transfer_id, refused)
+            logger.error("transfer %r refused at landing: %s", transfer.transfer_id, refused)
             self._close(transfer)
             return
         now = self.clock()
@@ -316,18 +437,48 @@ class DecodeAgent:
         self.stats.add("prefill_ms", message.prefill_ms)
         self._enter(transfer, DecodeState.LANDED, linger=True)
 
-    def _check_destination(self, transfer: DecodeTransfer, message: m.KVPages) -> None:
+    def _invalid_pages(
+        self, transfer: DecodeTransfer, message: m.KVPages, frames: list[memoryview]
+    ) -> str | None:
+        """Why authentic pages still cannot land (the peer is faulty or hostile), or None."""
         r = transfer.reservation
         assert r is not None
-        if message.dest_page_ids != r.dest_page_ids or message.dest_tags != r.dest_tags:
-            raise WireError("the pages name other destinations than this transfer reserved")
+        try:
+            if message.dest_page_ids != r.dest_page_ids or message.dest_tags != r.dest_tags:
+                raise WireError("the pages name other destinations than this transfer reserved")
+            self._check_layout(message.layout)
+            check_frames(message.layout, frames, len(message.dest_page_ids))
+        except WireError as exc:
+            return f"{_BAD_PEER}: unusable pages ({exc})"
+        if not 0 <= message.first_token_id < self.vocab_size:
+            return f"{_BAD_PEER}: a first token outside the vocabulary"
+        if not 0 <= message.num_cached_tokens <= len(r.prompt_token_ids):
+            return f"{_BAD_PEER}: more cached tokens than the prompt has"
+        logprobs = message.first_logprobs
+        if logprobs is not None and not self._logprobs_fit(logprobs, r):
+            return f"{_BAD_PEER}: logprobs this request cannot have"
+        return None
+
+    def _check_layout(self, layout: m.WireLayout) -> None:
+        """The pages' shape must be this model's: [layers, 2, pages, kv heads, page, head dim]."""
+        arch, shape = self.model.architecture, list(layout.shape)
+        expected = [arch.get("num_layers"), 2, arch.get("num_kv_heads"),
+                    self.model.page.page_size, arch.get("head_dim")]  # fmt: skip
+        if len(shape) != 6 or shape[:2] + shape[3:] != expected:
+            raise WireError(f"a layout of shape {shape[:8]} for this model's {expected}")
+
+    def _logprobs_fit(self, logprobs: m.TokenLogprobs, r: Reservation) -> bool:
+        ids = [logprobs.token_id, *(token_id for token_id, _ in logprobs.top)]
+        return len(logprobs.top) <= max(r.params.logprobs or 0, 0) and all(
+            0 <= token_id < self.vocab_size for token_id in ids
+        )
 
     def _on_damaged(self, transfer: DecodeTransfer, why: str) -> None:
         self.stats.add("damaged_transfers")
-        logger.warning("transfer %s arrived damaged (%s)", transfer.transfer_id, why)
+        logger.warning("transfer %r arrived damaged (%s)", transfer.transfer_id, why)
         if transfer.num_resends < MAX_RESENDS:
             transfer.num_resends += 1
-            self._send(self._peers[transfer.address].peer_id, m.KVResend(transfer.transfer_id))
+            self._send_to(transfer, m.KVResend(transfer.transfer_id))
             return
         error = f"kv_transfer_failed: the prompt's KV pages arrived damaged {1 + MAX_RESENDS} times"
         self.engine.fail_remote(transfer.request_id, error)
@@ -335,33 +486,49 @@ class DecodeAgent:
         self._abort(transfer)
 
     def _drop_late_pages(
-        self, peer_id: str, transfer: DecodeTransfer | None, message: m.KVPages
+        self, peer: _Peer, transfer: DecodeTransfer | None, message: m.KVPages
     ) -> None:
         """Pages for a transfer that no longer waits for them: never written; P may free."""
-        self._send(peer_id, m.KVAck(message.transfer_id))
+        self._send(peer, m.KVAck(message.transfer_id))
         if transfer is not None and transfer.state == DecodeState.LANDED:
             self.stats.add("duplicate_messages_dropped")
             return
         self.stats.add("late_transfers_dropped")
         logger.warning(
-            "dropped late KV pages of transfer %s (%s): pages %s, tags %s",
+            "dropped late KV pages of transfer %r (%s): %d pages",
             message.transfer_id, transfer.state.value if transfer else "unknown",
-            message.dest_page_ids, message.dest_tags,
+            len(message.dest_page_ids),
         )  # fmt: skip
         if transfer is not None and transfer.state == DecodeState.ABORTING:
             self._close(transfer)  # P's writer is done: the pages can go
 
-    def _on_prefill_failed(self, transfer: DecodeTransfer | None, message: m.PrefillFailed) -> None:
+    def _on_prefill_failed(
+        self, peer: _Peer, transfer: DecodeTransfer | None, message: m.PrefillFailed
+    ) -> None:
         if transfer is None or transfer.state in _TERMINAL:
             self.stats.add("duplicate_messages_dropped")
             return
         if message.error.startswith(UNKNOWN_PEER):  # P restarted: handshake again next time
-            self._peers[transfer.address].ready = False
-            self._peers[transfer.address].deadline = 0.0
+            peer.ready, peer.session, peer.deadline = False, None, 0.0
         if transfer.state == DecodeState.REQUESTED:
             self.stats.add("transfers_failed")
-            self.engine.fail_remote(transfer.request_id, message.error)
+            self.engine.fail_remote(transfer.request_id, _peer_error(message.error))
         self._close(transfer)  # P stopped: nothing is writing into the pages
 
-    def _send(self, peer_id: str, message: m.PeerMessage) -> None:
-        self.transport.send(peer_id, [m.encode(message)])
+    def _send_to(self, transfer: DecodeTransfer, message: m.PeerMessage) -> None:
+        self._send(self._peers[transfer.address], message)
+
+    def _send(self, peer: _Peer, message: m.PeerMessage, key: FrameKey | None = None) -> None:
+        if key is None:
+            if peer.session is None:  # the session is gone (P restarted): the timeouts decide
+                return
+            key = peer.session.to_prefill
+        frames = [m.encode(message)]
+        self.transport.send(peer.peer_id, [*frames, key.seal(frames)])
+
+
+def _peer_error(error: str) -> str:
+    """A prefill worker's error as the client may see it: one line, printable, bounded."""
+    text = "".join(c if c.isprintable() else " " for c in error)[:300]
+    known = text.startswith(("kv_", "invalid_", "engine_"))
+    return text if known else f"kv_transfer_failed: {text}"

@@ -52,6 +52,9 @@ class FaultyTransport:
     def connect(self, address: str) -> str:
         return self.inner.connect(address)
 
+    def disconnect(self, peer: str) -> None:
+        self.inner.disconnect(peer)
+
     def send(self, peer: str, frames: Frames) -> None:
         self._release_delayed()
         copied = [bytes(frame) for frame in frames]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import msgspec
+
 from densa.disagg.messages import PageFormat, PeerModel
 from densa.quant.kv_format import KV_FORMAT_NAMES, KVFormat
 from densa.text.tokenizer import TokenizerFiles
@@ -35,7 +37,9 @@ def peer_model(
     role: str,
     weight_format: str = "",
 ) -> PeerModel:
-    return PeerModel(architecture, tokenizer_digest(tokenizer), page, role, weight_format)
+    # As the wire carries it (tuples become lists), so both sides compare like with like.
+    plain = msgspec.to_builtins(architecture)
+    return PeerModel(plain, tokenizer_digest(tokenizer), page, role, weight_format)
 
 
 def is_landable(page: PageFormat) -> bool:

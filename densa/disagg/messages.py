@@ -11,12 +11,18 @@
     P -> D  AbortAck         P has stopped and freed its side: D may free the destination pages
 
 Every message is one msgspec header frame, followed (KVPages only) by the raw page buffers, so
-page bytes are never re-encoded. A transfer is named by D's transfer id in every message.
+page bytes are never re-encoded, and last by a MAC frame over all of them (densa/auth/frames.py).
+A transfer is named by D's transfer id in every message.
+
+Decoding is bounded: every field has a type without open recursion (a peer cannot nest a message
+a thousand levels deep), lists and strings have maximum lengths, and the whole message has a
+maximum size on the socket (transport.py). Values are then checked against the local model and
+the transfer they claim to answer by the agents, never trusted as sent.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated
 
 import msgspec
 
@@ -28,38 +34,55 @@ class PageFormat(msgspec.Struct, frozen=True):
     """How one side stores K/V: what its pages hold and how many bytes one page takes."""
 
     kv_dtype: str  # "float32" | "bfloat16" | "float16" | "fp8_e4m3"
-    kv_scales: str  # "dynamic" | "static" (fp8 only; "none" otherwise)
+    kv_scales: str  # "dynamic" | "static" (fp8), "row" (int8); "none" otherwise
     page_size: int  # tokens per page
     page_bytes: int  # one page, all layers, K and V, scales included
+
+
+# Bounds on what a peer may send (far above any real value; they only stop a hostile size).
+MAX_TOKENS = 1 << 22  # prompt tokens in one PrefillRequest
+MAX_PAGES = 1 << 20  # destination pages of one transfer
+Id = Annotated[str, msgspec.Meta(max_length=128)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+Pages = Annotated[list[int], msgspec.Meta(max_length=MAX_PAGES)]
+# ArchConfig.signature(): flat scalars plus the moe / mla parts (one level of nesting, no more).
+Scalar = int | float | str | bool | None
+Architecture = Annotated[
+    dict[str, Scalar | dict[str, Scalar | Annotated[list[bool], msgspec.Meta(max_length=4096)]]],
+    msgspec.Meta(max_length=64),
+]
 
 
 class PeerModel(msgspec.Struct, frozen=True):
     """What two workers must share to hand K/V over: the model's shapes and tokenizer."""
 
-    architecture: dict[str, Any]  # ArchConfig.signature(): layer and head shapes, vocab
-    tokenizer_digest: str  # sha256 of the tokenizer's files
+    architecture: Architecture  # layer and head shapes, vocab (ArchConfig.signature())
+    tokenizer_digest: Id  # sha256 of the tokenizer's files
     page: PageFormat
-    role: str
-    weight_format: str = ""  # for logs: the formats differ on purpose
+    role: Id
+    weight_format: Text = ""  # for logs: the formats differ on purpose
 
 
 class PeerHello(msgspec.Struct, tag=True):
     model: PeerModel
+    nonce: Nonce  # D's half of the session key (densa/auth/frames.py)
 
 
 class PeerWelcome(msgspec.Struct, tag=True):
     model: PeerModel
-    error: str | None = None  # set: P refuses this peer (the same check D runs)
+    nonce: Nonce  # P's half of the session key
+    error: Text | None = None  # set: P refuses this peer (the same check D runs)
 
 
 class PrefillRequest(msgspec.Struct, tag=True):
-    transfer_id: str
-    prompt_token_ids: list[int]
+    transfer_id: Id
+    prompt_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_TOKENS)]
     params: SamplingParams
-    cache_scope: str
+    cache_scope: Text
     first_block: int  # D already caches blocks [0, first_block): send only the rest
-    dest_page_ids: list[int]  # D's pages for blocks first_block.. in order
-    dest_tags: list[int]  # their tags when D allocated them; every write must carry them
+    dest_page_ids: Pages  # D's pages for blocks first_block.. in order
+    dest_tags: Pages  # their tags when D allocated them; every write must carry them
 
 
 class WireLayout(msgspec.Struct, frozen=True):
@@ -72,17 +95,22 @@ class WireLayout(msgspec.Struct, frozen=True):
              fp8 dynamic: int8 power-of-two exponents; int8: fp16 scales
     """
 
-    kv_dtype: str  # KVFormat.name: float32 | bfloat16 | float16 | fp8_e4m3 | int8
-    kv_scales: str  # KVFormat.scales: none | dynamic | static (fp8) | row (int8)
-    shape: list[int]
-    static_scales: list[list[float]] = []  # fp8 static: [num_layers][K scale, V scale]
-    checksums: list[int] = []  # crc32 of each raw frame, to detect damage in flight
+    kv_dtype: Annotated[str, msgspec.Meta(max_length=32)]  # KVFormat.name: float32 | bfloat16 |
+    # float16 | fp8_e4m3 | int8
+    kv_scales: Annotated[str, msgspec.Meta(max_length=32)]  # KVFormat.scales: none | dynamic |
+    # static (fp8) | row (int8)
+    shape: Annotated[list[int], msgspec.Meta(max_length=8)]
+    # fp8 static: [num_layers][K scale, V scale]
+    static_scales: Annotated[
+        list[Annotated[list[float], msgspec.Meta(max_length=2)]], msgspec.Meta(max_length=4096)
+    ] = []
+    # (No checksums: the message's MAC covers every frame, damage and forgery alike.)
 
 
 class KVPages(msgspec.Struct, tag=True):
-    transfer_id: str
-    dest_page_ids: list[int]
-    dest_tags: list[int]
+    transfer_id: Id
+    dest_page_ids: Pages
+    dest_tags: Pages
     layout: WireLayout
     first_token_id: int
     first_logprobs: TokenLogprobs | None
@@ -91,24 +119,24 @@ class KVPages(msgspec.Struct, tag=True):
 
 
 class PrefillFailed(msgspec.Struct, tag=True):
-    transfer_id: str
-    error: str
+    transfer_id: Id
+    error: Text
 
 
 class KVAck(msgspec.Struct, tag=True):
-    transfer_id: str
+    transfer_id: Id
 
 
 class KVResend(msgspec.Struct, tag=True):
-    transfer_id: str
+    transfer_id: Id
 
 
 class AbortTransfer(msgspec.Struct, tag=True):
-    transfer_id: str
+    transfer_id: Id
 
 
 class AbortAck(msgspec.Struct, tag=True):
-    transfer_id: str
+    transfer_id: Id
 
 
 PeerMessage = (
@@ -133,5 +161,9 @@ def encode(message: PeerMessage) -> bytes:
 
 
 def decode(data: bytes | memoryview) -> PeerMessage:
-    """Raises DecodeError on anything that is not exactly one of the messages above."""
-    return _decoder.decode(data)
+    """Raises DecodeError on anything that is not exactly one of the messages above (within
+    its bounds)."""
+    try:
+        return _decoder.decode(data)
+    except RecursionError as exc:  # the types bound nesting; this is a second fence
+        raise DecodeError("a message nested too deeply") from exc

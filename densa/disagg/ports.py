@@ -47,8 +47,9 @@ class DecodeEngine(Protocol):
         ...
 
     def land_remote(self, request_id: str, landing: Landing) -> str | None:
-        """Check the tags, write the pages, run the request from its first token. Returns why
-        it was refused (the engine then ended the request), or None."""
+        """Queue the pages for the engine's next step (the runner checks the tags again and
+        writes them before any read; the request then runs from its first token). Returns why
+        it was refused now (the engine then ended the request), or None."""
         ...
 
     def fail_remote(self, request_id: str, error: str) -> None:

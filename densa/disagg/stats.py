@@ -13,8 +13,14 @@ COUNTERS = (
     "late_transfers_dropped",  # D: KVPages for a transfer no longer waiting (aborted, timed out)
     "duplicate_messages_dropped",  # a message for a transfer already past that point
     "stale_writes_dropped",  # D: a landing refused by the page tags (counted as integrity too)
-    "damaged_transfers",  # D: frames that failed their checksum or size (a resend was asked)
+    "damaged_transfers",  # D: pages that failed their MAC in flight (a resend was asked)
     "resends",  # P: KVPages sent again from the held pages
+    "resends_refused",  # P: KVResend past MAX_RESENDS for one transfer (a flood): ignored
+    "unauthenticated_messages",  # a MAC that does not verify under the peer's session: dropped
+    "misdirected_messages",  # D: an answer from a peer the transfer did not ask: dropped
+    "invalid_pages",  # D: authentic pages that do not fit the model or the request: failed
+    "peer_faults",  # an exception while handling a peer's message: that transfer failed
+    "peer_unreachable",  # D: a prefill address the transport cannot use (or no room for it)
     "timeouts",  # any state's timeout firing
     "ack_timeouts",  # P: held pages released because no ack came
     "undecodable_messages",  # frames that are not a peer message
@@ -25,6 +31,7 @@ COUNTERS = (
     "landing_ms",  # D: checking + converting + writing pages, summed
     "prefill_ms",  # P's own time per transfer, summed (as P reported it)
     "pack_ms",  # P: copying pages out of its cache, summed
+    "mac_ms",  # computing (P) or verifying (D) the messages' MACs, summed
 )
 
 

@@ -3,7 +3,7 @@
 The contract is deliberately weak -- messages may be lost, delayed, duplicated or reordered, and
 a peer may vanish without a word -- because the state machines (decode_side.py, prefill_side.py)
 must survive all of that anyway (every state has a timeout). A transport only has to deliver a
-message's frames intact or not at all; damage is caught by the frames' checksums regardless.
+message's frames intact or not at all; damage is caught by the message's MAC regardless.
 
     InProcessTransport  agents in one process (tests); a hub maps addresses to inboxes
     ZmqTransport        ZeroMQ over TCP (or ipc://): P binds a ROUTER, D connects a DEALER per P
@@ -25,6 +25,15 @@ import zmq
 Frames = Sequence[bytes | memoryview]
 Received = list[tuple[str, list[memoryview]]]
 
+# Messages queued per socket and direction before more are dropped (the state machines' timeouts
+# take over, as for any lost message): a peer that floods cannot grow our memory without bound.
+HIGH_WATER_MARK = 1000
+MAX_FRAMES = 8  # frames in one message (a header, at most two page buffers, the MAC)
+
+
+class TransportError(ValueError):
+    """An address the transport cannot use (malformed, unsupported scheme)."""
+
 
 class KVTransport(Protocol):
     def listen(self, address: str | None = None) -> str:
@@ -33,7 +42,12 @@ class KVTransport(Protocol):
         ...
 
     def connect(self, address: str) -> str:
-        """Reach a listening peer; returns the peer id to send to (idempotent)."""
+        """Reach a listening peer; returns the peer id to send to (idempotent). Raises
+        TransportError for an address it cannot use."""
+        ...
+
+    def disconnect(self, peer: str) -> None:
+        """Forget a peer `connect` reached (its queued messages are dropped); idempotent."""
         ...
 
     def send(self, peer: str, frames: Frames) -> None:
@@ -75,7 +89,12 @@ class InProcessTransport:
         return self.address
 
     def connect(self, address: str) -> str:
+        if not address.startswith("inproc-kv://"):
+            raise TransportError("not an in-process KV address")
         return address
+
+    def disconnect(self, peer: str) -> None:
+        pass
 
     def send(self, peer: str, frames: Frames) -> None:
         inbox = self.hub.inboxes.get(peer)
@@ -104,10 +123,15 @@ _ROUTER_PEER = "router:"
 
 class ZmqTransport:
     """P binds one ROUTER (peers are told apart by their routing identity); D opens one DEALER
-    per P it talks to. Queues are bounded by the requests in flight, so no high-water mark."""
+    per P it talks to (the agent bounds how many, and disconnects the ones it evicts).
 
-    def __init__(self, context: zmq.Context) -> None:
+    Bounded on every side: `max_message_bytes` (ZMQ_MAXMSGSIZE: a larger message makes ZeroMQ
+    drop the connection, before it is buffered), HIGH_WATER_MARK messages per queue, and at most
+    MAX_FRAMES frames per message."""
+
+    def __init__(self, context: zmq.Context, max_message_bytes: int = 1 << 30) -> None:
         self._context = context
+        self._max_message_bytes = max_message_bytes
         self._router: zmq.Socket | None = None
         self._dealers: dict[str, zmq.Socket] = {}
 
@@ -120,10 +144,21 @@ class ZmqTransport:
 
     def connect(self, address: str) -> str:
         if address not in self._dealers:
+            if not address.startswith(("tcp://", "ipc://")):
+                raise TransportError("a KV address must be tcp:// or ipc://")
             dealer = self._socket(zmq.DEALER)
-            dealer.connect(address)
+            try:
+                dealer.connect(address)
+            except zmq.ZMQError as exc:
+                dealer.close(linger=0)
+                raise TransportError(f"cannot connect to this KV address ({exc.errno})") from exc
             self._dealers[address] = dealer
         return address
+
+    def disconnect(self, peer: str) -> None:
+        dealer = self._dealers.pop(peer, None)
+        if dealer is not None:
+            dealer.close(linger=0)
 
     def send(self, peer: str, frames: Frames) -> None:
         try:
@@ -132,17 +167,19 @@ class ZmqTransport:
                 self._router.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
             elif peer in self._dealers:
                 self._dealers[peer].send_multipart(list(frames), zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # only with a high-water mark reached: lost, the timeouts take over
+        except zmq.Again:  # a high-water mark reached: lost, the timeouts take over
+            pass
+        except zmq.ZMQError:  # e.g. the ROUTER's peer is gone (ZMQ_ROUTER_MANDATORY): lost
             pass
 
     def receive(self) -> Received:
         messages: Received = []
         if self._router is not None:
             for parts in _drain(self._router):
-                peer = _ROUTER_PEER + bytes(parts[0]).hex()
-                messages.append((peer, parts[1:]))
+                if 2 <= len(parts) <= MAX_FRAMES + 1:  # identity + frames
+                    messages.append((_ROUTER_PEER + bytes(parts[0]).hex(), parts[1:]))
         for address, dealer in self._dealers.items():
-            messages.extend((address, parts) for parts in _drain(dealer))
+            messages.extend((address, p) for p in _drain(dealer) if 1 <= len(p) <= MAX_FRAMES)
         return messages
 
     def waitables(self) -> list[Any]:
@@ -157,17 +194,21 @@ class ZmqTransport:
 
     def _socket(self, kind: int) -> zmq.Socket:
         socket = self._context.socket(kind)
-        socket.setsockopt(zmq.SNDHWM, 0)
-        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+        socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+        socket.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)
         socket.setsockopt(zmq.LINGER, 0)
         return socket
 
 
-def _drain(socket: zmq.Socket) -> list[list[memoryview]]:
+def _drain(socket: zmq.Socket, limit: int = HIGH_WATER_MARK) -> list[list[memoryview]]:
+    """What is waiting, up to `limit` messages (the rest waits for the next poll, so a flood
+    cannot keep the engine loop here)."""
     out: list[list[memoryview]] = []
-    while True:
+    while len(out) < limit:
         try:
             parts = socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return out
         out.append([part.buffer for part in parts])
+    return out

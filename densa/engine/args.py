@@ -95,6 +95,9 @@ class EngineArgs:
     role: str = "both"
     kv_listen: str = "tcp://127.0.0.1:0"  # where a prefill worker accepts decode workers
     kv_transfer_timeout: float = 30.0  # seconds any KV transfer state may last
+    # The internal plane's credential (docs/security.md): a file holding the cluster secret
+    # (else DENSA_CLUSTER_SECRET). It authenticates the KV link and the router's placements.
+    cluster_secret_file: str | None = None
 
     def resolve(
         self,
@@ -335,6 +338,12 @@ class EngineArgs:
         g.add_argument(
             "--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout,
             help="seconds a KV transfer may stay in any one state (then it fails, pages freed)",
+        )  # fmt: skip
+        g.add_argument(
+            "--cluster-secret-file", default=d.cluster_secret_file, metavar="FILE",
+            help="the cluster secret shared by the router and the workers (else the environment "
+            "variable DENSA_CLUSTER_SECRET): authenticates the KV link and the router's signed "
+            "placements; without it a prefill worker's --kv-listen must be loopback",
         )  # fmt: skip
 
     @classmethod

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from densa.auth.secret import load_secret
 from densa.engine.disagg_port import KVAgents
 from densa.engine.llm_engine import LLMEngine
 from densa.engine.metrics import snapshot
@@ -55,6 +56,7 @@ class CoreOptions:
     role: str = "both"  # disaggregation role (engine/disagg_port.py): both | prefill | decode
     kv_listen: str = "tcp://127.0.0.1:0"  # prefill role: where decode workers connect
     kv_transfer_timeout_s: float = 30.0
+    cluster_secret_file: str | None = None  # else DENSA_CLUSTER_SECRET (densa/auth/secret.py)
 
 
 def served_model(engine: LLMEngine, role: str = "both", kv_address: str = "") -> ServedModel:
@@ -96,8 +98,9 @@ class EngineCore:
         self._step_started: float | None = None  # monotonic time the running step began
         self.num_steps = 0
         self.kv_agents = KVAgents.for_role(
-            engine, options.role, context, options.kv_listen, options.kv_transfer_timeout_s
-        )
+            engine, options.role, context, options.kv_listen, options.kv_transfer_timeout_s,
+            load_secret(options.cluster_secret_file) if options.role != "both" else None,
+        )  # fmt: skip
         self.stats: EngineStats = self._snapshot()  # replaced, never mutated: safe to share
 
     # ---- the loop --------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             role=engine_args.get("role", "both"),
             kv_listen=engine_args.get("kv_listen", "tcp://127.0.0.1:0"),
             kv_transfer_timeout_s=engine_args.get("kv_transfer_timeout", 30.0),
+            cluster_secret_file=engine_args.get("cluster_secret_file"),
         )
         EngineCore(engine, addresses, context, options).run()
         return 0

@@ -13,6 +13,8 @@ from typing import Any
 
 import zmq
 
+from densa.auth.frames import LinkKeys
+from densa.auth.secret import ClusterSecret
 from densa.disagg import wire
 from densa.disagg.decode_side import DecodeAgent
 from densa.disagg.handshake import peer_model
@@ -24,8 +26,12 @@ from densa.engine.llm_engine import LLMEngine
 from densa.ipc.messages import RequestDelta
 from densa.model.attention import LayerKVCache
 from densa.sched.output import KVLanding
+from densa.utils.logging import get_logger
+from densa.utils.net import check_kv_listen
 from densa.worker import kv_io
 from densa.worker.kv_cache import page_bytes
+
+logger = get_logger(__name__)
 
 
 def describe(engine: LLMEngine, role: str) -> PeerModel:
@@ -125,7 +131,11 @@ class PrefillPort:
 
 
 class KVAgents:
-    """The agents of one engine, by role ("both" has none)."""
+    """The agents of one engine, by role ("both" has none).
+
+    The KV link is authenticated with keys derived from the cluster secret (densa/auth/frames.py);
+    without a secret its MACs authenticate nothing, so a prefill worker then refuses to listen
+    anywhere but loopback (docs/security.md)."""
 
     def __init__(
         self,
@@ -134,6 +144,7 @@ class KVAgents:
         transport: KVTransport | None,
         timeout_s: float,
         listen: str | None = None,
+        secret: ClusterSecret | None = None,
     ) -> None:
         self.engine = engine
         self.role = role
@@ -145,26 +156,43 @@ class KVAgents:
             return
         layer_caches(engine)  # refuse a model whose pages cannot travel, at start-up
         model = describe(engine, role)
+        keys = LinkKeys(secret)
         if role == "prefill":
+            if listen:  # None: the transport's own default (loopback, or in-process)
+                check_kv_listen(listen, secret is not None)
             self.address = transport.listen(listen)
-            self.prefill = PrefillAgent(PrefillPort(engine), transport, model, timeout_s)
+            port = PrefillPort(engine)
+            self.prefill = PrefillAgent(port, transport, model, timeout_s, keys=keys)
         elif role == "decode":
-            self.decode = DecodeAgent(DecodePort(engine), transport, model, timeout_s)
+            self.decode = DecodeAgent(DecodePort(engine), transport, model, timeout_s, keys=keys)
 
     @classmethod
     def for_role(
-        cls, engine: LLMEngine, role: str, context: zmq.Context, listen: str, timeout_s: float
+        cls,
+        engine: LLMEngine,
+        role: str,
+        context: zmq.Context,
+        listen: str,
+        timeout_s: float,
+        secret: ClusterSecret | None = None,
     ) -> KVAgents:
-        transport = None if role == "both" else ZmqTransport(context)
-        return cls(engine, role, transport, timeout_s, listen)
+        transport = None
+        if role != "both":
+            transport = ZmqTransport(context, max_message_bytes(engine))
+        return cls(engine, role, transport, timeout_s, listen, secret)
 
     def poll(self) -> bool:
-        """Run the agents; whether anything happened."""
+        """Run the agents; whether anything happened. A fault outside any one message (those
+        are confined by the agents) is logged and the loop goes on: no peer stops the engine."""
         happened = False
-        if self.prefill is not None:
-            happened = self.prefill.poll()
-        if self.decode is not None:
-            happened = self.decode.poll() or happened
+        try:
+            if self.prefill is not None:
+                happened = self.prefill.poll()
+            if self.decode is not None:
+                happened = self.decode.poll() or happened
+        except Exception:
+            logger.exception("the KV agents failed outside any transfer; the engine goes on")
+            happened = True
         return happened
 
     def take_outputs(self, deltas: list[RequestDelta]) -> list[RequestDelta]:
@@ -193,3 +221,11 @@ class KVAgents:
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def max_message_bytes(engine: LLMEngine) -> int:
+    """The largest message a KV peer may send: a whole prompt's pages in the widest format
+    (float32), plus room for headers. Larger ones are cut off by ZeroMQ before buffering."""
+    cache = engine.config.cache
+    num_pages = -(-engine.config.scheduler.max_model_len // cache.page_size)
+    return num_pages * page_bytes(engine.arch, cache.page_size, "float32", "dynamic") + (16 << 20)

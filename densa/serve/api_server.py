@@ -28,7 +28,7 @@ from densa.cache.scope import tenant_of
 from densa.ipc.messages import ServedModel
 from densa.serve import generation, prepare
 from densa.serve.auth import ApiKeys
-from densa.serve.disagg import PrefillPeers, disagg_router, prefill_address
+from densa.serve.disagg import PlacementPolicy, PrefillPeers, disagg_router, prefill_address
 from densa.serve.engine_client import EngineClient
 from densa.serve.errors import (
     APIError,
@@ -82,6 +82,8 @@ class ServerState:
     tokenizer: Tokenizer | None = None  # the front's own copy of the engine's tokenizer
     token_texts: TokenTexts | None = None
     prefill_peers: PrefillPeers = field(default_factory=PrefillPeers)  # decode role
+    # Who may name a prefill worker (decode role): the router's signed token or the allowlist.
+    placement: PlacementPolicy = field(default_factory=PlacementPolicy)
     # Huge bodies one at a time, with a bounded share of CPU (prepare.LargeBodyGate).
     large_bodies: prepare.LargeBodyGate = field(default_factory=prepare.LargeBodyGate)
 
@@ -130,6 +132,7 @@ def build_app(
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT,
     drain_timeout: float = 30.0,
     tool_call_format: str = DEFAULT_TOOL_FORMAT,
+    placement: PlacementPolicy | None = None,
 ) -> FastAPI:
     """The app; its lifespan starts the engine (and waits for its handshake) before the server
     accepts requests, and shuts it down (draining first) when the server stops."""
@@ -142,6 +145,7 @@ def build_app(
             yield
         finally:
             await engine.shutdown(drain_timeout)
+            await state.prefill_peers.close()
 
     app = FastAPI(title="densa", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan)
     state = ServerState(
@@ -152,6 +156,7 @@ def build_app(
         request_timeout=request_timeout,
         body_timeout=body_timeout,
         tool_format=tool_format(tool_call_format),
+        placement=placement or PlacementPolicy(),
     )
     app.state.densa = state
     install_error_handlers(app)
@@ -415,7 +420,9 @@ def _engine_call(
 async def _with_prefill(request: Request, call: EngineCall) -> EngineCall:
     """A decode worker: the prefill worker the request names (header x-densa-prefill)."""
     state = _state(request)
-    address = await prefill_address(request, state.served.role, state.prefill_peers)
+    address = await prefill_address(
+        request, state.served.role, state.prefill_peers, state.placement
+    )
     return dataclasses.replace(call, prefill_address=address) if address else call
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from densa.auth.secret import load_secret
 from densa.engine.args import EngineArgs
 from densa.serve.api_server import (
     DEFAULT_BODY_TIMEOUT,
@@ -27,10 +28,11 @@ from densa.serve.api_server import (
     start_draining,
 )
 from densa.serve.auth import load_api_keys
+from densa.serve.disagg import PlacementPolicy, peer_base_url
 from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
 from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
 from densa.utils.logging import configure_logging, get_logger
-from densa.utils.net import bind_listener, tcp_socket
+from densa.utils.net import bind_listener, check_kv_listen, tcp_socket
 
 logger = get_logger(__name__)
 
@@ -49,6 +51,8 @@ class ServerOptions:
     engine_placement: str = "process"  # the engine core in its own process, or "thread"
     engine_step_timeout: float = ClientOptions.step_timeout_s  # one step longer: stuck, restart
     engine_restarts: int = ClientOptions.max_restarts  # engines dying young, then exit 1
+    # Decode role: prefill workers requests may name without the router's signed placement.
+    prefill_peers: tuple[str, ...] = ()
 
 
 def run_server(
@@ -63,9 +67,10 @@ def run_server(
     configure_logging(options.log_level)
     engine_args.check()
     api_keys = load_api_keys(options.api_keys, options.api_key_file)
+    placement = placement_policy(engine_args, options)
     sock = bind_listener(host, port)
     try:
-        _load_and_serve(engine_args, sock, options, api_keys)
+        _load_and_serve(engine_args, sock, options, api_keys, placement)
     finally:
         sock.close()
     logger.info("server stopped")
@@ -75,8 +80,26 @@ class EngineGaveUp(RuntimeError):
     """The engine kept dying and the client stopped restarting it: exit non-zero."""
 
 
+def placement_policy(engine_args: EngineArgs, options: ServerOptions) -> PlacementPolicy:
+    """Who may name a prefill worker: checked before the model loads, so a bad secret file or
+    allowlist entry fails in milliseconds."""
+    secret = load_secret(engine_args.cluster_secret_file)
+    if engine_args.role == "prefill":
+        check_kv_listen(engine_args.kv_listen, secret is not None)
+    for url in options.prefill_peers:
+        try:
+            peer_base_url(url)
+        except ValueError as exc:
+            raise ValueError(f"--prefill-peer {url!r} is not scheme://host:port ({exc})") from exc
+    return PlacementPolicy(secret, options.prefill_peers)
+
+
 def _load_and_serve(
-    engine_args: EngineArgs, sock: socket.socket, options: ServerOptions, api_keys: Any
+    engine_args: EngineArgs,
+    sock: socket.socket,
+    options: ServerOptions,
+    api_keys: Any,
+    placement: PlacementPolicy,
 ) -> None:
     client = make_engine_client(engine_args, options)
     if api_keys.is_enabled:
@@ -89,6 +112,7 @@ def _load_and_serve(
         body_timeout=options.body_timeout,
         drain_timeout=options.drain_timeout,
         tool_call_format=options.tool_call_format,
+        placement=placement,
     )
     asyncio.run(_serve(app, client, sock, options))
     if client.has_failed:
@@ -109,6 +133,7 @@ def make_engine_client(engine_args: EngineArgs, options: ServerOptions) -> Engin
             role=engine_args.role,
             kv_listen=engine_args.kv_listen,
             kv_transfer_timeout_s=engine_args.kv_transfer_timeout,
+            cluster_secret_file=engine_args.cluster_secret_file,
         )
         engine = LLMEngine.from_args(engine_args)
         return EngineClient(ThreadLauncher(engine, core), client_options)

@@ -49,3 +49,15 @@ def test_samples_measure_itl_ttft_and_per_transfer_costs(tmp_path: Path) -> None
     paths = report.write(tmp_path)
     assert {p.name for p in paths} == {"results.json", "decode_itl.png", "README.md"}
     assert "| split-same | 0 (0..0) | 10.0 (10.0..10.0)" in (tmp_path / "README.md").read_text()
+
+
+def test_the_link_authentication_is_reported_as_a_share_of_transfer_time() -> None:
+    results = [_result("decoder", 0.0, [0.1, 0.2])]
+    before = {"transfers_landed": 0.0, "transfer_ms": 0.0, "mac_ms": 0.0}
+    after = {"transfers_landed": 2.0, "transfer_ms": 100.0, "mac_ms": 0.6}
+    sample = _sample(Variant("split-same", True), 0, results, 1.0, before, after, 0.4)
+    assert sample["mac_ms_per_request"] == pytest.approx(0.5)  # (0.6 D + 0.4 P) / 2 transfers
+    report = build_report(DisaggSettings(repeats=1), [sample], EngineArgs())
+    (row,) = report.summary
+    assert row["mac_share_of_transfer"]["median"] == pytest.approx(0.01)
+    assert "1.00 (1.00..1.00) %" in report.tables[1].rows[0]

@@ -16,10 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from densa.serve.disagg import PREFILL_HEADER
 from tests.serve.support import MODEL_NAME, RunningServer
 
-from .conftest import TIMEOUT_S
+from .conftest import TIMEOUT_S, placed
 
 COMPLETIONS = "/v1/completions"
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea. " * 4
@@ -80,7 +79,7 @@ def body(stream: bool = False, max_tokens: int = 8) -> dict[str, Any]:
 
 def post(dc: RunningServer, pf: RunningServer, **kwargs: Any) -> httpx.Response:
     return httpx.post(
-        dc.base_url + COMPLETIONS, json=body(**kwargs), headers={PREFILL_HEADER: pf.base_url},
+        dc.base_url + COMPLETIONS, json=body(**kwargs), headers=placed(pf.base_url),
         timeout=30,
     )  # fmt: skip
 
@@ -131,7 +130,7 @@ def test_kill_9_of_decode_mid_transfer_frees_the_prefill_pages_on_its_timer(
 def _stream(dc: RunningServer, pf: RunningServer, started: threading.Event) -> dict[str, Any]:
     with httpx.stream(
         "POST", dc.base_url + COMPLETIONS, json=body(stream=True, max_tokens=200),
-        headers={PREFILL_HEADER: pf.base_url}, timeout=30,
+        headers=placed(pf.base_url), timeout=30,
     ) as response:  # fmt: skip
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -159,9 +158,10 @@ def _request_then_hang_up(dc: RunningServer, pf: RunningServer, when: Any) -> No
     (an HTTP client would wait for the response headers, which come with the first token)."""
     host, port = dc.base_url.removeprefix("http://").split(":")
     payload = json.dumps(body(stream=True, max_tokens=200)).encode()
+    placement = "".join(f"{name}: {value}\r\n" for name, value in placed(pf.base_url).items())
     head = (
         f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"{PREFILL_HEADER}: {pf.base_url}\r\nContent-Length: {len(payload)}\r\n\r\n"
+        f"{placement}Content-Length: {len(payload)}\r\n\r\n"
     )
     with socket.create_connection((host, int(port)), timeout=10) as conn:
         conn.sendall(head.encode() + payload)

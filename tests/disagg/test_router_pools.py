@@ -17,12 +17,15 @@ from densa.router.config import RouterConfig
 from densa.serve.process import serve_in_thread
 from tests.serve.support import MODEL_NAME, RunningServer
 
+from .conftest import SECRET
 from .test_serving import PROMPTS, assert_all_free, complete
 
 
 @pytest.fixture
 def routed(prefill: RunningServer, decode: RunningServer) -> Iterator[openai.OpenAI]:
-    app = build_router_app(RouterConfig(prefill=(prefill.base_url,), decode=(decode.base_url,)))
+    config = RouterConfig(prefill=(prefill.base_url,), decode=(decode.base_url,), secret=SECRET,
+                          debug_headers=True)  # fmt: skip
+    app = build_router_app(config)
     with serve_in_thread(app) as base:
         router = app.state.router.router
         deadline = time.monotonic() + 30

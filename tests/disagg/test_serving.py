@@ -21,6 +21,8 @@ import pytest
 from densa.serve.disagg import PREFILL_HEADER
 from tests.serve.support import MODEL_NAME, RunningServer
 
+from .conftest import placed
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a land far away,",
@@ -38,7 +40,7 @@ PROMPTS = [
 
 
 def split(decode: RunningServer, prefill: RunningServer) -> dict[str, Any]:
-    return {"extra_headers": {PREFILL_HEADER: prefill.base_url}}
+    return {"extra_headers": placed(prefill.base_url)}
 
 
 def complete(server: RunningServer, prompt: str, **kwargs: Any) -> Any:
@@ -135,9 +137,9 @@ def test_a_prefill_url_that_is_not_a_prefill_worker_is_a_502(
     reference: RunningServer, decode: RunningServer
 ) -> None:
     with pytest.raises(openai.APIStatusError) as info:
-        complete(decode, "Hi", extra_headers={PREFILL_HEADER: reference.base_url})
+        complete(decode, "Hi", extra_headers=placed(reference.base_url))
     assert info.value.status_code == 502
-    assert "not a prefill worker" in str(info.value)
+    assert info.value.body["code"] == "kv_peer_unreachable"  # type: ignore[index]
 
 
 def test_metrics_show_every_page_free_and_the_transfer_counters(
@@ -157,13 +159,15 @@ def test_metrics_show_every_page_free_and_the_transfer_counters(
 
 
 def test_densa_serve_role_flags_start_real_workers_that_hand_off(
-    tiny_model_dir: Path, reference: RunningServer
+    tiny_model_dir: Path, reference: RunningServer, secret_file: Path
 ) -> None:
-    """`densa serve --role prefill|decode` as a user runs them: two processes, one answer."""
+    """`densa serve --role prefill|decode` as a user runs them: two processes sharing the
+    cluster secret, one answer; a request without the router's signed placement is refused."""
     ports = [free_port(), free_port()]
+    secret = ("--cluster-secret-file", str(secret_file))
     processes = [
-        start_cli(tiny_model_dir, ports[0], "--role", "prefill"),
-        start_cli(tiny_model_dir, ports[1], "--role", "decode"),
+        start_cli(tiny_model_dir, ports[0], "--role", "prefill", *secret),
+        start_cli(tiny_model_dir, ports[1], "--role", "decode", *secret),
     ]
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
@@ -171,11 +175,12 @@ def test_densa_serve_role_flags_start_real_workers_that_hand_off(
             wait_healthy(url)
         peer = httpx.get(urls[0] + "/disagg/peer", timeout=5).json()
         assert peer["role"] == "prefill" and peer["kv_address"].startswith("tcp://127.0.0.1:")
+        request = {"model": MODEL_NAME, "prompt": PROMPTS[4], "max_tokens": 12, "temperature": 0}
+        unsigned = httpx.post(urls[1] + "/v1/completions", json=request,
+                              headers={PREFILL_HEADER: urls[0]}, timeout=60)  # fmt: skip
+        assert unsigned.status_code == 403
         answer = httpx.post(
-            urls[1] + "/v1/completions",
-            json={"model": MODEL_NAME, "prompt": PROMPTS[4], "max_tokens": 12, "temperature": 0},
-            headers={PREFILL_HEADER: urls[0]},
-            timeout=60,
+            urls[1] + "/v1/completions", json=request, headers=placed(urls[0]), timeout=60
         ).json()
         assert answer["choices"][0]["text"] == complete(reference, PROMPTS[4]).choices[0].text
     finally:
@@ -206,3 +211,43 @@ def wait_healthy(url: str, timeout: float = 120) -> None:
                 return
         time.sleep(0.2)
     raise AssertionError(f"{url} did not become healthy")
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {PREFILL_HEADER: "TRAP"},  # no token: any HTTP client can send the header
+        {PREFILL_HEADER: "TRAP", "x-densa-placement": "v1.abc.99999999999." + "0" * 64},
+        {PREFILL_HEADER: "TRAP#"},  # the trailing '#' that chose the whole path
+        {PREFILL_HEADER: "TRAP/metrics"},
+    ],
+)
+def test_a_client_cannot_make_the_decode_worker_connect_anywhere(
+    decode: RunningServer, headers: dict[str, str]
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as trap:
+        trap.settimeout(0.5)
+        url = f"http://127.0.0.1:{trap.getsockname()[1]}"
+        sent = {name: value.replace("TRAP", url) for name, value in headers.items()}
+        response = httpx.post(decode.base_url + "/v1/completions", headers=sent, timeout=30,
+                              json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})  # fmt: skip
+        assert response.status_code in (400, 403)
+        assert response.json()["error"]["param"] == PREFILL_HEADER
+        with pytest.raises(TimeoutError):
+            trap.accept()  # nobody connected
+
+
+def test_landed_pages_are_reused_by_the_same_tenant_never_by_another(
+    prefill: RunningServer, decode: RunningServer
+) -> None:
+    """The paired isolation check across the split: pages a transfer landed (and the prefill
+    worker's own cache) serve a later request of the same scope, and no other scope's."""
+    prompt = "An isolation check: " + "the lighthouse keeper counts the waves. " * 8
+
+    def cached(user: str) -> int:
+        answer = complete(decode, prompt, user=user, **split(decode, prefill))
+        return int(answer.usage.prompt_tokens_details.cached_tokens or 0)
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # the same text, another scope: nothing reused
+    assert cached("tenant-a") >= 16  # the same scope: at least one full page reused

@@ -13,9 +13,15 @@ import torch
 from densa.cli import main
 from densa.model.arch import ArchConfig
 from densa.model.kv_layout import LatentKVCache
+from densa.worker import kv_io
 from densa.worker.kv_cache import allocate_kv_caches, bytes_per_token, kv_capacity, page_bytes
 from tests.tiny_families import save_tiny
-from tests.worker.test_kv_page_copies import make_engine, prefilled
+from tests.worker.test_kv_page_copies import (
+    land_through_a_step,
+    make_engine,
+    prefilled,
+    real_values,
+)
 
 GIB = 1024**3
 
@@ -66,9 +72,8 @@ def test_latent_pages_are_allocated_filled_and_copied(tmp_path: Path, smollm2_di
     # FP8 latent pages copy into an FP32 pool exactly (the real values travel, scales applied).
     source, dest = make_engine(model_dir, "fp8_e4m3"), make_engine(model_dir, "float32")
     _, src_pages, _ = prefilled(source)
-    payload = source.runner.read_kv_pages(src_pages)
-    assert payload.shape == (arch.num_layers, 1, 6, 1, 4, 40)  # one latent part per layer
-    assert payload.abs().sum() > 0
-    rid, dst_pages, tags = prefilled(dest)
-    assert dest.land_kv_pages(rid, dst_pages, tags, payload)
-    assert torch.equal(dest.runner.read_kv_pages(dst_pages), payload)
+    want = real_values(source, src_pages)
+    assert want.shape == (arch.num_layers, 1, 6, 1, 4, 40)  # one latent part per layer
+    assert want.abs().sum() > 0
+    _, dst_pages = land_through_a_step(dest, kv_io.pack(source.runner.kv_caches, src_pages))
+    assert torch.equal(real_values(dest, dst_pages), want)
