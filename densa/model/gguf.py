@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ def converted_dir_for(gguf_path: Path, cache_dir: Path | None = None) -> Path:
 
 
 QUANTIZATION_FILE = "gguf_quantization.json"
+SOURCE_FILE = "gguf_source.json"  # the file a converted directory's weights are read from
 
 
 def ensure_converted(gguf_path: Path, progress: Progress | None = None) -> Path:
@@ -67,6 +69,8 @@ def ensure_converted(gguf_path: Path, progress: Progress | None = None) -> Path:
     if (out_dir / "config.json").is_file():
         if not (out_dir / QUANTIZATION_FILE).is_file():  # converted by an older densa
             _write_quantization(_open_reader(gguf_path), out_dir)
+        if not (out_dir / SOURCE_FILE).is_file():
+            _write_source(gguf_path, out_dir)
         return out_dir
     logger.info("converting %s to a cached safetensors copy in %s (once)", gguf_path.name, out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -100,8 +104,6 @@ def _progress_bar(description: str) -> Iterator[Progress]:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None) -> None:
-    from safetensors.torch import save_file
-
     reader = _open_reader(gguf_path)
     fields = _read_fields(reader)
     if "general.architecture" not in fields:
@@ -112,11 +114,87 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})"
         )
     config = _hf_config(fields, arch, reader)
-    tensors = dict(_dequantized_tensors(reader, config, GGUF_ARCHS[arch], progress))
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tensors = _dequantized_tensors(reader, config, GGUF_ARCHS[arch], progress)
+    _save_streamed(reader, config, GGUF_ARCHS[arch], tensors, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     _write_quantization(reader, out_dir)
+    _write_source(gguf_path, out_dir)
     _save_tokenizer(gguf_path, out_dir)
+
+
+def _save_streamed(
+    reader: Any,
+    config: dict[str, Any],
+    dialect: GGUFArch,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    path: Path,
+) -> None:
+    """A float32 safetensors file written one tensor at a time (the header first, from the
+    shapes): the dequantized model is never whole in memory."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, tensor in gguf_tensors(reader, config, dialect):
+        nbytes = 4 * int(np.prod(tensor.shape))
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes
+    with path.open("wb") as out:
+        out.write(len(encoded).to_bytes(8, "little") + encoded)
+        for name, value in tensors:
+            if list(value.shape) != header[name]["shape"]:
+                raise ModelLoadError(f"GGUF tensor {name} dequantized to an unexpected shape")
+            out.write(value.contiguous().numpy().tobytes())
+
+
+def _write_source(gguf_path: Path, out_dir: Path) -> None:
+    size, mtime_ns = _stamp(gguf_path)
+    source = {"path": str(gguf_path.resolve()), "size": size, "mtime_ns": mtime_ns}
+    (out_dir / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+class GGUFFile:
+    """A GGUF file's tensors as densa loads them (HF names, rows in densa's order), read from
+    the mmapped file one at a time."""
+
+    def __init__(self, path: Path, config: dict[str, Any]) -> None:
+        self.path, self.config = path, config
+        self.reader = _open_reader(path)
+        arch = str(_read_fields(self.reader).get("general.architecture"))
+        if arch not in GGUF_ARCHS:
+            raise ModelLoadError(f"GGUF architecture {arch!r} is not supported")
+        self.dialect = GGUF_ARCHS[arch]
+
+    @classmethod
+    def of_converted(cls, model_dir: Path) -> GGUFFile | None:
+        """The source of a directory `ensure_converted` made, if the file is still there."""
+        source = model_dir / SOURCE_FILE
+        if not source.is_file():
+            return None
+        recorded = json.loads(source.read_text())
+        path = Path(recorded["path"])
+        if not path.is_file() or _stamp(path) != (recorded["size"], recorded["mtime_ns"]):
+            return None  # moved or changed since: the directory's own copy is what stays valid
+        return cls(path, json.loads((model_dir / "config.json").read_text()))
+
+    def types(self) -> dict[str, str]:
+        """HF tensor name -> GGUF type name ("Q4_K", "F32", ...)."""
+        return {_hf_name(t.name, self.dialect): t.tensor_type.name for t in self.reader.tensors}
+
+    def tensor_bytes(self) -> int:
+        return sum(int(t.n_bytes) for t in self.reader.tensors)
+
+    def tensors(self) -> Iterator[tuple[str, GGUFTensor]]:
+        return gguf_tensors(self.reader, self.config, self.dialect)
 
 
 def _write_quantization(reader: Any, out_dir: Path) -> None:
@@ -207,26 +285,57 @@ def _vocab_size(reader: Any) -> int:
     raise ModelLoadError("GGUF file has no token_embd.weight tensor")
 
 
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor as the file stores it, rows already in densa's order (Llama's Q/K rows
+    un-permuted: a row permutation applies to whole rows of blocks as to rows of values)."""
+
+    type_name: str  # "Q4_K", "F32", ... (gguf.GGMLQuantizationType names)
+    raw: np.ndarray  # [rows, row bytes] blocks (quantized) or the values themselves
+    shape: tuple[int, ...]  # logical shape, [out, in] for weights
+    norm_offset: float = 0.0  # subtracted after dequantizing (Gemma's 1 + w norms)
+
+    def dequantize(self, rows_per_chunk: int = 4096) -> torch.Tensor:
+        """float32, in chunks of rows (gguf's dequantize makes several temporaries per value)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        kind = GGMLQuantizationType[self.type_name]
+        out = torch.empty(self.shape, dtype=torch.float32)
+        flat = out.view(self.raw.shape[0], -1) if self.raw.ndim > 1 else out.view(1, -1)
+        raw = self.raw if self.raw.ndim > 1 else self.raw.reshape(1, -1)
+        for lo in range(0, raw.shape[0], rows_per_chunk):
+            part = dequantize(np.asarray(raw[lo : lo + rows_per_chunk]), kind)
+            values = np.array(part, dtype=np.float32)  # a copy: the file's pages are read-only
+            flat[lo : lo + rows_per_chunk] = torch.from_numpy(values.reshape(-1, flat.shape[1]))
+        if self.norm_offset:
+            out -= self.norm_offset
+        return out
+
+
+def gguf_tensors(
+    reader: Any, config: dict[str, Any], dialect: GGUFArch
+) -> Iterator[tuple[str, GGUFTensor]]:
+    """The file's tensors in HF naming, one at a time (views into the mmapped file)."""
+    num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name, dialect)
+        raw = tensor.data  # GGUF lists dims fastest-first: rows are the last dim
+        if dialect.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+            raw = _unpermute(raw, num_heads)
+        elif dialect.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+            raw = _unpermute(raw, num_kv_heads)
+        offset = dialect.norm_offset if name.endswith("norm.weight") else 0.0
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        yield name, GGUFTensor(tensor.tensor_type.name, raw, shape, offset)
+
+
 def _dequantized_tensors(
     reader: Any, config: dict[str, Any], dialect: GGUFArch, progress: Progress | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    from gguf.quants import dequantize
-
-    num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    unpermute = dialect.permuted_qk
     total = len(reader.tensors)
-    for idx, tensor in enumerate(reader.tensors):
-        name = _hf_name(tensor.name, dialect)
-        # GGUF lists dims fastest-first; the dequantized numpy array is already [out, in].
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        array = array.reshape([int(d) for d in reversed(tensor.shape)])
-        if unpermute and name.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute(array, num_heads)
-        elif unpermute and name.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute(array, num_kv_heads)
-        elif dialect.norm_offset and name.endswith("norm.weight"):
-            array = array - np.float32(dialect.norm_offset)
-        yield name, torch.from_numpy(np.array(array, copy=True, order="C"))
+    for idx, (name, tensor) in enumerate(gguf_tensors(reader, config, dialect)):
+        yield name, tensor.dequantize()
         if progress is not None:
             progress(idx + 1, total)
 

@@ -10,6 +10,7 @@ stored dense -- `densa quantize` writes the calibrated ones).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,14 +20,26 @@ import torch
 from densa.kernels import native
 from densa.memory import rehome_on_huge_pages
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.gguf import ensure_converted, stored_quantization
+from densa.model.gguf import GGUFFile, ensure_converted, stored_quantization
+from densa.model.gguf_loading import (
+    BlockSink,
+    KeptLinear,
+    gguf_checkpoint,
+    plan_kept_linears,
+    swap_kept_linears,
+)
 from densa.model.interface import CausalLM
 from densa.model.linear import (
     prepare_quantized,
     quantize_linears,
     resident_weight_bytes,
 )
-from densa.model.packed_linear import PACKED_FORMATS, PackedFormatUnavailable, pack_linears
+from densa.model.packed_linear import (
+    PACKED_FORMATS,
+    PackedFormatUnavailable,
+    pack_linears,
+    packed_bytes,
+)
 from densa.model.quant_targets import OUTPUT_HEAD, QuantScope, quantization_targets
 from densa.model.registry import model_factory
 from densa.model.stacked_linear import StackedLinear, prepare_stacked, quantize_stacked
@@ -89,9 +102,12 @@ def num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def check_fits(num_params: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes the weights need; refuse early if the machine clearly cannot hold them."""
-    needed = num_params * dtype.itemsize
+def check_fits(
+    num_params: int, dtype: torch.dtype, device: torch.device, packed_savings: int = 0
+) -> int:
+    """Bytes the weights need (less what packed layers save); refuse early if the machine
+    clearly cannot hold them."""
+    needed = num_params * dtype.itemsize - packed_savings
     if device.type == "cpu":
         available = psutil.virtual_memory().available
     else:
@@ -122,10 +138,13 @@ def load_model(
 ) -> CausalLM:
     """Build the model and load its weights in the runtime format `weight_format` selects; the
     packed CPU formats (w4a8, w8a8) are made from the loaded dense weights, and `head_format`
-    w8a8 packs the output head too (tied or not)."""
+    w8a8 packs the output head too (tied or not). A converted GGUF file is read from the file
+    itself, its linear layers kept in their blocks where the kernels run them
+    (densa.model.gguf_loading)."""
     torch_dtype = DTYPES[dtype]
-    files = safetensors_files(model_dir)
-    stored = _read_stored_format(files)
+    source = GGUFFile.of_converted(model_dir)
+    files = [] if source is not None else safetensors_files(model_dir)
+    stored = _read_stored_format(files) if files else None
     packed = weight_format if weight_format in PACKED_FORMATS else None
     runtime = runtime_format(stored, "dense" if packed else weight_format)
     factory = model_factory(arch.architecture)
@@ -133,13 +152,20 @@ def load_model(
     with torch.device("meta"):
         model = factory(arch, max_position, device).to(dtype=torch_dtype)
         num_params = num_parameters(model)
-        check_fits(num_params, torch_dtype, device)
+        kept = _kept_linears(model, source, weight_format, device)
+        check_fits(num_params, torch_dtype, device, _packed_savings(model, kept, torch_dtype))
         targets = _quantized_modules(model, stored, runtime)
         if runtime is not None:
             _swap_quantized(model, targets, runtime)
+        swap_kept_linears(model, kept)
     model = model.to_empty(device=device)
     model.tie_weights()
-    tensors = runtime_tensors(iter_checkpoint(files), model, stored, runtime, targets)
+    raw = (
+        gguf_checkpoint(source, model, BlockSink(model, kept))
+        if source is not None
+        else iter_checkpoint(files)
+    )
+    tensors = runtime_tensors(raw, model, stored, runtime, targets)
     try:
         with torch.no_grad():
             model.load_weights(tensors)
@@ -148,7 +174,7 @@ def load_model(
     prepare_quantized(model)
     _pack(model, packed, head_format)
     prepare_stacked(model)
-    model.weight_format = _describe_weights(runtime, packed, head_format)
+    model.weight_format = _describe_weights(runtime, packed, head_format, kept)
     if device.type == "cpu":
         rehome_on_huge_pages(model)  # streaming weights from huge pages is ~30% faster
     logger.info(
@@ -157,6 +183,25 @@ def load_model(
         format_bytes(resident_weight_bytes(model)),
     )  # fmt: skip
     return model.eval()
+
+
+def _kept_linears(
+    model: CausalLM, source: GGUFFile | None, weight_format: str, device: torch.device
+) -> dict[str, KeptLinear]:
+    """The GGUF linear layers that keep their blocks (none without the C++ kernels)."""
+    if source is None or device.type != "cpu" or not native.is_available():
+        return {}
+    return plan_kept_linears(model, source.types(), quantizable_linears(model), weight_format)
+
+
+def _packed_savings(model: CausalLM, kept: dict[str, KeptLinear], dtype: torch.dtype) -> int:
+    """Bytes the kept layers need less than dense weights of `dtype`."""
+    saved = 0
+    for name, layer in kept.items():
+        out_features, in_features = getattr(model.get_submodule(name), "weight").shape  # noqa: B009
+        dense = out_features * in_features * dtype.itemsize
+        saved += dense - packed_bytes(layer.fmt, out_features, in_features)
+    return saved
 
 
 def _pack(model: CausalLM, weight_format: str | None, head_format: str) -> None:
@@ -172,22 +217,30 @@ def _pack(model: CausalLM, weight_format: str | None, head_format: str) -> None:
         raise ModelLoadError(str(exc)) from exc
 
 
-def _describe_weights(runtime: WeightFormat | None, packed: str | None, head: str) -> str:
+def _describe_weights(
+    runtime: WeightFormat | None, packed: str | None, head: str, kept: dict[str, KeptLinear]
+) -> str:
     linear = runtime.describe() if runtime is not None else packed or "dense"
+    if kept:
+        counts = Counter(k.fmt for k in kept.values())
+        blocks = ", ".join(f"{n} {fmt}" for fmt, n in sorted(counts.items()))
+        linear = f"GGUF blocks ({blocks} layers), others {linear}"
     return linear if head == "dense" else f"{linear}, output head {head}"
 
 
-# GGUF block types that `auto` keeps as stored (bit for bit), and the packed format running them.
-AUTO_LINEAR = {"Q4_1": "w4a8"}
+# GGUF block types that `auto` keeps as stored (bit for bit; densa.quant.gguf_blocks), by the
+# most common type of the file's linear layers, and the packed format running them.
+AUTO_LINEAR = {"Q4_0": "w4a8", "Q4_1": "w4a8", "Q5_0": "w8a8", "Q8_0": "w8a8"}
 AUTO_HEAD = {"Q8_0": "w8"}
 
 
 def auto_formats(
     model_path: str, model_dir: Path, weight_format: str, head_format: str
 ) -> tuple[str, str]:
-    """Resolve `auto`: a GGUF file whose linear layers are Q4_1 (and head Q8_0) runs from those
-    very bits on the C++ kernels (w4a8 linears, a w8 head) where they are built; everything
-    else loads as its checkpoint says (dense for HF directories). Returns (weights, head)."""
+    """Resolve `auto`: a GGUF file whose linear layers are mostly of a type the kernels run
+    exactly (Q4_0/Q4_1 as w4a8, Q5_0/Q8_0 as w8a8; a Q8_0 head as w8) runs from those very
+    bits on the C++ kernels where they are built; everything else loads as its checkpoint says
+    (dense for HF directories). Returns (weights, head)."""
     stored = stored_quantization(model_dir) if str(model_path).endswith(".gguf") else {}
     kernels = native.is_available()
     if weight_format == "auto" and kernels and stored.get("linear") in AUTO_LINEAR:

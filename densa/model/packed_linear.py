@@ -21,6 +21,7 @@ from densa.kernels import native, qgemm
 
 PACKED_FORMATS = ("w4a8", "w8a8", "w8")
 _BITS = {"w4a8": 4, "w8a8": 8, "w8": qgemm.W8_FLOAT}
+_BLOCK_BYTES = {"w4a8": 320, "w8a8": 544, "w8": 544}  # csrc/qgemm.h: kW4Block, kW8Block
 
 
 class PackedFormatUnavailable(RuntimeError):
@@ -45,19 +46,26 @@ class PackedLinear(nn.Module):
 
     blocks: torch.Tensor
 
-    def __init__(self, fmt: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, fmt: str, weight: torch.Tensor | qgemm.PackedWeight, bias: torch.Tensor | None
+    ) -> None:
+        """`weight`: dense [out, in] (packed here), or already packed for this machine's isa."""
         super().__init__()
-        isa = native.isa() if native.load() is not None else ""
-        if not isa:
-            raise PackedFormatUnavailable(
-                f"--weight-format {fmt} runs on densa's C++ CPU kernels, which are not built "
-                "here (they need a C++ compiler and an x86 CPU with AVX2); use dense weights"
-            )
+        isa = kernel_isa(fmt)
         self.fmt, self.isa = fmt, isa
-        self.out_features, self.in_features = weight.shape
-        packed = _pack(fmt, weight.detach(), isa)
-        self.register_buffer("blocks", packed.blocks)
+        if isinstance(weight, torch.Tensor):
+            weight = _pack(fmt, weight.detach(), isa)
+        self.out_features, self.in_features = weight.out_features, weight.in_features
+        self.register_buffer("blocks", weight.blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+
+    @classmethod
+    def empty(cls, fmt: str, in_features: int, out_features: int, bias: bool) -> PackedLinear:
+        """Uninitialized blocks (allocated on the current default device: meta while a model is
+        built) for a loader that writes the packed bytes itself (densa.model.gguf_loading)."""
+        blocks = torch.empty(packed_bytes(fmt, out_features, in_features), dtype=torch.uint8)
+        packed = qgemm.PackedWeight(blocks, out_features, in_features, _BITS[fmt], kernel_isa(fmt))
+        return cls(fmt, packed, torch.empty(out_features) if bias else None)
 
     @property
     def bits(self) -> int:
@@ -77,6 +85,22 @@ class PackedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"format={self.fmt} ({self.isa})"
         )
+
+
+def kernel_isa(fmt: str) -> str:
+    """The code path the kernels run here; refuses when they are not built."""
+    isa = native.isa() if native.load() is not None else ""
+    if not isa:
+        raise PackedFormatUnavailable(
+            f"--weight-format {fmt} runs on densa's C++ CPU kernels, which are not built "
+            "here (they need a C++ compiler and an x86 CPU with AVX2); use dense weights"
+        )
+    return isa
+
+
+def packed_bytes(fmt: str, out_features: int, in_features: int) -> int:
+    """Bytes of a [out, in] weight in a packed format: one block per 16 rows x 32 inputs."""
+    return (out_features // qgemm.PANEL) * (in_features // qgemm.GROUP) * _BLOCK_BYTES[fmt]
 
 
 def _pack(fmt: str, weight: torch.Tensor, isa: str) -> qgemm.PackedWeight:

@@ -1,0 +1,168 @@
+"""GGUF block types in the CPU kernels' terms, per group of 32 inputs (densa.kernels.qgemm):
+
+    w4   w = d q + m      q in 0..15      (the w4a8 kernel; d, m stored as fp16)
+    w8   w = d q          q in -128..127  (the w8a8 / w8 kernels; d stored as fp16)
+
+How each GGUF type maps (llama.cpp's ggml-quants.c block layouts; x = one 32-weight group):
+
+    type   block (bytes)                      weight                 kernel terms        exact
+    Q4_0   d16 | 16 B nibbles       (18/32)   d (q - 8)              w4: m = -8 d        yes
+                                                                     w8: q - 8           yes
+    Q4_1   d16 m16 | 16 B nibbles   (20/32)   d q + m                w4                  yes
+    Q5_0   d16 | qh32 | 16 B nibbles (22/32)  d (q - 16), q 5 bits   w8: q - 16          yes
+    Q8_0   d16 | 32 x int8          (34/32)   d q                    w8                  yes
+    Q4_K   d16 dmin16 | 12 B 6-bit scales and mins | 128 B nibbles   (144/256)
+                                              d sc q - dmin mn       w4: d' = d sc,      no: d'
+                                              (8 sub-blocks of 32)       m' = -dmin mn   and m'
+                                                                                         rounded
+                                                                                         to fp16
+
+Q4_K's d sc and dmin mn need up to 17 significant bits; the w4 block keeps 11 (fp16), so the
+repack rounds each group's scale and minimum once (relative error <= 2^-11 of each; measured in
+tests/model/test_gguf_quants.py). Everything here is float32, as exact as the products are: the
+rounding to fp16 happens where the kernels pack (qgemm.pack_w4 / pack_w8).
+
+Not mapped (their tensors are dequantized): Q5_1 and Q5_K (a 5-bit code plus a minimum fits
+neither w4's 4 bits nor w8's min-less groups), Q6_K (scales per 16 inputs: two per group of 32
+whose products with the 6-bit codes do not fit int8), Q2_K, Q3_K, IQ*. Each needs a kernel of its
+own or a lossy requantization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+GROUP = 32
+QK_K = 256  # elements of a K-quant super-block
+
+
+@dataclass(frozen=True)
+class KernelGroups:
+    """A [rows, cols] weight as kernel codes with one scale (and minimum) per group of 32."""
+
+    codes: np.ndarray  # [rows, cols]: uint8 0..15 (w4) or int8 (w8)
+    d: np.ndarray  # [rows, cols / 32] float32
+    m: np.ndarray | None  # [rows, cols / 32] float32 (w4 only)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 [rows, cols], computed as llama.cpp's dequantize does (one rounding)."""
+        rows, cols = self.codes.shape
+        shape = (rows, cols // GROUP, GROUP)
+        values = self.d[..., None] * self.codes.reshape(shape).astype(np.float32)
+        if self.m is not None:
+            values = values + self.m[..., None]
+        return values.reshape(rows, cols)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes -> [...] float32 (fp16 little-endian)."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32]: element j is byte j's low nibble, j + 16 its high one."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _blocks(raw: np.ndarray, cols: int, block_len: int, block_bytes: int) -> np.ndarray:
+    rows = raw.shape[0]
+    return np.asarray(raw, dtype=np.uint8).reshape(rows, cols // block_len, block_bytes)
+
+
+def _q4_0_w4(raw: np.ndarray, cols: int) -> KernelGroups:
+    blocks = _blocks(raw, cols, GROUP, 18)
+    d = _f16(blocks[..., 0:2])
+    codes = _nibbles(blocks[..., 2:]).reshape(raw.shape[0], cols)
+    return KernelGroups(codes, d, np.float32(-8.0) * d)
+
+
+def _q4_0_w8(raw: np.ndarray, cols: int) -> KernelGroups:
+    w4 = _q4_0_w4(raw, cols)
+    return KernelGroups((w4.codes.astype(np.int16) - 8).astype(np.int8), w4.d, None)
+
+
+def _q4_1_w4(raw: np.ndarray, cols: int) -> KernelGroups:
+    blocks = _blocks(raw, cols, GROUP, 20)
+    codes = _nibbles(blocks[..., 4:]).reshape(raw.shape[0], cols)
+    return KernelGroups(codes, _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4]))
+
+
+def _q5_0_w8(raw: np.ndarray, cols: int) -> KernelGroups:
+    blocks = _blocks(raw, cols, GROUP, 22)
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [rows, groups, 1]
+    high = ((qh >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # bit i: elem i
+    codes = ((_nibbles(blocks[..., 6:]) | high).astype(np.int16) - 16).astype(np.int8)
+    return KernelGroups(codes.reshape(raw.shape[0], cols), _f16(blocks[..., 0:2]), None)
+
+
+def _q8_0_w8(raw: np.ndarray, cols: int) -> KernelGroups:
+    blocks = _blocks(raw, cols, GROUP, 34)
+    codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(raw.shape[0], cols)
+    return KernelGroups(codes, _f16(blocks[..., 0:2]), None)
+
+
+def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., 12] bytes -> 6-bit scales and mins [..., 8] (llama.cpp's get_scale_min_k4)."""
+    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low & 0x3F, (high & 0x0F) | ((low >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 0x3F, (high >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _q4_k_w4(raw: np.ndarray, cols: int) -> KernelGroups:
+    rows = raw.shape[0]
+    blocks = _blocks(raw, cols, QK_K, 144)
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [rows, supers]
+    sc, mn = _q4_k_scales(blocks[..., 4:16])  # [rows, supers, 8]
+    # 128 code bytes = 4 chunks of 32: chunk c holds sub-block 2c (low nibbles), 2c + 1 (high).
+    qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
+    codes = (qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F  # [r, s, 4, 2, 32]
+    scale = (d[..., None] * sc).reshape(rows, -1)  # exact in float32: 11 x 6 bits
+    minimum = (-(dmin[..., None] * mn)).reshape(rows, -1)
+    return KernelGroups(codes.reshape(rows, cols), scale, minimum)
+
+
+Decoder = Callable[[np.ndarray, int], KernelGroups]
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """One GGUF type's kernel mappings: kernel family ("w4" / "w8") -> decoder, in preference
+    order; `rounded` names the families whose fp16 scales round the stored values."""
+
+    block_len: int
+    decoders: dict[str, Decoder]
+    rounded: frozenset[str] = frozenset()
+
+    def is_exact(self, family: str) -> bool:
+        return family in self.decoders and family not in self.rounded
+
+
+BLOCK_TYPES: dict[str, BlockType] = {
+    "Q4_0": BlockType(GROUP, {"w4": _q4_0_w4, "w8": _q4_0_w8}),
+    "Q4_1": BlockType(GROUP, {"w4": _q4_1_w4}),
+    "Q5_0": BlockType(GROUP, {"w8": _q5_0_w8}),
+    "Q8_0": BlockType(GROUP, {"w8": _q8_0_w8}),
+    "Q4_K": BlockType(QK_K, {"w4": _q4_k_w4}, rounded=frozenset({"w4"})),
+}
+FAMILIES = ("w4", "w8")  # preference: fewer bytes streamed per weight first
+
+
+def common_family(type_names: list[str], families: tuple[str, ...] = FAMILIES) -> str | None:
+    """The first of `families` every listed GGUF type maps onto (a fused projection's shards
+    must share one), or None when they have none in common."""
+    for family in families:
+        if all(family in getattr(BLOCK_TYPES.get(t), "decoders", {}) for t in type_names):
+            return family
+    return None
+
+
+def decode(raw: np.ndarray, type_name: str, family: str, cols: int) -> KernelGroups:
+    """Raw blocks [rows, row bytes] of a GGUF tensor with `cols` inputs -> kernel terms."""
+    block_type = BLOCK_TYPES.get(type_name)
+    if block_type is None or family not in block_type.decoders:
+        raise ValueError(f"GGUF type {type_name} has no {family} mapping")
+    return block_type.decoders[family](raw, cols)
