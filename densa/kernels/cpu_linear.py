@@ -22,7 +22,7 @@ MAX_STREAMING_ROWS = 8
 _ROWS_PER_TASK = 16  # weight rows per parallel task: big enough to amortize scheduling
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _streaming_matmul(weight: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
     num_out, num_in = weight.shape
     num_rows = x.shape[0]

@@ -46,7 +46,7 @@ _RAW_VIEW: dict[torch.dtype, tuple[torch.dtype, float]] = {
 # ---- decode kernel -----------------------------------------------------------------------------
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _prefetch_page(cache, page, kv_head):
     """Prefetch one head's page block (page_size x head_dim, contiguous) line by line."""
     block = cache.shape[2] * cache.shape[3]
@@ -56,7 +56,7 @@ def _prefetch_page(cache, page, kv_head):
         prefetch(cache, base + offset)
 
 
-@njit(fastmath=FASTMATH, cache=True)
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _attend_range(
     q_group, k_cache, v_cache, page_row, kv_head, t0, t1, k_scales, v_scales, acc, run_max, run_sum
 ):
@@ -162,7 +162,7 @@ def _attend_range(
                             acc[g, d] += w * widen(v_cache[page, kv_head, s, d])
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def _decode_kernel(
     query,
     k_cache,

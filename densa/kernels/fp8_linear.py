@@ -64,7 +64,7 @@ def fp8_linear_ref(
     return out.to(x.dtype)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _streaming_fp8_matmul(
     weight: np.ndarray, scale: np.ndarray, block: int, x: np.ndarray, out: np.ndarray
 ) -> None:

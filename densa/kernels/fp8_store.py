@@ -104,7 +104,7 @@ _f32_bits: Any = intrinsic(_bits_typer)
 _f32_from_bits: Any = intrinsic(_from_bits_typer)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", nogil=True)
 def _finite(x):
     """NaN -> 0, +-inf -> +-FLT_MAX (what torch.nan_to_num does in the reference)."""
     if x != x:
@@ -112,7 +112,7 @@ def _finite(x):
     return max(min(x, _FLT_MAX), -_FLT_MAX)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", nogil=True)
 def _encode_e4m3(y):
     """float32 y with |y| <= 448 -> float8_e4m3fn bits, rounding to nearest even like torch.
 
@@ -131,7 +131,7 @@ def _encode_e4m3(y):
     return np.uint8(sign | code)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, inline="always", nogil=True)
 def _row_exponent(amax):
     """The int8 exponent e of `scale_exponents` for one row maximum, from its float32 bits:
     amax = 1.m * 2**(b - 127), and e = b - 135, plus 1 when 1.m > 1.75 (so amax > 448 * 2**e).
@@ -144,7 +144,7 @@ def _row_exponent(amax):
     return max(MIN_SCALE_EXPONENT, min(MAX_SCALE_EXPONENT, exponent))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _store_exponent_kernel(x, cache, exponents, pages, offsets):
     """Dynamic scales: per (token, head) row, pick the exponent, scale exactly, encode, scatter.
 
@@ -164,7 +164,7 @@ def _store_exponent_kernel(x, cache, exponents, pages, offsets):
             exponents[page, h, slot] = e
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _store_static_kernel(x, cache, inv_scale, pages, offsets):
     """Static scale: fp8(clamp(x * inv_scale)) into each token's slot. x: float32 [T, H, D]."""
     num_tokens, num_heads, head_dim = x.shape

@@ -79,7 +79,7 @@ def grouped_linear_ref(
     return out
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _grouped_streaming_matmul(weight, x, experts, bounds, out):
     """out[rows of segment s] = x[rows] @ weight[experts[s]]^T, tasks = (segment, row block)."""
     num_out, num_in = weight.shape[1], weight.shape[2]

@@ -116,7 +116,7 @@ _LN2_LO = np.float32(-2.12194440e-4)
 _EXP_MIN = np.float32(-87.0)  # exp(-87) ~ 1.6e-38 still normal; anything below rounds to ~0
 
 
-@njit(fastmath=FASTMATH, cache=True, inline="always")
+@njit(fastmath=FASTMATH, cache=True, inline="always", nogil=True)
 def exp_neg(x):
     """exp(x) for x <= 0 in float32 (Cephes expf polynomial, ~1 ulp); unlike libm's expf it is
     inlined and vectorizes across the softmax block."""

@@ -16,7 +16,7 @@ import torch
 from numba import njit
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _apply(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:  # pragma: no cover
     vocab = logits.shape[1]
     neg_inf = np.float32(-np.inf)

@@ -270,37 +270,49 @@ class PyDecoder {
 }  // namespace
 }  // namespace densa
 
+// Every call that computes runs without the GIL (`Release`): a real model's step spends seconds
+// in here, and the engine's heartbeat is a Python thread that must keep beating meanwhile
+// (issue 21). pybind11 converts the arguments before the guard drops the GIL and converts the
+// result after it takes it back, so only ATen runs in between: tensors are allocated, checked
+// and read through ATen, which needs no GIL; no Python object is touched. Concurrent calls are
+// safe: the kernels' scratch buffers are thread_local. Construction (`Decoder`, `add_layer`)
+// keeps the GIL: it is short, and it mutates the decoder that `forward` reads.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   using namespace densa;
+  using Release = pybind11::call_guard<pybind11::gil_scoped_release>;
   module.doc() = "densa's C++ CPU kernels: W4A8 / W8A8 matmuls and the fused decode step";
   module.def("best_isa", &best_isa, "the fastest code path this CPU runs ('' if none)");
-  module.def("pack_w4", &pack_w4, "W4 codes [N,K] u8, d/m [N,K/32] -> packed blocks");
-  module.def("pack_w8", &pack_w8, "W8 codes [N,K] s8, d [N,K/32], isa -> packed blocks");
+  module.def("pack_w4", &pack_w4, Release(), "W4 codes [N,K] u8, d/m [N,K/32] -> packed blocks");
+  module.def("pack_w8", &pack_w8, Release(),
+             "W8 codes [N,K] s8, d [N,K/32], isa -> packed blocks");
   module.def(
       "w4a8_linear",
       [](const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa) {
         return quantized_linear(x, packed, n, 4, isa);
       },
-      "x [M,K] f32, packed W4, N, isa -> [M,N] f32");
+      Release(), "x [M,K] f32, packed W4, N, isa -> [M,N] f32");
   module.def(
       "w8a8_linear",
       [](const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa) {
         return quantized_linear(x, packed, n, 8, isa);
       },
-      "x [M,K] f32, packed W8, N, isa -> [M,N] f32");
-  module.def("widen_kv", &widen_kv, "raw K/V bytes [n], dtype code, scale, fp8 table, isa -> f32");
+      Release(), "x [M,K] f32, packed W8, N, isa -> [M,N] f32");
+  module.def("widen_kv", &widen_kv, Release(),
+             "raw K/V bytes [n], dtype code, scale, fp8 table, isa -> f32");
   module.def("context_splits", &context_splits,
              "items, threads, longest context -> parts per (sequence, kv head) at decode");
-  module.def("pack_w8float", &pack_w8float, "W8 codes [N,K] s8, d [N,K/32] -> w8 blocks");
-  module.def("w8float_linear", &w8float_linear, "x [M,K] f32, w8 blocks, N, isa -> [M,N] f32");
+  module.def("pack_w8float", &pack_w8float, Release(),
+             "W8 codes [N,K] s8, d [N,K/32] -> w8 blocks");
+  module.def("w8float_linear", &w8float_linear, Release(),
+             "x [M,K] f32, w8 blocks, N, isa -> [M,N] f32");
   pybind11::class_<PyDecoder>(module, "Decoder")
       .def(pybind11::init<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, double>,
                           const std::string&, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                           at::Tensor>())
       .def("add_layer", &PyDecoder::add_layer)
-      .def("forward", &PyDecoder::forward)
-      .def("qkv", &PyDecoder::qkv)
-      .def("mlp", &PyDecoder::mlp)
-      .def("final_norm", &PyDecoder::final_norm)
+      .def("forward", &PyDecoder::forward, Release())
+      .def("qkv", &PyDecoder::qkv, Release())
+      .def("mlp", &PyDecoder::mlp, Release())
+      .def("final_norm", &PyDecoder::final_norm, Release())
       .def_property_readonly("num_layers", &PyDecoder::num_layers);
 }
