@@ -2,9 +2,11 @@
 
 It owns everything with tensors (scheduler, KV manager, model runner) and talks to a front only
 through ZeroMQ: it takes AddRequest / AbortRequests, runs steps while there is work, and sends
-each step's RequestDeltas with the engine's counters. A heartbeat thread reports liveness every
-HEARTBEAT_INTERVAL_S -- including how long the current step has been running, so the front can
-tell a dead engine (no heartbeat) from a stuck one (a step that never ends).
+each step's RequestDeltas with the engine's counters. A heartbeat thread sends the counters every
+HEARTBEAT_INTERVAL_S, with how long the current step has been running, so the front can tell a
+stuck step (one that never ends) from a long one. It beats mid-step only while the step lets it
+run (the kernels release the GIL); the front reads death from the process, not from silence
+(serve/engine_client.py says why).
 
 The same class runs in its own process (engine/core_process.py, what `densa serve` does) or on a
 thread of the front's process (engine/inproc.py, for the offline API, tests and benchmarks).
@@ -12,6 +14,7 @@ thread of the front's process (engine/inproc.py, for the offline API, tests and 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -94,7 +97,7 @@ class EngineCore:
         self.options = options
         self._context = context
         self._stopping = False
-        self._step_delay_s = 0.0
+        self._step_delay = SetStepDelay(0.0)
         self._step_started: float | None = None  # monotonic time the running step began
         self.num_steps = 0
         self.kv_agents = KVAgents.for_role(
@@ -146,8 +149,8 @@ class EngineCore:
     def _step(self) -> StepOutputs:
         self._step_started = time.monotonic()
         try:
-            if self._step_delay_s:  # a slower step, as far as anyone can tell
-                time.sleep(self._step_delay_s)
+            if self._step_delay.seconds:  # a slower step, as far as anyone can tell
+                _delay(self._step_delay)
             deltas = self.engine.step()
         except Exception:  # outside any request (those are confined inside step): fail them all
             logger.exception("engine step failed outside any request; failing all in flight")
@@ -190,7 +193,7 @@ class EngineCore:
                 self.engine.abort_request(request_id)
         elif isinstance(message, SetStepDelay):
             if self.options.allow_debug_controls:
-                self._step_delay_s = max(0.0, message.seconds)
+                self._step_delay = message
         elif isinstance(message, Shutdown):
             self._stopping = True
         return []
@@ -242,6 +245,14 @@ class EngineCore:
     @staticmethod
     def _send(socket: zmq.Socket, message: FromEngine) -> None:
         socket.send(codec.encode(message), copy=False)
+
+
+def _delay(delay: SetStepDelay) -> None:
+    seconds = max(0.0, delay.seconds)
+    if delay.hold_gil:  # libc's usleep called through a PyDLL keeps the GIL while it sleeps
+        ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+    else:
+        time.sleep(seconds)
 
 
 def _refusal(request_id: str, message: str) -> RequestDelta:

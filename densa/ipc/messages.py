@@ -125,6 +125,9 @@ class SetStepDelay(msgspec.Struct, tag=True):
     Honoured only by an engine started with debug controls enabled."""
 
     seconds: float
+    # Sleep holding the GIL, as a long native call that keeps it would: the engine's heartbeat
+    # thread cannot run meanwhile (tests of liveness at any step length).
+    hold_gil: bool = False
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -145,8 +148,9 @@ class StepOutputs(msgspec.Struct, tag=True):
 
 
 class Heartbeat(msgspec.Struct, tag=True):
-    """Sent every heartbeat interval by a thread of its own, so a long step still beats; a step
-    running for longer than the front allows means the engine is stuck."""
+    """Sent every heartbeat interval by a thread of its own, so a long step still beats while it
+    lets the thread run (not while it holds the GIL); a step running for longer than the front
+    allows means the engine is stuck."""
 
     num_steps: int
     step_running_s: float  # how long the current step has been running (0 between steps)

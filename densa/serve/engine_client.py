@@ -5,13 +5,25 @@ engine "life" at a time -- a launched engine (a process, by default) and the two
 through. Requests stream RequestDeltas back on per-request asyncio queues.
 
 Failure semantics (docs/architecture.md):
-- the engine process exits, or sends nothing for `heartbeat_timeout_s` (it beats every 0.5 s,
-  even mid-step), or one step runs for `step_timeout_s` (stuck: it is killed) -> every request in
-  flight ends at once with `engine_unavailable`, `/health` answers 503, and a new engine is
-  started; new requests get 503 until it has loaded;
+- the engine process exits, or one step runs for `step_timeout_s` (stuck: it is killed) -> every
+  request in flight ends at once with `engine_unavailable`, `/health` answers 503, and a new
+  engine is started; new requests get 503 until it has loaded;
 - more than `max_restarts` lives that each ended within `restart_window_s` -> the client gives up
   (`has_failed`), and `densa serve` exits non-zero so a supervisor can take over.
 A new life gets new sockets, so nothing a dead engine left queued reaches its successor.
+
+Liveness does not depend on step length. Death is read from the engine itself (its handle: a
+process exit, kill -9 included, is seen within _MONITOR_INTERVAL_S), never inferred from silence.
+The heartbeat is a Python thread: it beats every 0.5 s, with how long the running step has gone
+on, only while the step lets it run. densa's kernels release the GIL, but a call that keeps it (a
+torch op or extension that does not release it) silences the engine for as long as it lasts; at
+real model size that is seconds, and a silence deadline killed healthy engines (issue 21: "the
+engine sent nothing for 3.1 s", all 16 requests at c=8 failed). Pausing the deadline while a
+step runs cannot work: the beat that would say a step began is the one that cannot be sent. So a
+silent engine whose process lives is taken to be in a step: its silence adds to the step's last
+reported running time, and `step_timeout_s` judges it as it judges a step that beats (an engine
+frozen or wedged for good is still replaced, after that timeout); silence past
+`heartbeat_timeout_s` is only logged.
 
 Threads: outputs are received and decoded on a thread of their own (blocking ZeroMQ reads; the
 decoded messages are handed to the event loop in batches), so the event loop never waits on the
@@ -77,7 +89,9 @@ class EngineStartError(RuntimeError):
 
 # ---- launching an engine ------------------------------------------------------------------------
 class EngineHandle(Protocol):
-    def is_running(self) -> bool: ...
+    def is_running(self) -> bool:
+        """Whether the engine lives: the front trusts this, not silence, to declare it dead."""
+        ...
 
     def exit_code(self) -> int | None: ...
 
@@ -145,7 +159,7 @@ class ProcessLauncher:
 # ---- the client ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ClientOptions:
-    heartbeat_timeout_s: float = 3.0  # silence this long: the engine is gone
+    heartbeat_timeout_s: float = 3.0  # a living engine silent this long is logged (GIL held)
     step_timeout_s: float = 120.0  # one step this long: the engine is stuck (killed)
     start_timeout_s: float = 900.0  # loading the model (a first GGUF conversion takes minutes)
     max_restarts: int = 3  # engines that died young in a row before the client gives up
@@ -169,7 +183,8 @@ class _Life:
     handle: EngineHandle | None = None
     started_at: float = 0.0
     last_heard: float = 0.0
-    step_running_s: float = 0.0
+    step_running_s: float = 0.0  # as of last_heard: the last heartbeat's, 0 after a step's outputs
+    silence_logged: bool = False
 
 
 class _Receiver:
@@ -307,9 +322,10 @@ class EngineClient:
         if self._life is not None and self.state == "running":
             self._send(AbortRequests([request_id]))
 
-    async def set_step_delay(self, seconds: float) -> None:
-        """Tests: slow every engine step (honoured only by engines started with debug controls)."""
-        self._send(SetStepDelay(seconds))
+    async def set_step_delay(self, seconds: float, hold_gil: bool = False) -> None:
+        """Tests: slow every engine step (honoured only by engines started with debug controls);
+        `hold_gil`: sleep keeping the GIL, which silences the engine's heartbeat."""
+        self._send(SetStepDelay(seconds, hold_gil))
 
     def _open(self, request_id: str) -> asyncio.Queue[RequestDelta | _Gone]:
         if self.state == "stopping":
@@ -383,9 +399,11 @@ class EngineClient:
         if life is not self._life:
             return  # a dead life's last words
         life.last_heard = time.monotonic()
+        life.silence_logged = False
         for message in batch:
             if isinstance(message, StepOutputs):
                 self.stats = message.stats
+                life.step_running_s = 0.0  # sent between steps
                 for delta in message.deltas:
                     queue = self._streams.get(delta.request_id)
                     if queue is not None:
@@ -415,14 +433,21 @@ class EngineClient:
                 await self._lost(life, problem)
 
     def _problem(self, life: _Life) -> str | None:
+        """Why this life is over, or None: the engine exited, or its step is stuck (see the
+        module docstring: silence from a living engine is a step that holds the GIL)."""
         assert life.handle is not None
         if not life.handle.is_running():
             return f"the engine exited (code {life.handle.exit_code()})"
         silent = time.monotonic() - life.last_heard
-        if silent > self.options.heartbeat_timeout_s:
-            return f"the engine sent nothing for {silent:.1f} s"
-        if life.step_running_s > self.options.step_timeout_s:
-            return f"an engine step has run for {life.step_running_s:.0f} s (stuck)"
+        running = life.step_running_s + silent
+        if running > self.options.step_timeout_s:
+            return f"an engine step has run for {running:.0f} s (stuck)"
+        if silent > self.options.heartbeat_timeout_s and not life.silence_logged:
+            life.silence_logged = True
+            logger.warning(
+                "the engine has sent nothing for %.1f s but is alive: a step holding the GIL; "
+                "it is stuck only past %g s", silent, self.options.step_timeout_s,
+            )  # fmt: skip
         return None
 
     async def _lost(self, life: _Life, problem: str) -> None:

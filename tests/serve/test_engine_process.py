@@ -7,6 +7,7 @@ service again; or, past the restart budget, a front that exits non-zero for its 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -121,6 +122,47 @@ def test_a_stuck_step_is_detected_by_the_heartbeat(fragile: RunningServer) -> No
              60, "the engine restarted")  # fmt: skip
     assert engine_pid(fragile) != first_pid
     wait_for(lambda: pid_gone(first_pid), 10, "the stuck engine was killed")
+
+
+@pytest.fixture
+def quick_to_judge_silence(tiny_model_dir: Path) -> Iterator[RunningServer]:
+    """A server that used to take 1 s of silence for a dead engine; a stuck step is 60 s."""
+    options = ClientOptions(heartbeat_timeout_s=1.0, step_timeout_s=60.0, max_restarts=2)
+    with running_server(engine_client(tiny_model_dir, options=options)) as running:
+        yield running
+
+
+def test_steps_that_hold_the_gil_for_seconds_fail_no_request(
+    quick_to_judge_silence: RunningServer,
+) -> None:
+    """Each step keeps the GIL for 2.5 s (as a long native call that keeps it would), so the
+    engine's heartbeat thread is silent through it: a living engine in a long step is not a dead
+    one, and every request completes on the same engine (issue 21: at c=8 on a 1.5B model all
+    16 requests failed with "the engine sent nothing for 3.1 s")."""
+    server = quick_to_judge_silence
+    first_pid = engine_pid(server)
+    hold = asyncio.run_coroutine_threadsafe(server.engine.set_step_delay(2.5, hold_gil=True),
+                                            server.loop)  # fmt: skip
+    hold.result(10)
+    time.sleep(0.2)  # the engine takes the control before the requests
+    results: list[httpx.Response] = []
+
+    def ask() -> None:
+        body = {**long_body(False), "max_tokens": 2}
+        results.append(httpx.post(server.base_url + CHAT, json=body, timeout=60))
+
+    threads = [threading.Thread(target=ask) for _ in range(3)]
+    start = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [r.status_code for r in results] == [200] * 3, [r.text for r in results]
+    assert time.monotonic() - start > 2.5  # the steps did hold the GIL for seconds
+    assert all(r.json()["usage"]["completion_tokens"] == 2 for r in results)
+    assert server.engine.num_restarts == 0 and engine_pid(server) == first_pid
+    server.set_step_delay(0.0)
+    server.wait_idle()
 
 
 def _start(model_dir: Path, port: int, *flags: str) -> subprocess.Popen[str]:
