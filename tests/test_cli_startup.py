@@ -76,3 +76,11 @@ def test_debug_shows_the_traceback() -> None:
     result = serve("--debug", "serve", "--kv-cache-memory", "abc")
     assert result.returncode != 0
     assert "Traceback" in result.stderr
+
+
+def test_a_model_that_cannot_fit_fails_in_one_line_before_loading(tiny_model_dir: Path) -> None:
+    """The memory check (densa/engine/memory_plan.py): a page count no machine holds."""
+    model = ["--model", str(tiny_model_dir), "--max-model-len", "512"]
+    line = assert_one_line_error(serve("serve", *model, "--num-kv-pages", "1000000000"))
+    assert "not enough memory" in line and "is available (MemAvailable" in line
+    assert "--kv-cache-memory" in line and "--skip-memory-check" in line

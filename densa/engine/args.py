@@ -98,6 +98,9 @@ class EngineArgs:
     # The internal plane's credential (docs/security.md): a file holding the cluster secret
     # (else DENSA_CLUSTER_SECRET). It authenticates the KV link and the router's placements.
     cluster_secret_file: str | None = None
+    # Start without checking that weights + KV + activations fit in available memory
+    # (densa/engine/memory_plan.py), for operators who know better (also DENSA_SKIP_MEMORY_CHECK=1).
+    skip_memory_check: bool = False
 
     def resolve(
         self,
@@ -344,6 +347,11 @@ class EngineArgs:
             help="the cluster secret shared by the router and the workers (else the environment "
             "variable DENSA_CLUSTER_SECRET): authenticates the KV link and the router's signed "
             "placements; without it a prefill worker's --kv-listen must be loopback",
+        )  # fmt: skip
+        g.add_argument(
+            "--skip-memory-check", action="store_true", default=d.skip_memory_check,
+            help="start even if the weights, KV cache and activations look larger than the "
+            "available memory (also DENSA_SKIP_MEMORY_CHECK=1)",
         )  # fmt: skip
 
     @classmethod

@@ -12,6 +12,7 @@ import torch
 
 from densa.config import CacheConfig, EngineConfig
 from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs, default_model_path
+from densa.engine.memory_plan import check_memory
 from densa.kernels import native
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, LayerKVCache
@@ -61,6 +62,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     sized = (
         None if _is_relative(args) else _resolve_num_pages(args, arch, kv_format, max_len, device)
     )
+    check_memory(args, model_dir, arch, kv_format, max_len)  # refuses what cannot fit
     logger.info("loading the model %s", model_path)
     tokenizer = load_tokenizer(model_dir, arch.eos_token_ids)
     model = load_model(

@@ -1,0 +1,351 @@
+"""Will it fit? The memory a model needs, checked against what is available before anything
+loads (issue 21, point 3), so a model too large for the machine fails in one line naming what
+would fit, not minutes later in the kernel's OOM killer.
+
+    needed = weights, resident as executed
+           + max(the load's transient,  KV cache + activations)
+           + RUNTIME_ALLOWANCE
+
+The weights are planned as `load_model` plans them (on the meta device, from the GGUF header's
+tensor types or the safetensors metadata, no tensor read): GGUF layers kept in their blocks,
+the other linears packed from float32 into a packed `--weight-format`, the output head in its
+format, everything else in the compute dtype. The load's transient is whichever is larger of
+(a) the dense copies of the layers packed only once all are loaded, plus the largest tensor
+dequantized to float32 twice (the decoded array and the model's row-order copy), and (b) the
+huge-page copy `rehome_on_huge_pages` makes of every weight at once (CPU). The KV cache is the
+budget the builder will allocate, resolved the same way; KV pages and activations only exist
+after the load, so they compete with the transient, not add to it.
+
+Lives in engine/ (not model/) because it needs the KV sizing (worker/) and the options (here).
+Skipped with --skip-memory-check or DENSA_SKIP_MEMORY_CHECK=1, and off the CPU (a GPU's weights
+are checked against its own free memory by the loader).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs
+from densa.kernels import native, qgemm
+from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.gguf import GGUFFile
+from densa.model.gguf_loading import swap_kept_linears
+from densa.model.interface import CausalLM
+from densa.model.loader import (  # the loader's own planning steps: the plan cannot drift
+    DTYPES,
+    _kept_linears,
+    _quantized_modules,
+    _read_stored_format,
+    _swap_quantized,
+    quantizable_linears,
+    resolve_model_dir,
+    runtime_format,
+    safetensors_files,
+)
+from densa.model.packed_linear import PACKED_FORMATS, packed_bytes
+from densa.model.quant_targets import OUTPUT_HEAD
+from densa.model.registry import model_factory
+from densa.quant.kv_format import KVFormat
+from densa.utils.sizes import format_bytes
+from densa.worker.kv_cache import page_bytes
+
+# What a serving process grows by besides weights, KV pages and activations: the mmapped GGUF
+# pages read, the tokenizer, Numba's and the C++ kernels' scratch, freed memory the allocator
+# keeps. SmolLM2-135M (Q4_1, 200 MiB of w4a8 weights, 64 MiB of KV) grew 308 MiB beyond
+# weights + KV by the end of start-up, and its peak 438 MiB beyond weights + the transient
+# planned below; 400 MiB is also issue 21's runtime allowance.
+RUNTIME_ALLOWANCE = 400 * 1024**2
+SKIP_ENV = "DENSA_SKIP_MEMORY_CHECK"
+_FLOAT32 = 4
+_MiB = 1024**2
+_NOTHING_FITS = "no smaller setting fits: free memory or pick a smaller model"
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    resident_bytes: int  # after loading, in the formats the layers execute in
+    transient_bytes: int  # on top of that at the load's peak
+    describe: str  # e.g. "w4a8"
+
+    def __add__(self, other: WeightPlan) -> WeightPlan:  # a second (decode) weight set
+        return WeightPlan(
+            self.resident_bytes + other.resident_bytes,
+            max(self.transient_bytes, other.transient_bytes),
+            f"{self.describe} + {other.describe}",
+        )
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights: WeightPlan
+    kv_bytes: int
+    activation_bytes: int
+    runtime_bytes: int = RUNTIME_ALLOWANCE
+
+    @property
+    def needed_bytes(self) -> int:
+        after_load = self.kv_bytes + self.activation_bytes
+        return (
+            self.weights.resident_bytes
+            + max(self.weights.transient_bytes, after_load)
+            + (self.runtime_bytes)
+        )
+
+    def describe(self) -> str:
+        w = self.weights
+        return (
+            f"weights {format_bytes(w.resident_bytes)} as {w.describe} (+"
+            f"{format_bytes(w.transient_bytes)} while loading), KV cache "
+            f"{format_bytes(self.kv_bytes)}, activations {format_bytes(self.activation_bytes)}, "
+            f"runtime {format_bytes(self.runtime_bytes)}"
+        )
+
+
+# ---- the weights -------------------------------------------------------------------------------
+def plan_weights(
+    model_dir: Path,
+    arch: ArchConfig,
+    dtype: str,
+    max_len: int,
+    device: torch.device,
+    weight_format: str,
+    head_format: str,
+) -> WeightPlan:
+    """The bytes `load_model(model_dir, ...)` will hold, from headers only (a meta model)."""
+    source = GGUFFile.of_converted(model_dir)
+    files = [] if source is not None else safetensors_files(model_dir)
+    stored = _read_stored_format(files) if files else None
+    packed = weight_format if weight_format in PACKED_FORMATS else None
+    runtime = runtime_format(stored, "dense" if packed else weight_format)
+    with torch.device("meta"):
+        model = model_factory(arch.architecture)(arch, max_len, device).to(dtype=DTYPES[dtype])
+        kept = _kept_linears(model, source, weight_format, device)
+        targets = _quantized_modules(model, stored, runtime)
+        if runtime is not None:
+            _swap_quantized(model, targets, runtime)
+        swap_kept_linears(model, kept)
+        model.tie_weights()
+    tensors = _unique_tensors(model)
+    resident = sum(_nbytes(t) for t in tensors)
+    repack = _repacked_bytes(model, packed) if packed else 0
+    head = _head_bytes(model, head_format)
+    largest = max((t.numel() for t in tensors), default=0) * _FLOAT32
+    final = resident - repack + head
+    transient = repack + 2 * largest
+    if device.type == "cpu":
+        transient = max(transient, final)  # rehome_on_huge_pages copies every weight at once
+    linear = packed or (runtime.describe() if runtime is not None else dtype)
+    describe = linear if head_format == "dense" else f"{linear}, head {head_format}"
+    return WeightPlan(final, transient, describe)
+
+
+def _unique_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    unique = []
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            unique.append(tensor)
+    return unique
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _dense_and_packed(module: torch.nn.Module, fmt: str) -> tuple[int, int] | None:
+    """(dense bytes, packed bytes) of a linear the packed format will replace, if it tiles."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    out_features, in_features = weight.shape
+    if not qgemm.fits(in_features, out_features):
+        return None
+    return _nbytes(weight), packed_bytes(fmt, out_features, in_features)
+
+
+def _repacked_bytes(model: CausalLM, fmt: str) -> int:
+    """Bytes saved by packing (after the load) the linears that did not keep GGUF blocks."""
+    saved = 0
+    for name in quantizable_linears(model):
+        sizes = _dense_and_packed(model.get_submodule(name), fmt)
+        if sizes is not None:
+            saved += sizes[0] - sizes[1]
+    return saved
+
+
+def _head_bytes(model: CausalLM, head_format: str) -> int:
+    """What packing the output head changes: a tied head adds its packed copy (the embedding
+    stays), an untied one replaces its dense weight."""
+    if head_format == "dense":
+        return 0
+    head = model.get_submodule(OUTPUT_HEAD)
+    sizes = _dense_and_packed(head, head_format)
+    if sizes is None:
+        return 0
+    embeddings = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    tied = any(e is getattr(head, "weight") for e in embeddings)  # noqa: B009
+    return sizes[1] if tied else sizes[1] - sizes[0]
+
+
+# ---- KV cache, activations, the whole plan -----------------------------------------------------
+def planned_kv_bytes(
+    args: EngineArgs, arch: ArchConfig, kv_format: KVFormat, max_len: int, free_after: int
+) -> int:
+    """The KV budget the builder will allocate (builder.kv_budget, whole pages), where a share
+    of free memory is a share of what the weights leave (`free_after`)."""
+    page = page_bytes(arch, args.page_size, kv_format.name, kv_format.fp8_policy)
+    if args.num_kv_pages is not None:
+        return args.num_kv_pages * page
+    budget = args.kv_budget()
+    if isinstance(budget, int):
+        return budget // page * page
+    share = budget if isinstance(budget, float) else AUTO_KV_MAX_FRACTION
+    wanted = args.max_num_seqs * -(-max_len // args.page_size) * page
+    cap = int(max(free_after, 0) * share)
+    return (cap if isinstance(budget, float) else min(wanted, cap)) // page * page
+
+
+def activation_bytes(args: EngineArgs, arch: ArchConfig, max_len: int) -> int:
+    """An allowance for one step's float32 activations: per batched token the residual stream,
+    its norm, attention output and projections (8 x hidden), q|k|v, the gate|up product and
+    its activation (3 x intermediate); prefill attention scores if materialized (heads x
+    tokens x max_len); logits, their softmax and the sampler's sorted copy per request."""
+    tokens = args.max_num_batched_tokens
+    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    per_token = 8 * arch.hidden_size + 3 * arch.intermediate_size + qkv
+    scores = arch.num_heads * tokens * max_len
+    logits = 3 * args.max_num_seqs * arch.vocab_size
+    return _FLOAT32 * (tokens * per_token + scores + logits)
+
+
+def plan_memory(
+    args: EngineArgs,
+    model_dir: Path,
+    arch: ArchConfig,
+    kv_format: KVFormat,
+    max_len: int,
+    available: int,
+) -> MemoryPlan:
+    """What serving `model_dir` with these options needs at its peak."""
+    device = torch.device(args.device)
+    weights = plan_weights(
+        model_dir, arch, args.dtype, max_len, device, args.weight_format, args.head_format
+    )
+    if args.decode_weight_format is not None:
+        weights += plan_weights(
+            model_dir, arch, args.dtype, max_len, device, args.decode_weight_format,
+            args.head_format,
+        )  # fmt: skip
+    elif args.decode_model is not None:
+        decode_dir = resolve_model_dir(args.decode_model)
+        weights += plan_weights(
+            decode_dir, ArchConfig.from_dir(decode_dir), args.dtype, max_len, device, "auto",
+            args.head_format,
+        )  # fmt: skip
+    free_after = available - weights.resident_bytes - RUNTIME_ALLOWANCE
+    kv = planned_kv_bytes(args, arch, kv_format, max_len, free_after)
+    page = page_bytes(arch, args.page_size, kv_format.name, kv_format.fp8_policy)
+    kv = max(kv, _one_request_bytes(args, page, max_len))  # less fails after the load
+    return MemoryPlan(weights, kv, activation_bytes(args, arch, max_len))
+
+
+# ---- what is available -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Available:
+    num_bytes: int
+    source: str  # "MemAvailable" or "the cgroup limit"
+
+
+def available_memory(
+    meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")
+) -> Available:
+    """MemAvailable, or what the cgroup (v2) limit leaves, whichever is smaller."""
+    found = Available(_meminfo_available(meminfo), "MemAvailable")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        used = int((cgroup / "memory.current").read_text())
+    except (OSError, ValueError):
+        return found
+    if limit == "max":
+        return found
+    left = max(int(limit) - used, 0)
+    return Available(left, "the cgroup limit") if left < found.num_bytes else found
+
+
+def _meminfo_available(meminfo: Path) -> int:
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024  # kB
+    raise ModelLoadError(f"{meminfo} has no MemAvailable line; pass --skip-memory-check")
+
+
+# ---- the check ---------------------------------------------------------------------------------
+def check_memory(
+    args: EngineArgs,
+    model_dir: Path,
+    arch: ArchConfig,
+    kv_format: KVFormat,
+    max_len: int,
+    available: Callable[[], Available] = available_memory,
+) -> MemoryPlan | None:
+    """Refuse (ModelLoadError, one line) before loading when the plan cannot fit; the plan
+    otherwise (None when skipped: --skip-memory-check, DENSA_SKIP_MEMORY_CHECK=1, not a CPU)."""
+    if args.skip_memory_check or os.environ.get(SKIP_ENV) == "1" or args.device != "cpu":
+        return None
+    free = available()
+    plan = plan_memory(args, model_dir, arch, kv_format, max_len, free.num_bytes)
+    if plan.needed_bytes > free.num_bytes:
+        fits = "; ".join(would_fit(args, model_dir, arch, kv_format, max_len, plan, free))
+        raise ModelLoadError(
+            f"not enough memory: serving this model needs ~{format_bytes(plan.needed_bytes)} "
+            f"({plan.describe()}) but {format_bytes(free.num_bytes)} is available "
+            f"({free.source}); {fits or _NOTHING_FITS}; --skip-memory-check to start anyway"
+        )
+    return plan
+
+
+def would_fit(
+    args: EngineArgs,
+    model_dir: Path,
+    arch: ArchConfig,
+    kv_format: KVFormat,
+    max_len: int,
+    plan: MemoryPlan,
+    free: Available,
+) -> list[str]:
+    """The options that would fit, each with what it changes: a smaller fixed KV cache, a
+    shorter --max-model-len (what one request needs is the floor of any KV cache), 4-bit
+    weights."""
+    fits = []
+    page = page_bytes(arch, args.page_size, kv_format.name, kv_format.fp8_policy)
+    w = plan.weights
+    left = free.num_bytes - w.resident_bytes - plan.runtime_bytes  # for KV + activations
+    kv_room = (left - plan.activation_bytes) // _MiB * _MiB
+    if left >= w.transient_bytes:
+        if _fixed_kv(args) and kv_room >= _one_request_bytes(args, page, max_len):
+            fits.append(f"--kv-cache-memory {kv_room // _MiB}MiB")
+        tokens = max(kv_room, 0) // page * args.page_size
+        if args.page_size <= tokens < max_len:
+            fits.append(f"--max-model-len {tokens} (with a KV cache of that many tokens)")
+    if args.weight_format != "w4a8" and native.is_available():
+        device = torch.device(args.device)
+        w4 = plan_weights(model_dir, arch, args.dtype, max_len, device, "w4a8", args.head_format)
+        kv = plan.kv_bytes if _fixed_kv(args) else _one_request_bytes(args, page, max_len)
+        if MemoryPlan(w4, kv, plan.activation_bytes).needed_bytes <= free.num_bytes:
+            fits.append(f"--weight-format w4a8 (weights {format_bytes(w4.resident_bytes)})")
+    return fits
+
+
+def _fixed_kv(args: EngineArgs) -> bool:
+    """Whether the KV budget is a size (not a share of what the weights leave)."""
+    return args.num_kv_pages is not None or isinstance(args.kv_budget(), int)
+
+
+def _one_request_bytes(args: EngineArgs, page: int, max_len: int) -> int:
+    return -(-max_len // args.page_size) * page
