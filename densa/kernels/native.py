@@ -38,7 +38,9 @@ ISAS = ("avx512_vnni", "avx2")
 
 
 def _build_key() -> str:
-    digest = hashlib.sha256(torch.__version__.encode())
+    # The sources' folder is part of the key: torch's build files name the sources by path, so
+    # two checkouts sharing one build folder would each find it stale and rebuild it in turn.
+    digest = hashlib.sha256(torch.__version__.encode() + str(CSRC.resolve()).encode())
     for source in [*SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
