@@ -253,6 +253,7 @@ def _sample(
     longs = [r for r in results if r.kind == "long"]
     itl = [gap for r in decoders for gap in r.itl_s]
     ttft = [t for r in results if (t := r.ttft_s) is not None]
+    long_ttft = [t for r in longs if (t := r.ttft_s) is not None]  # none if they all failed
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     landed = delta.get("transfers_landed", 0.0)
     return {
@@ -263,9 +264,7 @@ def _sample(
         "output_tok_s": sum(r.num_tokens for r in results) / wall_s,
         "decode_itl_s": latency_stats(itl) if itl else {},
         "ttft_s": latency_stats(ttft) if ttft else {},
-        "long_ttft_s": latency_stats([t for r in longs if (t := r.ttft_s) is not None])
-        if longs
-        else {},
+        "long_ttft_s": latency_stats(long_ttft) if long_ttft else {},
         "transfers": landed,
         "transfer_bytes_per_request": delta.get("bytes", 0.0) / landed if landed else 0.0,
         "transfer_ms_per_request": delta.get("transfer_ms", 0.0) / landed if landed else 0.0,

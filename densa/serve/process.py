@@ -258,10 +258,11 @@ def serve_in_thread(
 
 @contextlib.contextmanager
 def serve_engine_in_thread(
-    engine_args: EngineArgs, placement: str = "process", **app_options: Any
+    engine_args: EngineArgs, engine_placement: str = "process", **app_options: Any
 ) -> Iterator[tuple[str, EngineClient]]:
     """An engine (its own process by default) behind an app served from a thread: (base URL,
-    client). Benchmarks use it to measure the server as `densa serve` runs it."""
-    client = make_engine_client(engine_args, ServerOptions(engine_placement=placement))
+    client). Benchmarks use it to measure the server as `densa serve` runs it. `app_options` go
+    to build_app (e.g. `placement`, the decode role's PlacementPolicy)."""
+    client = make_engine_client(engine_args, ServerOptions(engine_placement=engine_placement))
     with serve_in_thread(build_app(client, **app_options)) as base_url:
         yield base_url, client
