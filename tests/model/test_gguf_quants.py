@@ -225,8 +225,8 @@ MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 CASES = {  # mix -> (--weight-format, format of (qkv, o, gate_up, down), which keep their blocks)
     "Q4_0": ("auto", ("w4a8",) * 4, (True,) * 4),
     "Q4_1": ("auto", ("w4a8",) * 4, (True,) * 4),
-    "Q8_0": ("auto", ("w8a8",) * 4, (True,) * 4),
-    "Q5_0": ("auto", ("w8a8",) * 4, (True,) * 4),
+    "Q8_0": ("w8a8", ("w8a8",) * 4, (True,) * 4),
+    "Q5_0": ("w8a8", ("w8a8",) * 4, (True,) * 4),
     "Q4_K": ("w4a8", ("w4a8",) * 4, (True,) * 4),
     # q|k Q4_K with v Q6_K share no kernel family: the fused layer is packed from float32
     "Q4_K_M": ("w4a8", ("w4a8",) * 4, (False, True, True, False)),

@@ -56,7 +56,7 @@ def _formats(path: Path, weight_format: str) -> tuple[Path, ArchConfig, str, str
     "mix, weight_format, linear_bytes",
     [
         ("Q4_0", "auto", W4A8_LINEARS),  # kept as w4a8
-        ("Q8_0", "auto", W8A8_LINEARS),  # kept as w8a8
+        ("Q8_0", "w8a8", W8A8_LINEARS),  # kept as w8a8
         ("Q4_K", "auto", DENSE_LINEARS),  # auto keeps Q4_K dense (float32)
         ("Q4_K", "w4a8", W4A8_LINEARS),
         ("Q4_K_M", "w4a8", W4A8_LINEARS),  # q|k|v and down packed from float32 after the load
