@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from densa.measure.data import calibration_passages
+from densa.model import gguf
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
 from densa.model.interface import CausalLM
@@ -190,10 +191,13 @@ def _num_tensors(files: list[Path]) -> int:
 
 
 def _copy_side_files(src_dir: Path, dst: Path, fmt: WeightFormat | None) -> None:
-    """config.json (with a human-readable note of the format) and the tokenizer files."""
+    """config.json (with a human-readable note of the format) and the tokenizer files. Never a
+    GGUF conversion's own notes: they say the weights are read from that GGUF file, and a new
+    checkpoint holding them would be loaded from the original file instead of its own weights."""
+    skipped = {"config.json", gguf.SOURCE_FILE, gguf.QUANTIZATION_FILE}
     for path in src_dir.iterdir():
         is_weights = path.suffix == ".safetensors" or path.name.endswith(".index.json")
-        if path.is_file() and not is_weights and path.name != "config.json":
+        if path.is_file() and not is_weights and path.name not in skipped:
             shutil.copy(path, dst / path.name)
     config = json.loads((src_dir / "config.json").read_text())
     config.pop("quantization_config", None)
