@@ -311,9 +311,8 @@ class DecodeAgent:
         if not authentic:
             self._on_unauthentic(peer, frames)
             return None
-        try:
-            message = m.decode(frames[0])
-        except m.DecodeError:
+        message = m.decode_or_none(frames)
+        if message is None:
             self.stats.add("undecodable_messages")
             logger.warning("dropped an undecodable message from %r", peer.address)
             return None
@@ -326,14 +325,12 @@ class DecodeAgent:
         """A MAC that does not verify: damage in flight, a restarted peer, or a forgery. Only
         what the session's peer would be asked anyway follows: a resend of damaged pages (for a
         transfer that waits on this very peer), or a fresh handshake if P forgot us."""
-        if self.keys.unknown_peer().verify(frames):
-            self._on_forgotten(peer, frames[0])
+        claimed = m.decode_or_none(frames)
+        # "No session" is a header and its MAC: never hash a message's pages a second time.
+        if len(frames) == 2 and self.keys.unknown_peer().verify(frames):
+            self._on_forgotten(peer, claimed)
             return
         self.stats.add("unauthenticated_messages")
-        try:
-            claimed = m.decode(frames[0]) if frames else None
-        except m.DecodeError:
-            claimed = None
         transfer = None
         if isinstance(claimed, m.KVPages):
             transfer = self.transfers.get(claimed.transfer_id)
@@ -346,12 +343,8 @@ class DecodeAgent:
             return
         logger.warning("dropped a message from %r that fails its MAC", peer.address)
 
-    def _on_forgotten(self, peer: _Peer, header: memoryview) -> None:
+    def _on_forgotten(self, peer: _Peer, message: m.PeerMessage | None) -> None:
         """P answered that it has no session with us (it restarted): shake hands again."""
-        try:
-            message = m.decode(header)
-        except m.DecodeError:
-            return
         if not isinstance(message, m.PrefillFailed) or not message.error.startswith(UNKNOWN_PEER):
             return
         transfer = self.transfers.get(message.transfer_id)

@@ -85,10 +85,10 @@ class FaultyTransport:
         self.inner.close()
 
     def _take(self, frames: list[bytes]) -> Fault | None:
-        try:
-            kind = type(messages.decode(frames[0])).__name__
-        except messages.DecodeError:
+        message = messages.decode_or_none(frames)
+        if message is None:
             return None
+        kind = type(message).__name__
         for fault in self.faults:
             if fault.times > 0 and fault.message == kind:
                 fault.times -= 1

@@ -22,6 +22,7 @@ the transfer they claim to answer by the agents, never trusted as sent.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
@@ -167,3 +168,11 @@ def decode(data: bytes | memoryview) -> PeerMessage:
         return _decoder.decode(data)
     except RecursionError as exc:  # the types bound nesting; this is a second fence
         raise DecodeError("a message nested too deeply") from exc
+
+
+def decode_or_none(frames: Sequence[bytes | memoryview]) -> PeerMessage | None:
+    """The header frame decoded, or None for no frames or anything `decode` refuses."""
+    try:
+        return decode(frames[0]) if frames else None
+    except DecodeError:
+        return None

@@ -277,9 +277,8 @@ class PrefillAgent:
             if not is_hello:
                 self._on_unauthentic(peer_id, frames, session is None)
                 return None
-        try:
-            message = m.decode(frames[0])
-        except m.DecodeError:
+        message = m.decode_or_none(frames)
+        if message is None:
             self.stats.add("undecodable_messages")
             logger.warning("dropped an undecodable message from %r", peer_id)
             return None
@@ -290,7 +289,7 @@ class PrefillAgent:
 
     def _on_unauthentic(self, peer_id: str, frames: list[memoryview], unknown: bool) -> None:
         self.stats.add("unauthenticated_messages")
-        claimed = _peek(frames)
+        claimed = m.decode_or_none(frames)  # only to answer it, never acted on
         if unknown and isinstance(claimed, m.PrefillRequest):
             # Most likely this worker restarted and its peer still has the old session: say so
             # (the answer reveals nothing and changes nothing but a fresh handshake).
@@ -353,11 +352,3 @@ class PrefillAgent:
             key = session.to_decode
         frames = [m.encode(message)]
         self.transport.send(peer_id, [*frames, key.seal(frames)])
-
-
-def _peek(frames: list[memoryview]) -> m.PeerMessage | None:
-    """An unauthenticated header, decoded only to answer it (never acted on)."""
-    try:
-        return m.decode(frames[0]) if frames else None
-    except m.DecodeError:
-        return None
