@@ -1,10 +1,12 @@
-"""W4A8, W8A8 and weight-only W8 matmuls (groups of 32): torch references, packing, and the C++
-kernels.
+"""W4A8, W6A8, W8A8 and weight-only W8 matmuls (groups of 32): torch references, packing, and
+the C++ kernels.
 
 Arithmetic (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0), for x [M, K] and weights [N, K]:
 
     W4: w[n, k] = d[n, g] * q[n, k] + m[n, g]    q in 0..15          g = k // 32
     W8: w[n, k] = d[n, g] * q[n, k]              q in -127..127
+    W6: w[n, k] = d[n, g] * sc[n, k // 16] * q[n, k]    q in -32..31, sc int8 (GGUF's Q6_K;
+        Q5_0 and Q4_0 with sc = 1)
     x[t, k] ~ dx[t, g] * qx[t, k],  dx = max_k |x[t, k]| / 127 over the group, qx = round(x / dx)
     y[t, n] = sum_g dx d sum_k q qx  (+ m[n, g] dx sum_k qx for W4: the quantized x's sum, so the
               error is sum_k w (x^ - x) as for W8; see csrc/qgemm.cpp)
@@ -26,6 +28,7 @@ from densa.kernels.int4_linear import CODE_OFFSET, expand_groups, unpack_nibbles
 
 GROUP = 32
 PANEL = 16
+HALF = 16  # inputs per W6 scale sc
 W8_FLOAT = 80  # the "bits" code of weight-only W8 (csrc/qgemm.h: kFormatW8)
 
 
@@ -68,6 +71,17 @@ def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> tor
     """x [M, K] float32, codes [N, K] int8, d [N, K/32]."""
     act = quantize_activations(x)
     dots = _group_dots(act.qx, codes)
+    return (dots * act.dx.double()[:, None, :] * d.half().double()[None]).sum(-1).float()
+
+
+def w6a8_reference(
+    x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor
+) -> torch.Tensor:
+    """x [M, K] float32, codes [N, K] -32..31, d [N, K/32] (rounded to fp16 as stored), sc
+    [N, K/16] int8: sc * codes is an exact integer weight per group, so the sums are exact."""
+    act = quantize_activations(x)
+    scaled = codes.double() * sc.double().repeat_interleave(HALF, dim=1)
+    dots = _group_dots(act.qx, scaled)
     return (dots * act.dx.double()[:, None, :] * d.half().double()[None]).sum(-1).float()
 
 
@@ -121,6 +135,31 @@ def dequantize_w8(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return codes.float() * expand_groups(d.half().float(), GROUP, codes.shape[1])
 
 
+def dequantize_w6(codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """Exact in float32: d (fp16) times sc times the code needs 11 + 8 + 6 significant bits."""
+    cols = codes.shape[1]
+    scale = expand_groups(d.half().float(), GROUP, cols) * expand_groups(sc.float(), HALF, cols)
+    return codes.float() * scale
+
+
+def quantize_w6(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dense [N, K] weight -> W6 codes (-32..31), d per 32 and sc per 16 inputs, round to
+    nearest as llama.cpp's Q6_K (its scale search aside): each 16's value of largest magnitude
+    becomes code -32, so both signs use the codes' full range; d = max |scale| / 127 per group."""
+    rows, cols = weight.shape
+    halves = weight.float().view(rows, cols // HALF, HALF)
+    extreme = halves.gather(-1, halves.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    scale = extreme / -32.0  # [N, K/16]
+    d = (scale.abs().view(rows, -1, 2).amax(-1) / 127.0).half().float()  # [N, K/32]
+    d_half = d.repeat_interleave(2, dim=1)
+    inv_d = torch.where(d_half > 0, 1.0 / d_half, torch.zeros_like(d_half))
+    sc = torch.round(scale * inv_d).clamp(-128, 127)
+    step = (sc * d_half)[..., None]  # the quantization step of each 16
+    inv = torch.where(step != 0, 1.0 / step, torch.zeros_like(step))
+    codes = torch.round(halves * inv).clamp(-32, 31).to(torch.int8)
+    return codes.view(rows, cols), d, sc.to(torch.int8)
+
+
 # ---- the C++ kernels ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PackedWeight:
@@ -129,7 +168,7 @@ class PackedWeight:
     blocks: torch.Tensor  # uint8, flat
     out_features: int
     in_features: int
-    bits: int  # 4 (w4a8), 8 (w8a8) or W8_FLOAT (w8: float activations)
+    bits: int  # 4 (w4a8), 6 (w6a8), 8 (w8a8) or W8_FLOAT (w8: float activations)
     isa: str
 
 
@@ -144,6 +183,16 @@ def pack_w8(codes: torch.Tensor, d: torch.Tensor, isa: str) -> PackedWeight:
     return PackedWeight(blocks, codes.shape[0], codes.shape[1], 8, isa)
 
 
+def pack_w6(codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, isa: str) -> PackedWeight:
+    """codes [N, K] int8 in -32..31, d [N, K/32], sc [N, K/16] int8 (the layout is the same for
+    both code paths; `isa` says which the weight runs on)."""
+    ext = _ext()
+    blocks = ext.pack_w6(
+        codes.to(torch.int8).contiguous(), d.float(), sc.to(torch.int8).contiguous()
+    )
+    return PackedWeight(blocks, codes.shape[0], codes.shape[1], 6, isa)
+
+
 def pack_w8_float(codes: torch.Tensor, d: torch.Tensor, isa: str) -> PackedWeight:
     """W8 codes for the weight-only kernel (float activations, csrc/w8float.cpp)."""
     blocks = _ext().pack_w8float(codes.to(torch.int8).contiguous(), d.float())
@@ -153,7 +202,12 @@ def pack_w8_float(codes: torch.Tensor, d: torch.Tensor, isa: str) -> PackedWeigh
 def quantized_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """[M, K] float32 -> [M, N] float32 through the C++ kernel of the weight's code path."""
     ext = _ext()
-    run = {4: ext.w4a8_linear, 8: ext.w8a8_linear, W8_FLOAT: ext.w8float_linear}[weight.bits]
+    run = {
+        4: ext.w4a8_linear,
+        6: ext.w6a8_linear,
+        8: ext.w8a8_linear,
+        W8_FLOAT: ext.w8float_linear,
+    }[weight.bits]
     return run(x.float().contiguous(), weight.blocks, weight.out_features, weight.isa)
 
 

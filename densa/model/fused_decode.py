@@ -10,8 +10,9 @@ Prefill chunks are compute-bound, so dispatch matters less there, but the eager 
 elementwise ops (norms, RoPE's muls and cat, stores, SiLU, residual adds) were ~25% of prefill
 time; in C++ they are a few passes over the rows.
 
-What it takes: float32 compute, dense float32 or packed (w4a8 / w8a8 / w8) projections, a float32,
-bfloat16, fp8 or int8 KV cache, and a step with no prefill rows. Anything else runs the eager model;
+What it takes: float32 compute, dense float32 or packed (w4a8 / w6a8 / w8a8 / w8, or shards of
+those side by side) projections, a float32, bfloat16, fp8 or int8 KV cache, and a step with no
+prefill rows. Anything else runs the eager model;
 `unsupported_reason` says why.
 """
 
@@ -26,9 +27,17 @@ from torch import nn
 from densa.kernels import native
 from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, attend_stored
 from densa.model.linear import Linear
-from densa.model.packed_linear import PackedLinear
+from densa.model.packed_linear import PackedLinear, ShardedPackedLinear
 
 _KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
+
+# How the C++ decoder reads a projection (csrc/module.cpp): (bits, tensor, bias, out, in), or
+# for a sharded one ([(bits, tensor, out) per shard], bias, out, in).
+ShardSpec = tuple[int, torch.Tensor, int]
+ProjectionSpec = (
+    tuple[int, torch.Tensor, torch.Tensor | None, int, int]
+    | tuple[list[ShardSpec], torch.Tensor | None, int, int]
+)
 
 
 def fp8_table() -> torch.Tensor:
@@ -36,8 +45,11 @@ def fp8_table() -> torch.Tensor:
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
-def projection_spec(module: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor | None, int, int]:
-    """(bits, tensor, bias, out, in) as the C++ decoder reads a projection."""
+def projection_spec(module: nn.Module) -> ProjectionSpec:
+    """A projection's weights as the C++ decoder reads them (ProjectionSpec)."""
+    if isinstance(module, ShardedPackedLinear):
+        shards = [(s.bits, s.blocks, s.out_features) for s in module.packed_shards]
+        return shards, module.bias, module.out_features, module.in_features
     if isinstance(module, PackedLinear):
         return module.bits, module.blocks, module.bias, module.out_features, module.in_features
     if isinstance(module, Linear) and module.weight.dtype == torch.float32:

@@ -1,4 +1,5 @@
-"""Linear layers in the CPU kernels' packed formats: W4A8 and W8A8, groups of 32 (kernels/qgemm.py).
+"""Linear layers in the CPU kernels' packed formats: W4A8, W6A8 and W8A8, groups of 32
+(kernels/qgemm.py).
 
     w4a8   4-bit weights, fp16 scale and minimum per 32 inputs (llama.cpp's Q4_1 arithmetic);
            activations quantized to int8 per token and 32 inputs at every call (its Q8_1)
@@ -6,22 +7,34 @@
     w8     the same 8-bit weights with float32 activations (weight-only): the product with the
            stored weights, no activation rounding; more arithmetic than w8a8, so meant for the
            output head at decode (--head-format w8)
+    w6a8   6-bit weights, fp16 scale per 32 and int8 scale per 16 inputs: a GGUF file's Q6_K
+           blocks (Q5_0 and Q4_0 fit too) run from their exact values. Not a --weight-format:
+           loaders make it from GGUF blocks (qgemm.quantize_w6 from dense weights, for tests)
 
-Both are made at load time from dense weights. Weights that came from a GGUF file's Q4_1 / Q8_0
-blocks (the bundled model) come back as the very same codes and scales (quantize_q4_1 below,
-tests/model/test_packed_linear.py), so densa then computes with llama.cpp's bits.
+The w4a8 / w8a8 / w8 layers are made at load time from dense weights. Weights that came from a
+GGUF file's Q4_1 / Q8_0 blocks (the bundled model) come back as the very same codes and scales
+(quantize_q4_1 below, tests/model/test_packed_linear.py), so densa then computes with llama.cpp's
+bits.
+
+A fused layer whose parts come in different formats (a GGUF q|k|v with q, k in Q4_K and v in
+Q6_K) is a `ShardedPackedLinear`: its shards' outputs side by side.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
 
 from densa.kernels import native, qgemm
 
-PACKED_FORMATS = ("w4a8", "w8a8", "w8")
-_BITS = {"w4a8": 4, "w8a8": 8, "w8": qgemm.W8_FLOAT}
-_BLOCK_BYTES = {"w4a8": 320, "w8a8": 544, "w8": 544}  # csrc/qgemm.h: kW4Block, kW8Block
+PACKED_FORMATS = ("w4a8", "w8a8", "w8")  # the ones --weight-format offers
+KERNEL_FORMATS = (*PACKED_FORMATS, "w6a8")  # every format a PackedLinear can hold
+_BITS = {"w4a8": 4, "w6a8": 6, "w8a8": 8, "w8": qgemm.W8_FLOAT}
+# csrc/qgemm.h: kW4Block, kW6Block, kW8Block
+_BLOCK_BYTES = {"w4a8": 320, "w6a8": 448, "w8a8": 544, "w8": 544}
 
 
 class PackedFormatUnavailable(RuntimeError):
@@ -87,6 +100,47 @@ class PackedLinear(nn.Module):
         )
 
 
+class ShardedPackedLinear(nn.Module):
+    """y = x W^T (+ b) with W's output rows in shards, each a PackedLinear of its own format,
+    their outputs side by side: a fused q|k|v whose v has more bits than q and k keeps each
+    part's exact values. The fused decode step writes each shard into its columns in place."""
+
+    def __init__(self, shards: Sequence[PackedLinear], bias: torch.Tensor | None) -> None:
+        """`shards`: bias-free, all of the same in_features; `bias`: [sum of their outputs]."""
+        super().__init__()
+        if not shards or any(s.bias is not None for s in shards):
+            raise ValueError("a sharded linear needs one or more shards without biases")
+        if len({s.in_features for s in shards}) != 1:
+            raise ValueError("the shards of a linear layer read the same inputs")
+        self.shards = nn.ModuleList(shards)
+        self.in_features = shards[0].in_features
+        self.out_features = sum(s.out_features for s in shards)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+
+    @classmethod
+    def empty(
+        cls, fmts: Sequence[str], in_features: int, outs: Sequence[int], bias: bool
+    ) -> ShardedPackedLinear:
+        """Uninitialized shards of these formats and output sizes (see PackedLinear.empty)."""
+        shards = [
+            PackedLinear.empty(fmt, in_features, out, False)
+            for fmt, out in zip(fmts, outs, strict=True)
+        ]
+        return cls(shards, torch.empty(sum(outs)) if bias else None)
+
+    @property
+    def packed_shards(self) -> list[PackedLinear]:
+        return cast(list[PackedLinear], list(self.shards))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([shard(x) for shard in self.shards], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        formats = "|".join(s.fmt for s in self.packed_shards)
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={formats}"
+
+
 def kernel_isa(fmt: str) -> str:
     """The code path the kernels run here; refuses when they are not built."""
     isa = native.isa() if native.load() is not None else ""
@@ -110,7 +164,9 @@ def _pack(fmt: str, weight: torch.Tensor, isa: str) -> qgemm.PackedWeight:
         return qgemm.pack_w8(*qgemm.quantize_w8(weight), isa)
     if fmt == "w8":
         return qgemm.pack_w8_float(*qgemm.quantize_w8(weight), isa)
-    raise ValueError(f"unknown packed format {fmt!r}; choose from {PACKED_FORMATS}")
+    if fmt == "w6a8":
+        return qgemm.pack_w6(*qgemm.quantize_w6(weight), isa)
+    raise ValueError(f"unknown packed format {fmt!r}; choose from {KERNEL_FORMATS}")
 
 
 def can_pack(module: nn.Module) -> bool:
@@ -143,6 +199,8 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, fmt: str) -> torch.T
         return qgemm.w4a8_reference(x, *quantize_q4_1(weight))
     if fmt == "w8":
         return qgemm.w8_float_reference(x, *qgemm.quantize_w8(weight))
+    if fmt == "w6a8":
+        return qgemm.w6a8_reference(x, *qgemm.quantize_w6(weight))
     return qgemm.w8a8_reference(x, *qgemm.quantize_w8(weight))
 
 
@@ -150,4 +208,6 @@ def dequantized_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """The weight a packed format stores, as float32 (quality analyses: weights-only error)."""
     if fmt == "w4a8":
         return qgemm.dequantize_w4(*quantize_q4_1(weight))
+    if fmt == "w6a8":
+        return qgemm.dequantize_w6(*qgemm.quantize_w6(weight))
     return qgemm.dequantize_w8(*qgemm.quantize_w8(weight))

@@ -1,10 +1,11 @@
 """The fused C++ decode step against the eager model: same hidden states and the same K/V bytes
-in the pages, for dense / w4a8 / w8a8 weights, fp32 / bf16 / fp8 (dynamic and static) / int8 KV
-caches, with and without q/k/v biases, on every code path this CPU runs (AVX2 forced too)."""
+in the pages, for dense / w4a8 / w8a8 / w6a8 weights and sharded q|k|v projections, fp32 / bf16 /
+fp8 (dynamic and static) / int8 KV caches, with and without q/k/v biases, on every code path this
+CPU runs (AVX2 forced too)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, CpuAttentionBackend, build_group
 from densa.model.fused_decode import FusedDecoder, unsupported_reason
 from densa.model.loader import load_model
+from densa.model.packed_linear import PackedLinear, ShardedPackedLinear
 from densa.quant import fp8_kv
 from densa.utils.cpu import cpu_flags
 from densa.worker.kv_cache import allocate_kv_caches
@@ -73,12 +75,16 @@ def _step(
     kv: str,
     head_format: str = "dense",
     prompts: tuple[list[int], list[list[int]]] = SHORT_PROMPTS,
+    convert: Callable[[torch.nn.Module], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Prefill the prompts eagerly, then run one decode step eagerly and fused from copies
-    of the same caches; returns (eager hidden, fused hidden, [(eager cache, fused cache)])."""
+    of the same caches; returns (eager hidden, fused hidden, [(eager cache, fused cache)]).
+    `convert` changes the loaded model's layers first."""
     arch = ArchConfig.from_dir(model_dir)
     cpu = torch.device("cpu")
     model = load_model(model_dir, arch, "float32", 512, cpu, weight_format, head_format)
+    if convert is not None:
+        convert(model)
     kv_dtype, policy, static = KV_FORMATS[kv]
     lens, tables = prompts
     num_pages = max(max(table) for table in tables) + 1
@@ -187,6 +193,33 @@ def _tolerance(kv: str) -> dict[str, float]:
 def test_fused_step_with_qkv_bias(forced_isa: str, biased_model_dir: Path) -> None:
     eager, fused, pairs = _step(biased_model_dir, "w8a8", "fp8-dynamic")
     torch.testing.assert_close(fused, eager, **_tolerance("fp8-dynamic"))
+    _assert_same_pages(pairs)
+
+
+def _w6_with_sharded_qkv(model: torch.nn.Module) -> None:
+    """Every projection of a dense model in w6a8, except q|k|v: three shards, q in w4a8, k in
+    w8a8 and v in w6a8 (as a GGUF file whose v is Q6_K loads), with the bias over all three."""
+    for layer in getattr(model, "layers"):  # noqa: B009
+        attn, mlp = layer.self_attn, layer.mlp
+        for owner, name in ((attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
+            dense = getattr(owner, name)
+            setattr(owner, name, PackedLinear("w6a8", dense.weight, dense.bias))
+        qkv = attn.qkv_proj
+        parts = qkv.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
+        formats = ("w4a8", "w8a8", "w6a8")
+        shards = [PackedLinear(f, w, None) for f, w in zip(formats, parts, strict=True)]
+        attn.qkv_proj = ShardedPackedLinear(shards, qkv.bias)
+
+
+@pytest.mark.parametrize("forced_isa", PATHS, indirect=True)
+@pytest.mark.parametrize("kv", ["fp32", "fp8-dynamic"])
+@pytest.mark.parametrize("biased", [False, True])
+def test_fused_step_with_w6_and_sharded_qkv(
+    forced_isa: str, kv: str, biased: bool, tiny_model_dir: Path, biased_model_dir: Path
+) -> None:
+    model_dir = biased_model_dir if biased else tiny_model_dir
+    eager, fused, pairs = _step(model_dir, "dense", kv, convert=_w6_with_sharded_qkv)
+    torch.testing.assert_close(fused, eager, **_tolerance(kv))
     _assert_same_pages(pairs)
 
 

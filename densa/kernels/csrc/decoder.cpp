@@ -8,7 +8,8 @@
 //   densa.quant.fp8_kv stores them) ; o = paged attention over each sequence's pages (online
 //   softmax, split-K over the context when there are more threads than sequences x kv heads) ;
 //   x += o Wo^T ; h = rmsnorm(x) ; x += (silu(h Wg^T) * h Wu^T) Wd^T
-// and finally rmsnorm(x). Projections are dense fp32, W4 or W8 (qgemm.h).
+// and finally rmsnorm(x). Projections are dense fp32, W4, W6 or W8 (qgemm.h), or shards of
+// those side by side (a fused q|k|v with v in more bits).
 //
 // Everything here mirrors the eager model (densa/model/llama.py) and the attention reference
 // (densa/kernels/paged_attention_ref.py); tests/kernels/test_fused_decoder.py compares them.
@@ -261,30 +262,42 @@ void decode_attention(const Config& cfg, const KVSide& k, const KVSide& v, const
 // ---- projections -------------------------------------------------------------------------------
 constexpr int kDenseTile = 4;
 
+// One shard's output columns of y[rows, ldy] (its first column at y).
+template <class Ops>
+void project_shard(const Shard& s, int64_t in, const float* x, int64_t rows, float* y,
+                   int64_t ldy, Isa isa, ActivationBuffers& buffers) {
+  if (s.bits == kFormatW4A8 || s.bits == kFormatW6A8 || s.bits == kFormatW8A8) {
+    quantized_linear_raw(x, rows, in, s.blocks, s.out, s.bits, isa, y, ldy, buffers);
+  } else if (s.bits == kFormatW8) {
+    w8float_linear_raw(x, rows, in, s.blocks, s.out, isa, y, ldy);
+  } else if (rows > 8) {  // compute-bound: torch's blocked GEMM
+    const at::Tensor xt = at::from_blob(const_cast<float*>(x), {rows, in});
+    const at::Tensor yt = at::from_blob(y, {rows, s.out}, {ldy, 1});
+    at::mm_out(const_cast<at::Tensor&>(yt), xt, s.dense.t());
+  } else {  // memory-bound: stream each weight row once for every token
+    const float* w = s.dense.data_ptr<float>();
+    at::parallel_for(0, s.out, 16, [&](int64_t r0, int64_t r1) {
+      for (int64_t t = 0; t < rows; t += kDenseTile) {
+        const int64_t n = std::min<int64_t>(kDenseTile, rows - t);
+        const float* xt = x + t * in;
+        float* yt = y + t * ldy;
+        if (n == 4) Ops::template dense_rows<4>(w, in, r0, r1, xt, yt, ldy);
+        else if (n == 3) Ops::template dense_rows<3>(w, in, r0, r1, xt, yt, ldy);
+        else if (n == 2) Ops::template dense_rows<2>(w, in, r0, r1, xt, yt, ldy);
+        else Ops::template dense_rows<1>(w, in, r0, r1, xt, yt, ldy);
+      }
+    });
+  }
+}
+
+// y[rows, p.out] = x p.W^T (+ b): each shard writes its own columns in place.
 template <class Ops>
 void project(const Projection& p, const float* x, int64_t rows, float* y, Isa isa,
              ActivationBuffers& buffers) {
-  if (p.bits == kFormatW4A8 || p.bits == kFormatW8A8) {
-    quantized_linear_raw(x, rows, p.in, p.blocks, p.out, p.bits, isa, y, buffers);
-  } else if (p.bits == kFormatW8) {
-    w8float_linear_raw(x, rows, p.in, p.blocks, p.out, isa, y);
-  } else if (rows > 8) {  // compute-bound: torch's blocked GEMM
-    const at::Tensor xt = at::from_blob(const_cast<float*>(x), {rows, p.in});
-    const at::Tensor yt = at::from_blob(y, {rows, p.out});
-    at::mm_out(const_cast<at::Tensor&>(yt), xt, p.dense.t());
-  } else {  // memory-bound: stream each weight row once for every token
-    const float* w = p.dense.data_ptr<float>();
-    at::parallel_for(0, p.out, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t t = 0; t < rows; t += kDenseTile) {
-        const int64_t n = std::min<int64_t>(kDenseTile, rows - t);
-        const float* xt = x + t * p.in;
-        float* yt = y + t * p.out;
-        if (n == 4) Ops::template dense_rows<4>(w, p.in, r0, r1, xt, yt, p.out);
-        else if (n == 3) Ops::template dense_rows<3>(w, p.in, r0, r1, xt, yt, p.out);
-        else if (n == 2) Ops::template dense_rows<2>(w, p.in, r0, r1, xt, yt, p.out);
-        else Ops::template dense_rows<1>(w, p.in, r0, r1, xt, yt, p.out);
-      }
-    });
+  int64_t col = 0;
+  for (const Shard& s : p.shards) {
+    project_shard<Ops>(s, p.in, x, rows, y + col, p.out, isa, buffers);
+    col += s.out;
   }
   if (p.bias != nullptr) {
     for (int64_t t = 0; t < rows; ++t)

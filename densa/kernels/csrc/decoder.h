@@ -31,11 +31,20 @@ struct KVSide {
   float inv_static = 1.f;           // 1 / static_scale, as float32 (what the store multiplies by)
 };
 
-// One projection: dense float32 [out, in], or packed W4 / W8 blocks.
-struct Projection {
-  int bits = 32;
-  at::Tensor dense, packed, bias_tensor;
+// A run of a projection's output rows in one format: dense float32 [out, in], or packed W4 / W6 /
+// W8 blocks.
+struct Shard {
+  int bits = kFormatDense;
+  at::Tensor dense, packed;
   const uint8_t* blocks = nullptr;
+  int64_t out = 0;
+};
+
+// One projection: its shards' outputs side by side (most have one shard; a fused q|k|v whose
+// v has more bits than q and k has two or three), plus a bias over the whole output.
+struct Projection {
+  std::vector<Shard> shards;
+  at::Tensor bias_tensor;
   const float* bias = nullptr;
   int64_t out = 0, in = 0;
 };

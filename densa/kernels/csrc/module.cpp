@@ -1,11 +1,13 @@
-// Python bindings of densa's C++ CPU kernels (qgemm.cpp: W4A8 / W8A8 matmuls; decoder.cpp: the
-// fused decode step). The only file that includes torch/extension.h (pybind11), so the kernels
-// themselves compile against ATen alone.
+// Python bindings of densa's C++ CPU kernels (qgemm.cpp: W4A8 / W6A8 / W8A8 matmuls;
+// decoder.cpp: the fused decode step). The only file that includes torch/extension.h
+// (pybind11), so the kernels themselves compile against ATen alone.
 #include <torch/extension.h>
 
 #include <optional>
 #include <string>
 #include <tuple>
+#include <variant>
+#include <vector>
 
 #include "decoder.h"
 #include "qgemm.h"
@@ -14,34 +16,57 @@
 namespace densa {
 namespace {
 
-// (bits, tensor, bias or None, out_features, in_features): bits 32 = dense float32 [out, in],
-// 4 / 8 / 80 = packed w4a8 / w8a8 / w8 blocks (qgemm.h).
+// A projection as Python passes it: (bits, tensor, bias or None, out_features, in_features),
+// bits 32 = dense float32 [out, in], 4 / 6 / 8 / 80 = packed w4a8 / w6a8 / w8a8 / w8 blocks
+// (qgemm.h); or a sharded one, ([(bits, tensor, out_features), ...], bias or None,
+// out_features, in_features), whose shards' outputs lie side by side.
 using ProjectionSpec = std::tuple<int64_t, at::Tensor, std::optional<at::Tensor>, int64_t, int64_t>;
+using ShardSpec = std::tuple<int64_t, at::Tensor, int64_t>;
+using ShardedSpec =
+    std::tuple<std::vector<ShardSpec>, std::optional<at::Tensor>, int64_t, int64_t>;
+using AnyProjectionSpec = std::variant<ProjectionSpec, ShardedSpec>;
 
-Projection make_projection(const ProjectionSpec& spec) {
-  Projection p;
-  p.bits = static_cast<int>(std::get<0>(spec));
-  p.out = std::get<3>(spec);
-  p.in = std::get<4>(spec);
-  const at::Tensor& tensor = std::get<1>(spec);
+Shard make_shard(int64_t bits, const at::Tensor& tensor, int64_t out, int64_t in) {
+  Shard s;
+  s.bits = static_cast<int>(bits);
+  s.out = out;
   TORCH_CHECK(tensor.is_contiguous() && tensor.device().is_cpu(), "weights: contiguous CPU");
-  if (p.bits == 32) {
-    TORCH_CHECK(tensor.scalar_type() == at::kFloat && tensor.size(0) == p.out &&
-                    tensor.size(1) == p.in,
+  if (s.bits == kFormatDense) {
+    TORCH_CHECK(tensor.scalar_type() == at::kFloat && tensor.dim() == 2 &&
+                    tensor.size(0) == out && tensor.size(1) == in,
                 "dense weight: float32 [out, in]");
-    p.dense = tensor;
-  } else {
-    TORCH_CHECK(p.bits == kFormatW4A8 || p.bits == kFormatW8A8 || p.bits == kFormatW8,
-                "bits: 4 (w4a8), 8 (w8a8), 80 (w8) or 32 (dense)");
-    TORCH_CHECK(tensor.scalar_type() == at::kByte, "packed weight: uint8 blocks");
-    TORCH_CHECK(p.in % kGroup == 0 && p.out % kPanel == 0, "packed shape does not tile");
-    const int64_t block = p.bits == kFormatW4A8 ? kW4Block : kW8Block;
-    TORCH_CHECK(tensor.numel() == (p.out / kPanel) * (p.in / kGroup) * block, "packed size");
-    p.packed = tensor;
-    p.blocks = tensor.data_ptr<uint8_t>();
+    s.dense = tensor;
+    return s;
   }
-  if (std::get<2>(spec).has_value()) {
-    p.bias_tensor = std::get<2>(spec)->contiguous().to(at::kFloat);
+  TORCH_CHECK(block_bytes(s.bits) > 0, "bits: 4 (w4a8), 6 (w6a8), 8 (w8a8), 80 (w8) or 32 (dense)");
+  TORCH_CHECK(tensor.scalar_type() == at::kByte, "packed weight: uint8 blocks");
+  TORCH_CHECK(in % kGroup == 0 && out % kPanel == 0, "packed shape does not tile");
+  TORCH_CHECK(tensor.numel() == (out / kPanel) * (in / kGroup) * block_bytes(s.bits),
+              "packed size");
+  s.packed = tensor;
+  s.blocks = tensor.data_ptr<uint8_t>();
+  return s;
+}
+
+Projection make_projection(const AnyProjectionSpec& spec) {
+  Projection p;
+  std::optional<at::Tensor> bias;
+  if (const auto* one = std::get_if<ProjectionSpec>(&spec)) {
+    const auto& [bits, tensor, b, out, in] = *one;
+    p.out = out, p.in = in, bias = b;
+    p.shards.push_back(make_shard(bits, tensor, out, in));
+  } else {
+    const auto& [shards, b, out, in] = std::get<ShardedSpec>(spec);
+    p.out = out, p.in = in, bias = b;
+    int64_t total = 0;
+    for (const auto& [bits, tensor, rows] : shards) {
+      p.shards.push_back(make_shard(bits, tensor, rows, in));
+      total += rows;
+    }
+    TORCH_CHECK(!shards.empty() && total == out, "shards' out_features must add up to out");
+  }
+  if (bias.has_value()) {
+    p.bias_tensor = bias->contiguous().to(at::kFloat);
     TORCH_CHECK(p.bias_tensor.numel() == p.out, "bias: [out]");
     p.bias = p.bias_tensor.data_ptr<float>();
   }
@@ -132,9 +157,9 @@ class PyDecoder {
     dec_.fp8_table = dec_.fp8_table_tensor.data_ptr<float>();
   }
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, const ProjectionSpec& qkv,
-                 const ProjectionSpec& o, const ProjectionSpec& gate_up,
-                 const ProjectionSpec& down, at::Tensor k, std::optional<at::Tensor> k_scale,
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, const AnyProjectionSpec& qkv,
+                 const AnyProjectionSpec& o, const AnyProjectionSpec& gate_up,
+                 const AnyProjectionSpec& down, at::Tensor k, std::optional<at::Tensor> k_scale,
                  at::Tensor v, std::optional<at::Tensor> v_scale) {
     const Config& c = dec_.config;
     Layer layer;
@@ -280,11 +305,13 @@ class PyDecoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   using namespace densa;
   using Release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  module.doc() = "densa's C++ CPU kernels: W4A8 / W8A8 matmuls and the fused decode step";
+  module.doc() = "densa's C++ CPU kernels: W4A8 / W6A8 / W8A8 matmuls and the fused decode step";
   module.def("best_isa", &best_isa, "the fastest code path this CPU runs ('' if none)");
   module.def("pack_w4", &pack_w4, Release(), "W4 codes [N,K] u8, d/m [N,K/32] -> packed blocks");
   module.def("pack_w8", &pack_w8, Release(),
              "W8 codes [N,K] s8, d [N,K/32], isa -> packed blocks");
+  module.def("pack_w6", &pack_w6, Release(),
+             "W6 codes [N,K] s8 in -32..31, d [N,K/32], sc [N,K/16] s8 -> packed blocks");
   module.def(
       "w4a8_linear",
       [](const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa) {
@@ -297,6 +324,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
         return quantized_linear(x, packed, n, 8, isa);
       },
       Release(), "x [M,K] f32, packed W8, N, isa -> [M,N] f32");
+  module.def(
+      "w6a8_linear",
+      [](const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa) {
+        return quantized_linear(x, packed, n, kFormatW6A8, isa);
+      },
+      Release(), "x [M,K] f32, packed W6, N, isa -> [M,N] f32");
   module.def("widen_kv", &widen_kv, Release(),
              "raw K/V bytes [n], dtype code, scale, fp8 table, isa -> f32");
   module.def("context_splits", &context_splits,

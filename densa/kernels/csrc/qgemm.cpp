@@ -1,5 +1,6 @@
-// Quantized matmuls for CPUs: y[M, N] = x[M, K] W[N, K]^T with W in 4-bit or 8-bit groups of 32
-// input columns and x quantized on the fly to int8 per row and group of 32 ("W4A8" / "W8A8").
+// Quantized matmuls for CPUs: y[M, N] = x[M, K] W[N, K]^T with W in 4-, 6- or 8-bit groups of 32
+// input columns and x quantized on the fly to int8 per row and group of 32 ("W4A8" / "W6A8" /
+// "W8A8").
 //
 // Why: a decode step streams every weight once (memory-bound: 4-bit weights read 6.4x fewer bytes
 // than fp32), and prefill is compute-bound (an int8 dot-product instruction does 4-16x the
@@ -7,8 +8,15 @@
 //
 //   W4:  w[n, k] = d[n, g] * q[n, k] + m[n, g]     q in 0..15, d and m fp16, g = k / 32
 //   W8:  w[n, k] = d[n, g] * q[n, k]               q in -127..127, d fp16
+//   W6:  w[n, k] = d[n, g] * sc[n, k / 16] * (u[n, k] - 32)     u in 0..63, d fp16, sc int8
 //   x:   x[t, k] ~ dx[t, g] * qx[t, k]            qx in -127..127, dx = max|x| / 127 (fp32)
 //   y[t, n] = sum_g dx*d * sum_k q*qx  (+ m * dx * sum_k qx for W4: the quantized x's sum)
+//   W6:     sum_g dx*d * sum_{h = 0, 1} sc_h * (sum_{k in half h} u*qx - 32 * sum_{k in h} qx)
+//
+// W6 exists to run GGUF files' Q6_K tensors from their exact values (d = the super-block's
+// scale, repeated over its 8 groups; sc = the scale of each 16 inputs; u = the 6-bit code);
+// Q5_0 (sc = 1, u = q + 16) and Q4_0 (sc = 1, u = q + 24) fit it exactly too. d * sc needs at
+// most 11 + 8 significant bits, so it is exact in float32. 7 bits per weight (Q6_K: 6.56).
 //
 // Layout: rows are cut into panels of 16; a panel's group is one block, so a matmul streams one
 // array front to back. Within a block, 4 consecutive k of one row sit in 4 adjacent bytes (the
@@ -19,6 +27,16 @@
 //     codes byte [64 o + 4 r + j]: low nibble = q[r, 8 o + j], high nibble = q[r, 8 o + 4 + j]
 //   W8 block (544 B): 8 x 64 B codes | 16 x fp16 d
 //     codes byte [64 c + 4 r + j] = q[r, 4 c + j] (+128 as u8 for the VNNI path, see below)
+//   W6 block (448 B): 4 x 64 B low nibbles | 2 x 64 B high bits | 32 x int8 sc | 16 x fp16 d
+//     nibbles [64 o + 4 r + j]: low nibble = u[r, 8 o + j] & 15, high = u[r, 8 o + 4 + j] & 15
+//     high bits [256 + 64 p + 4 r + j]: bits 2i..2i+1 = u[r, 16 p + 4 i + j] >> 4   (i = 0..3)
+//     sc [384 + 16 h + r] = sc[r, 2 g + h];  d [416 + 2 r]
+//   so half h of a group (k = 16 h .. 16 h + 15) is nibble vectors o = 2h, 2h + 1 and high-bit
+//   vector p = h: its 6-bit codes are two dot-product operands, as W4's nibbles are:
+//
+//     k in the group     0..3   4..7   8..11  12..15 | 16..19 20..23 24..27 28..31
+//     nibble vector o    0 lo   0 hi   1 lo   1 hi   | 2 lo   2 hi   3 lo   3 hi
+//     high bits p, i     0, 0   0, 1   0, 2   0, 3   | 1, 0   1, 1   1, 2   1, 3
 //
 // Two code paths, chosen at run time from the CPU's flags (and forceable, so tests run both):
 //   avx512_vnni: vpdpbusd (u8 x s8 -> s32, 64 multiply-adds per instruction)
@@ -26,7 +44,8 @@
 // vpdpbusd multiplies unsigned by signed bytes. W4 codes are unsigned already. W8 codes are
 // stored +128 (unsigned) for VNNI and the surplus 128 * sum(qx) is subtracted per group; the
 // avx2 path keeps them signed and uses the sign trick (|w| x sign(x, w)) so vpmaddubsw never
-// saturates.
+// saturates. W6 codes are unsigned (u = code + 32) on both paths: the 32 * sum(qx) surplus is
+// taken off per half group (one int32 sum each, computed once with the activations).
 
 #include "qgemm.h"
 
@@ -45,6 +64,10 @@ namespace densa {
 
 constexpr int kW4Codes = 256;
 constexpr int kW8Codes = 512;
+constexpr int kW6HighBits = 256;  // offsets into a W6 block
+constexpr int kW6Scales = 384;
+constexpr int kW6D = 416;
+constexpr int kW6Offset = 32;  // u = code + 32
 
 bool cpu_has_avx512_vnni() {
   __builtin_cpu_init();
@@ -84,6 +107,7 @@ void ActivationBuffers::ensure(int64_t rows, int64_t cols) {
   dx = at::empty({rows * groups}, f32);
   sumx = at::empty({rows * groups}, f32);
   sumq = at::empty({rows * groups}, f32.dtype(at::kInt));
+  sumh = at::empty({rows * groups * 2}, f32.dtype(at::kInt));
 }
 
 namespace {
@@ -93,13 +117,15 @@ namespace {
 // correction) and dx times it, the sum of the *quantized* x (W4's m term). Using the quantized
 // sum makes W4's error sum_k w_k (x^_k - x_k), like W8's; the exact sum of x would leave
 // sum_k (w_k - m) (x^_k - x_k), and w - m is a group's offset from its minimum (all >= 0, so
-// the rounding errors do not cancel): 3x the KL on SmolLM2 (docs/weights.md). One group of 32 per call; the rounding is the
-// CPU's default (to nearest, ties to even), as torch.round in the reference.
+// the rounding errors do not cancel): 3x the KL on SmolLM2 (docs/weights.md). W6 takes the sums
+// of each 16-input half (sumh[0], sumh[1]), since its scales change every 16 inputs. One group
+// of 32 per call; the rounding is the CPU's default (to nearest, ties to even), as torch.round
+// in the reference.
 #define DENSA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define DENSA_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 DENSA_AVX512 void quantize_group_avx512(const float* v, int8_t* q, float* dx, float* sumx,
-                                        int32_t* sumq) {
+                                        int32_t* sumq, int32_t* sumh) {
   const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const float d = amax / 127.f;
@@ -109,12 +135,14 @@ DENSA_AVX512 void quantize_group_avx512(const float* v, int8_t* q, float* dx, fl
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
   *dx = d;
-  *sumq = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  sumh[0] = _mm512_reduce_add_epi32(qa);
+  sumh[1] = _mm512_reduce_add_epi32(qb);
+  *sumq = sumh[0] + sumh[1];
   *sumx = d * static_cast<float>(*sumq);
 }
 
 DENSA_AVX2 void quantize_group_avx2(const float* v, int8_t* q, float* dx, float* sumx,
-                                    int32_t* sumq) {
+                                    int32_t* sumq, int32_t* sumh) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 x[4], amax = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -128,33 +156,37 @@ DENSA_AVX2 void quantize_group_avx2(const float* v, int8_t* q, float* dx, float*
   const float d = m / 127.f;
   const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.f / d : 0.f);
   __m256i qi[4];
-  __m256i qsum = _mm256_setzero_si256();
-  for (int i = 0; i < 4; ++i) {
-    qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
-    qsum = _mm256_add_epi32(qsum, qi[i]);
-  }
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
   // 32 x int32 -> 32 x int8 (packs work within 128-bit lanes; the permute restores order).
   const __m256i w01 = _mm256_packs_epi32(qi[0], qi[1]), w23 = _mm256_packs_epi32(qi[2], qi[3]);
   const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
-  alignas(32) int32_t sums[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), qsum);
-  int32_t s = 0;
-  for (int32_t lane : sums) s += lane;
+  alignas(32) int32_t sums[2][8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums[0]), _mm256_add_epi32(qi[0], qi[1]));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums[1]), _mm256_add_epi32(qi[2], qi[3]));
+  for (int h = 0; h < 2; ++h) {
+    sumh[h] = 0;
+    for (int32_t lane : sums[h]) sumh[h] += lane;
+  }
   *dx = d;
-  *sumx = d * static_cast<float>(s);
-  *sumq = s;
+  *sumq = sumh[0] + sumh[1];
+  *sumx = d * static_cast<float>(*sumq);
 }
 
-void quantize_activations(const float* src, int64_t rows, int64_t cols, Isa isa, int8_t* qx,
-                          float* dx, float* sumx, int32_t* sumq) {
+void quantize_activations(const float* src, int64_t rows, int64_t cols, Isa isa,
+                          ActivationBuffers& out) {
   const int64_t groups = cols / kGroup;
   const auto one = isa == Isa::kAvx512Vnni ? quantize_group_avx512 : quantize_group_avx2;
+  int8_t* qx = out.qx.data_ptr<int8_t>();
+  float* dx = out.dx.data_ptr<float>();
+  float* sumx = out.sumx.data_ptr<float>();
+  int32_t* sumq = out.sumq.data_ptr<int32_t>();
+  int32_t* sumh = out.sumh.data_ptr<int32_t>();
   at::parallel_for(0, rows * groups, 512, [&](int64_t begin, int64_t end) {
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t offset = (idx / groups) * cols + (idx % groups) * kGroup;
-      one(src + offset, qx + offset, dx + idx, sumx + idx, sumq + idx);
+      one(src + offset, qx + offset, dx + idx, sumx + idx, sumq + idx, sumh + 2 * idx);
     }
   });
 }
@@ -223,6 +255,59 @@ DENSA_AVX512 void w8_panel_avx512(const uint8_t* blocks, int64_t groups, const i
       const __m512i dot = _mm512_sub_epi32(acci[t], surplus);
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[t * groups + g]));
       accf[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, accf[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + t * ldy, accf[t]);
+}
+
+// The 6-bit codes of W6 nibble vector o = 2 h + s: its nibbles v plus the high bits hb of half h
+// (fields 2 s and 2 s + 1, see the layout) moved to bits 4-5. The shifts are 16-bit: bits that
+// cross into the neighbouring byte land outside the 0x30 mask.
+DENSA_AVX512 inline void w6_codes_avx512(__m512i v, __m512i hb, int s, __m512i* lo, __m512i* hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  const __m512i top_lo = s == 0 ? _mm512_slli_epi16(hb, 4) : hb;
+  const __m512i top_hi = s == 0 ? _mm512_slli_epi16(hb, 2) : _mm512_srli_epi16(hb, 2);
+  *lo = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_and_si512(top_lo, bits45));
+  *hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4),
+                        _mm512_and_si512(top_hi, bits45));
+}
+
+// Each half group (16 inputs: one scale sc) is summed on its own, starting from -32 times the
+// half's sum of qx, so the codes' offset is taken off in integers (exact).
+template <int T>
+DENSA_AVX512 void w6_panel_avx512(const uint8_t* blocks, int64_t groups, const int8_t* qx,
+                                  const float* dx, const int32_t* sumh, int64_t cols, float* y,
+                                  int64_t ldy) {
+  __m512 accf[T];
+  for (int t = 0; t < T; ++t) accf[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = blocks + g * kW6Block;
+    prefetch_weights(blk, kW6Block);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + kW6D)));
+    for (int h = 0; h < 2; ++h) {
+      __m512i acci[T];
+      for (int t = 0; t < T; ++t)
+        acci[t] = _mm512_set1_epi32(-kW6Offset * sumh[2 * (t * groups + g) + h]);
+      const __m512i hb = _mm512_loadu_si512(blk + kW6HighBits + 64 * h);
+      for (int s = 0; s < 2; ++s) {
+        const int o = 2 * h + s;
+        __m512i lo, hi;
+        w6_codes_avx512(_mm512_loadu_si512(blk + 64 * o), hb, s, &lo, &hi);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xq = qx + t * cols + g * kGroup + 8 * o;
+          int32_t a, b;
+          std::memcpy(&a, xq, 4);
+          std::memcpy(&b, xq + 4, 4);
+          acci[t] = _mm512_dpbusd_epi32(acci[t], lo, _mm512_set1_epi32(a));
+          acci[t] = _mm512_dpbusd_epi32(acci[t], hi, _mm512_set1_epi32(b));
+        }
+      }
+      const __m128i sc = _mm_loadu_si128((const __m128i*)(blk + kW6Scales + 16 * h));
+      const __m512 ds = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));  // exact
+      for (int t = 0; t < T; ++t) {
+        const __m512 scale = _mm512_mul_ps(ds, _mm512_set1_ps(dx[t * groups + g]));
+        accf[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acci[t]), scale, accf[t]);
+      }
     }
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + t * ldy, accf[t]);
@@ -318,6 +403,63 @@ DENSA_AVX2 void w8_panel_avx2(const uint8_t* blocks, int64_t groups, const int8_
   }
 }
 
+DENSA_AVX2 inline void w6_codes_avx2(__m256i v, __m256i hb, int s, __m256i* lo, __m256i* hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i top_lo = s == 0 ? _mm256_slli_epi16(hb, 4) : hb;
+  const __m256i top_hi = s == 0 ? _mm256_slli_epi16(hb, 2) : _mm256_srli_epi16(hb, 2);
+  *lo = _mm256_or_si256(_mm256_and_si256(v, low4), _mm256_and_si256(top_lo, bits45));
+  *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
+                        _mm256_and_si256(top_hi, bits45));
+}
+
+// As w4_panel_avx2: one 8-row half (`side`) of the panel at a time, T = 4 tokens. Two products
+// of a 6-bit code and an int8 are at most 2 * 63 * 127 per vpmaddubsw lane, and the two nibble
+// halves' lanes add to 32004 at most: still no int16 saturation.
+template <int T>
+DENSA_AVX2 void w6_panel_avx2(const uint8_t* blocks, int64_t groups, const int8_t* qx,
+                              const float* dx, const int32_t* sumh, int64_t cols, float* y,
+                              int64_t ldy) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int side = 0; side < 2; ++side) {
+    __m256 accf[T];
+    for (int t = 0; t < T; ++t) accf[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* blk = blocks + g * kW6Block;
+      if (side == 0) prefetch_weights(blk, kW6Block);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + kW6D + 16 * side)));
+      for (int h = 0; h < 2; ++h) {
+        __m256i acci[T];
+        for (int t = 0; t < T; ++t)
+          acci[t] = _mm256_set1_epi32(-kW6Offset * sumh[2 * (t * groups + g) + h]);
+        const __m256i hb =
+            _mm256_loadu_si256((const __m256i*)(blk + kW6HighBits + 64 * h + 32 * side));
+        for (int s = 0; s < 2; ++s) {
+          const int o = 2 * h + s;
+          __m256i lo, hi;
+          w6_codes_avx2(_mm256_loadu_si256((const __m256i*)(blk + 64 * o + 32 * side)), hb, s, &lo,
+                        &hi);
+          for (int t = 0; t < T; ++t) {
+            const int8_t* xq = qx + t * cols + g * kGroup + 8 * o;
+            int32_t a, b;
+            std::memcpy(&a, xq, 4);
+            std::memcpy(&b, xq + 4, 4);
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),
+                                                   _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b)));
+            acci[t] = _mm256_add_epi32(acci[t], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+        const __m128i sc = _mm_loadl_epi64((const __m128i*)(blk + kW6Scales + 16 * h + 8 * side));
+        const __m256 ds = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        for (int t = 0; t < T; ++t) {
+          const __m256 scale = _mm256_mul_ps(ds, _mm256_set1_ps(dx[t * groups + g]));
+          accf[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[t]), scale, accf[t]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + t * ldy + 8 * side, accf[t]);
+  }
+}
+
 // ---- dispatch ----------------------------------------------------------------------------------
 // A panel kernel for up to kMaxTile tokens: the token tile is a template parameter (registers).
 using PanelFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const void*,
@@ -325,7 +467,7 @@ using PanelFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, c
 
 constexpr int kTileAvx512 = 8;  // 8 int + 8 float accumulators + temporaries: < 32 zmm
 constexpr int kTileAvx2 = 2;    // 2 x 2 int + 2 x 2 float accumulators + temporaries: < 16 ymm
-constexpr int kTileAvx2W4 = 4;  // W4 runs one 8-row half at a time: 4 int + 4 float accumulators
+constexpr int kTileAvx2W4 = 4;  // W4 and W6 run one 8-row half at a time: 4 int + 4 float accs
 
 template <int T>
 void w4_avx512(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
@@ -347,6 +489,16 @@ void w8_avx2(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const
              int64_t c, float* y, int64_t l) {
   w8_panel_avx2<T>(b, g, q, d, static_cast<const int32_t*>(s), c, y, l);
 }
+template <int T>
+void w6_avx512(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
+               int64_t c, float* y, int64_t l) {
+  w6_panel_avx512<T>(b, g, q, d, static_cast<const int32_t*>(s), c, y, l);
+}
+template <int T>
+void w6_avx2(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
+             int64_t c, float* y, int64_t l) {
+  w6_panel_avx2<T>(b, g, q, d, static_cast<const int32_t*>(s), c, y, l);
+}
 
 // fns[t - 1] handles a tile of t tokens.
 struct PanelKernels {
@@ -354,35 +506,46 @@ struct PanelKernels {
   int tile;
 };
 
-PanelKernels kernels_for(bool w4, Isa isa) {
+PanelKernels kernels_for(int bits, Isa isa) {
   if (isa == Isa::kAvx512Vnni) {
-    if (w4)
+    if (bits == kFormatW4A8)
       return {{w4_avx512<1>, w4_avx512<2>, w4_avx512<3>, w4_avx512<4>, w4_avx512<5>, w4_avx512<6>,
                w4_avx512<7>, w4_avx512<8>},
+              kTileAvx512};
+    if (bits == kFormatW6A8)
+      return {{w6_avx512<1>, w6_avx512<2>, w6_avx512<3>, w6_avx512<4>, w6_avx512<5>, w6_avx512<6>,
+               w6_avx512<7>, w6_avx512<8>},
               kTileAvx512};
     return {{w8_avx512<1>, w8_avx512<2>, w8_avx512<3>, w8_avx512<4>, w8_avx512<5>, w8_avx512<6>,
              w8_avx512<7>, w8_avx512<8>},
             kTileAvx512};
   }
-  if (w4) return {{w4_avx2<1>, w4_avx2<2>, w4_avx2<3>, w4_avx2<4>}, kTileAvx2W4};
+  if (bits == kFormatW4A8) return {{w4_avx2<1>, w4_avx2<2>, w4_avx2<3>, w4_avx2<4>}, kTileAvx2W4};
+  if (bits == kFormatW6A8) return {{w6_avx2<1>, w6_avx2<2>, w6_avx2<3>, w6_avx2<4>}, kTileAvx2W4};
   return {{w8_avx2<1>, w8_avx2<2>}, kTileAvx2};
+}
+
+// The per-group sums of qx a format's panels read, from group `first` (row-major over rows and
+// groups) on: W4 the float dx * sum, W6 the two halves' int32 sums, W8 the int32 sum.
+const void* panel_sums(const ActivationBuffers& buffers, int bits, int64_t first) {
+  if (bits == kFormatW4A8) return buffers.sumx.data_ptr<float>() + first;
+  if (bits == kFormatW6A8) return buffers.sumh.data_ptr<int32_t>() + 2 * first;
+  return buffers.sumq.data_ptr<int32_t>() + first;
 }
 
 }  // namespace
 
 void quantized_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_t* blocks,
-                          int64_t n, int bits, Isa isa, float* y, ActivationBuffers& buffers) {
+                          int64_t n, int bits, Isa isa, float* y, int64_t ldy,
+                          ActivationBuffers& buffers) {
   if (rows == 0) return;
-  const bool w4 = bits == 4;
   const int64_t groups = cols / kGroup, panels = n / kPanel;
-  const int64_t block = w4 ? kW4Block : kW8Block;
-  const PanelKernels kernels = kernels_for(w4, isa);
+  const int64_t block = block_bytes(bits);
+  const PanelKernels kernels = kernels_for(bits, isa);
   buffers.ensure(rows, cols);
-  int8_t* qx = buffers.qx.data_ptr<int8_t>();
-  float* dx = buffers.dx.data_ptr<float>();
-  float* sumx = buffers.sumx.data_ptr<float>();
-  int32_t* sumq = buffers.sumq.data_ptr<int32_t>();
-  quantize_activations(x, rows, cols, isa, qx, dx, sumx, sumq);
+  quantize_activations(x, rows, cols, isa, buffers);
+  const int8_t* qx = buffers.qx.data_ptr<int8_t>();
+  const float* dx = buffers.dx.data_ptr<float>();
   const int64_t tile = kernels.tile;
   const int64_t tiles = (rows + tile - 1) / tile;
   // Work items are (panel, token tile), panel-major: a panel's weights stay in L1 across its
@@ -392,10 +555,9 @@ void quantized_linear_raw(const float* x, int64_t rows, int64_t cols, const uint
       const int64_t panel = item / tiles, t0 = (item % tiles) * tile;
       const int64_t count = std::min(tile, rows - t0);
       const int64_t offset = t0 * groups;
-      const void* sums = w4 ? static_cast<const void*>(sumx + offset)
-                            : static_cast<const void*>(sumq + offset);
       kernels.fns[count - 1](blocks + panel * groups * block, groups, qx + t0 * cols, dx + offset,
-                             sums, cols, y + t0 * n + panel * kPanel, n);
+                             panel_sums(buffers, bits, offset), cols,
+                             y + t0 * ldy + panel * kPanel, ldy);
     }
   });
 }
@@ -404,19 +566,19 @@ at::Tensor quantized_linear(const at::Tensor& x_in, const at::Tensor& packed, in
                             int bits, const std::string& isa_name) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [M, K] float32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(bits == kFormatW4A8 || bits == kFormatW6A8 || bits == kFormatW8A8,
+              "bits must be 4, 6 or 8");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), cols = x.size(1);
   TORCH_CHECK(cols % kGroup == 0, "in_features must be a multiple of 32, got ", cols);
   TORCH_CHECK(out_features % kPanel == 0, "out_features must be a multiple of 16");
-  const int64_t block = bits == 4 ? kW4Block : kW8Block;
-  TORCH_CHECK(packed.numel() == (out_features / kPanel) * (cols / kGroup) * block,
+  TORCH_CHECK(packed.numel() == (out_features / kPanel) * (cols / kGroup) * block_bytes(bits),
               "packed weight has the wrong size");
   const Isa isa = parse_isa(isa_name);
   at::Tensor y = at::empty({rows, out_features}, x.options());
   thread_local ActivationBuffers buffers;
   quantized_linear_raw(x.data_ptr<float>(), rows, cols, packed.data_ptr<uint8_t>(), out_features,
-                       bits, isa, y.data_ptr<float>(), buffers);
+                       bits, isa, y.data_ptr<float>(), out_features, buffers);
   return y;
 }
 
@@ -487,5 +649,66 @@ at::Tensor pack_w8(const at::Tensor& codes, const at::Tensor& d, const std::stri
   return out;
 }
 
-}  // namespace densa
+namespace {
 
+// One row r's 32 codes u (0..63) into a W6 block: the low nibbles as W4's, the high bits of
+// each 16-input half in one 64-byte vector (qgemm.cpp's header).
+void pack_w6_row(const uint8_t* u, int r, uint8_t* blk) {
+  for (int o = 0; o < 4; ++o)
+    for (int j = 0; j < 4; ++j)
+      blk[64 * o + 4 * r + j] =
+          static_cast<uint8_t>((u[8 * o + j] & 15) | ((u[8 * o + 4 + j] & 15) << 4));
+  for (int p = 0; p < 2; ++p) {
+    for (int j = 0; j < 4; ++j) {
+      int byte = 0;
+      for (int i = 0; i < 4; ++i) byte |= (u[16 * p + 4 * i + j] >> 4) << (2 * i);
+      blk[kW6HighBits + 64 * p + 4 * r + j] = static_cast<uint8_t>(byte);
+    }
+  }
+}
+
+}  // namespace
+
+// codes: [N, K] int8 in -32..31 (stored as u = code + 32), d: [N, K/32] f32 (stored as fp16),
+// sc: [N, K/16] int8. Panels are independent, so they pack in parallel (a model's load packs
+// every layer).
+at::Tensor pack_w6(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& sc) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2, "codes: [N, K] int8");
+  const int64_t rows = codes.size(0), cols = codes.size(1);
+  TORCH_CHECK(rows % kPanel == 0 && cols % kGroup == 0, "N % 16 and K % 32 must be 0");
+  const int64_t groups = cols / kGroup, panels = rows / kPanel;
+  TORCH_CHECK(d.numel() == rows * groups, "d: [N, K/32]");
+  TORCH_CHECK(sc.scalar_type() == at::kChar && sc.numel() == rows * 2 * groups,
+              "sc: [N, K/16] int8");
+  if (codes.numel() > 0) {
+    const auto [low, high] = at::aminmax(codes);
+    TORCH_CHECK(low.item<int8_t>() >= -kW6Offset && high.item<int8_t>() < kW6Offset,
+                "W6 codes must lie in -32..31");
+  }
+  const at::Tensor c = codes.contiguous(), s = sc.contiguous();
+  const at::Tensor dh = d.to(at::kHalf).contiguous();
+  at::Tensor out = at::empty({panels * groups * kW6Block}, codes.options().dtype(at::kByte));
+  const int8_t* src = c.data_ptr<int8_t>();
+  const int8_t* scales = s.data_ptr<int8_t>();
+  const uint16_t* dsrc = reinterpret_cast<const uint16_t*>(dh.data_ptr<at::Half>());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, panels * groups, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t p = idx / groups, g = idx % groups;
+      uint8_t* blk = dst + idx * kW6Block;
+      for (int r = 0; r < kPanel; ++r) {
+        const int64_t row = p * kPanel + r;
+        const int8_t* q = src + row * cols + g * kGroup;
+        uint8_t u[kGroup];
+        for (int k = 0; k < kGroup; ++k) u[k] = static_cast<uint8_t>(q[k] + kW6Offset);
+        pack_w6_row(u, r, blk);
+        for (int h = 0; h < 2; ++h)
+          blk[kW6Scales + 16 * h + r] = static_cast<uint8_t>(scales[row * 2 * groups + 2 * g + h]);
+        std::memcpy(blk + kW6D + 2 * r, dsrc + row * groups + g, 2);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace densa

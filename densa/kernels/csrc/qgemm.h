@@ -13,6 +13,7 @@ constexpr int kGroup = 32;     // input columns per scale
 constexpr int kPanel = 16;     // output rows per block
 constexpr int kW4Block = 320;  // bytes per W4 block: 256 codes + 32 d + 32 m
 constexpr int kW8Block = 544;  // bytes per W8 block: 512 codes + 32 d
+constexpr int kW6Block = 448;  // bytes per W6 block: 256 nibbles + 128 high bits + 32 sc + 32 d
 
 // Software prefetch of a weight stream (qgemm.cpp, w8float.cpp): a panel's blocks are read
 // front to back, but at batch 1 there is little arithmetic between loads to hide DRAM latency
@@ -28,33 +29,52 @@ inline void prefetch_weights(const uint8_t* block, int bytes) {
 
 enum class Isa { kAvx2 = 0, kAvx512Vnni = 1 };
 
-// Projection formats, as Python passes them ("bits"): dense float32, W4A8, W8A8, and W8 with
-// float activations (w8float.cpp).
-constexpr int kFormatDense = 32, kFormatW4A8 = 4, kFormatW8A8 = 8, kFormatW8 = 80;
+// Projection formats, as Python passes them ("bits"): dense float32, W4A8, W6A8, W8A8, and W8
+// with float activations (w8float.cpp).
+constexpr int kFormatDense = 32, kFormatW4A8 = 4, kFormatW6A8 = 6, kFormatW8A8 = 8, kFormatW8 = 80;
+
+// Bytes per block of a packed format (0: not a packed format).
+constexpr int block_bytes(int bits) {
+  switch (bits) {
+    case kFormatW4A8:
+      return kW4Block;
+    case kFormatW6A8:
+      return kW6Block;
+    case kFormatW8A8:
+    case kFormatW8:
+      return kW8Block;
+    default:
+      return 0;
+  }
+}
 
 bool cpu_has_avx512_vnni();
 bool cpu_has_avx2();
 Isa parse_isa(const std::string& name);
 std::string best_isa();
 
-// Scratch for int8 activations of up to `rows` x `cols`; reused across calls.
+// Scratch for int8 activations of up to `rows` x `cols`; reused across calls. Per row and
+// group: dx, sumx and sumq; sumh holds the two 16-input halves' sums of qx (W6's offset).
 struct ActivationBuffers {
-  at::Tensor qx, dx, sumx, sumq;
+  at::Tensor qx, dx, sumx, sumq, sumh;
   void ensure(int64_t rows, int64_t cols);
 };
 
-// y[rows, n] = x[rows, cols] W^T for W packed as `bits` (4 or 8) blocks; x, y float32, row-major.
+// y[rows, n] = x[rows, cols] W^T for W packed as `bits` (4, 6 or 8) blocks; x, y float32,
+// row-major; y's rows are `ldy` apart (>= n), so a shard of a wider output writes in place.
 void quantized_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_t* blocks,
-                          int64_t n, int bits, Isa isa, float* y, ActivationBuffers& buffers);
+                          int64_t n, int bits, Isa isa, float* y, int64_t ldy,
+                          ActivationBuffers& buffers);
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                             int bits, const std::string& isa_name);
 at::Tensor pack_w4(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m);
 at::Tensor pack_w8(const at::Tensor& codes, const at::Tensor& d, const std::string& isa_name);
+at::Tensor pack_w6(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& sc);
 
 // Weight-only W8 (float activations): w8float.cpp.
 void w8float_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_t* blocks,
-                        int64_t n, Isa isa, float* y);
+                        int64_t n, Isa isa, float* y, int64_t ldy);
 at::Tensor w8float_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                           const std::string& isa_name);
 at::Tensor pack_w8float(const at::Tensor& codes, const at::Tensor& d);

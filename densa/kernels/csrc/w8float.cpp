@@ -84,7 +84,7 @@ constexpr int kTileAvx512 = 8, kTileAvx2 = 3;
 }  // namespace
 
 void w8float_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_t* blocks,
-                        int64_t n, Isa isa, float* y) {
+                        int64_t n, Isa isa, float* y, int64_t ldy) {
   if (rows == 0) return;
   const int64_t groups = cols / kGroup, panels = n / kPanel;
   const bool wide = isa == Isa::kAvx512Vnni;
@@ -99,7 +99,7 @@ void w8float_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_
       const int64_t count = std::min(tile, rows - t0);
       const PanelFn fn = wide ? avx512[count - 1] : avx2[count - 1];
       fn(blocks + panel * groups * kW8Block, groups, x + t0 * cols, cols,
-         y + t0 * n + panel * kPanel, n);
+         y + t0 * ldy + panel * kPanel, ldy);
     }
   });
 }
@@ -115,7 +115,7 @@ at::Tensor w8float_linear(const at::Tensor& x_in, const at::Tensor& packed, int6
               "packed weight has the wrong size");
   at::Tensor y = at::empty({rows, out_features}, x.options());
   w8float_linear_raw(x.data_ptr<float>(), rows, cols, packed.data_ptr<uint8_t>(), out_features,
-                     parse_isa(isa_name), y.data_ptr<float>());
+                     parse_isa(isa_name), y.data_ptr<float>(), out_features);
   return y;
 }
 
