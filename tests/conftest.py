@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2-135M (converted once from the bundled GGUF) and tiny random models.
+"""Shared fixtures: the real SmolLM2-135M (converted once from the bundled GGUF), the catalog's
+real models (`real_model`) and tiny random models.
 
 Tiny models use SmolLM2's tokenizer (so text round-trips) with random weights from a fixed seed.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from densa.engine.args import default_model_path
+from densa.model.catalog import SETUP_COMMAND, find_model, missing_packages, resolve_model
 from densa.model.loader import resolve_model_dir
 
 TOKENIZER_FILES = (
@@ -31,6 +34,31 @@ TOKENIZER_FILES = (
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     return resolve_model_dir(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Callable[[str], Path]:
+    """`real_model("qwen2.5-coder-0.5b")`: a catalog model's assembled GGUF (densa/model/catalog.py),
+    or a skip that names the setup step when its packages are not installed. CI installs the 0.5B
+    (`scripts/setup.sh models-small`); `scripts/setup.sh models` adds the 1.5B."""
+
+    def get(name: str) -> Path:
+        model = find_model(name)
+        assert model is not None, f"{name!r} is not in densa/model/catalog.py"
+        missing = missing_packages(model)
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            pytest.skip(f"{SETUP_COMMAND} not run: package {missing[0]} missing{more}")
+        return resolve_model(name)
+
+    return get
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Tests that use a real model carry the marker, so `-m "not real_model"` leaves them out.
+    for item in items:
+        if "real_model" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_model)
 
 
 def make_tiny_llama(

@@ -21,6 +21,7 @@ from densa.config import (
     SchedulerConfig,
 )
 from densa.model.arch import ArchConfig
+from densa.model.catalog import CATALOG, resolve_model_arg
 from densa.utils.sizes import parse_memory
 
 if TYPE_CHECKING:  # the front builds its command line from here: no torch at import
@@ -101,6 +102,17 @@ class EngineArgs:
     # Start without checking that weights + KV + activations fit in available memory
     # (densa/engine/memory_plan.py), for operators who know better (also DENSA_SKIP_MEMORY_CHECK=1).
     skip_memory_check: bool = False
+
+    def __post_init__(self) -> None:
+        # A catalog name (`--model qwen2.5-coder-1.5b`, densa/model/catalog.py) becomes its
+        # assembled GGUF here, before anything reads the path: every command and LLM(...) alike.
+        if self.model is not None:
+            path = resolve_model_arg(self.model)
+            if path != self.model and self.served_model_name is None:
+                self.served_model_name = self.model  # what the user named it, not the file name
+            self.model = path
+        if self.decode_model is not None:
+            self.decode_model = resolve_model_arg(self.decode_model)
 
     def resolve(
         self,
@@ -207,7 +219,9 @@ class EngineArgs:
         g.add_argument(
             "--model",
             default=None,
-            help="HF directory or .gguf file (default: bundled SmolLM2-135M)",
+            help="HF directory, .gguf file or a named model ("
+            + ", ".join(model.name for model in CATALOG)
+            + "; scripts/setup.sh models) (default: bundled SmolLM2-135M)",
         )
         g.add_argument(
             "--served-model-name", default=None, help="model id clients use (default: file name)"
