@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,16 @@ import numpy as np
 import torch
 
 from densa.model.arch import ModelLoadError
-from densa.model.gguf_archs import GGUF_ARCHS, GGUFArch
+from densa.model.gguf_archs import (
+    EXPERT,
+    GGUF_ARCHS,
+    KV_B_PARTS,
+    ROW_VECTORS,
+    FileLayout,
+    GGUFArch,
+    gguf_dialect,
+    rope_scaling,
+)
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -246,8 +255,8 @@ def _hf_config(fields: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]
     def get(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
 
-    dialect = GGUF_ARCHS[arch]
-    tensor_names = {t.name for t in reader.tensors}
+    dialect = gguf_dialect(arch)
+    tensor_names = frozenset(t.name for t in reader.tensors)
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     num_layers = int(get("block_count"))
@@ -267,6 +276,7 @@ def _hf_config(fields: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]
         "head_dim": int(get("attention.key_length", hidden // num_heads)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling(get),
         "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
@@ -274,7 +284,7 @@ def _hf_config(fields: dict[str, Any], arch: str, reader: Any) -> dict[str, Any]
         "eos_token_id": int(eos.contents()) if eos is not None else None,
         "pad_token_id": int(pad.contents()) if pad is not None else None,
         "torch_dtype": "float32",
-        **dialect.extras(get, num_layers),
+        **dialect.extras(FileLayout(get, tensor_names, num_layers)),
     }
 
 
@@ -313,40 +323,131 @@ class GGUFTensor:
         return out
 
 
+@dataclass(frozen=True)
+class JoinedTensor(GGUFTensor):
+    """One HF tensor the file stores in parts (DeepSeek's kv_b_proj as k_b and v_b). It has no
+    blocks of its own (`raw` is empty): its parts are dequantized and joined."""
+
+    parts: tuple[GGUFTensor, ...] = ()
+    join: Callable[..., torch.Tensor] | None = None
+
+    def dequantize(self, rows_per_chunk: int = 4096) -> torch.Tensor:
+        assert self.join is not None
+        return self.join(*(part.dequantize(rows_per_chunk) for part in self.parts))
+
+
 def gguf_tensors(
     reader: Any, config: dict[str, Any], dialect: GGUFArch
 ) -> Iterator[tuple[str, GGUFTensor]]:
-    """The file's tensors in HF naming, one at a time (views into the mmapped file)."""
-    num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    """The file's tensors in HF naming, one at a time (views into the mmapped file): stacked
+    experts split per expert, fused projections split by rows, DeepSeek's k_b and v_b joined
+    back into kv_b_proj."""
+    names = {t.name for t in reader.tensors}
+    kv_b_parts: dict[str, dict[str, GGUFTensor]] = {}  # layer -> the halves read so far
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name, dialect)
-        raw = tensor.data  # GGUF lists dims fastest-first: rows are the last dim
-        if dialect.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-            raw = _unpermute(raw, num_heads)
-        elif dialect.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-            raw = _unpermute(raw, num_kv_heads)
-        offset = dialect.norm_offset if name.endswith("norm.weight") else 0.0
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        yield name, GGUFTensor(tensor.tensor_type.name, raw, shape, offset)
+        stored = _stored_tensor(tensor, config, dialect)
+        layer, _, rest = tensor.name.removeprefix("blk.").partition(".")
+        if rest not in KV_B_PARTS:
+            yield from _split(_hf_targets(tensor.name, dialect), stored, config)
+        elif f"blk.{layer}.attn_kv_b.weight" not in names:  # else kv_b is stored whole too
+            halves = kv_b_parts.setdefault(layer, {})
+            halves[rest] = stored
+            if len(halves) == len(KV_B_PARTS):
+                del kv_b_parts[layer]
+                k_b, v_b = (halves[part] for part in KV_B_PARTS)
+                yield _hf_name(tensor.name, dialect), _joined_kv_b(k_b, v_b, config)
+    if kv_b_parts:
+        raise ModelLoadError(f"GGUF file has only one of k_b / v_b in layers {sorted(kv_b_parts)}")
+
+
+def _stored_tensor(tensor: Any, config: dict[str, Any], dialect: GGUFArch) -> GGUFTensor:
+    """A file tensor with its rows in HF order, before any splitting."""
+    name = _hf_name(tensor.name, dialect)
+    raw = tensor.data  # GGUF lists dims fastest-first: rows are the last dim
+    if dialect.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+        raw = _unpermute(raw, config["num_attention_heads"])
+    elif dialect.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+        raw = _unpermute(raw, config["num_key_value_heads"])
+    offset = dialect.norm_offset if name.endswith("norm.weight") else 0.0
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if len(shape) == 1 and tensor.name.split(".", 2)[-1] in ROW_VECTORS:
+        shape = (1, *shape)
+    return GGUFTensor(tensor.tensor_type.name, raw, shape, offset)
+
+
+def _split(
+    targets: tuple[str, ...], tensor: GGUFTensor, config: dict[str, Any]
+) -> Iterator[tuple[str, GGUFTensor]]:
+    """A stored tensor as the HF tensors it holds: one per expert of a stacked [E, out, in]
+    ("{e}" in the names), then one per row range of a fused one (q|k|v, gate|up)."""
+    if EXPERT in targets[0]:
+        for expert in range(tensor.shape[0]):
+            one = replace(tensor, raw=tensor.raw[expert], shape=tensor.shape[1:])
+            yield from _split(tuple(t.replace(EXPERT, str(expert)) for t in targets), one, config)
+        return
+    lo = 0
+    for name, rows in zip(targets, _shard_rows(targets, tensor.shape[0], config), strict=True):
+        shard = tensor if len(targets) == 1 else replace(
+            tensor, raw=tensor.raw[lo : lo + rows], shape=(rows, *tensor.shape[1:])
+        )  # fmt: skip
+        yield name, shard
+        lo += rows
+
+
+def _shard_rows(targets: tuple[str, ...], rows: int, config: dict[str, Any]) -> list[int]:
+    """Rows of each part of a fused tensor: q|k|v by the head counts, gate|up in halves."""
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    by_proj = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}
+    shards = [by_proj.get(name.split(".")[-2], rows // len(targets)) for name in targets]
+    if len(targets) > 1 and sum(shards) != rows:
+        raise ModelLoadError(f"a fused GGUF tensor of {rows} rows does not split into {targets}")
+    return shards if len(targets) > 1 else [rows]
+
+
+def _joined_kv_b(k_b: GGUFTensor, v_b: GGUFTensor, config: dict[str, Any]) -> JoinedTensor:
+    """kv_b_proj [H * (nope + v), r] from llama.cpp's k_b [H, r, nope] and v_b [H, v, r]."""
+    heads, rank = config["num_attention_heads"], config["kv_lora_rank"]
+    nope, v_dim = config["qk_nope_head_dim"], config["v_head_dim"]
+
+    def join(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_rows = k.reshape(heads, rank, nope).transpose(1, 2)  # [H, nope, r], as in kv_b
+        return torch.cat([k_rows, v.reshape(heads, v_dim, rank)], dim=1).reshape(-1, rank)
+
+    shape = (heads * (nope + v_dim), rank)
+    return JoinedTensor("F32", np.empty(0, np.float32), shape, parts=(k_b, v_b), join=join)
 
 
 def _dequantized_tensors(
     reader: Any, config: dict[str, Any], dialect: GGUFArch, progress: Progress | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    total = len(reader.tensors)
+    total = sum(1 for _ in gguf_tensors(reader, config, dialect))  # experts count one by one
     for idx, (name, tensor) in enumerate(gguf_tensors(reader, config, dialect)):
         yield name, tensor.dequantize()
         if progress is not None:
             progress(idx + 1, total)
 
 
-def _hf_name(gguf_name: str, dialect: GGUFArch) -> str:
+def _hf_targets(gguf_name: str, dialect: GGUFArch) -> tuple[str, ...]:
+    """The HF names of a GGUF tensor's parts: several for a fused tensor, "{e}" in them for a
+    stacked one (densa.model.gguf_archs)."""
     if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+        return (_GLOBAL_NAMES[gguf_name],)
     parts = gguf_name.split(".", 2)  # "blk", "<n>", "<rest>"
     if parts[0] != "blk" or len(parts) != 3 or parts[2] not in dialect.layer_names:
         raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{parts[1]}.{dialect.layer_names[parts[2]]}"
+    names = dialect.layer_names[parts[2]]
+    listed = (names,) if isinstance(names, str) else names
+    return tuple(f"model.layers.{parts[1]}.{name}" for name in listed)
+
+
+def _hf_name(gguf_name: str, dialect: GGUFArch) -> str:
+    """The HF name a GGUF tensor loads as; for one holding several, its first part (expert 0,
+    the q or gate shard)."""
+    return _hf_targets(gguf_name, dialect)[0].replace(EXPERT, "0")
+
+
+_MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -358,7 +459,16 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
+    _gguf_tokenizer(gguf_path).save_pretrained(str(out_dir))
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(str(out_dir))
+
+def _gguf_tokenizer(gguf_path: Path) -> Any:
+    """transformers' tokenizer for the file; where transformers reads no model config for the
+    architecture (deepseek2), the generic fast tokenizer, built from the file's vocabulary alone."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ValueError:
+        return PreTrainedTokenizerFast.from_pretrained(folder, gguf_file=name)
