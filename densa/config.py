@@ -25,6 +25,8 @@ WEIGHT_FORMATS = ("auto", "dense", "int4", "fp8", "w4a8", "w8a8", "w8")
 # The output head: as loaded, or packed for the CPU kernels. "auto" keeps a GGUF's Q8_0 head
 # as w8 (its own bits, float activations: no added error) where the kernels are built.
 HEAD_FORMATS = ("auto", "dense", "w8a8", "w8")
+# What `auto` may resolve an untied GGUF head to: its own blocks (densa.model.gguf_loading).
+HEAD_FROM_BLOCKS = "blocks"
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class ModelConfig:
             raise ValueError(
                 f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}"
             )
-        if self.head_format not in HEAD_FORMATS:
+        if self.head_format not in (*HEAD_FORMATS, HEAD_FROM_BLOCKS):
             raise ValueError(f"head_format must be one of {HEAD_FORMATS}, got {self.head_format!r}")
         if self.decode_weight_format not in (None, *WEIGHT_FORMATS):
             raise ValueError(f"decode_weight_format must be one of {WEIGHT_FORMATS}")

@@ -41,7 +41,12 @@ class HFGenerate:
     name = "hf"
 
     def __init__(self, model_dir: Path) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        from densa.model.gguf import ensure_dense_copy
+
+        # A converted GGUF directory holds no weights of its own: transformers reads a float32
+        # copy written on first use (densa serves from the GGUF file itself).
+        weights_dir = ensure_dense_copy(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=torch.float32)
         self.model.eval()
 
     def run_wave(self, prompts: list[list[int]], output_len: int) -> list[RequestTiming]:

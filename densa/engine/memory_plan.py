@@ -34,10 +34,12 @@ from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs
 from densa.kernels import native, qgemm
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.gguf import GGUFFile
-from densa.model.gguf_loading import swap_kept_linears
+from densa.model.gguf_loading import swap_kept_embedding, swap_kept_linears
 from densa.model.interface import CausalLM
 from densa.model.loader import (  # the loader's own planning steps: the plan cannot drift
     DTYPES,
+    HEAD_FROM_BLOCKS,
+    _kept_embedding,
     _kept_linears,
     _quantized_modules,
     _read_stored_format,
@@ -124,11 +126,12 @@ def plan_weights(
     runtime = runtime_format(stored, "dense" if packed else weight_format)
     with torch.device("meta"):
         model = model_factory(arch.architecture)(arch, max_len, device).to(dtype=DTYPES[dtype])
-        kept = _kept_linears(model, source, weight_format, device)
+        kept = _kept_linears(model, source, weight_format, head_format, device)
         targets = _quantized_modules(model, stored, runtime)
         if runtime is not None:
             _swap_quantized(model, targets, runtime)
         swap_kept_linears(model, kept)
+        swap_kept_embedding(model, _kept_embedding(model, source, arch, device))
         model.tie_weights()
     tensors = _unique_tensors(model)
     resident = sum(_nbytes(t) for t in tensors)
@@ -182,7 +185,7 @@ def _repacked_bytes(model: CausalLM, fmt: str) -> int:
 def _head_bytes(model: CausalLM, head_format: str) -> int:
     """What packing the output head changes: a tied head adds its packed copy (the embedding
     stays), an untied one replaces its dense weight."""
-    if head_format == "dense":
+    if head_format in ("dense", HEAD_FROM_BLOCKS):  # blocks: swapped in the meta model already
         return 0
     head = model.get_submodule(OUTPUT_HEAD)
     sizes = _dense_and_packed(head, head_format)

@@ -66,8 +66,11 @@ def unsupported_reason(model: Any, kv_caches: Sequence[object]) -> str | None:
         return "densa's C++ kernels are not built here"
     if getattr(model, "embed_tokens", None) is None or getattr(model, "layers", None) is None:
         return "not a Llama-family model"
-    if model.embed_tokens.weight.dtype != torch.float32:
+    if model.norm.weight.dtype != torch.float32:
         return "compute dtype is not float32"
+    table = getattr(model.embed_tokens, "weight", None)
+    if table is not None and table.dtype != torch.float32:
+        return "the embedding table is not float32"
     family = _family_reason(model)
     if family is not None:
         return family
@@ -112,8 +115,14 @@ class FusedDecoder:
         cfg = model.cfg
         shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                  cfg.head_dim, float(model.norm.eps))  # fmt: skip
+        # A float32 table is indexed in C++; any other (GGUFEmbedding: quantized rows) is
+        # looked up here and its rows handed to each step.
+        table = getattr(model.embed_tokens, "weight", None)
+        self._lookup = None if table is not None else model.embed_tokens
+        if table is None:
+            table = torch.empty(0, cfg.hidden_size)
         self._decoder: Any = ext.Decoder(
-            shape, native.isa(), model.embed_tokens.weight.detach(),
+            shape, native.isa(), table.detach(),
             model.norm.weight.detach(), model.rotary.cos, model.rotary.sin, fp8_table(),
         )  # fmt: skip
         for layer, cache in zip(model.layers, kv_caches, strict=True):
@@ -166,10 +175,11 @@ class FusedDecoder:
         """Decode rows only (meta.prefill is None) -> final hidden states [T, hidden]."""
         group = meta.decode
         assert group is not None and meta.prefill is None
+        rows = None if self._lookup is None else self._lookup(input_ids).contiguous()
         out: torch.Tensor = self._decoder.forward(
             input_ids.contiguous(), positions.contiguous(), group.page_table.contiguous(),
             group.seq_lens.contiguous(), meta.slot_pages.contiguous(),
-            meta.slot_offsets.contiguous(),
+            meta.slot_offsets.contiguous(), rows,
         )  # fmt: skip
         return out
 

@@ -1,19 +1,29 @@
-"""Read a GGUF file (llama.cpp's format) into a Hugging Face-style directory densa can load.
+"""Read a GGUF file (llama.cpp's format) as a Hugging Face-style model densa can load.
 
-Quantized GGUF tensors (Q4_K, Q5_0, Q6_K, Q8_0, ... whatever the file holds) are dequantized to
-float32 once by the `gguf` package; the result (config.json, model.safetensors, tokenizer files)
-is cached on disk, so later starts skip the conversion. What llama.cpp's converter changed is
-undone per architecture (densa.model.gguf_archs): Llama's Q/K rows are un-permuted (llama.cpp
-interleaves them for its rotary layout), Gemma's norm weights lose the 1 llama.cpp adds.
+`ensure_converted` writes what the loader needs beside the weights into a cache directory
+(config.json, tokenizer files, a note of the stored types and of the source file); the weights
+stay in the GGUF file and are read from it, mmapped, one tensor at a time
+(densa.model.gguf_loading keeps the block types the CPU kernels run, everything else is
+dequantized as it loads). No float32 copy is written for serving: a 1 GB Q4_K_M file would
+become 6.6 GB on disk. Tools that need a transformers-readable checkpoint (the transformers
+peer of `densa bench peers`, tests against transformers) ask for one with `ensure_dense_copy`.
+
+What llama.cpp's converter changed is undone per architecture (densa.model.gguf_archs):
+Llama's Q/K rows are un-permuted (llama.cpp interleaves them for its rotary layout), Gemma's
+norm weights lose the 1 llama.cpp adds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import hashlib
 import json
+import mmap
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -81,15 +91,11 @@ def ensure_converted(gguf_path: Path, progress: Progress | None = None) -> Path:
         if not (out_dir / SOURCE_FILE).is_file():
             _write_source(gguf_path, out_dir)
         return out_dir
-    logger.info("converting %s to a cached safetensors copy in %s (once)", gguf_path.name, out_dir)
+    logger.info("reading %s's config and tokenizer into %s (once)", gguf_path.name, out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp_dir = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".converting-"))
     try:
-        if progress is None:
-            with _progress_bar(f"converting {gguf_path.name}") as bar:
-                convert_gguf(gguf_path, tmp_dir, bar)
-        else:
-            convert_gguf(gguf_path, tmp_dir, progress)
+        convert_gguf(gguf_path, tmp_dir, progress)
         tmp_dir.rename(out_dir)  # atomic: a crash never leaves a half-written cache entry
     except FileExistsError:
         shutil.rmtree(tmp_dir, ignore_errors=True)  # another process converted it first
@@ -112,7 +118,38 @@ def _progress_bar(description: str) -> Iterator[Progress]:
         yield update
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = None) -> None:
+def ensure_dense_copy(model_dir: Path, progress: Progress | None = None) -> Path:
+    """Give a converted GGUF directory a float32 model.safetensors (for transformers and other
+    readers of HF checkpoints; densa itself reads the GGUF file). Written once, atomically."""
+    target = model_dir / "model.safetensors"
+    source = model_dir / SOURCE_FILE
+    if target.is_file() or not source.is_file():
+        return model_dir
+    gguf_path = Path(json.loads(source.read_text())["path"])
+    if not gguf_path.is_file():
+        raise ModelLoadError(f"{model_dir} was converted from {gguf_path}, which is gone")
+    reader = _open_reader(gguf_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    dialect = GGUF_ARCHS[str(_read_fields(reader).get("general.architecture"))]
+    logger.info("writing a float32 copy of %s for transformers into %s", gguf_path.name, target)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        with contextlib.ExitStack() as stack:
+            if progress is None:
+                progress = stack.enter_context(_progress_bar(f"dequantizing {gguf_path.name}"))
+            tensors = _dequantized_tensors(reader, config, dialect, progress)
+            _save_streamed(reader, config, dialect, tensors, partial)
+        partial.rename(target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return model_dir
+
+
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, progress: Progress | None = None, dense: bool = False
+) -> None:
+    """Config, tokenizer and notes of a GGUF file into `out_dir`; with `dense`, also the
+    float32 weights (model.safetensors)."""
     reader = _open_reader(gguf_path)
     fields = _read_fields(reader)
     if "general.architecture" not in fields:
@@ -123,8 +160,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: Progress | None = Non
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})"
         )
     config = _hf_config(fields, arch, reader)
-    tensors = _dequantized_tensors(reader, config, GGUF_ARCHS[arch], progress)
-    _save_streamed(reader, config, GGUF_ARCHS[arch], tensors, out_dir / "model.safetensors")
+    if dense:
+        tensors = _dequantized_tensors(reader, config, GGUF_ARCHS[arch], progress)
+        _save_streamed(reader, config, GGUF_ARCHS[arch], tensors, out_dir / "model.safetensors")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     _write_quantization(reader, out_dir)
     _write_source(gguf_path, out_dir)
@@ -182,6 +220,9 @@ class GGUFFile:
         if arch not in GGUF_ARCHS:
             raise ModelLoadError(f"GGUF architecture {arch!r} is not supported")
         self.dialect = GGUF_ARCHS[arch]
+        # The metadata is parsed into Python objects (~500 MB for a 150k-token vocabulary's
+        # tokens and merges); loading needs only the tensors, so let it go before they are read.
+        self.reader.fields.clear()
 
     @classmethod
     def of_converted(cls, model_dir: Path) -> GGUFFile | None:
@@ -199,8 +240,24 @@ class GGUFFile:
         """HF tensor name -> GGUF type name ("Q4_K", "F32", ...)."""
         return {_hf_name(t.name, self.dialect): t.tensor_type.name for t in self.reader.tensors}
 
+    def release(self, raw: np.ndarray) -> None:
+        """Drop a consumed tensor's file pages from this process (see release_pages)."""
+        release_pages(raw, self.reader.data)
+
+    def layouts(self) -> dict[str, tuple[str, int]]:
+        """HF tensor name -> (GGUF type name, rows) of every tensor as the model loads it
+        (fused and stacked ones split): what planning which layers keep their blocks needs."""
+        return {name: (t.type_name, t.shape[0]) for name, t in self.tensors()}
+
     def tensor_bytes(self) -> int:
         return sum(int(t.n_bytes) for t in self.reader.tensors)
+
+    def count(self) -> int:
+        return len(self.reader.tensors)
+
+    def dense_bytes(self) -> int:
+        """The tensors' bytes as float32."""
+        return sum(4 * int(t.n_elements) for t in self.reader.tensors)
 
     def tensors(self) -> Iterator[tuple[str, GGUFTensor]]:
         return gguf_tensors(self.reader, self.config, self.dialect)
@@ -448,6 +505,36 @@ def _hf_name(gguf_name: str, dialect: GGUFArch) -> str:
 
 
 _MADV_DONTNEED = 4  # <sys/mman.h> on Linux
+
+
+def release_pages(array: np.ndarray, mapping: np.ndarray) -> None:
+    """Let go of the pages of `mapping` (a read-only memmap of a file) that `array`, a view
+    into it, was read from: a file mapping keeps every page it touched resident in the process
+    (RSS) until unmapped, so a loader that read the whole file would hold it all once more
+    beside the weights it built. The pages stay in the page cache; touching them again reads
+    them back. Anything not inside the mapping is left alone (madvise would zero heap pages)."""
+    libc = _libc()
+    if libc is None or array.nbytes == 0 or not isinstance(mapping, np.memmap):
+        return
+    if mapping.mode not in ("r", "c"):
+        return
+    start, low = _address(array), _address(mapping)
+    if start < low or start + array.nbytes > low + mapping.nbytes:
+        return  # a copy (an un-permuted tensor), not the file's own pages
+    page = mmap.PAGESIZE
+    first, last = max(start // page * page, low), -(-(start + array.nbytes) // page) * page
+    libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+@functools.cache
+def _libc() -> Any:
+    if sys.platform != "linux":
+        return None
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -1,28 +1,29 @@
 """A GGUF file's linear layers loaded straight from its blocks into the CPU kernels' formats.
 
-Which layers keep their blocks (`plan_kept_linears`): with a packed `--weight-format` (which
-`auto` resolves to for a GGUF file whose layers are mostly of a mapped type, loader.AUTO_LINEAR),
-each linear layer whose GGUF tensors (all shards of a fused q|k|v or gate|up) map onto one
-kernel family (densa.quant.gguf_blocks) and whose shape the kernels tile. Its module is swapped
-for an empty `PackedLinear` before the model is materialized; while the checkpoint streams in,
-`BlockSink` takes those tensors out of the stream, decodes each shard's blocks, and once a
-module's shards are all there, packs them (rows in fused order) into its blocks. Every other
-tensor is dequantized to float32 one at a time and loaded as usual (the other linears are then
-packed from float32 into the asked format, as for any dense checkpoint), so at no point is the
-whole model held in float32.
+Which layers keep their blocks (`plan_kept_linears`): each linear layer (and an untied output
+head) whose GGUF tensors map onto a kernel family (densa.quant.gguf_blocks) under the asked
+`--weight-format`, and whose shape the kernels tile. A fused q|k|v or gate|up whose shards map
+onto one family is one `PackedLinear`; one whose shards need different families (Q4_K_M files
+store some layers' v as Q6_K beside Q4_K q and k) is a `ShardedPackedLinear`, each shard in its
+own format. Planned modules are swapped for empty packed ones before the model is materialized;
+while the checkpoint streams in, `BlockSink` takes their tensors out of the stream, decodes each
+shard's blocks and packs it into its place. Every other tensor is dequantized to float32 one at
+a time and loaded as usual (the other linears are then packed from float32 into the asked
+format, as for any dense checkpoint), so at no point is the whole model held in float32.
 
-    weight_format   kept layers, in order of preference
-    w4a8            w4 family -> w4a8, else w8 family -> w8a8
-    w8a8            w8 family -> w8a8, else w4 family -> w4a8
-    w8              w8 family -> w8,   else w4 family -> w4a8
-    any other       none (dense, int4, fp8; `auto` on a converted directory loads it dense,
-                    as transformers reads it)
+    weight_format   kept layers: kernel family -> packed format, in order of preference
+    auto            w4 -> w4a8, w6 -> w6a8, w8 -> w8 (weight-only: Q8_0 exactly, float x)
+    w4a8            w4 -> w4a8, w6 -> w6a8, w8 -> w8a8
+    w8a8            w8 -> w8a8, w6 -> w6a8, w4 -> w4a8
+    w8              w8 -> w8,   w6 -> w6a8, w4 -> w4a8
+    any other       none (dense, int4, fp8)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -32,51 +33,91 @@ from densa.kernels import qgemm
 from densa.model.arch import ModelLoadError
 from densa.model.gguf import GGUFFile, GGUFTensor
 from densa.model.interface import CausalLM
-from densa.model.packed_linear import PackedLinear
+from densa.model.packed_linear import PackedLinear, ShardedPackedLinear, packed_bytes
+from densa.model.quantized_embedding import GGUFEmbedding
 from densa.model.weight_loading import GATE_UP_FUSED, QKV_FUSED, fused_target
 from densa.quant import gguf_blocks
 
 _FAMILY_FORMATS = {  # weight_format -> kernel family -> packed format, in preference order
-    "w4a8": {"w4": "w4a8", "w8": "w8a8"},
-    "w8a8": {"w8": "w8a8", "w4": "w4a8"},
-    "w8": {"w8": "w8", "w4": "w4a8"},
+    "auto": {"w4": "w4a8", "w6": "w6a8", "w8": "w8"},
+    "w4a8": {"w4": "w4a8", "w6": "w6a8", "w8": "w8a8"},
+    "w8a8": {"w8": "w8a8", "w6": "w6a8", "w4": "w4a8"},
+    "w8": {"w8": "w8", "w6": "w6a8", "w4": "w4a8"},
 }
 _SHARD_ORDER = {None: 0, "q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
 
 
 @dataclass(frozen=True)
 class KeptLinear:
-    """A linear layer run from its GGUF blocks: its packed format and the kernel family its
-    shards decode into."""
+    """A linear layer run from its GGUF blocks: per shard (in fused order: q, k, v or gate, up;
+    one for an unfused layer) its packed format, kernel family and output rows."""
 
-    fmt: str
-    family: str
+    fmts: tuple[str, ...]
+    families: tuple[str, ...]
+    rows: tuple[int, ...]
     exact: bool  # False where fp16 scales round the stored values (Q4_K)
+
+    @property
+    def sharded(self) -> bool:
+        return len(set(self.fmts)) > 1
+
+    @property
+    def fmt(self) -> str:
+        """The layer's format ("w4a8|w6a8" for a sharded one)."""
+        return "|".join(dict.fromkeys(self.fmts))
+
+    def packed_bytes(self, in_features: int) -> int:
+        pairs = zip(self.fmts, self.rows, strict=True)
+        return sum(packed_bytes(fmt, rows, in_features) for fmt, rows in pairs)
 
 
 def plan_kept_linears(
-    model: CausalLM, types: dict[str, str], targets: set[str], weight_format: str
+    model: CausalLM, layouts: dict[str, tuple[str, int]], targets: set[str], weight_format: str
 ) -> dict[str, KeptLinear]:
     """Module name -> how it keeps its blocks, for the `targets` (quantizable linears) whose
-    GGUF types (HF tensor name -> type name) allow it under `weight_format`."""
+    GGUF tensors (HF name -> (type name, rows)) allow it under `weight_format`."""
     formats = _FAMILY_FORMATS.get(weight_format, {})
-    shard_types: dict[str, list[str]] = {}
-    for name, type_name in types.items():
+    shards: dict[str, list[tuple[int, str, int]]] = {}  # module -> [(order, type, rows)]
+    for name, (type_name, rows) in layouts.items():
         module, _, param = model.checkpoint_target(name).rpartition(".")
         if param == "weight" and module in targets:
-            shard_types.setdefault(module, []).append(type_name)
+            shards.setdefault(module, []).append((_shard_order(name), type_name, rows))
     plan = {}
-    for module, kinds in shard_types.items():
-        family = gguf_blocks.common_family(kinds, tuple(formats))
-        layer = model.get_submodule(module)
-        weight = getattr(layer, "weight", None)
-        if family not in formats or weight is None:
-            continue
-        if not qgemm.fits(weight.shape[1], weight.shape[0]):
-            continue
-        exact = all(gguf_blocks.BLOCK_TYPES[k].is_exact(family) for k in kinds)
-        plan[module] = KeptLinear(formats[family], family, exact)
+    for module, parts in shards.items():
+        kept = _plan_layer(model.get_submodule(module), sorted(parts), formats)
+        if kept is not None:
+            plan[module] = kept
     return plan
+
+
+def _shard_order(hf_name: str) -> int:
+    return _SHARD_ORDER[fused_target(hf_name, QKV_FUSED | GATE_UP_FUSED)[1]]
+
+
+def _plan_layer(
+    layer: nn.Module, parts: list[tuple[int, str, int]], formats: dict[str, str]
+) -> KeptLinear | None:
+    """One family for all shards if they share one, else each shard's own (sharded)."""
+    weight = getattr(layer, "weight", None)
+    if weight is None or not qgemm.fits(weight.shape[1], weight.shape[0]):
+        return None
+    kinds = [kind for _, kind, _ in parts]
+    rows = tuple(r for _, _, r in parts)
+    if sum(rows) != weight.shape[0]:
+        return None  # a shard is missing from the file: loaded dense, which refuses it
+    if any(r % qgemm.PANEL for r in rows):
+        return None  # shards are packed into whole panels of rows
+    order = tuple(formats)
+    common = gguf_blocks.common_family(kinds, order)
+    if common is not None:
+        chosen = (common,) * len(kinds)
+    else:  # each shard in its own format
+        own = [gguf_blocks.common_family([kind], order) for kind in kinds]
+        if any(f is None for f in own):
+            return None
+        chosen = tuple(str(f) for f in own)
+    exact = all(gguf_blocks.BLOCK_TYPES[k].is_exact(f) for k, f in zip(kinds, chosen, strict=True))
+    return KeptLinear(tuple(formats[f] for f in chosen), chosen, rows, exact)
 
 
 def swap_kept_linears(model: nn.Module, plan: dict[str, KeptLinear]) -> None:
@@ -85,59 +126,127 @@ def swap_kept_linears(model: nn.Module, plan: dict[str, KeptLinear]) -> None:
         dense = model.get_submodule(name)
         out_features, in_features = getattr(dense, "weight").shape  # noqa: B009
         has_bias = getattr(dense, "bias", None) is not None
-        model.set_submodule(name, PackedLinear.empty(kept.fmt, in_features, out_features, has_bias))
+        packed: nn.Module
+        if kept.sharded:
+            packed = ShardedPackedLinear.empty(kept.fmts, in_features, kept.rows, has_bias)
+        else:
+            packed = PackedLinear.empty(kept.fmts[0], in_features, out_features, has_bias)
+        model.set_submodule(name, packed)
+
+
+EMBEDDING_TENSOR = "model.embed_tokens.weight"  # token_embd.weight in HF naming
+_DENSE_TYPES = {"F32", "F16", "BF16"}
+
+
+@dataclass(frozen=True)
+class KeptEmbedding:
+    """The token embedding kept in its GGUF blocks (densa.model.quantized_embedding)."""
+
+    module: str
+    type_name: str
+    num_embeddings: int
+    embedding_dim: int
+
+
+def plan_kept_embedding(
+    model: CausalLM, layouts: dict[str, tuple[str, int]], tied: bool
+) -> KeptEmbedding | None:
+    """Keep a quantized embedding's blocks, unless the output head shares its weight (a tied
+    head multiplies by the whole table every step: it needs a kernel format)."""
+    if tied or EMBEDDING_TENSOR not in layouts:
+        return None
+    type_name, rows = layouts[EMBEDDING_TENSOR]
+    module = model.checkpoint_target(EMBEDDING_TENSOR).rpartition(".")[0]
+    layer = model.get_submodule(module)
+    if type_name in _DENSE_TYPES or not isinstance(layer, nn.Embedding):
+        return None
+    return KeptEmbedding(module, type_name, rows, layer.embedding_dim)
+
+
+def swap_kept_embedding(model: nn.Module, kept: KeptEmbedding | None) -> None:
+    if kept is None:
+        return
+    row_bytes = GGUFEmbedding.row_bytes(kept.type_name, kept.embedding_dim)
+    table = GGUFEmbedding(kept.type_name, kept.num_embeddings, kept.embedding_dim, row_bytes)
+    model.set_submodule(kept.module, table)
 
 
 class BlockSink:
-    """Collects the kept layers' GGUF tensors and packs each layer once its shards are in."""
+    """Takes the kept layers' GGUF tensors out of the stream and packs each shard into its rows
+    of the layer's blocks at once, a few thousand rows at a time (a panel-major layout puts rows
+    [r0, r1) in one run of blocks), so no layer is ever decoded whole: the 1.5B's Q6_K output
+    head alone would need ~1 GB of temporaries."""
 
-    def __init__(self, model: nn.Module, plan: dict[str, KeptLinear]) -> None:
-        self.model, self.plan = model, plan
-        self._pending: dict[str, list[tuple[int, gguf_blocks.KernelGroups]]] = {}
+    def __init__(
+        self, model: nn.Module, plan: dict[str, KeptLinear], embedding: KeptEmbedding | None = None
+    ) -> None:
+        self.model, self.plan, self.embedding = model, plan, embedding
         self._rows: dict[str, int] = {}
         self.done: set[str] = set()
 
     def take(self, hf_name: str, module: str | None, tensor: GGUFTensor) -> bool:
         """Consume the tensor if it is the weight (`module`: the layer it loads into, None for
-        other parameters) of a kept layer (True), else leave it (False)."""
+        other parameters) of a kept layer or the kept embedding (True), else leave it."""
+        if self.embedding is not None and module == self.embedding.module:
+            table = cast(GGUFEmbedding, self.model.get_submodule(module))
+            table.blocks.numpy()[:] = tensor.raw
+            self.done.add(module)
+            return True
         kept = self.plan.get(module or "")
         if module is None or kept is None:
             return False
-        shard = fused_target(hf_name, QKV_FUSED | GATE_UP_FUSED)[1]
-        groups = gguf_blocks.decode(tensor.raw, tensor.type_name, kept.family, tensor.shape[1])
-        self._pending.setdefault(module, []).append((_SHARD_ORDER[shard], groups))
-        self._rows[module] = self._rows.get(module, 0) + tensor.shape[0]
+        order = _shard_order(hf_name)
         layer = self.model.get_submodule(module)
-        if self._rows[module] == getattr(layer, "out_features"):  # noqa: B009
-            self._install(module, layer)
+        target: nn.Module = layer  # the shards of a fused layer are row ranges of one module
+        first_row = sum(kept.rows[:order])
+        if kept.sharded:  # each shard is a module of its own
+            target, first_row = cast(ShardedPackedLinear, layer).packed_shards[order], 0
+        _pack_rows(target, kept.fmts[order], kept.families[order], tensor, first_row)
+        self._rows[module] = self._rows.get(module, 0) + tensor.shape[0]
+        if self._rows[module] == sum(kept.rows):
+            self.done.add(module)
         return True
 
-    def _install(self, module: str, layer: nn.Module) -> None:
-        parts = [groups for _, groups in sorted(self._pending.pop(module), key=lambda p: p[0])]
-        codes = torch.from_numpy(_cat([p.codes for p in parts]))
-        d = torch.from_numpy(_cat([p.d for p in parts]))
-        fmt, isa = self.plan[module].fmt, getattr(layer, "isa")  # noqa: B009
-        if fmt == "w4a8":
-            m = torch.from_numpy(_cat([p.m for p in parts if p.m is not None]))
-            packed = qgemm.pack_w4(codes, d, m, isa)
-        elif fmt == "w8a8":
-            packed = qgemm.pack_w8(codes, d, isa)
-        else:
-            packed = qgemm.pack_w8_float(codes, d, isa)
-        blocks = getattr(layer, "blocks")  # noqa: B009
-        blocks.copy_(packed.blocks)
-        self.done.add(module)
-
     def finish(self) -> None:
-        missing = sorted(set(self.plan) - self.done)
+        expected = set(self.plan) | ({self.embedding.module} if self.embedding else set())
+        missing = sorted(expected - self.done)
         if missing:
             raise ModelLoadError(
                 f"the GGUF file lacks weights of {len(missing)} layers, e.g. {missing[:3]}"
             )
 
 
-def _cat(arrays: list[np.ndarray]) -> np.ndarray:
-    return np.ascontiguousarray(np.concatenate(arrays, axis=0))
+_ROWS_PER_CHUNK = 2048  # a multiple of the 16-row panel
+
+
+def _pack_rows(layer: nn.Module, fmt: str, family: str, tensor: GGUFTensor, first_row: int) -> None:
+    """Decode the tensor's blocks and pack them into `layer`'s rows from `first_row` on."""
+    blocks = getattr(layer, "blocks")  # noqa: B009
+    in_features = tensor.shape[1]
+    row_bytes = packed_bytes(fmt, qgemm.PANEL, in_features) // qgemm.PANEL
+    for lo in range(0, tensor.shape[0], _ROWS_PER_CHUNK):
+        raw = tensor.raw[lo : lo + _ROWS_PER_CHUNK]
+        groups = gguf_blocks.decode(raw, tensor.type_name, family, in_features)
+        packed = _pack(groups, fmt, getattr(layer, "isa")).blocks  # noqa: B009
+        start = (first_row + lo) * row_bytes
+        blocks[start : start + packed.numel()].copy_(packed)
+
+
+def _pack(groups: gguf_blocks.KernelGroups, fmt: str, isa: str) -> qgemm.PackedWeight:
+    codes, d = torch.from_numpy(groups.codes), torch.from_numpy(groups.d)
+    if fmt == "w4a8":
+        return qgemm.pack_w4(codes, d, torch.from_numpy(_present(groups.m)), isa)
+    if fmt == "w6a8":
+        return qgemm.pack_w6(codes, d, torch.from_numpy(_present(groups.sc)), isa)
+    if fmt == "w8a8":
+        return qgemm.pack_w8(codes, d, isa)
+    return qgemm.pack_w8_float(codes, d, isa)
+
+
+def _present(array: np.ndarray | None) -> np.ndarray:
+    if array is None:
+        raise ValueError("a block decoder left out a part its kernel format needs")
+    return np.ascontiguousarray(array)
 
 
 def gguf_checkpoint(
@@ -149,4 +258,5 @@ def gguf_checkpoint(
         module, _, param = model.checkpoint_target(name).rpartition(".")
         if not sink.take(name, module if param == "weight" else None, tensor):
             yield name, tensor.dequantize()
+        source.release(tensor.raw)  # read once: its file pages need not stay in this process
     sink.finish()

@@ -17,15 +17,23 @@ from pathlib import Path
 import psutil
 import torch
 
+from densa.config import HEAD_FROM_BLOCKS
 from densa.kernels import native
-from densa.memory import rehome_on_huge_pages
+from densa.memory import (
+    keep_large_allocations_unmappable,
+    rehome_on_huge_pages,
+    return_free_heap,
+)
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.gguf import GGUFFile, ensure_converted, stored_quantization
 from densa.model.gguf_loading import (
     BlockSink,
+    KeptEmbedding,
     KeptLinear,
     gguf_checkpoint,
+    plan_kept_embedding,
     plan_kept_linears,
+    swap_kept_embedding,
     swap_kept_linears,
 )
 from densa.model.interface import CausalLM
@@ -38,11 +46,12 @@ from densa.model.packed_linear import (
     PACKED_FORMATS,
     PackedFormatUnavailable,
     pack_linears,
-    packed_bytes,
 )
 from densa.model.quant_targets import OUTPUT_HEAD, QuantScope, quantization_targets
+from densa.model.quantized_embedding import GGUFEmbedding
 from densa.model.registry import model_factory
 from densa.model.stacked_linear import StackedLinear, prepare_stacked, quantize_stacked
+from densa.quant import gguf_blocks
 from densa.quant.checkpoint import Quantized, group_parts, read_format
 from densa.quant.quantizer import make_quantizer
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
@@ -83,6 +92,27 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         if not path.is_file():
             raise ModelLoadError(f"weight file {path} listed in the index is missing")
     return files
+
+
+def dense_checkpoint(model_dir: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    """A checkpoint's tensors as stored, and how many there are; a converted GGUF directory's
+    come from its file, dequantized to float32 one at a time (it holds no weights of its own)."""
+    source = GGUFFile.of_converted(model_dir)
+    if source is not None:
+        return ((name, tensor.dequantize()) for name, tensor in source.tensors()), source.count()
+    files = safetensors_files(model_dir)
+    return iter_checkpoint(files), checkpoint_size(files)
+
+
+def checkpoint_size(files: list[Path]) -> int:
+    """The number of tensors in safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    count = 0
+    for path in files:
+        with safe_open(str(path), framework="pt") as handle:
+            count += len(list(handle.keys()))
+    return count
 
 
 def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -142,6 +172,7 @@ def load_model(
     itself, its linear layers kept in their blocks where the kernels run them
     (densa.model.gguf_loading)."""
     torch_dtype = DTYPES[dtype]
+    keep_large_allocations_unmappable()  # the load's temporaries must not stay in the heap
     source = GGUFFile.of_converted(model_dir)
     files = [] if source is not None else safetensors_files(model_dir)
     stored = _read_stored_format(files) if files else None
@@ -152,16 +183,19 @@ def load_model(
     with torch.device("meta"):
         model = factory(arch, max_position, device).to(dtype=torch_dtype)
         num_params = num_parameters(model)
-        kept = _kept_linears(model, source, weight_format, device)
-        check_fits(num_params, torch_dtype, device, _packed_savings(model, kept, torch_dtype))
+        kept = _kept_linears(model, source, weight_format, head_format, device)
+        table = _kept_embedding(model, source, arch, device)
+        savings = _packed_savings(model, kept, table, torch_dtype)
+        check_fits(num_params, torch_dtype, device, savings)
         targets = _quantized_modules(model, stored, runtime)
         if runtime is not None:
             _swap_quantized(model, targets, runtime)
         swap_kept_linears(model, kept)
+        swap_kept_embedding(model, table)
     model = model.to_empty(device=device)
     model.tie_weights()
     raw = (
-        gguf_checkpoint(source, model, BlockSink(model, kept))
+        gguf_checkpoint(source, model, BlockSink(model, kept, table))
         if source is not None
         else iter_checkpoint(files)
     )
@@ -177,6 +211,7 @@ def load_model(
     model.weight_format = _describe_weights(runtime, packed, head_format, kept)
     if device.type == "cpu":
         rehome_on_huge_pages(model)  # streaming weights from huge pages is ~30% faster
+        return_free_heap()
     logger.info(
         "loaded %s (%s parameters, %s compute, %s weights: %s resident)",
         model_dir.name, f"{num_params:,}", dtype, model.weight_format,
@@ -186,21 +221,49 @@ def load_model(
 
 
 def _kept_linears(
-    model: CausalLM, source: GGUFFile | None, weight_format: str, device: torch.device
+    model: CausalLM,
+    source: GGUFFile | None,
+    weight_format: str,
+    head_format: str,
+    device: torch.device,
 ) -> dict[str, KeptLinear]:
-    """The GGUF linear layers that keep their blocks (none without the C++ kernels)."""
+    """The GGUF linear layers (and, with head format `blocks`, the output head) that keep
+    their blocks (none without the C++ kernels)."""
     if source is None or device.type != "cpu" or not native.is_available():
         return {}
-    return plan_kept_linears(model, source.types(), quantizable_linears(model), weight_format)
+    targets = quantizable_linears(model, include_head=head_format == HEAD_FROM_BLOCKS)
+    kept = plan_kept_linears(model, source.layouts(), targets, weight_format)
+    if head_format == HEAD_FROM_BLOCKS and OUTPUT_HEAD not in kept:
+        head_only = plan_kept_linears(model, source.layouts(), {OUTPUT_HEAD}, "auto")
+        kept.update(head_only)  # the head's own family even when the linears were asked dense
+    return kept
 
 
-def _packed_savings(model: CausalLM, kept: dict[str, KeptLinear], dtype: torch.dtype) -> int:
-    """Bytes the kept layers need less than dense weights of `dtype`."""
+def _kept_embedding(
+    model: CausalLM, source: GGUFFile | None, arch: ArchConfig, device: torch.device
+) -> KeptEmbedding | None:
+    """The token embedding kept in its GGUF blocks (CPU only: lookups decode on the host)."""
+    if source is None or device.type != "cpu":
+        return None
+    return plan_kept_embedding(model, source.layouts(), arch.tie_word_embeddings)
+
+
+def _packed_savings(
+    model: CausalLM,
+    kept: dict[str, KeptLinear],
+    table: KeptEmbedding | None,
+    dtype: torch.dtype,
+) -> int:
+    """Bytes the kept layers (and embedding) need less than dense weights of `dtype`."""
     saved = 0
+    if table is not None:
+        row_bytes = GGUFEmbedding.row_bytes(table.type_name, table.embedding_dim)
+        dense = table.embedding_dim * dtype.itemsize
+        saved += table.num_embeddings * (dense - row_bytes)
     for name, layer in kept.items():
         out_features, in_features = getattr(model.get_submodule(name), "weight").shape  # noqa: B009
         dense = out_features * in_features * dtype.itemsize
-        saved += dense - packed_bytes(layer.fmt, out_features, in_features)
+        saved += dense - layer.packed_bytes(in_features)
     return saved
 
 
@@ -211,7 +274,12 @@ def _pack(model: CausalLM, weight_format: str | None, head_format: str) -> None:
             skipped = pack_linears(model, quantizable_linears(model), weight_format)
             if skipped:
                 logger.info("%d linear layers stay dense (shape does not tile)", len(skipped))
-        if head_format != "dense" and pack_linears(model, {OUTPUT_HEAD}, head_format):
+        from_blocks = head_format == HEAD_FROM_BLOCKS
+        if (
+            not from_blocks
+            and head_format != "dense"
+            and pack_linears(model, {OUTPUT_HEAD}, head_format)
+        ):
             raise ModelLoadError(f"the output head's shape does not fit {head_format}")
     except PackedFormatUnavailable as exc:
         raise ModelLoadError(str(exc)) from exc
@@ -222,17 +290,20 @@ def _describe_weights(
 ) -> str:
     linear = runtime.describe() if runtime is not None else packed or "dense"
     if kept:
-        counts = Counter(k.fmt for k in kept.values())
+        counts = Counter(k.fmt for name, k in kept.items() if name != OUTPUT_HEAD)
         blocks = ", ".join(f"{n} {fmt}" for fmt, n in sorted(counts.items()))
         linear = f"GGUF blocks ({blocks} layers), others {linear}"
+    if head == HEAD_FROM_BLOCKS:
+        head = f"{kept[OUTPUT_HEAD].fmt} (GGUF blocks)" if OUTPUT_HEAD in kept else "dense"
     return linear if head == "dense" else f"{linear}, output head {head}"
 
 
-# GGUF block types that `auto` keeps as stored (bit for bit; densa.quant.gguf_blocks), by the
-# most common type of the file's linear layers, and the packed format running them.
-# Q5_0/Q8_0 files run as w8a8 only when asked (--weight-format w8a8): its int8 activations moved
-# Gemma 3 270M's greedy answer off transformers' within 8 tokens
-# (tests/model/test_gemma3_gguf.py), and what that costs in KL is not measured yet (issue 21).
+# How `auto` runs a GGUF file on the C++ kernels. Every linear layer whose block type the kernels
+# hold (densa.quant.gguf_blocks: Q4_0, Q4_1, Q4_K as w4a8, Q5_0 and Q6_K as w6a8, Q8_0 as w8)
+# keeps its blocks (gguf_loading: `auto` family formats), others load dense; a file whose
+# layers are mostly Q4_0/Q4_1 also packs those others as w4a8 (what SmolLM2's Q4_1 file always
+# did). An untied head keeps its blocks the same way (HEAD_FROM_BLOCKS); a head tied to a Q8_0
+# embedding is packed as w8 from it.
 AUTO_LINEAR = {"Q4_0": "w4a8", "Q4_1": "w4a8"}
 AUTO_HEAD = {"Q8_0": "w8"}
 
@@ -240,18 +311,26 @@ AUTO_HEAD = {"Q8_0": "w8"}
 def auto_formats(
     model_path: str, model_dir: Path, weight_format: str, head_format: str
 ) -> tuple[str, str]:
-    """Resolve `auto`: a GGUF file whose linear layers are mostly of a type the kernels run
-    exactly (Q4_0/Q4_1 as w4a8; a Q8_0 head as w8) runs from those very
-    bits on the C++ kernels where they are built; everything else loads as its checkpoint says
-    (dense for HF directories). Returns (weights, head)."""
+    """Resolve `auto` (see AUTO_LINEAR): GGUF files run from their blocks on the C++ kernels
+    where they are built; everything else loads as its checkpoint says (dense for HF
+    directories). Returns (weights, head)."""
     stored = stored_quantization(model_dir) if str(model_path).endswith(".gguf") else {}
     kernels = native.is_available()
     if weight_format == "auto" and kernels and stored.get("linear") in AUTO_LINEAR:
         weight_format = AUTO_LINEAR[str(stored["linear"])]
     if head_format == "auto":
-        head = stored.get("head")
-        head_format = AUTO_HEAD[head] if kernels and head in AUTO_HEAD else "dense"
+        head_format = _auto_head(model_dir, stored) if kernels else "dense"
     return weight_format, head_format
+
+
+def _auto_head(model_dir: Path, stored: dict[str, str | None]) -> str:
+    head = stored.get("head")
+    if head is None:
+        return "dense"
+    tied = json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False)
+    if not tied and gguf_blocks.common_family([head]) is not None:
+        return HEAD_FROM_BLOCKS
+    return AUTO_HEAD.get(head, "dense")
 
 
 def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> WeightFormat | None:

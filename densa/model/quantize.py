@@ -23,11 +23,12 @@ from densa.measure.data import calibration_passages
 from densa.model import gguf
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
+from densa.model.gguf import GGUFFile
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import scratch_caches
 from densa.model.loader import (
     DTYPES,
-    iter_checkpoint,
+    dense_checkpoint,
     linear_module_of,
     load_model,
     resolve_model_dir,
@@ -62,7 +63,7 @@ class QuantizeSettings:
 
 @dataclass(frozen=True)
 class QuantizeResult:
-    source_bytes: int  # the dense source's weight files (a GGUF source: its converted copy)
+    source_bytes: int  # the dense source's weight files (a GGUF source: as float32)
     source_file_bytes: int  # a GGUF source's own file; 0 for directories
     output_bytes: int
     num_quantized: int
@@ -154,9 +155,10 @@ def _output_tensors(
     hessians: dict[str, torch.Tensor],
     settings: QuantizeSettings,
 ) -> Iterator[tuple[str, Value]]:
-    files = safetensors_files(src_dir)
-    stored = read_format(files)
-    dense = runtime_tensors(iter_checkpoint(files), skeleton, stored, None, set())
+    checkpoint, _ = dense_checkpoint(src_dir)
+    gguf_source = GGUFFile.of_converted(src_dir) is not None
+    stored = None if gguf_source else read_format(safetensors_files(src_dir))
+    dense = runtime_tensors(checkpoint, skeleton, stored, None, set())
     if settings.fmt is None:
         keep = DTYPES[settings.keep_dtype]
         return ((name, t.to(keep) if t.is_floating_point() else t) for name, t in dense)
@@ -176,18 +178,8 @@ def _output_tensors(
 def _with_progress(
     tensors: Iterator[tuple[str, Value]], src_dir: Path, enabled: bool
 ) -> Iterator[tuple[str, Value]]:
-    total = _num_tensors(safetensors_files(src_dir))
+    _, total = dense_checkpoint(src_dir)
     yield from tqdm(tensors, "quantizing", total=total, unit="tensor", disable=not enabled)
-
-
-def _num_tensors(files: list[Path]) -> int:
-    from safetensors import safe_open
-
-    count = 0
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            count += len(list(handle.keys()))
-    return count
 
 
 def _copy_side_files(src_dir: Path, dst: Path, fmt: WeightFormat | None) -> None:
@@ -212,4 +204,8 @@ def _file_bytes(path: Path) -> int:
 
 
 def _weight_bytes(model_dir: Path) -> int:
+    """The checkpoint's weight bytes; a converted GGUF's as float32 (what it dequantizes to)."""
+    source = GGUFFile.of_converted(model_dir)
+    if source is not None:
+        return source.dense_bytes()
     return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))

@@ -1,31 +1,37 @@
 """GGUF block types in the CPU kernels' terms, per group of 32 inputs (densa.kernels.qgemm):
 
-    w4   w = d q + m      q in 0..15      (the w4a8 kernel; d, m stored as fp16)
-    w8   w = d q          q in -128..127  (the w8a8 / w8 kernels; d stored as fp16)
+    w4   w = d q + m          q in 0..15      (the w4a8 kernel; d, m stored as fp16)
+    w6   w = d sc[h] q        q in -32..31    (the w6a8 kernel; d fp16 per group, sc int8 per
+                                                half-group h of 16 inputs: d sc is exact)
+    w8   w = d q              q in -128..127  (the w8a8 / w8 kernels; d stored as fp16)
 
 How each GGUF type maps (llama.cpp's ggml-quants.c block layouts; x = one 32-weight group):
 
     type   block (bytes)                      weight                 kernel terms        exact
     Q4_0   d16 | 16 B nibbles       (18/32)   d (q - 8)              w4: m = -8 d        yes
+                                                                     w6: q - 8, sc = 1   yes
                                                                      w8: q - 8           yes
     Q4_1   d16 m16 | 16 B nibbles   (20/32)   d q + m                w4                  yes
-    Q5_0   d16 | qh32 | 16 B nibbles (22/32)  d (q - 16), q 5 bits   w8: q - 16          yes
+    Q5_0   d16 | qh32 | 16 B nibbles (22/32)  d (q - 16), q 5 bits   w6: q - 16, sc = 1  yes
+                                                                     w8: q - 16          yes
     Q8_0   d16 | 32 x int8          (34/32)   d q                    w8                  yes
     Q4_K   d16 dmin16 | 12 B 6-bit scales and mins | 128 B nibbles   (144/256)
                                               d sc q - dmin mn       w4: d' = d sc,      no: d'
                                               (8 sub-blocks of 32)       m' = -dmin mn   and m'
                                                                                          rounded
                                                                                          to fp16
+    Q6_K   128 B low nibbles | 64 B high 2-bit pairs | 16 x int8 sc | d16   (210/256)
+                                              d sc (q - 32), q 6 bits w6: d per group =  yes
+                                              (16 sub-blocks of 16)      the block's d
 
 Q4_K's d sc and dmin mn need up to 17 significant bits; the w4 block keeps 11 (fp16), so the
 repack rounds each group's scale and minimum once (relative error <= 2^-11 of each; measured in
 tests/model/test_gguf_quants.py). Everything here is float32, as exact as the products are: the
-rounding to fp16 happens where the kernels pack (qgemm.pack_w4 / pack_w8).
+rounding to fp16 happens where the kernels pack (qgemm.pack_w4 / pack_w8 / pack_w6).
 
-Not mapped (their tensors are dequantized): Q5_1 and Q5_K (a 5-bit code plus a minimum fits
-neither w4's 4 bits nor w8's min-less groups), Q6_K (scales per 16 inputs: two per group of 32
-whose products with the 6-bit codes do not fit int8), Q2_K, Q3_K, IQ*. Each needs a kernel of its
-own or a lossy requantization.
+Not mapped (their tensors are dequantized, with a warning naming the type): Q5_1 and Q5_K (a
+5-bit code plus a minimum fits neither w4's 4 bits nor the min-less w6 / w8 groups), Q2_K, Q3_K,
+IQ*. Each needs a kernel of its own or a lossy requantization.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 GROUP = 32
+HALF = 16  # inputs per w6 sub-scale (Q6_K's sub-blocks)
 QK_K = 256  # elements of a K-quant super-block
 
 
@@ -43,13 +50,20 @@ QK_K = 256  # elements of a K-quant super-block
 class KernelGroups:
     """A [rows, cols] weight as kernel codes with one scale (and minimum) per group of 32."""
 
-    codes: np.ndarray  # [rows, cols]: uint8 0..15 (w4) or int8 (w8)
+    codes: np.ndarray  # [rows, cols]: uint8 0..15 (w4) or int8 (w6: -32..31, w8)
     d: np.ndarray  # [rows, cols / 32] float32
     m: np.ndarray | None  # [rows, cols / 32] float32 (w4 only)
+    sc: np.ndarray | None = None  # [rows, cols / 16] int8 (w6 only)
 
     def dequantize(self) -> np.ndarray:
-        """float32 [rows, cols], computed as llama.cpp's dequantize does (one rounding)."""
+        """float32 [rows, cols], computed as llama.cpp's dequantize does (d sc first, then
+        times the code: the same roundings)."""
         rows, cols = self.codes.shape
+        if self.sc is not None:  # w6: per half-group of 16
+            halves = (rows, cols // HALF, HALF)
+            scale = np.repeat(self.d, 2, axis=1) * self.sc.astype(np.float32)
+            values = scale[..., None] * self.codes.reshape(halves).astype(np.float32)
+            return values.reshape(rows, cols)
         shape = (rows, cols // GROUP, GROUP)
         values = self.d[..., None] * self.codes.reshape(shape).astype(np.float32)
         if self.m is not None:
@@ -98,6 +112,37 @@ def _q5_0_w8(raw: np.ndarray, cols: int) -> KernelGroups:
     return KernelGroups(codes.reshape(raw.shape[0], cols), _f16(blocks[..., 0:2]), None)
 
 
+def _unit_w6(groups: KernelGroups) -> KernelGroups:
+    """A w8-family decode whose codes fit 6 bits as w6 with unit sub-scales."""
+    sc = np.ones((groups.d.shape[0], groups.d.shape[1] * 2), dtype=np.int8)
+    return KernelGroups(groups.codes, groups.d, None, sc)
+
+
+def _q4_0_w6(raw: np.ndarray, cols: int) -> KernelGroups:
+    return _unit_w6(_q4_0_w8(raw, cols))
+
+
+def _q5_0_w6(raw: np.ndarray, cols: int) -> KernelGroups:
+    return _unit_w6(_q5_0_w8(raw, cols))
+
+
+def _q6_k_w6(raw: np.ndarray, cols: int) -> KernelGroups:
+    """Q6_K (llama.cpp's dequantize_row_q6_K): each 128-element half of a super-block takes 64
+    bytes of low nibbles and 32 of high bit pairs; element 32 j + l of the half (j = 0..3) is
+    ql[l + 32 (j % 2)] >> 4 (j // 2) | ((qh[l] >> 2 j) & 3) << 4, minus 32."""
+    rows = raw.shape[0]
+    blocks = _blocks(raw, cols, QK_K, 210)
+    ql = blocks[..., 0:128].reshape(rows, -1, 2, 2, 32)  # [r, s, half, j % 2, l]
+    qh = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32)  # [r, s, half, -, l]
+    low = np.stack([ql & 0x0F, ql >> 4], axis=3)  # [r, s, half, j // 2, j % 2, l]
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(2, 2, 1)  # j = 2 (j // 2) + j % 2
+    high = ((qh[:, :, :, None] >> shifts) & 3) << 4  # [r, s, half, j // 2, j % 2, l]
+    codes = ((low | high).astype(np.int16) - 32).astype(np.int8)
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(rows, -1)
+    d = np.repeat(_f16(blocks[..., 208:210]), QK_K // GROUP, axis=1)
+    return KernelGroups(codes.reshape(rows, cols), d, None, sc)
+
+
 def _q8_0_w8(raw: np.ndarray, cols: int) -> KernelGroups:
     blocks = _blocks(raw, cols, GROUP, 34)
     codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(raw.shape[0], cols)
@@ -142,13 +187,14 @@ class BlockType:
 
 
 BLOCK_TYPES: dict[str, BlockType] = {
-    "Q4_0": BlockType(GROUP, {"w4": _q4_0_w4, "w8": _q4_0_w8}),
+    "Q4_0": BlockType(GROUP, {"w4": _q4_0_w4, "w6": _q4_0_w6, "w8": _q4_0_w8}),
     "Q4_1": BlockType(GROUP, {"w4": _q4_1_w4}),
-    "Q5_0": BlockType(GROUP, {"w8": _q5_0_w8}),
+    "Q5_0": BlockType(GROUP, {"w6": _q5_0_w6, "w8": _q5_0_w8}),
     "Q8_0": BlockType(GROUP, {"w8": _q8_0_w8}),
     "Q4_K": BlockType(QK_K, {"w4": _q4_k_w4}, rounded=frozenset({"w4"})),
+    "Q6_K": BlockType(QK_K, {"w6": _q6_k_w6}),
 }
-FAMILIES = ("w4", "w8")  # preference: fewer bytes streamed per weight first
+FAMILIES = ("w4", "w6", "w8")  # preference: fewer bytes streamed per weight first
 
 
 def common_family(type_names: list[str], families: tuple[str, ...] = FAMILIES) -> str | None:

@@ -29,7 +29,10 @@ def hf_greedy(
     """Greedy generations from transformers in fp32, one prompt at a time (no padding effects)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from densa.model.gguf import ensure_dense_copy
+
+    weights_dir = ensure_dense_copy(model_dir)  # transformers reads a float32 copy of a GGUF
+    model = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=torch.float32).eval()
     results = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -153,7 +153,7 @@ class _DecoderCase:
         seq_lens = torch.ones(rows, dtype=torch.int32)
         slot_pages = torch.arange(rows)
         return lambda: self.decoder.forward(
-            token_ids, zeros, page_table, seq_lens, slot_pages, zeros
+            token_ids, zeros, page_table, seq_lens, slot_pages, zeros, None
         )
 
     def mlp(self, rows: int) -> Callable[[], object]:

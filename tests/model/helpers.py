@@ -38,6 +38,9 @@ def densa_logits(
 def hf_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    from densa.model.gguf import ensure_dense_copy
+
+    weights_dir = ensure_dense_copy(model_dir)  # transformers reads a float32 copy of a GGUF
+    model = AutoModelForCausalLM.from_pretrained(str(weights_dir), dtype=torch.float32).eval()
     with torch.inference_mode():
         return model(torch.tensor([token_ids])).logits[0].float()

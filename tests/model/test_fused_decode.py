@@ -17,6 +17,7 @@ from densa.model.attention import AttentionMetadata, CpuAttentionBackend, build_
 from densa.model.fused_decode import FusedDecoder, unsupported_reason
 from densa.model.loader import load_model
 from densa.model.packed_linear import PackedLinear, ShardedPackedLinear
+from densa.model.quantized_embedding import GGUFEmbedding
 from densa.quant import fp8_kv
 from densa.utils.cpu import cpu_flags
 from densa.worker.kv_cache import allocate_kv_caches
@@ -220,6 +221,26 @@ def test_fused_step_with_w6_and_sharded_qkv(
     model_dir = biased_model_dir if biased else tiny_model_dir
     eager, fused, pairs = _step(model_dir, "dense", kv, convert=_w6_with_sharded_qkv)
     torch.testing.assert_close(fused, eager, **_tolerance(kv))
+    _assert_same_pages(pairs)
+
+
+def _quantized_embedding(model: torch.nn.Module) -> None:
+    """The embedding as a GGUF Q8_0 table (rows decoded at lookup, as a GGUF file keeps it)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    dense = getattr(model, "embed_tokens").weight.detach().numpy()  # noqa: B009
+    blocks = quantize(dense, GGMLQuantizationType.Q8_0)
+    table = GGUFEmbedding("Q8_0", dense.shape[0], dense.shape[1], blocks.shape[1])
+    table.blocks.copy_(torch.from_numpy(blocks))
+    setattr(model, "embed_tokens", table)  # noqa: B010
+
+
+@pytest.mark.parametrize("forced_isa", PATHS, indirect=True)
+def test_fused_step_with_a_quantized_embedding(forced_isa: str, tiny_model_dir: Path) -> None:
+    """The C++ step takes the rows the GGUF table decodes instead of indexing a float table."""
+    eager, fused, pairs = _step(tiny_model_dir, "w4a8", "fp32", convert=_quantized_embedding)
+    torch.testing.assert_close(fused, eager, **_tolerance("fp32"))
     _assert_same_pages(pairs)
 
 

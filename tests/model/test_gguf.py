@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from densa.engine.args import default_model_path
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.gguf import convert_gguf
+from densa.model.gguf import convert_gguf, ensure_dense_copy
 from densa.model.loader import resolve_model_dir, safetensors_files
 
 from .helpers import densa_logits, hf_logits
@@ -96,7 +96,7 @@ def tiny_gguf(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 def test_conversion_restores_the_original_weights(
     tiny_gguf: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    convert_gguf(tiny_gguf, tmp_path)
+    convert_gguf(tiny_gguf, tmp_path, dense=True)
     original = load_file(str(safetensors_files(tiny_model_dir)[0]))
     converted = load_file(str(tmp_path / "model.safetensors"))
     assert set(converted) == set(original)
@@ -113,8 +113,21 @@ def test_converted_gguf_runs_like_the_source_model(
     model_dir = resolve_model_dir(str(tiny_gguf))
     assert model_dir.is_relative_to(tmp_path)
     assert resolve_model_dir(str(tiny_gguf)) == model_dir  # cached: converted once
+    assert not list(model_dir.glob("*.safetensors"))  # densa reads the GGUF file itself
     tokens = [1, 520, 9531, 198, 27, 1256]
     torch.testing.assert_close(densa_logits(model_dir, tokens), hf_logits(tiny_model_dir, tokens))
+
+
+def test_dense_copy_only_on_request(
+    tiny_gguf: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DENSA_CACHE_DIR", str(tmp_path))
+    model_dir = resolve_model_dir(str(tiny_gguf))
+    assert ensure_dense_copy(model_dir) == model_dir
+    copy = load_file(str(model_dir / "model.safetensors"))
+    for name, tensor in load_file(str(safetensors_files(tiny_model_dir)[0])).items():
+        assert torch.equal(copy[name], tensor), name
+    assert not list(model_dir.glob(".*partial"))
 
 
 def test_truncated_gguf_is_a_clear_error(tiny_gguf: Path, tmp_path: Path) -> None:
@@ -202,7 +215,7 @@ def test_gemma3_gguf_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "gemma3.gguf"
     write_gemma3_gguf(source, path)
     (tmp_path / "converted").mkdir()
-    convert_gguf(path, tmp_path / "converted")
+    convert_gguf(path, tmp_path / "converted", dense=True)
     original = load_file(str(safetensors_files(source)[0]))
     converted = load_file(str(tmp_path / "converted" / "model.safetensors"))
     assert set(converted) == set(original)

@@ -419,9 +419,13 @@ at::Tensor run(const Decoder& dec, const StepInputs& step) {
   at::Tensor out = at::empty({rows, hid}, at::TensorOptions().dtype(at::kFloat));
   std::vector<float> x(rows * hid);
   Buffers& buf = buffers_for(cfg, rows);
-  const float* embed = dec.embed.data_ptr<float>();
-  for (int64_t t = 0; t < rows; ++t)
-    std::memcpy(&x[t * hid], embed + step.token_ids[t] * hid, hid * sizeof(float));
+  if (step.embeddings != nullptr) {
+    std::memcpy(x.data(), step.embeddings, rows * hid * sizeof(float));
+  } else {
+    const float* embed = dec.embed.data_ptr<float>();
+    for (int64_t t = 0; t < rows; ++t)
+      std::memcpy(&x[t * hid], embed + step.token_ids[t] * hid, hid * sizeof(float));
+  }
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   for (const Layer& L : dec.layers) {
     layer_qkv<Ops>(dec, L, x.data(), rows, step.positions, step.slot_pages, step.slot_offsets,

@@ -66,6 +66,9 @@ struct StepInputs {
   const int32_t* seq_lens;  // [num_tokens], including the new token
   const int64_t* slot_pages;
   const int64_t* slot_offsets;
+  // The step's input rows [num_tokens, hidden], when the embedding is not a float32 table the
+  // decoder can index (a quantized one, looked up by the caller); nullptr: look token_ids up.
+  const float* embeddings = nullptr;
 };
 
 // Parts each (sequence, kv head)'s context is split into at decode, for `items` (sequence, kv
@@ -75,7 +78,8 @@ int64_t context_splits(int64_t items, int64_t threads, int64_t longest);
 struct Decoder {
   Config config;
   Isa isa;
-  at::Tensor embed, final_norm_tensor, cos, sin, fp8_table_tensor;
+  at::Tensor embed, final_norm_tensor, cos, sin, fp8_table_tensor;  // embed: [0, hidden] when
+                                                                     // steps bring their rows
   const float* final_norm = nullptr;
   const float* fp8_table = nullptr;
   std::vector<Layer> layers;

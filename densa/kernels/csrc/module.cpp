@@ -185,10 +185,20 @@ class PyDecoder {
     dec_.layers.push_back(std::move(layer));
   }
 
+  // `embeddings`: the step's input rows [num_tokens, hidden] float32, required when the
+  // decoder was built without an embedding table (0 rows), ignored otherwise.
   at::Tensor forward(const at::Tensor& token_ids, const at::Tensor& positions,
                      const at::Tensor& page_table, const at::Tensor& seq_lens,
-                     const at::Tensor& slot_pages, const at::Tensor& slot_offsets) const {
+                     const at::Tensor& slot_pages, const at::Tensor& slot_offsets,
+                     const std::optional<at::Tensor>& embeddings) const {
     const int64_t rows = token_ids.numel();
+    const bool own_table = dec_.embed.size(0) > 0;
+    if (!own_table) {
+      TORCH_CHECK(embeddings.has_value() && embeddings->scalar_type() == at::kFloat &&
+                      embeddings->is_contiguous() && embeddings->dim() == 2 &&
+                      embeddings->size(0) == rows && embeddings->size(1) == dec_.config.hidden,
+                  "embeddings: float32 [num_tokens, hidden] (the decoder has no table)");
+    }
     check(token_ids, at::kLong, rows, "token_ids");
     check(positions, at::kLong, rows, "positions");
     check(seq_lens, at::kInt, rows, "seq_lens");
@@ -202,8 +212,8 @@ class PyDecoder {
     const KVSide& kv = dec_.layers[0].k;
     const int64_t num_pages = kv.tensor.size(0);
     if (rows > 0) {
-      TORCH_CHECK(token_ids.min().item<int64_t>() >= 0 &&
-                      token_ids.max().item<int64_t>() < dec_.embed.size(0),
+      TORCH_CHECK(!own_table || (token_ids.min().item<int64_t>() >= 0 &&
+                                  token_ids.max().item<int64_t>() < dec_.embed.size(0)),
                   "token id out of range");
       TORCH_CHECK(positions.min().item<int64_t>() >= 0 &&
                       positions.max().item<int64_t>() < dec_.cos.size(0),
@@ -228,7 +238,8 @@ class PyDecoder {
                     page_table.size(1),
                     seq_lens.data_ptr<int32_t>(),
                     slot_pages.data_ptr<int64_t>(),
-                    slot_offsets.data_ptr<int64_t>()};
+                    slot_offsets.data_ptr<int64_t>(),
+                    own_table ? nullptr : embeddings->data_ptr<float>()};
     return dec_.forward(step);
   }
 
