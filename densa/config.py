@@ -25,8 +25,9 @@ WEIGHT_FORMATS = ("auto", "dense", "int4", "fp8", "w4a8", "w8a8", "w8")
 # The output head: as loaded, or packed for the CPU kernels. "auto" keeps a GGUF's Q8_0 head
 # as w8 (its own bits, float activations: no added error) where the kernels are built.
 HEAD_FORMATS = ("auto", "dense", "w8a8", "w8")
-# What `auto` may resolve an untied GGUF head to: its own blocks (densa.model.gguf_loading).
-HEAD_FROM_BLOCKS = "blocks"
+# What `auto` resolves a GGUF file's linear layers and untied head to where the C++ kernels run
+# its block types: the file's own blocks (densa.model.gguf_loading). Not a user-facing choice.
+WEIGHTS_FROM_BLOCKS = HEAD_FROM_BLOCKS = "blocks"
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype must be one of {COMPUTE_DTYPES}, got {self.dtype!r}")
-        if self.weight_format not in WEIGHT_FORMATS:
+        if self.weight_format not in (*WEIGHT_FORMATS, WEIGHTS_FROM_BLOCKS):
             raise ValueError(
                 f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}"
             )

@@ -43,6 +43,7 @@ from densa.model.loader import (  # the loader's own planning steps: the plan ca
     _kept_linears,
     _quantized_modules,
     _read_stored_format,
+    _runtime_request,
     _swap_quantized,
     quantizable_linears,
     resolve_model_dir,
@@ -123,7 +124,7 @@ def plan_weights(
     files = [] if source is not None else safetensors_files(model_dir)
     stored = _read_stored_format(files) if files else None
     packed = weight_format if weight_format in PACKED_FORMATS else None
-    runtime = runtime_format(stored, "dense" if packed else weight_format)
+    runtime = runtime_format(stored, _runtime_request(weight_format))
     with torch.device("meta"):
         model = model_factory(arch.architecture)(arch, max_len, device).to(dtype=DTYPES[dtype])
         kept = _kept_linears(model, source, weight_format, head_format, device)

@@ -12,7 +12,8 @@ a time and loaded as usual (the other linears are then packed from float32 into 
 format, as for any dense checkpoint), so at no point is the whole model held in float32.
 
     weight_format   kept layers: kernel family -> packed format, in order of preference
-    auto            w4 -> w4a8, w6 -> w6a8, w8 -> w8 (weight-only: Q8_0 exactly, float x)
+    blocks          w4 -> w4a8, w6 -> w6a8, w8 -> w8 (weight-only: Q8_0 exactly, float x);
+                    what `auto` resolves a GGUF file to (loader.auto_formats)
     w4a8            w4 -> w4a8, w6 -> w6a8, w8 -> w8a8
     w8a8            w8 -> w8a8, w6 -> w6a8, w4 -> w4a8
     w8              w8 -> w8,   w6 -> w6a8, w4 -> w4a8
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from densa.config import WEIGHTS_FROM_BLOCKS
 from densa.kernels import qgemm
 from densa.model.arch import ModelLoadError
 from densa.model.gguf import GGUFFile, GGUFTensor
@@ -39,7 +41,7 @@ from densa.model.weight_loading import GATE_UP_FUSED, QKV_FUSED, fused_target
 from densa.quant import gguf_blocks
 
 _FAMILY_FORMATS = {  # weight_format -> kernel family -> packed format, in preference order
-    "auto": {"w4": "w4a8", "w6": "w6a8", "w8": "w8"},
+    WEIGHTS_FROM_BLOCKS: {"w4": "w4a8", "w6": "w6a8", "w8": "w8"},
     "w4a8": {"w4": "w4a8", "w6": "w6a8", "w8": "w8a8"},
     "w8a8": {"w8": "w8a8", "w6": "w6a8", "w4": "w4a8"},
     "w8": {"w8": "w8", "w6": "w6a8", "w4": "w4a8"},

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from densa.config import HEAD_FROM_BLOCKS
+from densa.config import HEAD_FROM_BLOCKS, WEIGHTS_FROM_BLOCKS
 from densa.kernels import native
 from densa.memory import (
     keep_large_allocations_unmappable,
@@ -177,7 +177,7 @@ def load_model(
     files = [] if source is not None else safetensors_files(model_dir)
     stored = _read_stored_format(files) if files else None
     packed = weight_format if weight_format in PACKED_FORMATS else None
-    runtime = runtime_format(stored, "dense" if packed else weight_format)
+    runtime = runtime_format(stored, _runtime_request(weight_format))
     factory = model_factory(arch.architecture)
     # Build without initializing (meta device), then allocate and fill from the checkpoint.
     with torch.device("meta"):
@@ -232,9 +232,10 @@ def _kept_linears(
     if source is None or device.type != "cpu" or not native.is_available():
         return {}
     targets = quantizable_linears(model, include_head=head_format == HEAD_FROM_BLOCKS)
-    kept = plan_kept_linears(model, source.layouts(), targets, weight_format)
+    layouts = source.layouts()
+    kept = plan_kept_linears(model, layouts, targets, weight_format)
     if head_format == HEAD_FROM_BLOCKS and OUTPUT_HEAD not in kept:
-        head_only = plan_kept_linears(model, source.layouts(), {OUTPUT_HEAD}, "auto")
+        head_only = plan_kept_linears(model, layouts, {OUTPUT_HEAD}, WEIGHTS_FROM_BLOCKS)
         kept.update(head_only)  # the head's own family even when the linears were asked dense
     return kept
 
@@ -300,7 +301,7 @@ def _describe_weights(
 
 # How `auto` runs a GGUF file on the C++ kernels. Every linear layer whose block type the kernels
 # hold (densa.quant.gguf_blocks: Q4_0, Q4_1, Q4_K as w4a8, Q5_0 and Q6_K as w6a8, Q8_0 as w8)
-# keeps its blocks (gguf_loading: `auto` family formats), others load dense; a file whose
+# keeps its blocks (weight format `blocks`, gguf_loading), others load dense; a file whose
 # layers are mostly Q4_0/Q4_1 also packs those others as w4a8 (what SmolLM2's Q4_1 file always
 # did). An untied head keeps its blocks the same way (HEAD_FROM_BLOCKS); a head tied to a Q8_0
 # embedding is packed as w8 from it.
@@ -316,8 +317,8 @@ def auto_formats(
     directories). Returns (weights, head)."""
     stored = stored_quantization(model_dir) if str(model_path).endswith(".gguf") else {}
     kernels = native.is_available()
-    if weight_format == "auto" and kernels and stored.get("linear") in AUTO_LINEAR:
-        weight_format = AUTO_LINEAR[str(stored["linear"])]
+    if weight_format == "auto" and kernels and stored:
+        weight_format = AUTO_LINEAR.get(str(stored.get("linear")), WEIGHTS_FROM_BLOCKS)
     if head_format == "auto":
         head_format = _auto_head(model_dir, stored) if kernels else "dense"
     return weight_format, head_format
@@ -331,6 +332,14 @@ def _auto_head(model_dir: Path, stored: dict[str, str | None]) -> str:
     if not tied and gguf_blocks.common_family([head]) is not None:
         return HEAD_FROM_BLOCKS
     return AUTO_HEAD.get(head, "dense")
+
+
+def _runtime_request(weight_format: str) -> str:
+    """What runtime_format is asked: packed formats and a GGUF's own blocks load the rest of
+    the checkpoint dense (packed afterwards, or kept dense)."""
+    if weight_format in PACKED_FORMATS or weight_format == WEIGHTS_FROM_BLOCKS:
+        return "dense"
+    return weight_format
 
 
 def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> WeightFormat | None:

@@ -82,6 +82,7 @@ def test_densa_serve_gguf_through_the_openai_client(gemma_gguf: Path, gemma_dir:
     command = [
         sys.executable, "-m", "densa.cli", "serve", "--model", str(gemma_gguf), "--port",
         str(port), "--kv-cache-memory", "256MiB", "--max-model-len", "512",
+        "--weight-format", "dense",  # as transformers computes; the compressed run: tests/eval
     ]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

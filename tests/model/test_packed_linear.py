@@ -91,9 +91,9 @@ def test_auto_keeps_a_ggufs_own_bits_where_kernels_run(
     # A Q4_K_M file: its layers keep their blocks under `auto` (gguf_loading); an untied head
     # keeps its own (HEAD_FROM_BLOCKS), a tied one is the embedding, which Q6_K cannot pack.
     (tmp_path / QUANTIZATION_FILE).write_text(json.dumps({"linear": "Q4_K", "head": "Q6_K"}))
-    assert loader.auto_formats("m.gguf", tmp_path, "auto", "auto") == ("auto", "dense")
+    assert loader.auto_formats("m.gguf", tmp_path, "auto", "auto") == ("blocks", "dense")
     (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
-    assert loader.auto_formats("m.gguf", tmp_path, "auto", "auto") == ("auto", "blocks")
+    assert loader.auto_formats("m.gguf", tmp_path, "auto", "auto") == ("blocks", "blocks")
     monkeypatch.setattr(loader.native, "is_available", lambda: False)
     (tmp_path / QUANTIZATION_FILE).write_text(json.dumps({"linear": "Q4_1", "head": "Q8_0"}))
     assert loader.auto_formats("m.gguf", tmp_path, "auto", "auto") == ("auto", "dense")
