@@ -52,6 +52,7 @@ def _peers(ns: argparse.Namespace) -> int:
     from densa.bench.peers_report import build_report
     from densa.engine.args import default_model_path
     from densa.measure.data import lambada_passages
+    from densa.model.catalog import resolve_model_arg
     from densa.model.loader import resolve_model_dir
     from densa.text.tokenizer import Tokenizer
     from densa.utils.cpu import usable_cpus
@@ -62,7 +63,7 @@ def _peers(ns: argparse.Namespace) -> int:
             output_len=ns.output_len, repeats=ns.repeats, warmup=ns.warmup,
             prompt_seed=ns.prompt_seed, threads=ns.threads or usable_cpus(),
         )  # fmt: skip
-        gguf = Path(ns.model or default_model_path())
+        gguf = Path(resolve_model_arg(ns.model) if ns.model else default_model_path())
         hf_dir = resolve_model_dir(str(gguf))
         ctx = PeerContext(
             gguf=gguf, hf_dir=hf_dir,
