@@ -105,17 +105,32 @@ class PeerServer:
             self._log = None
 
     # ---- memory --------------------------------------------------------------------------------
+    # A server may be several processes (densa: the HTTP front and its engine process), so each
+    # figure sums the process tree: the peaks of processes that peaked at different moments add
+    # up to a little more than the tree ever held at once (an upper bound).
     def reset_peak_rss(self) -> int:
-        """Reset the server's peak-RSS mark (Linux); returns its RSS now (0 where unknown)."""
-        assert self.process is not None
-        with contextlib.suppress(OSError):
-            Path(f"/proc/{self.process.pid}/clear_refs").write_text(_RESET_PEAK_RSS)
-        return _status_kib(self.process.pid, "VmRSS") * 1024
+        """Reset the peak-RSS marks of the server's processes (Linux); returns their RSS now
+        (0 where unknown)."""
+        for pid in self._tree():
+            with contextlib.suppress(OSError):
+                Path(f"/proc/{pid}/clear_refs").write_text(_RESET_PEAK_RSS)
+        return sum(_status_kib(pid, "VmRSS") for pid in self._tree()) * 1024
 
     def peak_rss_bytes(self) -> int:
-        """The server's peak RSS since the last reset (0 where unknown)."""
+        """The sum of the server processes' peak RSS since the last reset (0 where unknown)."""
+        return sum(_status_kib(pid, "VmHWM") for pid in self._tree()) * 1024
+
+    def _tree(self) -> list[int]:
+        """The server's pid and its descendants' (Linux /proc; just the server elsewhere)."""
         assert self.process is not None
-        return _status_kib(self.process.pid, "VmHWM") * 1024
+        pids, queue = [], [self.process.pid]
+        while queue:
+            pid = queue.pop()
+            pids.append(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*/children"):
+                with contextlib.suppress(OSError):
+                    queue.extend(int(child) for child in task.read_text().split())
+        return pids
 
     def __enter__(self) -> PeerServer:
         self.start()

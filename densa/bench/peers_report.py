@@ -21,7 +21,8 @@ NOTES = [
     "every repetition; throughput cells are median (min..max) over repetitions.",
     "decode tok/s at c=1 = 1 / median TPOT; prefill tok/s at c=1 = prompt tokens / median TTFT "
     "(so it includes one HTTP round trip and the first sampling step).",
-    "Peak RSS: the server process's high-water mark during the wave (reset before each wave).",
+    "Peak RSS: the sum of the server processes' high-water marks during the wave (densa: HTTP "
+    "front + engine process; reset before each wave).",
     "Ratios are taken per repetition between adjacent, interleaved waves, then summarized.",
     "The machine is shared: each raw sample records the 1-minute load average before and after "
     "its wave; a load above the core count means other work competed for the cores.",

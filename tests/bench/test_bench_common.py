@@ -155,3 +155,34 @@ def test_serving_smoke_run(
     assert "densa / HF output tokens/s" in markdown and "| cpu_model |" in markdown
     for name in ("output_tok_s", "ttft_s", "tpot_s"):
         assert (out_dir / f"{name}.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_a_servers_peak_rss_includes_its_child_processes(tmp_path: Path) -> None:
+    """densa serves from two processes (HTTP front, engine): the figure covers both."""
+    import subprocess
+    import sys
+    import time
+
+    from densa.bench.peer_servers import PeerServer, PeerSpec
+
+    child = (
+        "import time; b = bytearray(96 * 1024 * 1024); print('ready', flush=True); time.sleep(60)"
+    )
+    parent = (
+        "import subprocess, sys, time; "
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE); "
+        "p.stdout.readline(); print('ready', flush=True); time.sleep(60)"
+    )
+    server = PeerServer(PeerSpec("tree", "fake", (), "m"), tmp_path)
+    server.process = subprocess.Popen(
+        [sys.executable, "-c", parent], stdout=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        assert server.process.stdout is not None
+        assert server.process.stdout.readline().strip() == b"ready"
+        time.sleep(0.1)
+        assert len(server._tree()) == 2
+        assert server.peak_rss_bytes() >= 96 * 1024 * 1024
+        assert server.reset_peak_rss() >= 96 * 1024 * 1024
+    finally:
+        server.stop(grace_s=5)
