@@ -1,4 +1,4 @@
-"""W4A8, W6A8, W8A8 and weight-only W8 matmuls (groups of 32): torch references, packing, and
+"""W4A8, W6A8, W6MA8, W8A8 and weight-only W8 matmuls (groups of 32): torch references, packing, and
 the C++ kernels.
 
 Arithmetic (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0), for x [M, K] and weights [N, K]:
@@ -7,9 +7,10 @@ Arithmetic (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0), for x [M, K] and weights [
     W8: w[n, k] = d[n, g] * q[n, k]              q in -127..127
     W6: w[n, k] = d[n, g] * sc[n, k // 16] * q[n, k]    q in -32..31, sc int8 (GGUF's Q6_K;
         Q5_0 and Q4_0 with sc = 1)
+    W6M: W6 + m[n, g]                            (GGUF's Q5_1 and Q5_K: 5-bit codes and a minimum)
     x[t, k] ~ dx[t, g] * qx[t, k],  dx = max_k |x[t, k]| / 127 over the group, qx = round(x / dx)
-    y[t, n] = sum_g dx d sum_k q qx  (+ m[n, g] dx sum_k qx for W4: the quantized x's sum, so the
-              error is sum_k w (x^ - x) as for W8; see csrc/qgemm.cpp)
+    y[t, n] = sum_g dx d sum_k q qx  (+ m[n, g] dx sum_k qx for W4 and W6M: the quantized x's
+              sum, so the error is sum_k w (x^ - x) as for W8; see csrc/qgemm.cpp)
 
 d and m are stored as fp16 (like the GGUF blocks). The C++ layout is described in
 csrc/qgemm.cpp; the references here compute the same sums in float64 (exact for the integer
@@ -29,6 +30,7 @@ from densa.kernels.int4_linear import CODE_OFFSET, expand_groups, unpack_nibbles
 GROUP = 32
 PANEL = 16
 HALF = 16  # inputs per W6 scale sc
+W6_MIN = 7  # the "bits" code of W6 with a minimum (csrc/qgemm.h: kFormatW6MA8)
 W8_FLOAT = 80  # the "bits" code of weight-only W8 (csrc/qgemm.h: kFormatW8)
 
 
@@ -83,6 +85,15 @@ def w6a8_reference(
     scaled = codes.double() * sc.double().repeat_interleave(HALF, dim=1)
     dots = _group_dots(act.qx, scaled)
     return (dots * act.dx.double()[:, None, :] * d.half().double()[None]).sum(-1).float()
+
+
+def w6ma8_reference(
+    x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, m: torch.Tensor
+) -> torch.Tensor:
+    """W6's reference plus m (rounded to fp16 as stored) times each group's quantized x sum."""
+    act = quantize_activations(x)
+    y = w6a8_reference(x, codes, d, sc).double() + act.sumx.double() @ m.half().double().T
+    return y.float()
 
 
 def _group_dots(qx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -142,6 +153,13 @@ def dequantize_w6(codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> tor
     return codes.float() * scale
 
 
+def dequantize_w6m(
+    codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, m: torch.Tensor
+) -> torch.Tensor:
+    """W6's weight (d sc code, exact) plus the fp16 minimum (one float32 rounding)."""
+    return dequantize_w6(codes, d, sc) + expand_groups(m.half().float(), GROUP, codes.shape[1])
+
+
 def quantize_w6(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A dense [N, K] weight -> W6 codes (-32..31), d per 32 and sc per 16 inputs, round to
     nearest as llama.cpp's Q6_K (its scale search aside): each 16's value of largest magnitude
@@ -160,6 +178,19 @@ def quantize_w6(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return codes.view(rows, cols), d, sc.to(torch.int8)
 
 
+def quantize_w6m(
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dense [N, K] weight -> W6M codes, d, sc and m: m is each group's midpoint (fp16), the
+    rest quantize_w6 of the weight less m (loaders make W6M from GGUF blocks; this is for
+    dense checkpoints and tests)."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // GROUP, GROUP)
+    m = ((groups.amax(-1) + groups.amin(-1)) / 2).half().float()  # [N, K/32]
+    centred = weight.float() - expand_groups(m, GROUP, cols)
+    return (*quantize_w6(centred), m)
+
+
 # ---- the C++ kernels ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PackedWeight:
@@ -168,7 +199,7 @@ class PackedWeight:
     blocks: torch.Tensor  # uint8, flat
     out_features: int
     in_features: int
-    bits: int  # 4 (w4a8), 6 (w6a8), 8 (w8a8) or W8_FLOAT (w8: float activations)
+    bits: int  # 4 (w4a8), 6 (w6a8), W6_MIN (w6ma8), 8 (w8a8) or W8_FLOAT (w8: float x)
     isa: str
 
 
@@ -193,6 +224,16 @@ def pack_w6(codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, isa: str) ->
     return PackedWeight(blocks, codes.shape[0], codes.shape[1], 6, isa)
 
 
+def pack_w6m(
+    codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, isa: str
+) -> PackedWeight:
+    """pack_w6's blocks with m [N, K/32] (fp16) after each: the W6M layout (csrc/qgemm.cpp)."""
+    blocks = _ext().pack_w6m(
+        codes.to(torch.int8).contiguous(), d.float(), sc.to(torch.int8).contiguous(), m.float()
+    )
+    return PackedWeight(blocks, codes.shape[0], codes.shape[1], W6_MIN, isa)
+
+
 def pack_w8_float(codes: torch.Tensor, d: torch.Tensor, isa: str) -> PackedWeight:
     """W8 codes for the weight-only kernel (float activations, csrc/w8float.cpp)."""
     blocks = _ext().pack_w8float(codes.to(torch.int8).contiguous(), d.float())
@@ -205,6 +246,7 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     run = {
         4: ext.w4a8_linear,
         6: ext.w6a8_linear,
+        W6_MIN: ext.w6ma8_linear,
         8: ext.w8a8_linear,
         W8_FLOAT: ext.w8float_linear,
     }[weight.bits]

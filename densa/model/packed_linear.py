@@ -1,4 +1,4 @@
-"""Linear layers in the CPU kernels' packed formats: W4A8, W6A8 and W8A8, groups of 32
+"""Linear layers in the CPU kernels' packed formats: W4A8, W6A8, W6MA8 and W8A8, groups of 32
 (kernels/qgemm.py).
 
     w4a8   4-bit weights, fp16 scale and minimum per 32 inputs (llama.cpp's Q4_1 arithmetic);
@@ -10,6 +10,8 @@
     w6a8   6-bit weights, fp16 scale per 32 and int8 scale per 16 inputs: a GGUF file's Q6_K
            blocks (Q5_0 and Q4_0 fit too) run from their exact values. Not a --weight-format:
            loaders make it from GGUF blocks (qgemm.quantize_w6 from dense weights, for tests)
+    w6ma8  w6a8 plus an fp16 minimum per 32 inputs: GGUF's Q5_1 (exactly) and Q5_K (its
+           minimums rounded to fp16). Not a --weight-format either
 
 The w4a8 / w8a8 / w8 layers are made at load time from dense weights. Weights that came from a
 GGUF file's Q4_1 / Q8_0 blocks (the bundled model) come back as the very same codes and scales
@@ -31,10 +33,10 @@ from torch import nn
 from densa.kernels import native, qgemm
 
 PACKED_FORMATS = ("w4a8", "w8a8", "w8")  # the ones --weight-format offers
-KERNEL_FORMATS = (*PACKED_FORMATS, "w6a8")  # every format a PackedLinear can hold
-_BITS = {"w4a8": 4, "w6a8": 6, "w8a8": 8, "w8": qgemm.W8_FLOAT}
-# csrc/qgemm.h: kW4Block, kW6Block, kW8Block
-_BLOCK_BYTES = {"w4a8": 320, "w6a8": 448, "w8a8": 544, "w8": 544}
+KERNEL_FORMATS = (*PACKED_FORMATS, "w6a8", "w6ma8")  # every format a PackedLinear can hold
+_BITS = {"w4a8": 4, "w6a8": 6, "w6ma8": qgemm.W6_MIN, "w8a8": 8, "w8": qgemm.W8_FLOAT}
+# csrc/qgemm.h: kW4Block, kW6Block, kW6MBlock, kW8Block
+_BLOCK_BYTES = {"w4a8": 320, "w6a8": 448, "w6ma8": 480, "w8a8": 544, "w8": 544}
 
 
 class PackedFormatUnavailable(RuntimeError):
@@ -166,6 +168,8 @@ def _pack(fmt: str, weight: torch.Tensor, isa: str) -> qgemm.PackedWeight:
         return qgemm.pack_w8_float(*qgemm.quantize_w8(weight), isa)
     if fmt == "w6a8":
         return qgemm.pack_w6(*qgemm.quantize_w6(weight), isa)
+    if fmt == "w6ma8":
+        return qgemm.pack_w6m(*qgemm.quantize_w6m(weight), isa)
     raise ValueError(f"unknown packed format {fmt!r}; choose from {KERNEL_FORMATS}")
 
 
@@ -201,6 +205,8 @@ def reference_linear(x: torch.Tensor, weight: torch.Tensor, fmt: str) -> torch.T
         return qgemm.w8_float_reference(x, *qgemm.quantize_w8(weight))
     if fmt == "w6a8":
         return qgemm.w6a8_reference(x, *qgemm.quantize_w6(weight))
+    if fmt == "w6ma8":
+        return qgemm.w6ma8_reference(x, *qgemm.quantize_w6m(weight))
     return qgemm.w8a8_reference(x, *qgemm.quantize_w8(weight))
 
 
@@ -210,4 +216,6 @@ def dequantized_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor:
         return qgemm.dequantize_w4(*quantize_q4_1(weight))
     if fmt == "w6a8":
         return qgemm.dequantize_w6(*qgemm.quantize_w6(weight))
+    if fmt == "w6ma8":
+        return qgemm.dequantize_w6m(*qgemm.quantize_w6m(weight))
     return qgemm.dequantize_w8(*qgemm.quantize_w8(weight))

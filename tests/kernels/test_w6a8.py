@@ -1,6 +1,7 @@
 """The W6A8 kernel (6-bit codes, fp16 scale per 32 and int8 scale per 16 inputs: GGUF's Q6_K)
-against its float64 reference on every code path this CPU runs, its block layout byte for byte,
-and sharded projections (shards of different formats side by side, written in place)."""
+and W6MA8 (the same plus an fp16 minimum per 32: Q5_1, Q5_K) against their float64 references
+on every code path this CPU runs, their block layouts byte for byte, and sharded projections
+(shards of different formats side by side, written in place)."""
 
 from __future__ import annotations
 
@@ -43,25 +44,47 @@ def _w6(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return codes, d, sc
 
 
+def _w6m(n: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """_w6's codes, d and sc plus minimums: zero, both signs, and large next to small d."""
+    codes, d, sc = _w6(n, k, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    m = (torch.randn(n, k // 32, generator=gen) * 0.05).half().float()
+    m[0] = 0.0
+    m[:, 0] = 1.5  # the group whose first code is -32: m dominates
+    m[-1, -1] = -2.0
+    return codes, d, sc, m
+
+
+def _pack(fmt: str, weight: tuple[torch.Tensor, ...], isa: str) -> qgemm.PackedWeight:
+    return qgemm.pack_w6m(*weight, isa) if fmt == "w6ma8" else qgemm.pack_w6(*weight, isa)
+
+
+def _reference(fmt: str, x: torch.Tensor, weight: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    if fmt == "w6ma8":
+        return qgemm.w6ma8_reference(x, *weight)
+    return qgemm.w6a8_reference(x, *weight)
+
+
 def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     """float32 rounding only: within 1e-5 of the output's scale."""
     scale = want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("fmt", ["w6a8", "w6ma8"])
 @pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"K{s[0]}-N{s[1]}")
 @pytest.mark.parametrize("rows", ROWS)
-def test_w6a8_matches_reference(isa: str, shape: tuple[int, int], rows: int) -> None:
+def test_w6a8_matches_reference(fmt: str, isa: str, shape: tuple[int, int], rows: int) -> None:
     k, n = shape
-    codes, d, sc = _w6(n, k, seed=rows + k)
+    weight = (_w6m if fmt == "w6ma8" else _w6)(n, k, seed=rows + k)
     gen = torch.Generator().manual_seed(100 + rows)
     x = torch.randn(rows, k, generator=gen)
     x[0, :32] = 0.0  # an all-zero group: scale 0, must not divide by zero
     x[-1, 16:32] = 0.0  # an all-zero half
     x[:, -1] = 40.0  # a large activation drives qx to +-127
-    got = qgemm.quantized_linear(x, qgemm.pack_w6(codes, d, sc, isa))
-    _assert_matches(got, qgemm.w6a8_reference(x, codes, d, sc))
+    got = qgemm.quantized_linear(x, _pack(fmt, weight, isa))
+    _assert_matches(got, _reference(fmt, x, weight))
 
 
 def _pack_reference(codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> np.ndarray:
@@ -95,6 +118,16 @@ def test_pack_w6_writes_the_documented_layout() -> None:
     assert np.array_equal(blocks.numpy(), _pack_reference(codes, d, sc))
 
 
+def test_pack_w6m_is_w6_blocks_with_the_minimums_after_each() -> None:
+    codes, d, sc, m = _w6m(32, 64, seed=6)
+    blocks = qgemm.pack_w6m(codes, d, sc, m, PATHS[0]).blocks
+    assert blocks.numel() == packed_bytes("w6ma8", 32, 64) == 2 * 2 * 480
+    got = blocks.numpy().reshape(2, 2, 480)  # [panel, group, bytes]
+    assert np.array_equal(got[..., :448].reshape(-1), _pack_reference(codes, d, sc))
+    m16 = m.half().numpy().view(np.uint8).reshape(2, 16, 2, 2).transpose(0, 2, 1, 3)
+    assert np.array_equal(got[..., 448:], m16.reshape(2, 2, 32))
+
+
 def test_pack_w6_refuses_codes_out_of_range() -> None:
     codes, d, sc = _w6(16, 32, seed=0)
     codes[3, 7] = 32
@@ -114,6 +147,17 @@ def test_q5_0_and_q4_0_fit_exactly() -> None:
         assert torch.equal(got, want)
 
 
+def test_q5_1_fits_w6m_exactly() -> None:
+    """GGUF's Q5_1 (d q + m, q 5 bits) is W6M with sc = 1 and codes q (u = q + 32)."""
+    gen = torch.Generator().manual_seed(1)
+    d = (torch.rand(16, 2, generator=gen) * 0.01).half().float()
+    m = (torch.randn(16, 2, generator=gen) * 0.1).half().float()
+    q = torch.randint(0, 32, (16, 64), generator=gen)
+    want = q.float() * d.repeat_interleave(32, dim=1) + m.repeat_interleave(32, dim=1)
+    got = qgemm.dequantize_w6m(q.to(torch.int8), d, torch.ones(16, 4, dtype=torch.int8), m)
+    assert torch.equal(got, want)
+
+
 def test_quantize_w6_recovers_w6_weights() -> None:
     """Weights whose every 16 has a -32 code (their largest magnitude) and whose every group has
     a scale of +-127 come back as the same codes, d and sc."""
@@ -127,32 +171,34 @@ def test_quantize_w6_recovers_w6_weights() -> None:
     assert torch.equal(got[0], codes) and torch.equal(got[1], d) and torch.equal(got[2], sc)
 
 
-def test_packed_linear_w6a8() -> None:
+@pytest.mark.parametrize("fmt, bits, block", [("w6a8", 6, 448), ("w6ma8", 7, 480)])
+def test_packed_linear_w6a8(fmt: str, bits: int, block: int) -> None:
     gen = torch.Generator().manual_seed(2)
     weight, bias = torch.randn(48, 96, generator=gen) * 0.1, torch.randn(48, generator=gen)
-    layer = PackedLinear("w6a8", weight, bias)
-    assert layer.bits == 6 and layer.blocks.numel() == 3 * 3 * 448
+    weight[:16] += 0.3  # rows whose groups sit off zero: W6M's minimum carries them
+    layer = PackedLinear(fmt, weight, bias)
+    assert layer.bits == bits and layer.blocks.numel() == 3 * 3 * block
     x = torch.randn(2, 3, 96, generator=gen)
-    want = reference_linear(x.reshape(-1, 96), weight, "w6a8").view(2, 3, 48) + bias
+    want = reference_linear(x.reshape(-1, 96), weight, fmt).view(2, 3, 48) + bias
     _assert_matches(layer(x), want)
-    empty = PackedLinear.empty("w6a8", 96, 48, bias=False)
+    empty = PackedLinear.empty(fmt, 96, 48, bias=False)
     assert empty.blocks.shape == layer.blocks.shape and empty.bias is None
 
 
 def test_sharded_linear_is_its_shards_side_by_side() -> None:
     gen = torch.Generator().manual_seed(3)
-    k, formats, outs = 128, ("w4a8", "w6a8", "w8a8"), (64, 32, 48)
+    k, formats, outs = 128, ("w4a8", "w6a8", "w8a8", "w6ma8"), (64, 32, 48, 16)
     weights = [torch.randn(out, k, generator=gen) * 0.1 for out in outs]
     bias = torch.randn(sum(outs), generator=gen)
     shards = [PackedLinear(fmt, w, None) for fmt, w in zip(formats, weights, strict=True)]
     layer = ShardedPackedLinear(shards, bias)
-    assert (layer.in_features, layer.out_features) == (k, 144)
+    assert (layer.in_features, layer.out_features) == (k, 160)
     x = torch.randn(5, k, generator=gen)
     want = torch.cat([reference_linear(x, w, f) for w, f in zip(weights, formats, strict=True)], -1)
     _assert_matches(layer(x), want + bias)
     empty = ShardedPackedLinear.empty(formats, k, outs, bias=True)
     assert [s.fmt for s in empty.packed_shards] == list(formats)
-    assert empty.out_features == 144 and empty.bias is not None
+    assert empty.out_features == 160 and empty.bias is not None
 
 
 def test_sharded_linear_refuses_mismatched_shards() -> None:
@@ -195,23 +241,27 @@ def _decoder(isa: str, qkv: tuple) -> object:
 
 @pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("rows", [1, 3, 12])
-def test_decoder_writes_each_shard_in_place(isa: str, rows: int) -> None:
-    """qkv = [q dense | k weight-only W8 | v W6A8] against one dense projection of the same
-    (dequantized) weights. The inputs are +-1, so the normalized rows are +-c and quantize to
-    +-127 exactly: W6A8 then computes the float product too. 12 rows take the dense GEMM path
+@pytest.mark.parametrize("v_fmt", ["w6a8", "w6ma8"])
+def test_decoder_writes_each_shard_in_place(isa: str, rows: int, v_fmt: str) -> None:
+    """qkv = [q dense | k weight-only W8 | v W6A8 or W6MA8] against one dense projection of the
+    same (dequantized) weights. The inputs are +-1, so the normalized rows are +-c and quantize
+    to +-127 exactly: W6A8 then computes the float product too. 12 rows take the dense GEMM path
     (a strided output), fewer the streaming one."""
     gen = torch.Generator().manual_seed(rows)
     wq = torch.randn(Q_SIZE, HIDDEN, generator=gen) * 0.1
     k_codes, k_d = qgemm.quantize_w8(torch.randn(KV_SIZE, HIDDEN, generator=gen) * 0.1)
-    v_codes, v_d, v_sc = _w6(KV_SIZE, HIDDEN, seed=rows)
     bias = torch.randn(Q_SIZE + 2 * KV_SIZE, generator=gen)
     k_blocks = qgemm.pack_w8_float(k_codes, k_d, isa).blocks
-    v_blocks = qgemm.pack_w6(v_codes, v_d, v_sc, isa).blocks
-    shards = [(32, wq, Q_SIZE), (qgemm.W8_FLOAT, k_blocks, KV_SIZE), (6, v_blocks, KV_SIZE)]
+    if v_fmt == "w6ma8":
+        v = _w6m(KV_SIZE, HIDDEN, seed=rows)
+        v_blocks, v_dense = qgemm.pack_w6m(*v, isa).blocks, qgemm.dequantize_w6m(*v)
+    else:
+        v = _w6(KV_SIZE, HIDDEN, seed=rows)
+        v_blocks, v_dense = qgemm.pack_w6(*v, isa).blocks, qgemm.dequantize_w6(*v)
+    v_bits = 7 if v_fmt == "w6ma8" else 6
+    shards = [(32, wq, Q_SIZE), (qgemm.W8_FLOAT, k_blocks, KV_SIZE), (v_bits, v_blocks, KV_SIZE)]
     sharded = _decoder(isa, (shards, bias, Q_SIZE + 2 * KV_SIZE, HIDDEN))
-    weight = torch.cat(
-        [wq, qgemm.dequantize_w8(k_codes, k_d), qgemm.dequantize_w6(v_codes, v_d, v_sc)]
-    )
+    weight = torch.cat([wq, qgemm.dequantize_w8(k_codes, k_d), v_dense])
     dense = _decoder(isa, (32, weight, bias, weight.shape[0], HIDDEN))
     x = torch.randint(0, 2, (rows, HIDDEN), generator=gen).float() * 2 - 1
     args = (torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long))
@@ -227,12 +277,12 @@ def test_decoder_refuses_shards_that_do_not_add_up() -> None:
         _decoder(PATHS[0], (shards, None, Q_SIZE + 2 * KV_SIZE, HIDDEN))
 
 
+@pytest.mark.parametrize("fmt", ["w6a8", "w6ma8"])
 @pytest.mark.parametrize("isa", PATHS[-1:])
-def test_w6a8_linear_releases_the_gil(isa: str) -> None:
+def test_w6a8_linear_releases_the_gil(isa: str, fmt: str) -> None:
     from tests.kernels.test_gil_release import _assert_releases_the_gil
 
-    codes, d, sc = _w6(2048, 2048, seed=0)
-    weight = qgemm.pack_w6(codes, d, sc, isa)
+    weight = _pack(fmt, (_w6m if fmt == "w6ma8" else _w6)(2048, 2048, seed=0), isa)
     gen = torch.Generator().manual_seed(0)
 
     def make(n_calls: int) -> Callable[[], object]:

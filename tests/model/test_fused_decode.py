@@ -198,13 +198,16 @@ def test_fused_step_with_qkv_bias(forced_isa: str, biased_model_dir: Path) -> No
 
 
 def _w6_with_sharded_qkv(model: torch.nn.Module) -> None:
-    """Every projection of a dense model in w6a8, except q|k|v: three shards, q in w4a8, k in
-    w8a8 and v in w6a8 (as a GGUF file whose v is Q6_K loads), with the bias over all three."""
+    """gate|up in w6a8, o and down in w6ma8 (Q5_K tensors), and q|k|v in three shards: q in
+    w4a8, k in w8a8 and v in w6a8 (as a GGUF file whose v is Q6_K loads), with the bias over all
+    three."""
     for layer in getattr(model, "layers"):  # noqa: B009
         attn, mlp = layer.self_attn, layer.mlp
-        for owner, name in ((attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
+        for owner, name, fmt in (
+            (attn, "o_proj", "w6ma8"), (mlp, "gate_up_proj", "w6a8"), (mlp, "down_proj", "w6ma8")
+        ):  # fmt: skip
             dense = getattr(owner, name)
-            setattr(owner, name, PackedLinear("w6a8", dense.weight, dense.bias))
+            setattr(owner, name, PackedLinear(fmt, dense.weight, dense.bias))
         qkv = attn.qkv_proj
         parts = qkv.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
         formats = ("w4a8", "w8a8", "w6a8")

@@ -8,7 +8,7 @@
 //   densa.quant.fp8_kv stores them) ; o = paged attention over each sequence's pages (online
 //   softmax, split-K over the context when there are more threads than sequences x kv heads) ;
 //   x += o Wo^T ; h = rmsnorm(x) ; x += (silu(h Wg^T) * h Wu^T) Wd^T
-// and finally rmsnorm(x). Projections are dense fp32, W4, W6 or W8 (qgemm.h), or shards of
+// and finally rmsnorm(x). Projections are dense fp32, W4, W6, W6M or W8 (qgemm.h), or shards of
 // those side by side (a fused q|k|v with v in more bits).
 //
 // Everything here mirrors the eager model (densa/model/llama.py) and the attention reference
@@ -266,7 +266,7 @@ constexpr int kDenseTile = 4;
 template <class Ops>
 void project_shard(const Shard& s, int64_t in, const float* x, int64_t rows, float* y,
                    int64_t ldy, Isa isa, ActivationBuffers& buffers) {
-  if (s.bits == kFormatW4A8 || s.bits == kFormatW6A8 || s.bits == kFormatW8A8) {
+  if (is_quantized_format(s.bits)) {
     quantized_linear_raw(x, rows, in, s.blocks, s.out, s.bits, isa, y, ldy, buffers);
   } else if (s.bits == kFormatW8) {
     w8float_linear_raw(x, rows, in, s.blocks, s.out, isa, y, ldy);

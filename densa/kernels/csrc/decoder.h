@@ -32,7 +32,7 @@ struct KVSide {
 };
 
 // A run of a projection's output rows in one format: dense float32 [out, in], or packed W4 / W6 /
-// W8 blocks.
+// W6M / W8 blocks.
 struct Shard {
   int bits = kFormatDense;
   at::Tensor dense, packed;

@@ -9,14 +9,19 @@
 //   W4:  w[n, k] = d[n, g] * q[n, k] + m[n, g]     q in 0..15, d and m fp16, g = k / 32
 //   W8:  w[n, k] = d[n, g] * q[n, k]               q in -127..127, d fp16
 //   W6:  w[n, k] = d[n, g] * sc[n, k / 16] * (u[n, k] - 32)     u in 0..63, d fp16, sc int8
+//   W6M: w[n, k] = d[n, g] * sc[n, k / 16] * (u[n, k] - 32) + m[n, g]              m fp16
 //   x:   x[t, k] ~ dx[t, g] * qx[t, k]            qx in -127..127, dx = max|x| / 127 (fp32)
 //   y[t, n] = sum_g dx*d * sum_k q*qx  (+ m * dx * sum_k qx for W4: the quantized x's sum)
 //   W6:     sum_g dx*d * sum_{h = 0, 1} sc_h * (sum_{k in half h} u*qx - 32 * sum_{k in h} qx)
+//   W6M:    W6's sum + m * dx * sum_k qx per group, as W4
 //
 // W6 exists to run GGUF files' Q6_K tensors from their exact values (d = the super-block's
 // scale, repeated over its 8 groups; sc = the scale of each 16 inputs; u = the 6-bit code);
 // Q5_0 (sc = 1, u = q + 16) and Q4_0 (sc = 1, u = q + 24) fit it exactly too. d * sc needs at
 // most 11 + 8 significant bits, so it is exact in float32. 7 bits per weight (Q6_K: 6.56).
+// W6M adds W4's minimum for the 5-bit types with one: Q5_1 (sc = 1, u = q + 32) exactly, Q5_K
+// (sc = its 6-bit scale, m = -dmin * min rounded to fp16). 7.5 bits per weight. It is W6's
+// kernel with a template flag, not a copy.
 //
 // Layout: rows are cut into panels of 16; a panel's group is one block, so a matmul streams one
 // array front to back. Within a block, 4 consecutive k of one row sit in 4 adjacent bytes (the
@@ -31,6 +36,7 @@
 //     nibbles [64 o + 4 r + j]: low nibble = u[r, 8 o + j] & 15, high = u[r, 8 o + 4 + j] & 15
 //     high bits [256 + 64 p + 4 r + j]: bits 2i..2i+1 = u[r, 16 p + 4 i + j] >> 4   (i = 0..3)
 //     sc [384 + 16 h + r] = sc[r, 2 g + h];  d [416 + 2 r]
+//   W6M block (480 B): a W6 block | 16 x fp16 m   (m [448 + 2 r])
 //   so half h of a group (k = 16 h .. 16 h + 15) is nibble vectors o = 2h, 2h + 1 and high-bit
 //   vector p = h: its 6-bit codes are two dot-product operands, as W4's nibbles are:
 //
@@ -67,6 +73,7 @@ constexpr int kW8Codes = 512;
 constexpr int kW6HighBits = 256;  // offsets into a W6 block
 constexpr int kW6Scales = 384;
 constexpr int kW6D = 416;
+constexpr int kW6M = 448;  // W6M's minimums, after the W6 block
 constexpr int kW6Offset = 32;  // u = code + 32
 
 bool cpu_has_avx512_vnni() {
@@ -272,17 +279,25 @@ DENSA_AVX512 inline void w6_codes_avx512(__m512i v, __m512i hb, int s, __m512i* 
                         _mm512_and_si512(top_hi, bits45));
 }
 
+// The minimum term of a W6M group for token t: dx * the sum of its qx, made from the halves'
+// sums as quantize_group_* makes W4's sumx (the same float32 product, so the same bits).
+inline float w6m_sumx(const float* dx, const int32_t* sumh, int64_t idx) {
+  return dx[idx] * static_cast<float>(sumh[2 * idx] + sumh[2 * idx + 1]);
+}
+
 // Each half group (16 inputs: one scale sc) is summed on its own, starting from -32 times the
-// half's sum of qx, so the codes' offset is taken off in integers (exact).
-template <int T>
+// half's sum of qx, so the codes' offset is taken off in integers (exact). kMin: W6M, whose
+// groups add m times the group's sum of x as W4's do.
+template <int T, bool kMin>
 DENSA_AVX512 void w6_panel_avx512(const uint8_t* blocks, int64_t groups, const int8_t* qx,
                                   const float* dx, const int32_t* sumh, int64_t cols, float* y,
                                   int64_t ldy) {
+  constexpr int kBlock = kMin ? kW6MBlock : kW6Block;
   __m512 accf[T];
   for (int t = 0; t < T; ++t) accf[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* blk = blocks + g * kW6Block;
-    prefetch_weights(blk, kW6Block);
+    const uint8_t* blk = blocks + g * kBlock;
+    prefetch_weights(blk, kBlock);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + kW6D)));
     for (int h = 0; h < 2; ++h) {
       __m512i acci[T];
@@ -308,6 +323,11 @@ DENSA_AVX512 void w6_panel_avx512(const uint8_t* blocks, int64_t groups, const i
         const __m512 scale = _mm512_mul_ps(ds, _mm512_set1_ps(dx[t * groups + g]));
         accf[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acci[t]), scale, accf[t]);
       }
+    }
+    if constexpr (kMin) {
+      const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + kW6M)));
+      for (int t = 0; t < T; ++t)
+        accf[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(w6m_sumx(dx, sumh, t * groups + g)), accf[t]);
     }
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + t * ldy, accf[t]);
@@ -414,18 +434,19 @@ DENSA_AVX2 inline void w6_codes_avx2(__m256i v, __m256i hb, int s, __m256i* lo, 
 
 // As w4_panel_avx2: one 8-row half (`side`) of the panel at a time, T = 4 tokens. Two products
 // of a 6-bit code and an int8 are at most 2 * 63 * 127 per vpmaddubsw lane, and the two nibble
-// halves' lanes add to 32004 at most: still no int16 saturation.
-template <int T>
+// halves' lanes add to 32004 at most: still no int16 saturation. kMin: W6M, as the AVX-512 one.
+template <int T, bool kMin>
 DENSA_AVX2 void w6_panel_avx2(const uint8_t* blocks, int64_t groups, const int8_t* qx,
                               const float* dx, const int32_t* sumh, int64_t cols, float* y,
                               int64_t ldy) {
+  constexpr int kBlock = kMin ? kW6MBlock : kW6Block;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int side = 0; side < 2; ++side) {
     __m256 accf[T];
     for (int t = 0; t < T; ++t) accf[t] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* blk = blocks + g * kW6Block;
-      if (side == 0) prefetch_weights(blk, kW6Block);
+      const uint8_t* blk = blocks + g * kBlock;
+      if (side == 0) prefetch_weights(blk, kBlock);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + kW6D + 16 * side)));
       for (int h = 0; h < 2; ++h) {
         __m256i acci[T];
@@ -454,6 +475,11 @@ DENSA_AVX2 void w6_panel_avx2(const uint8_t* blocks, int64_t groups, const int8_
           const __m256 scale = _mm256_mul_ps(ds, _mm256_set1_ps(dx[t * groups + g]));
           accf[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[t]), scale, accf[t]);
         }
+      }
+      if constexpr (kMin) {
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(blk + kW6M + 16 * side)));
+        for (int t = 0; t < T; ++t)
+          accf[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(w6m_sumx(dx, sumh, t * groups + g)), accf[t]);
       }
     }
     for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + t * ldy + 8 * side, accf[t]);
@@ -489,15 +515,15 @@ void w8_avx2(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const
              int64_t c, float* y, int64_t l) {
   w8_panel_avx2<T>(b, g, q, d, static_cast<const int32_t*>(s), c, y, l);
 }
-template <int T>
+template <int T, bool kMin = false>
 void w6_avx512(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
                int64_t c, float* y, int64_t l) {
-  w6_panel_avx512<T>(b, g, q, d, static_cast<const int32_t*>(s), c, y, l);
+  w6_panel_avx512<T, kMin>(b, g, q, d, static_cast<const int32_t*>(s), c, y, l);
 }
-template <int T>
+template <int T, bool kMin = false>
 void w6_avx2(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
              int64_t c, float* y, int64_t l) {
-  w6_panel_avx2<T>(b, g, q, d, static_cast<const int32_t*>(s), c, y, l);
+  w6_panel_avx2<T, kMin>(b, g, q, d, static_cast<const int32_t*>(s), c, y, l);
 }
 
 // fns[t - 1] handles a tile of t tokens.
@@ -516,20 +542,27 @@ PanelKernels kernels_for(int bits, Isa isa) {
       return {{w6_avx512<1>, w6_avx512<2>, w6_avx512<3>, w6_avx512<4>, w6_avx512<5>, w6_avx512<6>,
                w6_avx512<7>, w6_avx512<8>},
               kTileAvx512};
+    if (bits == kFormatW6MA8)
+      return {{w6_avx512<1, true>, w6_avx512<2, true>, w6_avx512<3, true>, w6_avx512<4, true>,
+               w6_avx512<5, true>, w6_avx512<6, true>, w6_avx512<7, true>, w6_avx512<8, true>},
+              kTileAvx512};
     return {{w8_avx512<1>, w8_avx512<2>, w8_avx512<3>, w8_avx512<4>, w8_avx512<5>, w8_avx512<6>,
              w8_avx512<7>, w8_avx512<8>},
             kTileAvx512};
   }
   if (bits == kFormatW4A8) return {{w4_avx2<1>, w4_avx2<2>, w4_avx2<3>, w4_avx2<4>}, kTileAvx2W4};
   if (bits == kFormatW6A8) return {{w6_avx2<1>, w6_avx2<2>, w6_avx2<3>, w6_avx2<4>}, kTileAvx2W4};
+  if (bits == kFormatW6MA8)
+    return {{w6_avx2<1, true>, w6_avx2<2, true>, w6_avx2<3, true>, w6_avx2<4, true>}, kTileAvx2W4};
   return {{w8_avx2<1>, w8_avx2<2>}, kTileAvx2};
 }
 
 // The per-group sums of qx a format's panels read, from group `first` (row-major over rows and
-// groups) on: W4 the float dx * sum, W6 the two halves' int32 sums, W8 the int32 sum.
+// groups) on: W4 the float dx * sum, W6 and W6M the two halves' int32 sums, W8 the int32 sum.
 const void* panel_sums(const ActivationBuffers& buffers, int bits, int64_t first) {
   if (bits == kFormatW4A8) return buffers.sumx.data_ptr<float>() + first;
-  if (bits == kFormatW6A8) return buffers.sumh.data_ptr<int32_t>() + 2 * first;
+  if (bits == kFormatW6A8 || bits == kFormatW6MA8)
+    return buffers.sumh.data_ptr<int32_t>() + 2 * first;
   return buffers.sumq.data_ptr<int32_t>() + first;
 }
 
@@ -566,8 +599,7 @@ at::Tensor quantized_linear(const at::Tensor& x_in, const at::Tensor& packed, in
                             int bits, const std::string& isa_name) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [M, K] float32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
-  TORCH_CHECK(bits == kFormatW4A8 || bits == kFormatW6A8 || bits == kFormatW8A8,
-              "bits must be 4, 6 or 8");
+  TORCH_CHECK(is_quantized_format(bits), "bits must be 4, 6, 7 or 8");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), cols = x.size(1);
   TORCH_CHECK(cols % kGroup == 0, "in_features must be a multiple of 32, got ", cols);
@@ -669,10 +701,13 @@ void pack_w6_row(const uint8_t* u, int r, uint8_t* blk) {
 
 }  // namespace
 
-// codes: [N, K] int8 in -32..31 (stored as u = code + 32), d: [N, K/32] f32 (stored as fp16),
-// sc: [N, K/16] int8. Panels are independent, so they pack in parallel (a model's load packs
-// every layer).
-at::Tensor pack_w6(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& sc) {
+namespace {
+
+// W6 (m undefined) or W6M blocks. codes: [N, K] int8 in -32..31 (stored as u = code + 32),
+// d and m: [N, K/32] f32 (stored as fp16), sc: [N, K/16] int8. Panels are independent, so they
+// pack in parallel (a model's load packs every layer).
+at::Tensor pack_w6_blocks(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& sc,
+                          const at::Tensor& m) {
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2, "codes: [N, K] int8");
   const int64_t rows = codes.size(0), cols = codes.size(1);
   TORCH_CHECK(rows % kPanel == 0 && cols % kGroup == 0, "N % 16 and K % 32 must be 0");
@@ -680,22 +715,28 @@ at::Tensor pack_w6(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
   TORCH_CHECK(d.numel() == rows * groups, "d: [N, K/32]");
   TORCH_CHECK(sc.scalar_type() == at::kChar && sc.numel() == rows * 2 * groups,
               "sc: [N, K/16] int8");
+  const bool with_min = m.defined();
+  TORCH_CHECK(!with_min || m.numel() == rows * groups, "m: [N, K/32]");
   if (codes.numel() > 0) {
     const auto [low, high] = at::aminmax(codes);
     TORCH_CHECK(low.item<int8_t>() >= -kW6Offset && high.item<int8_t>() < kW6Offset,
                 "W6 codes must lie in -32..31");
   }
+  const int64_t block = with_min ? kW6MBlock : kW6Block;
   const at::Tensor c = codes.contiguous(), s = sc.contiguous();
   const at::Tensor dh = d.to(at::kHalf).contiguous();
-  at::Tensor out = at::empty({panels * groups * kW6Block}, codes.options().dtype(at::kByte));
+  const at::Tensor mh = with_min ? m.to(at::kHalf).contiguous() : at::Tensor();
+  at::Tensor out = at::empty({panels * groups * block}, codes.options().dtype(at::kByte));
   const int8_t* src = c.data_ptr<int8_t>();
   const int8_t* scales = s.data_ptr<int8_t>();
   const uint16_t* dsrc = reinterpret_cast<const uint16_t*>(dh.data_ptr<at::Half>());
+  const uint16_t* msrc =
+      with_min ? reinterpret_cast<const uint16_t*>(mh.data_ptr<at::Half>()) : nullptr;
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, panels * groups, 64, [&](int64_t begin, int64_t end) {
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t p = idx / groups, g = idx % groups;
-      uint8_t* blk = dst + idx * kW6Block;
+      uint8_t* blk = dst + idx * block;
       for (int r = 0; r < kPanel; ++r) {
         const int64_t row = p * kPanel + r;
         const int8_t* q = src + row * cols + g * kGroup;
@@ -705,10 +746,23 @@ at::Tensor pack_w6(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
         for (int h = 0; h < 2; ++h)
           blk[kW6Scales + 16 * h + r] = static_cast<uint8_t>(scales[row * 2 * groups + 2 * g + h]);
         std::memcpy(blk + kW6D + 2 * r, dsrc + row * groups + g, 2);
+        if (with_min) std::memcpy(blk + kW6M + 2 * r, msrc + row * groups + g, 2);
       }
     }
   });
   return out;
+}
+
+}  // namespace
+
+at::Tensor pack_w6(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& sc) {
+  return pack_w6_blocks(codes, d, sc, at::Tensor());
+}
+
+at::Tensor pack_w6m(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& sc,
+                    const at::Tensor& m) {
+  TORCH_CHECK(m.defined(), "m: [N, K/32]");
+  return pack_w6_blocks(codes, d, sc, m);
 }
 
 }  // namespace densa
