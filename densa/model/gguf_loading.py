@@ -12,12 +12,15 @@ a time and loaded as usual (the other linears are then packed from float32 into 
 format, as for any dense checkpoint), so at no point is the whole model held in float32.
 
     weight_format   kept layers: kernel family -> packed format, in order of preference
-    blocks          w4 -> w4a8, w6 -> w6a8, w8 -> w8 (weight-only: Q8_0 exactly, float x);
-                    what `auto` resolves a GGUF file to (loader.auto_formats)
-    w4a8            w4 -> w4a8, w6 -> w6a8, w8 -> w8a8
-    w8a8            w8 -> w8a8, w6 -> w6a8, w4 -> w4a8
-    w8              w8 -> w8,   w6 -> w6a8, w4 -> w4a8
+    blocks          w4 -> w4a8, w6 -> w6a8, w6m -> w6ma8, w8 -> w8 (weight-only: Q8_0
+                    exactly, float x); what `auto` resolves a GGUF file to (loader.auto_formats)
+    w4a8            w4 -> w4a8, w6 -> w6a8, w6m -> w6ma8, w8 -> w8a8
+    w8a8            w8 -> w8a8, w6 -> w6a8, w6m -> w6ma8, w4 -> w4a8
+    w8              w8 -> w8,   w6 -> w6a8, w6m -> w6ma8, w4 -> w4a8
     any other       none (dense, int4, fp8)
+
+Linear weights of a type no family holds (Q2_K, most IQ*) are dequantized; `dequantized_types`
+says which and what they cost, for the loader's one warning per file.
 """
 
 from __future__ import annotations
@@ -39,14 +42,16 @@ from densa.model.packed_linear import PackedLinear, ShardedPackedLinear, packed_
 from densa.model.quantized_embedding import GGUFEmbedding
 from densa.model.weight_loading import GATE_UP_FUSED, QKV_FUSED, fused_target
 from densa.quant import gguf_blocks
+from densa.utils.sizes import format_bytes
 
 _FAMILY_FORMATS = {  # weight_format -> kernel family -> packed format, in preference order
-    WEIGHTS_FROM_BLOCKS: {"w4": "w4a8", "w6": "w6a8", "w8": "w8"},
-    "w4a8": {"w4": "w4a8", "w6": "w6a8", "w8": "w8a8"},
-    "w8a8": {"w8": "w8a8", "w6": "w6a8", "w4": "w4a8"},
-    "w8": {"w8": "w8", "w6": "w6a8", "w4": "w4a8"},
+    WEIGHTS_FROM_BLOCKS: {"w4": "w4a8", "w6": "w6a8", "w6m": "w6ma8", "w8": "w8"},
+    "w4a8": {"w4": "w4a8", "w6": "w6a8", "w6m": "w6ma8", "w8": "w8a8"},
+    "w8a8": {"w8": "w8a8", "w6": "w6a8", "w6m": "w6ma8", "w4": "w4a8"},
+    "w8": {"w8": "w8", "w6": "w6a8", "w6m": "w6ma8", "w4": "w4a8"},
 }
 _SHARD_ORDER = {None: 0, "q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
+_DENSE_TYPES = {"F32", "F16", "BF16"}
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,7 @@ class KeptLinear:
     fmts: tuple[str, ...]
     families: tuple[str, ...]
     rows: tuple[int, ...]
-    exact: bool  # False where fp16 scales round the stored values (Q4_K)
+    exact: bool  # False where fp16 scales round the stored values (Q4_K, Q5_K, IQ4_XS)
 
     @property
     def sharded(self) -> bool:
@@ -122,6 +127,72 @@ def _plan_layer(
     return KeptLinear(tuple(formats[f] for f in chosen), chosen, rows, exact)
 
 
+@dataclass(frozen=True)
+class DequantizedType:
+    """The linear weights of one GGUF type that load as float32 instead of their blocks."""
+
+    type_name: str
+    num_tensors: int
+    file_bytes: int
+    float_bytes: int
+    mapped: bool  # the type has a kernel family (the layer's shape or shards kept it out)
+
+
+def dequantized_types(
+    model: CausalLM,
+    layouts: dict[str, tuple[str, int]],
+    targets: set[str],
+    plan: dict[str, KeptLinear],
+) -> list[DequantizedType]:
+    """The quantized GGUF types of the `targets`' weights (quantizable linears) that the kept
+    `plan` leaves out, with their bytes in the file and as float32, most costly first."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    totals: dict[str, list[int]] = {}  # type -> [tensors, file bytes, float32 bytes]
+    for name, (type_name, rows) in layouts.items():
+        module, _, param = model.checkpoint_target(name).rpartition(".")
+        if param != "weight" or module not in targets or module in plan:
+            continue
+        if type_name in _DENSE_TYPES:
+            continue
+        cols = getattr(model.get_submodule(module), "weight").shape[1]  # noqa: B009
+        block_len, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+        total = totals.setdefault(type_name, [0, 0, 0])
+        total[0] += 1
+        total[1] += rows * cols // block_len * block_bytes
+        total[2] += rows * cols * 4
+    found = [
+        DequantizedType(kind, n, file, dense, kind in gguf_blocks.BLOCK_TYPES)
+        for kind, (n, file, dense) in totals.items()
+    ]
+    return sorted(found, key=lambda t: t.file_bytes - t.float_bytes)
+
+
+def dequantized_message(found: list[DequantizedType], weight_format: str) -> str | None:
+    """The loader's one warning about `found`, or None (nothing found, or `weight_format`
+    keeps no blocks at all: dense was asked)."""
+    if not found or weight_format not in _FAMILY_FORMATS:
+        return None
+    parts = []
+    for kind in found:
+        why = "kept out by its layer's shape or shards" if kind.mapped else "no kernel runs it"
+        parts.append(
+            f"{kind.type_name} ({kind.num_tensors} tensors, {why}: "
+            f"{format_bytes(kind.file_bytes)} in the file -> {format_bytes(kind.float_bytes)})"
+        )
+    extra = sum(kind.float_bytes - kind.file_bytes for kind in found)
+    after = (
+        f"they stay float32, {format_bytes(extra)} more than their blocks"
+        if weight_format == WEIGHTS_FROM_BLOCKS
+        else f"{weight_format} then re-quantizes them from float32 (not the file's values)"
+    )
+    return (
+        f"GGUF linear weights dequantized to float32 at load: {', '.join(parts)}; {after}. "
+        f"The CPU kernels run {', '.join(gguf_blocks.BLOCK_TYPES)} from their blocks "
+        "(docs/models.md, GGUF block types)"
+    )
+
+
 def swap_kept_linears(model: nn.Module, plan: dict[str, KeptLinear]) -> None:
     """Replace the planned (meta) dense modules by empty packed ones of the same shape."""
     for name, kept in plan.items():
@@ -137,7 +208,6 @@ def swap_kept_linears(model: nn.Module, plan: dict[str, KeptLinear]) -> None:
 
 
 EMBEDDING_TENSOR = "model.embed_tokens.weight"  # token_embd.weight in HF naming
-_DENSE_TYPES = {"F32", "F16", "BF16"}
 
 
 @dataclass(frozen=True)
@@ -240,6 +310,9 @@ def _pack(groups: gguf_blocks.KernelGroups, fmt: str, isa: str) -> qgemm.PackedW
         return qgemm.pack_w4(codes, d, torch.from_numpy(_present(groups.m)), isa)
     if fmt == "w6a8":
         return qgemm.pack_w6(codes, d, torch.from_numpy(_present(groups.sc)), isa)
+    if fmt == "w6ma8":
+        sc, m = torch.from_numpy(_present(groups.sc)), torch.from_numpy(_present(groups.m))
+        return qgemm.pack_w6m(codes, d, sc, m, isa)
     if fmt == "w8a8":
         return qgemm.pack_w8(codes, d, isa)
     return qgemm.pack_w8_float(codes, d, isa)

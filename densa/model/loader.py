@@ -30,6 +30,8 @@ from densa.model.gguf_loading import (
     BlockSink,
     KeptEmbedding,
     KeptLinear,
+    dequantized_message,
+    dequantized_types,
     gguf_checkpoint,
     plan_kept_embedding,
     plan_kept_linears,
@@ -228,7 +230,8 @@ def _kept_linears(
     device: torch.device,
 ) -> dict[str, KeptLinear]:
     """The GGUF linear layers (and, with head format `blocks`, the output head) that keep
-    their blocks (none without the C++ kernels)."""
+    their blocks (none without the C++ kernels); warns once naming the quantized types that
+    load as float32 instead."""
     if source is None or device.type != "cpu" or not native.is_available():
         return {}
     targets = quantizable_linears(model, include_head=head_format == HEAD_FROM_BLOCKS)
@@ -237,6 +240,10 @@ def _kept_linears(
     if head_format == HEAD_FROM_BLOCKS and OUTPUT_HEAD not in kept:
         head_only = plan_kept_linears(model, layouts, {OUTPUT_HEAD}, WEIGHTS_FROM_BLOCKS)
         kept.update(head_only)  # the head's own family even when the linears were asked dense
+    found = dequantized_types(model, layouts, targets, kept)
+    message = dequantized_message(found, weight_format)
+    if message is not None:
+        logger.warning(message)
     return kept
 
 
@@ -300,10 +307,11 @@ def _describe_weights(
 
 
 # How `auto` runs a GGUF file on the C++ kernels. Every linear layer whose block type the kernels
-# hold (densa.quant.gguf_blocks: Q4_0, Q4_1, Q4_K as w4a8, Q5_0 and Q6_K as w6a8, Q8_0 as w8)
-# keeps its blocks (weight format `blocks`, gguf_loading), others load dense; a file whose
-# layers are mostly Q4_0/Q4_1 also packs those others as w4a8 (what SmolLM2's Q4_1 file always
-# did). An untied head keeps its blocks the same way (HEAD_FROM_BLOCKS); a head tied to a Q8_0
+# hold (densa.quant.gguf_blocks: Q4_0, Q4_1, Q4_K as w4a8, Q5_0, Q3_K and Q6_K as w6a8, Q5_1
+# and Q5_K as w6ma8, Q8_0, IQ4_NL and IQ4_XS as w8) keeps its blocks (weight format `blocks`,
+# gguf_loading), others load dense, with one warning naming their types; a file whose layers
+# are mostly Q4_0/Q4_1 also packs those others as w4a8 (what SmolLM2's Q4_1 file always did).
+# An untied head keeps its blocks the same way (HEAD_FROM_BLOCKS); a head tied to a Q8_0
 # embedding is packed as w8 from it.
 AUTO_LINEAR = {"Q4_0": "w4a8", "Q4_1": "w4a8"}
 AUTO_HEAD = {"Q8_0": "w8"}
