@@ -36,8 +36,8 @@ LLAMA_SERVER_HINT = "build it with `scripts/setup.sh peers` or pass --llama-serv
 class PeerContext:
     """What every builder may need: the model in each engine's form, tools, machine limits."""
 
-    gguf: Path  # the bundled GGUF (llama.cpp reads it as is)
-    hf_dir: Path  # densa's fp32 safetensors copy of it (transformers reads this)
+    gguf: Path  # the GGUF every peer serves (llama.cpp reads it as is)
+    hf_dir: Path  # densa's directory for it (config, tokenizer; a float32 copy on request)
     llama_server: Path | None
     threads: int
     max_concurrency: int  # slots / sequences each server must hold at once
@@ -47,6 +47,19 @@ class PeerContext:
     @property
     def model_id(self) -> str:
         return self.gguf.stem
+
+    def stored_types(self) -> dict[str, str]:
+        """The file's own types, to label rows: {"linear": "Q4_K", "head": "Q6_K"} (the most
+        common type of its linear layers; the output head's, or the tied embedding's)."""
+        from densa.model.gguf import stored_quantization
+
+        stored = stored_quantization(self.hf_dir)
+        return {k: str(stored.get(k) or "?") for k in ("linear", "head")}
+
+
+def _labelled(formats: dict[str, str], ctx: PeerContext) -> dict[str, str]:
+    """Formats with {linear} / {head} filled in with the file's own types."""
+    return {key: value.format(**ctx.stored_types()) for key, value in formats.items()}
 
 
 Builder = Callable[[PeerContext], PeerSpec]
@@ -64,7 +77,7 @@ def _densa(
             engine="densa",
             argv=tuple(argv + [str(ctx.gguf) if arg == "{gguf}" else arg for arg in extra_args]),
             model=ctx.model_id,
-            formats=formats,
+            formats=_labelled(formats, ctx),
             extra_body={"ignore_eos": True},
             env={"OMP_NUM_THREADS": str(ctx.threads), **(env or {})},
         )
@@ -80,14 +93,15 @@ def llama_cpp(ctx: PeerContext) -> PeerSpec:
     argv += ["-t", str(ctx.threads), "-tb", str(ctx.threads), "-np", str(slots)]
     # One context per slot, each large enough for a request (llama-server splits -c over slots).
     argv += ["-c", str(slots * ctx.context_len), "--alias", ctx.model_id, "--no-webui"]
+    types = ctx.stored_types()
     return PeerSpec(
-        name="llama.cpp Q4_1",
+        name=f"llama.cpp {types['linear']}",
         engine="llama.cpp",
         argv=tuple(argv),
         model=ctx.model_id,
         formats={
-            "linear": "Q4_1",
-            "head": "Q8_0 (tied)",
+            "linear": types["linear"],
+            "head": types["head"],
             "kv": "f16",
             "compute": "int8 dot (activations Q8 per 32)",
         },
@@ -98,9 +112,12 @@ def llama_cpp(ctx: PeerContext) -> PeerSpec:
 
 def _transformers(name: str, env: dict[str, str] | None = None) -> Builder:
     def build(ctx: PeerContext) -> PeerSpec:
+        from densa.model.gguf import ensure_dense_copy
+
         cli = shutil.which("transformers", path=str(Path(sys.executable).parent))
         if cli is None:
             raise FileNotFoundError("the `transformers` command is missing next to this Python")
+        ensure_dense_copy(ctx.hf_dir)  # transformers reads a float32 copy of the GGUF
         argv = [cli, "serve", str(ctx.hf_dir), "--continuous-batching", "--device", "cpu"]
         argv += ["--dtype", "float32", "--host", "127.0.0.1", "--port", "{port}"]
         # Exactly output_len greedy tokens (it has no ignore_eos; min_new_tokens does the same).
@@ -125,15 +142,15 @@ transformers = _transformers("transformers fp32")
 DENSA_FP32 = {"linear": "fp32", "head": "fp32", "kv": "fp32", "compute": "fp32"}
 # scripts/serve.sh adds these to `densa serve` (docs/kv-cache.md, "The default").
 SERVE_SH_ARGS = ["--kv-cache-dtype", "int8"]
-DENSA_DEFAULT = {
-    "linear": "w4a8: the GGUF's Q4_1 bits",
-    "head": "w8: the GGUF's Q8_0 bits, float activations",
+DENSA_DEFAULT = {  # {linear} / {head}: the file's own types (PeerContext.stored_types)
+    "linear": "the GGUF's own {linear} blocks (w4a8 / w6a8 / w8 kernels: docs/models.md)",
+    "head": "the GGUF's {head} blocks (w8 with float activations if Q8_0)",
     "kv": "int8, an fp16 scale per row",
     "compute": "int8 dot (activations Q8 per 32); head in fp32",
 }
 DENSA_LLAMA_NUMERICS = {
     **DENSA_DEFAULT,
-    "head": "w8a8: the GGUF's Q8_0 bits",
+    "head": "w8a8: the GGUF's {head} bits",
     "compute": "int8 dot",
 }
 
