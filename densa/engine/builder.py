@@ -77,10 +77,9 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     backend = select_backend(args.attention_backend, device)
     # The fused step attends in C++ for decodes: with another backend asked for by name (torch,
     # triton), that backend is what runs.
+    fused: list[bool] = []  # per weight set: whether its decode-only steps run fused
     if args.fused_decode and backend.name == "cpu":
-        for weight_set in (model, decode_model):
-            if weight_set is not None:
-                enable_fused_decode(weight_set, kv_caches)
+        fused = [enable_fused_decode(w, kv_caches) for w in (model, decode_model) if w is not None]
     runner = ModelRunner(
         model,
         kv_caches,
@@ -93,6 +92,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         decode_model=decode_model,
         decode_graphs=build_decode_graphs(args, decode_model or model, kv_caches, backend, max_len),
         grammars=GrammarCompiler(tokenizer, arch.vocab_size),
+        decodes_apart=any(fused),
     )
     logger.info(
         "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "
@@ -106,18 +106,19 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     return EngineParts(config, tokenizer, runner, arch, described, model.weight_format)
 
 
-def enable_fused_decode(model: CausalLM, kv_caches: list[LayerCache]) -> None:
-    """Decode-only steps of `model` run through the fused C++ step, if it can run them."""
+def enable_fused_decode(model: CausalLM, kv_caches: list[LayerCache]) -> bool:
+    """Decode-only steps of `model` run through the fused C++ step, if it can run them (True)."""
     switch = getattr(model, "fused_decode", None)
     if switch is None:
         logger.info("fused decode: %s has none; eager steps", type(model).__name__)
-        return
+        return False
     reason = unsupported_reason(model, kv_caches)
     if reason is not None:
         logger.info("fused decode off: %s; eager steps", reason)
-        return
+        return False
     switch.enable()
     logger.info("fused decode on (%s code path)", native.isa())
+    return True
 
 
 def load_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer:

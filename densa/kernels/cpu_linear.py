@@ -1,11 +1,19 @@
-"""Small-batch fp32 matmul for CPU decode: y = x @ W^T with W in its natural [out, in] layout.
+"""fp32 matmul for CPU steps: y = x @ W^T with W in its natural [out, in] layout, the same
+arithmetic for a row whatever the number of rows (docs/architecture.md, "Batch invariance").
 
 At decode time a step multiplies a few activation rows by every weight matrix, so the cost is
 streaming the weights from memory. torch's CPU GEMM reaches ~10 GB/s on this shape (measured on a
 2-core AVX-512 EPYC: 30 x [3072 x 576] at M=1 in 20 ms); a kernel that walks the weight rows once,
 in parallel, and dots each row (still in L1) with the M activation rows reaches ~27-34 GB/s
-(8 ms). Beyond M ~ 8 the work becomes compute-bound and torch's blocked GEMM wins again, so
-`linear` only takes this path for small M.
+(8 ms). Larger M walks the rows in blocks of _TOKEN_BLOCK tokens (kept in L1/L2 while a task's
+weight rows pass them); every output is still one dot product in the same order.
+
+Why not torch's GEMM beyond a few rows (as before): it rounds a row differently at different M
+(a single row is a GEMV; tails of 1-3 rows take other micro-kernels), so a request's logits
+depended on how many others sampled in the same step. Measured single-threaded on the same
+(loaded) machine, the dot-product kernel is within noise of it at M <= 32 on the 49152 x 576
+head and 3072 x 576, and up to ~1.5x slower at M = 512; in the default path only the output
+head (the rows that sample) runs here -- the decoder's own projections are in C++.
 """
 
 from __future__ import annotations
@@ -17,9 +25,8 @@ from numba import njit, prange
 
 from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
 
-# Largest M for which the streaming kernel beat torch's GEMM in the measurements above.
-MAX_STREAMING_ROWS = 8
 _ROWS_PER_TASK = 16  # weight rows per parallel task: big enough to amortize scheduling
+_TOKEN_BLOCK = 16  # activation rows a task's weight rows pass at a time
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
@@ -28,19 +35,20 @@ def _streaming_matmul(weight: np.ndarray, x: np.ndarray, out: np.ndarray) -> Non
     num_rows = x.shape[0]
     num_tasks = (num_out + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in prange(num_tasks):
-        for r in range(task * _ROWS_PER_TASK, min(num_out, (task + 1) * _ROWS_PER_TASK)):
-            for i in range(num_rows):
-                acc = np.float32(0.0)
-                for j in range(num_in):
-                    acc += weight[r, j] * x[i, j]
-                out[i, r] = acc
+        for t0 in range(0, num_rows, _TOKEN_BLOCK):
+            for r in range(task * _ROWS_PER_TASK, min(num_out, (task + 1) * _ROWS_PER_TASK)):
+                for i in range(t0, min(num_rows, t0 + _TOKEN_BLOCK)):
+                    # The one loop every output runs: same order for any M and any block.
+                    acc = np.float32(0.0)
+                    for j in range(num_in):
+                        acc += weight[r, j] * x[i, j]
+                    out[i, r] = acc
 
 
 def can_stream(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.device.type == "cpu"
         and x.dim() == 2
-        and x.shape[0] <= MAX_STREAMING_ROWS
         and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and weight.is_contiguous()
@@ -48,7 +56,8 @@ def can_stream(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear semantics ([M, in] x [out, in] -> [M, out]); streams the weights when M is small."""
+    """F.linear semantics ([M, in] x [out, in] -> [M, out]); fp32 CPU rows by the dot-product
+    kernel, anything else by torch."""
     if not can_stream(x, weight):
         return F.linear(x, weight, bias)
     x = x.contiguous()

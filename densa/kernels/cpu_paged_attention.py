@@ -8,6 +8,7 @@ Threading: Numba's parallel kernels and torch both run OpenMP-style worker pools
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -173,7 +174,7 @@ def _decode_kernel(
     v_scales,
     q_mult,
     v_mult,
-    num_splits,
+    split_table,
     num_workers,
     out,
 ):
@@ -181,14 +182,23 @@ def _decode_kernel(
 
     query/out: float32 [B, H, D]; q_mult / v_mult: static factors for scores / outputs;
     num_workers: threads to spread the work over. Work items are (sequence, kv head, split);
-    each split covers a page-aligned 1/num_splits share of the sequence, and a second pass merges
-    the partial softmaxes (with num_splits == 1 that pass just normalizes).
+    sequence b's context is cut into split_table[min(seq_len // _MIN_SPLIT_TOKENS, last)]
+    page-aligned shares (the splits it would get alone: `_split_table`), and a second pass merges
+    the partial softmaxes in order (with one split that pass just normalizes).
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[1]
     page_size = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    num_items = batch * num_kv_heads * num_splits
+    # Sequence b's items are [first[b], first[b + 1]), kv head by kv head.
+    first = np.zeros(batch + 1, dtype=np.int64)
+    for b in range(batch):
+        index = min(seq_lens[b] // _MIN_SPLIT_TOKENS, len(split_table) - 1)
+        first[b + 1] = first[b] + num_kv_heads * split_table[index]
+    num_items = first[batch]
+    item_seq = np.empty(num_items, dtype=np.int64)
+    for b in range(batch):
+        item_seq[first[b] : first[b + 1]] = b
     part_acc = np.empty((num_items, group, head_dim), dtype=np.float32)
     part_m = np.empty((num_items, group), dtype=np.float32)
     part_l = np.empty((num_items, group), dtype=np.float32)
@@ -200,9 +210,10 @@ def _decode_kernel(
     for worker in prange(num_workers):
         q_group = np.empty((group, head_dim), dtype=np.float32)
         for item in range(worker, num_items, num_workers):
-            b = item // (num_kv_heads * num_splits)
-            kv_head = (item // num_splits) % num_kv_heads
-            split = item % num_splits
+            b = item_seq[item]
+            num_splits = (first[b + 1] - first[b]) // num_kv_heads
+            kv_head = (item - first[b]) // num_splits
+            split = (item - first[b]) % num_splits
             seq_len = seq_lens[b]
             pages_per_split = (
                 (seq_len + page_size - 1) // page_size + num_splits - 1
@@ -229,19 +240,20 @@ def _decode_kernel(
     for bh in prange(batch * num_heads):
         b = bh // num_heads
         h = bh % num_heads
-        first = (b * num_kv_heads + h // group) * num_splits
+        num_splits = (first[b + 1] - first[b]) // num_kv_heads
+        head_first = first[b] + (h // group) * num_splits
         g = h % group
         top = _NEG_BIG
         for s in range(num_splits):
-            top = max(top, part_m[first + s, g])
+            top = max(top, part_m[head_first + s, g])
         total = np.float32(0.0)
         for d in range(head_dim):
             out[b, h, d] = 0.0
         for s in range(num_splits):
-            w = exp_neg(part_m[first + s, g] - top)
-            total += w * part_l[first + s, g]
+            w = exp_neg(part_m[head_first + s, g] - top)
+            total += w * part_l[head_first + s, g]
             for d in range(head_dim):
-                out[b, h, d] += w * part_acc[first + s, g, d]
+                out[b, h, d] += w * part_acc[head_first + s, g, d]
         # An empty sequence (seq_len 0) has total 0: leave its output at zero rather than NaN.
         inv = v_mult / total if total > 0 else np.float32(0.0)
         for d in range(head_dim):
@@ -305,6 +317,17 @@ def _choose_num_splits(num_pairs: int, max_seq_len: int, num_threads: int) -> in
     return best
 
 
+@functools.cache
+def _split_table(num_kv_heads: int, num_threads: int) -> np.ndarray:
+    """Splits of one sequence as if it were alone in the batch, by seq_len // _MIN_SPLIT_TOKENS
+    (the last entry holds for every longer context). Decode cuts each sequence by this table,
+    so how a sequence is split, and so its result, never depends on the rest of the batch."""
+    longest = (8 * num_threads + 1) * _MIN_SPLIT_TOKENS  # splits never exceed 8 * threads
+    lengths = range(0, longest + 1, _MIN_SPLIT_TOKENS)
+    splits = [_choose_num_splits(num_kv_heads, n, num_threads) for n in lengths]
+    return np.array(splits, dtype=np.int64)
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -347,7 +370,6 @@ def paged_decode_attention(
     if table.size and (table.min() < 0 or table.max() >= k_cache.shape[0]):
         raise IndexError("page_table holds page ids outside the cache")
     num_threads = numba.get_num_threads()
-    num_splits = _choose_num_splits(batch * num_kv_heads, max_seq_len, num_threads)
     _decode_kernel(
         _as_numpy(query, torch.float32),
         k_raw,
@@ -358,7 +380,7 @@ def paged_decode_attention(
         v_dyn,
         np.float32(sm_scale * k_static * k_factor),
         np.float32(v_static * v_factor),
-        num_splits,
+        _split_table(num_kv_heads, num_threads),
         num_threads,
         out.numpy(),
     )

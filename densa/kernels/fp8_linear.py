@@ -1,5 +1,5 @@
 """FP8 (e4m3) weight-only linear layers on CPU: a torch reference, a fast dequantize and a
-streaming small-batch kernel.
+streaming kernel.
 
 Runtime layout (row-major, so fused projections concatenate like dense rows):
 
@@ -9,10 +9,12 @@ Runtime layout (row-major, so fused projections concatenate like dense rows):
 Checkpoints store one scale per B x B block (as FP8 releases of large models do); the loader
 repeats each block scale over the block's rows (`expand_block_scales`), 4 bytes per B weights.
 
-CPU notes: this CPU has no fp8 arithmetic. Prefill (many rows) dequantizes the weight once per
-call and runs fp32 GEMM; decode (few rows) streams the fp8 bytes through a Numba kernel that
-widens each byte by moving its bit fields into an fp32 pattern (1 byte read per weight instead
-of 4). Measured on the 2-core dev machine (noisy), 3072 x 576 at M = 1: ~0.6 ms vs ~0.25 ms for
+CPU notes: this CPU has no fp8 arithmetic. float32 rows stream the fp8 bytes through a Numba
+kernel that widens each byte by moving its bit fields into an fp32 pattern (1 byte read per
+weight instead of 4), once per call, and dots every row in the same order whatever M (as
+cpu_linear; torch's GEMM, used before for more than 8 rows, rounds a row differently at
+different M); other dtypes beyond 8 rows dequantize the weight once per call and run torch's
+GEMM. Measured on the 2-core dev machine (noisy), 3072 x 576 at M = 1: ~0.6 ms vs ~0.25 ms for
 the fp32 streaming kernel -- the widening costs more than the bandwidth saves, so on this CPU
 FP8 weights save memory, not time.
 """
@@ -27,8 +29,9 @@ from numba import njit, prange
 from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
-MAX_STREAMING_ROWS = 8  # as for fp32 (cpu_linear): beyond this the GEMM path is compute-bound
+MAX_STREAMING_ROWS = 8  # other dtypes than float32: beyond this the GEMM path is compute-bound
 _ROWS_PER_TASK = 16
+_TOKEN_BLOCK = 16  # activation rows a task's weight rows pass at a time (as cpu_linear)
 # The e4m3 fields placed at the top of an fp32 bit pattern give value * 2**-120 (subnormals
 # included: both formats' subnormals scale the same way); the factor goes into the block scale.
 _FP32_BITS_SCALE = np.float32(2.0**120)
@@ -72,21 +75,27 @@ def _streaming_fp8_matmul(
     num_rows = x.shape[0]
     num_tasks = (num_out + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in prange(num_tasks):
-        bits = np.empty(num_in, dtype=np.uint32)  # one widened weight row, reused from L1
-        row = bits.view(np.float32)
-        for r in range(task * _ROWS_PER_TASK, min(num_out, (task + 1) * _ROWS_PER_TASK)):
+        first = task * _ROWS_PER_TASK
+        count = min(num_out, first + _ROWS_PER_TASK) - first
+        # The task's weight rows, widened and scaled once, then reused from L1/L2 by every token.
+        bits = np.empty((count, num_in), dtype=np.uint32)
+        rows = bits.view(np.float32)
+        for r in range(count):
             for j in range(num_in):
-                byte = np.uint32(weight[r, j])
-                bits[j] = ((byte & 0x80) << 24) | ((byte & 0x7F) << 20)
+                byte = np.uint32(weight[first + r, j])
+                bits[r, j] = ((byte & 0x80) << 24) | ((byte & 0x7F) << 20)
             for b in range(scale.shape[1]):
-                factor = scale[r, b] * _FP32_BITS_SCALE
+                factor = scale[first + r, b] * _FP32_BITS_SCALE
                 for j in range(b * block, min(num_in, (b + 1) * block)):
-                    row[j] *= factor
-            for i in range(num_rows):
-                acc = np.float32(0.0)
-                for j in range(num_in):
-                    acc += row[j] * x[i, j]
-                out[i, r] = acc
+                    rows[r, j] *= factor
+        for t0 in range(0, num_rows, _TOKEN_BLOCK):
+            for r in range(count):
+                for i in range(t0, min(num_rows, t0 + _TOKEN_BLOCK)):
+                    # The one loop every output runs: same order for any M (batch invariance).
+                    acc = np.float32(0.0)
+                    for j in range(num_in):
+                        acc += rows[r, j] * x[i, j]
+                    out[i, first + r] = acc
 
 
 def fp8_linear(
@@ -96,8 +105,10 @@ def fp8_linear(
     block: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[M, K] x fp8 [N, K] -> [M, N] in x's dtype: streamed for small fp32 CPU batches."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > MAX_STREAMING_ROWS:
+    """[M, K] x fp8 [N, K] -> [M, N] in x's dtype: streamed for float32 CPU rows (any M: a row's
+    result never depends on the others: docs/architecture.md) and small batches of others."""
+    small = x.dtype == torch.float32 or x.shape[0] <= MAX_STREAMING_ROWS
+    if x.device.type != "cpu" or x.dim() != 2 or not small:
         dense = dequantize_fp8(weight, scale, block).to(x.dtype)
         return F.linear(x, dense, bias)
     rows = x.float().contiguous()

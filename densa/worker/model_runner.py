@@ -67,11 +67,16 @@ class ModelRunner:
         decode_model: CausalLM | None = None,
         decode_graphs: DecodeGraphs | None = None,
         grammars: GrammarCompiler | None = None,
+        decodes_apart: bool = False,
     ) -> None:
         self.model = model
         # Phase-aware weights: decode rows run through decode_model (e.g. INT4), prefill rows
         # through `model`; both read and write the same KV caches. None: one set for both.
         self.decode_model = decode_model
+        # Decode rows in a pass of their own even with one set of weights: set when decode-only
+        # passes take their own code path (the fused C++ step), so that a decode row computes
+        # the same whether or not prefill chunks share its step (docs/architecture.md).
+        self.decodes_apart = decodes_apart or decode_model is not None
         self.kv_caches = kv_caches
         self.page_size = page_size
         self.backend = backend
@@ -157,8 +162,9 @@ class ModelRunner:
     def _forward(
         self, scheduled: list[ScheduledRequest]
     ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
-        """Run the step through the weights of each row's phase: (sampling requests, logits)."""
-        if self.decode_model is None:
+        """Run the step through the weights of each row's phase, decode rows in a pass of their
+        own when `decodes_apart`: (sampling requests, logits)."""
+        if not self.decodes_apart:
             return self._run(self.model, scheduled)
         # A decode step computes one generated token; a one-token chunk of a prompt is prefill.
         decodes: list[ScheduledRequest] = []
@@ -169,7 +175,7 @@ class ModelRunner:
         # does not matter; decode rows first, as in a mixed batch.
         runs = [
             self._run(model, items)
-            for model, items in ((self.decode_model, decodes), (self.model, prefills))
+            for model, items in ((self.decode_model or self.model, decodes), (self.model, prefills))
             if items
         ]
         samplers = [s for run_samplers, _ in runs for s in run_samplers]

@@ -6,7 +6,7 @@
 //   h = rmsnorm(x) ; qkv = h Wqkv^T (+b) ; rotate q, k (rotate-half RoPE) ; store k, v in their
 //   page slots (fp32 / bf16 / fp8 e4m3 with dynamic power-of-two or static scales, exactly as
 //   densa.quant.fp8_kv stores them) ; o = paged attention over each sequence's pages (online
-//   softmax, split-K over the context when there are more threads than sequences x kv heads) ;
+//   softmax, split-K over a long context as if its sequence were alone in the batch) ;
 //   x += o Wo^T ; h = rmsnorm(x) ; x += (silu(h Wg^T) * h Wu^T) Wd^T
 // and finally rmsnorm(x). Projections are dense fp32, W4, W6, W6M or W8 (qgemm.h), or shards of
 // those side by side (a fused q|k|v with v in more bits).
@@ -206,6 +206,9 @@ void attend_range(const Config& cfg, const KVSide& k, const KVSide& v, const int
 }
 
 // Decode attention for every sequence: q [M, H, D] (scaled) -> out [M, H, D].
+// Each sequence's context is cut into the parts it would get alone in the batch (context_splits
+// of its own kv heads and length), and its parts are merged in order: a sequence's result never
+// depends on which others share the step (docs/architecture.md, "Batch invariance").
 template <class Ops>
 void decode_attention(const Config& cfg, const KVSide& k, const KVSide& v, const float* q,
                       const int32_t* page_table, int64_t max_pages, const int32_t* seq_lens,
@@ -213,14 +216,18 @@ void decode_attention(const Config& cfg, const KVSide& k, const KVSide& v, const
                       float* out) {
   const int64_t kvh = cfg.num_kv_heads, g_count = cfg.num_heads / kvh, d = cfg.head_dim;
   const int64_t threads = at::get_num_threads();
-  int64_t longest = 0;
-  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, seq_lens[b]);
-  const int64_t splits = context_splits(batch * kvh, threads, longest);
-  const size_t needed = static_cast<size_t>(batch * kvh * splits * (g_count * d + 2 * g_count));
+  // Items (sequence, kv head, part), sequence by sequence: b's are [first[b], first[b + 1]).
+  std::vector<int64_t> first(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b)
+    first[b + 1] = first[b] + kvh * context_splits(kvh, threads, seq_lens[b]);
+  const int64_t items = first[batch];
+  const size_t needed = static_cast<size_t>(items * (g_count * d + 2 * g_count));
   if (scratch.size() < needed) scratch.resize(needed);
-  at::parallel_for(0, batch * kvh * splits, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (kvh * splits), h = (item / splits) % kvh, part = item % splits;
+      const int64_t b = std::upper_bound(first.begin(), first.end(), item) - first.begin() - 1;
+      const int64_t splits = (first[b + 1] - first[b]) / kvh;
+      const int64_t h = (item - first[b]) / splits, part = (item - first[b]) % splits;
       const int64_t len = seq_lens[b];
       // Page-aligned shares of the context.
       const int64_t pages = (len + k.page_size - 1) / k.page_size;
@@ -238,16 +245,18 @@ void decode_attention(const Config& cfg, const KVSide& k, const KVSide& v, const
     }
   });
   for (int64_t b = 0; b < batch; ++b) {
+    const int64_t splits = (first[b + 1] - first[b]) / kvh;
     for (int64_t h = 0; h < kvh; ++h) {
+      const int64_t head_first = first[b] + h * splits;
       for (int64_t g = 0; g < g_count; ++g) {
         float m = -1e30f;
         for (int64_t s = 0; s < splits; ++s)
-          m = std::max(m, partial_at(scratch, (b * kvh + h) * splits + s, g_count, d).max[g]);
+          m = std::max(m, partial_at(scratch, head_first + s, g_count, d).max[g]);
         float total = 0.f;
         float* o = out + (b * cfg.num_heads + h * g_count + g) * d;
         std::fill(o, o + d, 0.f);
         for (int64_t s = 0; s < splits; ++s) {
-          const Partial p = partial_at(scratch, (b * kvh + h) * splits + s, g_count, d);
+          const Partial p = partial_at(scratch, head_first + s, g_count, d);
           const float w = std::exp(p.max[g] - m);
           total += p.sum[g] * w;
           for (int64_t i = 0; i < d; ++i) o[i] += p.acc[g * d + i] * w;
@@ -260,7 +269,39 @@ void decode_attention(const Config& cfg, const KVSide& k, const KVSide& v, const
 }
 
 // ---- projections -------------------------------------------------------------------------------
-constexpr int kDenseTile = 4;
+constexpr int kDenseTile = 4;          // tokens per dense_rows call
+constexpr int kDenseRowBlock = 16;     // weight rows walked against a token tile (in L1)
+constexpr int kDenseTokenBlock = 64;   // tokens walked against a thread's weight rows (in L2)
+
+// y = x W^T for dense float32 W [out, in] and any number of rows (y's rows `ldy` apart). Every
+// y[t, r] is the same arithmetic whatever `rows` (vec.h dense_rows), so a token's result never
+// depends on the batch it is in; torch's GEMM, which ran steps of more than 8 rows before, rounds
+// a row differently at different M (one row alone is a GEMV). Decode streams each weight row once
+// for all its tokens.
+template <class Ops>
+void dense_project(const float* w, int64_t in, int64_t out, const float* x, int64_t rows,
+                   float* y, int64_t ldy) {
+  constexpr int R = Ops::kDenseRows;
+  at::parallel_for(0, out, kDenseRowBlock, [&](int64_t r0, int64_t r1) {
+    for (int64_t t0 = 0; t0 < rows; t0 += kDenseTokenBlock) {
+      const int64_t t_end = std::min(rows, t0 + kDenseTokenBlock);
+      for (int64_t b0 = r0; b0 < r1; b0 += kDenseRowBlock) {
+        const int64_t b1 = std::min(r1, b0 + kDenseRowBlock);
+        for (int64_t t = t0; t < t_end; t += kDenseTile) {
+          const int64_t n = std::min<int64_t>(kDenseTile, t_end - t);
+          const float* xt = x + t * in;
+          float* yt = y + t * ldy;
+          // Full tiles take R weight rows at a time (compute-bound: more accumulators per
+          // load); a few tokens stream the rows one by one (measured faster at one token).
+          if (n == 4) Ops::template dense_rows<4, R>(w, in, b0, b1, xt, yt, ldy);
+          else if (n == 3) Ops::template dense_rows<3>(w, in, b0, b1, xt, yt, ldy);
+          else if (n == 2) Ops::template dense_rows<2>(w, in, b0, b1, xt, yt, ldy);
+          else Ops::template dense_rows<1>(w, in, b0, b1, xt, yt, ldy);
+        }
+      }
+    }
+  });
+}
 
 // One shard's output columns of y[rows, ldy] (its first column at y).
 template <class Ops>
@@ -270,23 +311,8 @@ void project_shard(const Shard& s, int64_t in, const float* x, int64_t rows, flo
     quantized_linear_raw(x, rows, in, s.blocks, s.out, s.bits, isa, y, ldy, buffers);
   } else if (s.bits == kFormatW8) {
     w8float_linear_raw(x, rows, in, s.blocks, s.out, isa, y, ldy);
-  } else if (rows > 8) {  // compute-bound: torch's blocked GEMM
-    const at::Tensor xt = at::from_blob(const_cast<float*>(x), {rows, in});
-    const at::Tensor yt = at::from_blob(y, {rows, s.out}, {ldy, 1});
-    at::mm_out(const_cast<at::Tensor&>(yt), xt, s.dense.t());
-  } else {  // memory-bound: stream each weight row once for every token
-    const float* w = s.dense.data_ptr<float>();
-    at::parallel_for(0, s.out, 16, [&](int64_t r0, int64_t r1) {
-      for (int64_t t = 0; t < rows; t += kDenseTile) {
-        const int64_t n = std::min<int64_t>(kDenseTile, rows - t);
-        const float* xt = x + t * in;
-        float* yt = y + t * ldy;
-        if (n == 4) Ops::template dense_rows<4>(w, in, r0, r1, xt, yt, ldy);
-        else if (n == 3) Ops::template dense_rows<3>(w, in, r0, r1, xt, yt, ldy);
-        else if (n == 2) Ops::template dense_rows<2>(w, in, r0, r1, xt, yt, ldy);
-        else Ops::template dense_rows<1>(w, in, r0, r1, xt, yt, ldy);
-      }
-    });
+  } else {
+    dense_project<Ops>(s.dense.data_ptr<float>(), in, s.out, x, rows, y, ldy);
   }
 }
 

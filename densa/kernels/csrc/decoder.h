@@ -73,6 +73,8 @@ struct StepInputs {
 
 // Parts each (sequence, kv head)'s context is split into at decode, for `items` (sequence, kv
 // head) pairs on `threads` threads and a longest context of `longest` tokens (decoder.cpp).
+// Decode asks it for each sequence alone (items = its kv heads, longest = its length), so how a
+// sequence is split never depends on the rest of the batch.
 int64_t context_splits(int64_t items, int64_t threads, int64_t longest);
 
 struct Decoder {

@@ -20,6 +20,7 @@ namespace densa {
 // inputs below -87 give ~0 (never a subnormal, never NaN for finite input).
 struct Avx512 {
   static constexpr int kWidth = 16;
+  static constexpr int kDenseRows = 4;  // weight rows per dense_rows step: 4 x 4 accumulators
 
   DENSA_AVX512_TARGET static inline __m512 exp(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
@@ -92,22 +93,30 @@ struct Avx512 {
     }
   }
 
-  // y[t, r] = w[r] . x[t] for rows r of a dense [*, k] weight, tokens t < T.
-  template <int T>
+  // y[t, r] = w[r] . x[t] for rows r of a dense [*, k] weight, tokens t < T, R weight rows at a
+  // time. Every y[t, r] is the same arithmetic whatever T and R: one vector accumulator over k in
+  // order, then one horizontal sum, so a token's result never depends on the batch it is in.
+  template <int T, int R = 1>
   DENSA_AVX512_TARGET static void dense_rows(const float* w, int64_t k, int64_t r0, int64_t r1,
                                              const float* x, float* y, int64_t ldy) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* row = w + r * k;
-      __m512 acc[T];
-      for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+      __m512 acc[R][T];
+      for (int j = 0; j < R; ++j)
+        for (int t = 0; t < T; ++t) acc[j][t] = _mm512_setzero_ps();
       for (int64_t i = 0; i < k; i += 16) {
         const __mmask16 m = tail(k - i);
-        const __m512 wv = _mm512_maskz_loadu_ps(m, row + i);
-        for (int t = 0; t < T; ++t)
-          acc[t] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + t * k + i), acc[t]);
+        __m512 wv[R];
+        for (int j = 0; j < R; ++j) wv[j] = _mm512_maskz_loadu_ps(m, w + (r + j) * k + i);
+        for (int t = 0; t < T; ++t) {
+          const __m512 xv = _mm512_maskz_loadu_ps(m, x + t * k + i);
+          for (int j = 0; j < R; ++j) acc[j][t] = _mm512_fmadd_ps(wv[j], xv, acc[j][t]);
+        }
       }
-      for (int t = 0; t < T; ++t) y[t * ldy + r] = _mm512_reduce_add_ps(acc[t]);
+      for (int j = 0; j < R; ++j)
+        for (int t = 0; t < T; ++t) y[t * ldy + r + j] = _mm512_reduce_add_ps(acc[j][t]);
     }
+    if (R > 1 && r < r1) dense_rows<T, 1>(w, k, r, r1, x, y, ldy);
   }
 
   // Scores of G query rows q [G, D] against `count` key rows k [count, D]: s[g * ld + j].
@@ -179,6 +188,7 @@ struct Avx512 {
 
 struct Avx2 {
   static constexpr int kWidth = 8;
+  static constexpr int kDenseRows = 2;  // 2 x 4 accumulators: AVX2 has 16 vector registers
 
   DENSA_AVX2_TARGET static inline __m256 exp(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
@@ -253,21 +263,27 @@ struct Avx2 {
     }
   }
 
-  template <int T>
+  template <int T, int R = 1>
   DENSA_AVX2_TARGET static void dense_rows(const float* w, int64_t k, int64_t r0, int64_t r1,
                                            const float* x, float* y, int64_t ldy) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* row = w + r * k;
-      __m256 acc[T];
-      for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) {
+      __m256 acc[R][T];
+      for (int j = 0; j < R; ++j)
+        for (int t = 0; t < T; ++t) acc[j][t] = _mm256_setzero_ps();
       for (int64_t i = 0; i < k; i += 8) {
         const __m256i m = tail(k - i);
-        const __m256 wv = _mm256_maskload_ps(row + i, m);
-        for (int t = 0; t < T; ++t)
-          acc[t] = _mm256_fmadd_ps(wv, _mm256_maskload_ps(x + t * k + i, m), acc[t]);
+        __m256 wv[R];
+        for (int j = 0; j < R; ++j) wv[j] = _mm256_maskload_ps(w + (r + j) * k + i, m);
+        for (int t = 0; t < T; ++t) {
+          const __m256 xv = _mm256_maskload_ps(x + t * k + i, m);
+          for (int j = 0; j < R; ++j) acc[j][t] = _mm256_fmadd_ps(wv[j], xv, acc[j][t]);
+        }
       }
-      for (int t = 0; t < T; ++t) y[t * ldy + r] = hsum(acc[t]);
+      for (int j = 0; j < R; ++j)
+        for (int t = 0; t < T; ++t) y[t * ldy + r + j] = hsum(acc[j][t]);
     }
+    if (R > 1 && r < r1) dense_rows<T, 1>(w, k, r, r1, x, y, ldy);
   }
 
   DENSA_AVX2_TARGET static void scores(const float* q, int g_count, int d, const float* k,
