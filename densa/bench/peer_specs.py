@@ -48,6 +48,16 @@ class PeerContext:
     def model_id(self) -> str:
         return self.gguf.stem
 
+    @property
+    def llama_kv_bytes(self) -> int:
+        """Bytes of llama-server's KV cache for its context (f16 K and V, `-c` tokens in all):
+        densa gets the same memory for its pages, in whatever KV format it runs."""
+        config = json.loads((self.hf_dir / "config.json").read_text())
+        kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        per_token = config["num_hidden_layers"] * kv_heads * head_dim * 2 * 2  # K and V, 2 bytes
+        return per_token * self.max_concurrency * self.context_len
+
     def stored_types(self) -> dict[str, str]:
         """The file's own types, to label rows: {"linear": "Q4_K", "head": "Q6_K"} (the most
         common type of its linear layers; the output head's, or the tied embedding's)."""
@@ -71,7 +81,9 @@ def _densa(
     def build(ctx: PeerContext) -> PeerSpec:
         argv = [sys.executable, "-m", "densa.cli", "serve", "--port", "{port}"]
         argv += ["--served-model-name", ctx.model_id, "--max-num-seqs", str(ctx.max_concurrency)]
-        argv += ["--max-model-len", str(ctx.context_len), "--kv-cache-memory", "2GiB"]
+        # The KV memory llama-server has (same bytes; INT8 pages hold ~2x its tokens in them).
+        kv_mib = -(-ctx.llama_kv_bytes // 2**20)
+        argv += ["--max-model-len", str(ctx.context_len), "--kv-cache-memory", f"{kv_mib}MiB"]
         return PeerSpec(
             name=name,
             engine="densa",

@@ -12,6 +12,7 @@ import pytest
 
 from densa.bench.openai_load import StreamedRequest
 from densa.bench.peer_servers import PeerSpec
+from densa.bench.peer_specs import AVX2_ENV, PeerContext, build_specs
 from densa.bench.peers import PeersSettings, PromptMaker, run_peers
 from densa.bench.peers_report import build_report
 
@@ -124,15 +125,31 @@ def test_a_peer_that_stops_early_fails_the_run(tmp_path: Path) -> None:
         run_peers(specs, settings, _prompts(settings), tmp_path / "logs")
 
 
-def test_avx2_peers_run_no_avx512_code_and_the_others_run_native(tmp_path: Path) -> None:
-    """densa-avx2 and transformers-avx2 force densa's kernels and torch's (aten, MKL, oneDNN)
-    onto AVX2, so an AVX-512 machine can stand in for an AVX2 one; the other peers are native."""
-    from densa.bench.peer_specs import AVX2_ENV, PeerContext, build_specs
-
-    ctx = PeerContext(
+def _context(tmp_path: Path) -> PeerContext:
+    """8 slots of 128 tokens of a model shaped like Qwen2.5-1.5B (28 layers, 2 KV heads of 128)."""
+    (tmp_path / "hf").mkdir()
+    shape = {"num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**shape, "hidden_size": 1536}))
+    return PeerContext(
         gguf=tmp_path / "m.gguf", hf_dir=tmp_path / "hf", llama_server=None, threads=2,
         max_concurrency=8, context_len=128, output_len=8,
     )  # fmt: skip
+
+
+def test_densa_gets_the_kv_memory_llama_server_has(tmp_path: Path) -> None:
+    """llama-server holds f16 K and V for 8 x 128 tokens: 28 layers x 2 heads x 128 x 2 x 2 bytes
+    = 28 KiB a token, 28 MiB in all; densa's pages get the same bytes (INT8 fits ~2x the tokens)."""
+    ctx = _context(tmp_path)
+    assert ctx.llama_kv_bytes == 28 * 2 * 128 * 2 * 2 * 8 * 128
+    (densa,) = build_specs(["densa"], ctx)
+    argv = list(densa.argv)
+    assert argv[argv.index("--kv-cache-memory") + 1] == "28MiB"
+
+
+def test_avx2_peers_run_no_avx512_code_and_the_others_run_native(tmp_path: Path) -> None:
+    """densa-avx2 and transformers-avx2 force densa's kernels and torch's (aten, MKL, oneDNN)
+    onto AVX2, so an AVX-512 machine can stand in for an AVX2 one; the other peers are native."""
+    ctx = _context(tmp_path)
     specs = build_specs(["densa-avx2", "transformers-avx2", "densa", "transformers"], ctx)
     avx2, native = specs[:2], specs[2:]
     for spec in avx2:
