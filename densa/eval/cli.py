@@ -150,7 +150,9 @@ def _add_gsm8k(evaluations: argparse._SubParsersAction) -> None:
     )
     g = parser.add_argument_group("evaluation")
     g.add_argument("--limit", type=int, default=60, help="problems scored")
-    g.add_argument("--num-seeds", type=int, default=5, help="sampled trials per problem")
+    g.add_argument(
+        "--num-seeds", type=int, default=5, help="sampled trials per problem (0: greedy only)"
+    )
     g.add_argument("--max-tokens", type=int, default=192)
     g.add_argument("--temperature", type=float, default=0.7)
     g.add_argument("--top-p", type=float, default=0.95)

@@ -7,7 +7,8 @@ shares one long prefix that the prefix cache computes once. The answer is the nu
 last `####` in the generation, else its last number.
 
 Each format answers greedily once and with sampling under `num_seeds` seeds (the same seed per
-question in every format, so trials pair). Reported: greedy accuracy with a question-bootstrap
+question in every format, so trials pair; `num_seeds` 0: greedy only, for larger models where
+each trial costs minutes). Reported: greedy accuracy with a question-bootstrap
 interval; sampled accuracy as the mean over trials with a t-interval across the trials; and the
 difference test - ref, paired by question, for both.
 """
@@ -51,15 +52,15 @@ class Problem:
 @dataclass(frozen=True)
 class GSM8KSettings:
     limit: int = 60  # problems scored (after the few-shot examples)
-    num_seeds: int = 5
+    num_seeds: int = 5  # 0: greedy only
     max_tokens: int = 192
     temperature: float = 0.7
     top_p: float = 0.95
     bootstrap: Bootstrap = DEFAULT_BOOTSTRAP
 
     def __post_init__(self) -> None:
-        if self.limit < 1 or self.num_seeds < 2 or self.max_tokens < 16:
-            raise ValueError("limit must be >= 1, num_seeds >= 2 and max_tokens >= 16")
+        if self.limit < 1 or self.num_seeds == 1 or self.num_seeds < 0 or self.max_tokens < 16:
+            raise ValueError("limit must be >= 1, num_seeds 0 or >= 2 and max_tokens >= 16")
 
 
 def gsm8k_path() -> Path:
@@ -166,63 +167,61 @@ def _report(
 ) -> QualityReport:
     report = new_report("gsm8k", formats, {**asdict(settings), "num_shots": NUM_SHOTS})
     ref = formats[0].label
+    with_sampling = settings.num_seeds > 0
     rows, summary = [], []
     for fmt in formats:
         label = fmt.label
-        per_problem = [statistics.fmean(t[i] for t in sampled[label]) for i in range(len(problems))]
-        ref_per_problem = [
-            statistics.fmean(t[i] for t in sampled[ref]) for i in range(len(problems))
-        ]
-        entry: dict[str, Any] = {
-            "label": label,
-            "greedy": mean_ci(greedy[label], settings.bootstrap).to_json(),
-            "sampled": across_trials([statistics.fmean(t) for t in sampled[label]]).to_json(),
-            "per_trial": [statistics.fmean(t) for t in sampled[label]],
-        }
-        deltas = ["", ""]
+        greedy_est = mean_ci(greedy[label], settings.bootstrap)
+        entry: dict[str, Any] = {"label": label, "greedy": greedy_est.to_json()}
+        row = [label, greedy_est.format(".1f", 100), ""]
         if label != ref:
             greedy_delta = paired_difference_ci(greedy[ref], greedy[label], settings.bootstrap)
-            sampled_delta = paired_difference_ci(ref_per_problem, per_problem, settings.bootstrap)
-            entry["greedy_delta"], entry["sampled_delta"] = (
-                greedy_delta.to_json(),
-                sampled_delta.to_json(),
-            )
-            deltas = [greedy_delta.format(".1f", 100), sampled_delta.format(".1f", 100)]
+            entry["greedy_delta"] = greedy_delta.to_json()
+            row[2] = greedy_delta.format(".1f", 100)
+        if with_sampling:
+            row += _sampled_columns(entry, sampled[ref], sampled[label], settings.bootstrap)
         summary.append(entry)
-        greedy_est = mean_ci(greedy[label], settings.bootstrap)
-        sampled_est = across_trials([statistics.fmean(t) for t in sampled[label]])
-        rows.append(
-            [
-                label,
-                greedy_est.format(".1f", 100),
-                deltas[0],
-                sampled_est.format(".1f", 100),
-                deltas[1],
-            ]
-        )
+        rows.append(row)
     report.summary = summary
     report.samples = [
         {"label": label, "greedy": greedy[label], "sampled": sampled[label]} for label in greedy
     ]
+    columns = ["format", "greedy", "greedy Δ vs ref (paired)"]
+    if with_sampling:
+        columns += [f"sampled, mean of {settings.num_seeds} trials", "sampled Δ vs ref (paired)"]
     report.tables.append(
         Table(
             f"GSM8K exact match, % ({len(problems)} problems, {NUM_SHOTS}-shot chat, 95% CIs)",
-            [
-                "format",
-                "greedy",
-                "greedy Δ vs ref (paired)",
-                f"sampled, mean of {settings.num_seeds} trials",
-                "sampled Δ vs ref (paired)",
-            ],
+            columns,
             rows,
         )
     )
     report.notes += [
         "Greedy intervals bootstrap over problems; sampled intervals are Student-t across the "
         "trials (one accuracy per seed); deltas bootstrap the per-problem difference, test - "
-        "ref, with each problem's sampled score the mean of its trials.",
-        "A 135M model solves few GSM8K problems: accuracies near 0-5% sit at the floor of this "
-        "task, where a format's effect cannot show; KL and top-1 agreement "
+        "ref, with each problem's sampled score the mean of its trials."
+        if with_sampling
+        else "Greedy only (--num-seeds 0). Intervals bootstrap over problems; deltas bootstrap "
+        "the per-problem difference, test - ref.",
+        "A 135M model (the bundled one) solves few GSM8K problems: accuracies near 0-5% sit "
+        "at the floor of this task, where a format's effect cannot show; KL and top-1 agreement "
         "(densa eval distribution) measure formats far more finely.",
     ]
     return report
+
+
+def _sampled_columns(
+    entry: dict[str, Any], ref: list[list[bool]], test: list[list[bool]], bootstrap: Bootstrap
+) -> list[str]:
+    """The sampled accuracy (mean over trials) and, for a test format, its paired delta: adds
+    them to `entry` and returns the two table cells. `ref` / `test`: per seed, per problem."""
+    per_trial = [statistics.fmean(t) for t in test]
+    estimate = across_trials(per_trial)
+    entry["sampled"], entry["per_trial"] = estimate.to_json(), per_trial
+    if test is ref:
+        return [estimate.format(".1f", 100), ""]
+    per_problem = [statistics.fmean(t[i] for t in test) for i in range(len(test[0]))]
+    ref_per_problem = [statistics.fmean(t[i] for t in ref) for i in range(len(ref[0]))]
+    delta = paired_difference_ci(ref_per_problem, per_problem, bootstrap)
+    entry["sampled_delta"] = delta.to_json()
+    return [estimate.format(".1f", 100), delta.format(".1f", 100)]

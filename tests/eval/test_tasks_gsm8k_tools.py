@@ -84,3 +84,27 @@ def test_tool_eval_end_to_end_on_the_tiny_model(tiny_model_dir: Path, tmp_path: 
         ("ref", "constrained"),
     ]
     assert "ast_delta_vs_ref" in summary[4] and summary[4]["label"] == "fp8"
+
+
+@pytest.mark.parametrize("num_seeds", [0, 2])
+def test_gsm8k_report_greedy_only_or_with_sampled_trials(
+    tiny_model_dir: Path, num_seeds: int
+) -> None:
+    """--num-seeds 0 reports greedy accuracy and its paired delta only (no sampled columns)."""
+    ref = parse_format("bf16:kv_cache_dtype=bfloat16", tiny_base(tiny_model_dir))
+    test = parse_format("int8:kv_cache_dtype=int8", tiny_base(tiny_model_dir))
+    problems = gsm8k.load_problems()[4:8]
+    greedy = {"bf16": [True, True, False, False], "int8": [True, False, False, False]}
+    sampled = {label: [v] * num_seeds for label, v in greedy.items()}
+    settings = gsm8k.GSM8KSettings(limit=4, num_seeds=num_seeds)
+    report = gsm8k._report([ref, test], settings, problems, greedy, sampled)
+    table = report.tables[-1]
+    assert len(table.columns) == (3 if num_seeds == 0 else 5)
+    assert [row[0] for row in table.rows] == ["bf16", "int8"]
+    assert report.summary[1]["greedy_delta"]["value"] == pytest.approx(-0.25)
+    assert ("sampled_delta" in report.summary[1]) == (num_seeds > 0)
+
+
+def test_gsm8k_settings_refuse_a_single_sampled_trial() -> None:
+    with pytest.raises(ValueError, match="num_seeds 0 or >= 2"):
+        gsm8k.GSM8KSettings(num_seeds=1)
