@@ -5,7 +5,7 @@ server (text/output.TextStream: incremental detokenization, stop strings)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -42,8 +42,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        on_finished: Callable[[int], None] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for every prompt (text, or token ids); results come back in prompt order."""
+        """Generate for every prompt (text, or token ids); results come back in prompt order.
+        `on_finished(1)` is called as each request finishes (a caller's own progress bar)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(params, len(prompt_list))
         token_lists = [self._tokens(p) for p in prompt_list]
@@ -52,7 +54,7 @@ class LLM:
             request_id = self.engine.add_request(tokens, sp)
             streams[request_id] = TextStream(self.tokenizer, request_id, tokens, sp)
         request_ids = list(streams)
-        finals = self._run_to_completion(streams, use_tqdm)
+        finals = self._run_to_completion(streams, use_tqdm, on_finished)
         return [
             self._result(finals[rid], tokens)
             for rid, tokens in zip(request_ids, token_lists, strict=True)
@@ -76,7 +78,10 @@ class LLM:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def _run_to_completion(
-        self, streams: dict[str, TextStream], use_tqdm: bool
+        self,
+        streams: dict[str, TextStream],
+        use_tqdm: bool,
+        on_finished: Callable[[int], None] | None = None,
     ) -> dict[str, RequestOutput]:
         finals: dict[str, RequestOutput] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in streams}
@@ -94,6 +99,8 @@ class LLM:
                     finals[out.request_id] = out
                     if progress is not None:
                         progress.update(1)
+                    if on_finished is not None:
+                        on_finished(1)
         if progress is not None:
             progress.close()
         return finals

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import re
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from densa.eval.common import load_formats
 from densa.eval.formats import Format
 from densa.eval.report import QualityReport, new_report
 from densa.eval.stats import DEFAULT_BOOTSTRAP, Bootstrap, Estimate, mean_ci, paired_difference_ci
+from densa.measure.progress import progress
 from densa.measure.report import Table
 from densa.sampling_params import SamplingParams
 
@@ -113,12 +115,16 @@ def few_shot_messages(shots: list[Problem], question: str) -> list[dict[str, str
 
 
 def answer_all(
-    llm: LLM, problems: list[Problem], shots: list[Problem], params: list[SamplingParams]
+    llm: LLM,
+    problems: list[Problem],
+    shots: list[Problem],
+    params: list[SamplingParams],
+    on_finished: Callable[[int], None] | None = None,
 ) -> list[bool]:
     prompts: list[str | list[int]] = [
         llm.tokenizer.encode_chat(few_shot_messages(shots, p.question)) for p in problems
     ]
-    results = llm.generate(prompts, params)
+    results = llm.generate(prompts, params, on_finished=on_finished)
     return [extract_answer(r.text) == p.answer for r, p in zip(results, problems, strict=True)]
 
 
@@ -128,14 +134,25 @@ def run_gsm8k(ref: Format, tests: list[Format], settings: GSM8KSettings) -> Qual
     formats = [ref, *tests]
     greedy: dict[str, list[bool]] = {}
     sampled: dict[str, list[list[bool]]] = {}  # label -> per seed, per problem
-    for fmt, llm in zip(formats, load_formats(formats), strict=True):
-        greedy_params = SamplingParams(temperature=0, max_tokens=settings.max_tokens)
-        greedy[fmt.label] = answer_all(llm, problems, shots, [greedy_params] * len(problems))
-        sampled[fmt.label] = [
-            answer_all(llm, problems, shots, _sampled_params(settings, seed, len(problems)))
-            for seed in range(settings.num_seeds)
-        ]
-        del llm
+    runs = len(formats) * (1 + settings.num_seeds)
+    with progress(runs * len(problems), "gsm8k", "answer") as bar:
+        for fmt, llm in zip(formats, load_formats(formats), strict=True):
+            bar.set_postfix_str(fmt.label)
+            greedy_params = [SamplingParams(temperature=0, max_tokens=settings.max_tokens)]
+            greedy[fmt.label] = answer_all(
+                llm, problems, shots, greedy_params * len(problems), bar.update
+            )
+            sampled[fmt.label] = [
+                answer_all(
+                    llm,
+                    problems,
+                    shots,
+                    _sampled_params(settings, seed, len(problems)),
+                    bar.update,
+                )
+                for seed in range(settings.num_seeds)
+            ]
+            del llm
     return _report(formats, settings, problems, greedy, sampled)
 
 

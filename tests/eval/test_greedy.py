@@ -13,6 +13,7 @@ from densa.eval.greedy import (
     first_divergence,
 )
 from densa.eval.stats import Bootstrap, proportion_ci
+from densa.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -59,3 +60,12 @@ def test_wilson_interval_is_not_empty_at_the_edges() -> None:
     assert proportion_ci(1, 20).format(".1f", scale=100) == "5.0 [0.9, 23.6]"
     with pytest.raises(ValueError):
         proportion_ci(3, 2)
+
+
+def test_generate_reports_each_finished_request(tiny_llms: dict[str, LLM]) -> None:
+    """What evaluations count their progress with: one call per request, as it finishes."""
+    finished: list[int] = []
+    results = tiny_llms["ref"].generate(
+        ["a", "b c", "d e f"], SamplingParams(max_tokens=3), on_finished=finished.append
+    )
+    assert finished == [1, 1, 1] and len(results) == 3
