@@ -52,7 +52,7 @@ from densa.model.loader import (  # the loader's own planning steps: the plan ca
 )
 from densa.model.packed_linear import PACKED_FORMATS, packed_bytes
 from densa.model.quant_targets import OUTPUT_HEAD
-from densa.model.registry import model_factory
+from densa.model.registry import meta_skeleton, model_factory
 from densa.quant.kv_format import KVFormat
 from densa.utils.sizes import format_bytes
 from densa.worker.kv_cache import page_bytes
@@ -125,7 +125,7 @@ def plan_weights(
     stored = _read_stored_format(files) if files else None
     packed = weight_format if weight_format in PACKED_FORMATS else None
     runtime = runtime_format(stored, _runtime_request(weight_format))
-    with torch.device("meta"):
+    with meta_skeleton():
         model = model_factory(arch.architecture)(arch, max_len, device).to(dtype=DTYPES[dtype])
         kept = _kept_linears(model, source, weight_format, head_format, device)
         targets = _quantized_modules(model, stored, runtime)

@@ -51,7 +51,7 @@ from densa.model.packed_linear import (
 )
 from densa.model.quant_targets import OUTPUT_HEAD, QuantScope, quantization_targets
 from densa.model.quantized_embedding import GGUFEmbedding
-from densa.model.registry import model_factory
+from densa.model.registry import meta_skeleton, model_factory
 from densa.model.stacked_linear import StackedLinear, prepare_stacked, quantize_stacked
 from densa.quant import gguf_blocks
 from densa.quant.checkpoint import Quantized, group_parts, read_format
@@ -182,7 +182,7 @@ def load_model(
     runtime = runtime_format(stored, _runtime_request(weight_format))
     factory = model_factory(arch.architecture)
     # Build without initializing (meta device), then allocate and fill from the checkpoint.
-    with torch.device("meta"):
+    with meta_skeleton():
         model = factory(arch, max_position, device).to(dtype=torch_dtype)
         num_params = num_parameters(model)
         kept = _kept_linears(model, source, weight_format, head_format, device)

@@ -36,7 +36,7 @@ from densa.model.loader import (
     safetensors_files,
 )
 from densa.model.quant_targets import QuantScope, quantization_targets
-from densa.model.registry import kv_layout, model_factory
+from densa.model.registry import kv_layout, meta_skeleton, model_factory
 from densa.quant.calibration import HessianCollector
 from densa.quant.checkpoint import Value, quantize_tensors, read_format, write_checkpoint
 from densa.quant.quantizer import make_quantizer
@@ -77,7 +77,7 @@ def quantize_checkpoint(src: str, dst: Path, settings: QuantizeSettings) -> Quan
     if (dst / "config.json").exists():
         raise FileExistsError(f"{dst} already holds a checkpoint; pick a new folder")
     arch = ArchConfig.from_dir(src_dir)
-    with torch.device("meta"):
+    with meta_skeleton():
         skeleton = model_factory(arch.architecture)(arch, 1, torch.device("cpu"))
     targets = quantization_targets(skeleton, settings.scope) if settings.fmt else set()
     hessians: dict[str, torch.Tensor] = {}
