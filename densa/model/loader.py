@@ -19,11 +19,7 @@ import torch
 
 from densa.config import HEAD_FROM_BLOCKS, WEIGHTS_FROM_BLOCKS
 from densa.kernels import native
-from densa.memory import (
-    keep_large_allocations_unmappable,
-    rehome_on_huge_pages,
-    return_free_heap,
-)
+from densa.memory import rehome_on_huge_pages
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.gguf import GGUFFile, ensure_converted, stored_quantization
 from densa.model.gguf_loading import (
@@ -57,6 +53,7 @@ from densa.quant import gguf_blocks
 from densa.quant.checkpoint import Quantized, group_parts, read_format
 from densa.quant.quantizer import make_quantizer
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
+from densa.utils.heap import keep_large_allocations_unmappable, return_free_heap
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
 
