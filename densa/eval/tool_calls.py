@@ -75,13 +75,14 @@ def load_tool_cases(settings: ToolEvalSettings) -> list[ToolCase]:
 def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[CaseResult]:
     prompts: list[str | list[int]] = []
     params = []
+    calls_format = HERMES.with_vocabulary(llm.tokenizer.added_tokens)  # its markers may be tokens
     for case in cases:
         tools = [ToolDefinition.model_validate(t) for t in case.tools]
         plan = plan_tools(
-            HERMES, tools, "required" if mode == "constrained" else "auto", False, None
+            calls_format, tools, "required" if mode == "constrained" else "auto", False, None
         )
         messages = render_messages(
-            case.messages, plan.tools, HERMES, llm.tokenizer.template_renders_tools
+            case.messages, plan.tools, calls_format, llm.tokenizer.template_renders_tools
         )
         prompts.append(llm.tokenizer.encode_chat(messages))
         params.append(
@@ -89,7 +90,7 @@ def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[Cas
         )
     results = []
     for case, generation in zip(cases, llm.generate(prompts, params), strict=True):
-        parsed = parse_output(HERMES, generation.text)
+        parsed = parse_output(calls_format, generation.text)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
         results.append(
             CaseResult(

@@ -90,6 +90,8 @@ class ServerState:
     def on_engine_started(self, served: ServedModel) -> None:
         self.tokenizer = Tokenizer(served.tokenizer, served.eos_token_ids)
         self.token_texts = TokenTexts(self.tokenizer)
+        # Markers that are tokens of this vocabulary are matched as tokens in call grammars.
+        self.tool_format = self.tool_format.with_vocabulary(self.tokenizer.added_tokens)
 
     @property
     def served(self) -> ServedModel:

@@ -103,6 +103,12 @@ class Tokenizer:
         return [self._tok.id_to_token(t) or "" for t in token_ids]
 
     @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """Every added token (text -> id): the tokenizer splits these out of text before anything
+        else, so text that contains one encodes it as that single token."""
+        return {t.content: int(i) for i, t in self._tok.get_added_tokens_decoder().items()}
+
+    @functools.cached_property
     def verbatim_added_tokens(self) -> dict[str, int] | None:
         """Added tokens (text -> id) if every one is matched verbatim in text -- not normalized,
         not stripping neighbouring spaces, not whole-word only -- else None.

@@ -20,10 +20,12 @@ earlier calls and tool results as the format writes them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from densa.sampling_params import JSON_STYLE, StructuredOutput
+from densa.serve.tools.lark import literal, marker_tokens, seq
 
 # A constrained answer holds at most this many calls: a model that never chooses to stop must
 # still end (OpenAI sets no limit; agents rarely need more in one turn).
@@ -39,6 +41,14 @@ class ToolCallFormat:
     arguments_key: str  # the key holding the arguments object
     result_open: str  # tool results are wrapped in these when densa renders them
     result_close: str
+    # The vocabulary's added tokens found in the markers (text -> id): grammars match these as
+    # tokens (serve/tools/lark.py). Empty until bound to a tokenizer with `with_vocabulary`.
+    tokens: Mapping[str, int] = field(default_factory=dict)
+
+    def with_vocabulary(self, added_tokens: Mapping[str, int]) -> ToolCallFormat:
+        """This format for a tokenizer whose added tokens are `added_tokens` (text -> id)."""
+        markers = (self.open_marker, self.close_marker, self.separator)
+        return replace(self, tokens=marker_tokens(markers, added_tokens))
 
     # ---- prompts -------------------------------------------------------------------------------
     def system_prompt(self, tools: list[dict[str, Any]]) -> str:
@@ -74,12 +84,14 @@ class ToolCallFormat:
         """A grammar whose every output is one call (or several, if parallel) of these tools,
         with arguments valid under each tool's parameter schema."""
         body = {"anyOf": [self._call_schema(tool) for tool in tools], "x-guidance": JSON_STYLE}
-        call = f"{_lark_string(self.open_marker)} body {_lark_string(self.close_marker)}"
-        call = call.replace('"" ', "").replace(' ""', "")
+        call = seq(self._literal(self.open_marker), "body", self._literal(self.close_marker))
         more = MAX_PARALLEL_CALLS - 1 if parallel else 0
-        start = f"call ({_lark_string(self.separator)} call)~0..{more}" if more else "call"
+        start = f"call ({seq(self._literal(self.separator), 'call')})~0..{more}" if more else "call"
         lark = f"start: {start}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
         return StructuredOutput("lark", lark)
+
+    def _literal(self, text: str) -> str:
+        return literal(text, self.tokens)
 
     def _call_schema(self, tool: dict[str, Any]) -> dict[str, Any]:
         function = tool["function"]
@@ -90,10 +102,6 @@ class ToolCallFormat:
             "required": ["name", self.arguments_key],
             "additionalProperties": False,
         }
-
-
-def _lark_string(text: str) -> str:
-    return json.dumps(text)  # a JSON string literal is a valid Lark string literal
 
 
 HERMES = ToolCallFormat(
@@ -124,3 +132,8 @@ def tool_format(name: str) -> ToolCallFormat:
             f"unknown tool-call format {name!r}; choose from {', '.join(TOOL_FORMATS)}"
         )
     return TOOL_FORMATS[name]
+
+
+def format_for(name: str, added_tokens: Mapping[str, int]) -> ToolCallFormat:
+    """The named format, bound to a vocabulary whose added tokens are `added_tokens`."""
+    return tool_format(name).with_vocabulary(added_tokens)
