@@ -9,11 +9,13 @@ Before the fix every `tool_choice: "required"` request failed with 500 `grammar_
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
+import openai
 import pytest
 
 from densa.model.loader import resolve_model_dir
@@ -111,3 +113,30 @@ def test_a_streamed_forced_call_on_the_real_model(server: RunningServer) -> None
     assert name == whole.message.tool_calls[0].function.name == "get_weather"
     assert arguments == whole.message.tool_calls[0].function.arguments
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_cannot_proceed_says_why_and_is_logged(
+    server: RunningServer, stream: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The format unbound from the vocabulary is the grammar of the bug: the request ends with
+    a 500 grammar_error that names the refused token, and a WARNING with its request id."""
+    state = server.app.state.densa
+    bound, state.tool_format = state.tool_format, HERMES
+    try:
+        with caplog.at_level(logging.WARNING):
+            if stream:
+                with pytest.raises(openai.APIError) as info:
+                    list(_ask(server, stream=True))
+                error = info.value.body
+            else:
+                with pytest.raises(openai.InternalServerError) as info:
+                    _ask(server)
+                error = info.value.body
+                request_id = info.value.response.headers["x-request-id"]
+                assert f"request {request_id} ended with an error (grammar_error)" in caplog.text
+    finally:
+        state.tool_format = bound
+    assert isinstance(error, dict) and error["code"] == "grammar_error", error
+    assert "refused token 151657, which its own mask allowed" in error["message"]
+    assert "ended with an error (grammar_error)" in caplog.text
