@@ -1,10 +1,11 @@
 """`densa eval tools`: tool-call validity on BFCL cases, constrained vs unconstrained, per format.
 
 Every case is asked twice per format, greedily, through the same prompt path the server uses
-(densa renders the tool definitions for templates without tool support, Hermes format):
+(the dialect the server would choose from the chat template; Hermes for templates that show
+none, and then densa renders the tool definitions itself):
 
 - unconstrained: `tool_choice: auto` -- the model writes whatever it writes, and densa's
-  Hermes parser reads calls out of it;
+  parser for the dialect reads calls out of it;
 - constrained: `tool_choice: required` -- the grammar allows only calls of the offered tools
   with schema-valid arguments (serve/tools/formats.py), so validity is guaranteed by
   construction and what remains to measure is whether the call is the right one (AST match).
@@ -27,7 +28,7 @@ from densa.eval.report import QualityReport, new_report
 from densa.eval.stats import DEFAULT_BOOTSTRAP, Bootstrap, mean_ci, paired_difference_ci
 from densa.measure.report import Table
 from densa.sampling_params import SamplingParams
-from densa.serve.tools.formats import HERMES
+from densa.serve.tools.formats import AUTO, resolve_format
 from densa.serve.tools.models import ToolDefinition
 from densa.serve.tools.parser import parse_output
 from densa.serve.tools.plan import plan_tools
@@ -75,7 +76,7 @@ def load_tool_cases(settings: ToolEvalSettings) -> list[ToolCase]:
 def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[CaseResult]:
     prompts: list[str | list[int]] = []
     params = []
-    calls_format = HERMES.with_vocabulary(llm.tokenizer.added_tokens)  # its markers may be tokens
+    calls_format = resolve_format(AUTO, llm.tokenizer)  # as the server chooses it
     for case in cases:
         tools = [ToolDefinition.model_validate(t) for t in case.tools]
         plan = plan_tools(
