@@ -52,6 +52,7 @@ class _Layout:
     value_open: str  # key is written between value_open's two halves: (before key, after key)
     value_open_tail: str
     value_close: str
+    values_close: str  # after the last value
     separator: str  # between calls
     header: re.Pattern[str]  # the name, from the start of a block
     value: re.Pattern[str]  # (key, value) pairs
@@ -59,13 +60,13 @@ class _Layout:
 
 GLM_LAYOUT = _Layout(
     "<tool_call>", "</tool_call>", "", "\n", "<arg_key>", "</arg_key>\n<arg_value>",
-    "</arg_value>\n", "\n",
+    "</arg_value>\n", "", "\n",
     re.compile(r"\s*([^\s<]+)(?=\s|<)"),
     re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL),
 )  # fmt: skip
 QWEN3_CODER_LAYOUT = _Layout(
     "<tool_call>", "</tool_call>", "\n<function=", ">\n", "<parameter=", ">\n",
-    "\n</parameter>\n", "\n",
+    "\n</parameter>\n", "</function>\n", "\n",
     re.compile(r"\s*<function=([^>\n]+)>"),
     re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL),
 )  # fmt: skip
@@ -84,7 +85,7 @@ class XmlArgsFormat(ToolCallFormat):
     def markers(self) -> tuple[str, ...]:
         lay = self.layout
         return (lay.call_open, lay.call_close, lay.name_open, lay.value_open, lay.value_open_tail,
-                lay.value_close)  # fmt: skip
+                lay.value_close, lay.values_close)  # fmt: skip
 
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
         return self.layout.separator.join(self._render(c["name"], c["arguments"]) for c in calls)
@@ -101,7 +102,8 @@ class XmlArgsFormat(ToolCallFormat):
                 lay.call_open + lay.name_open + tool["function"]["name"] + lay.name_close
             )
             values = self._value_rules(f"v{idx}", parameters(tool), lines)
-            lines.append(f"call_{idx}: {head} {values} {self.literal(lay.call_close)}")
+            tail = self.literal(lay.values_close + lay.call_close)
+            lines.append(f"call_{idx}: {head} {values} {tail}")
         return StructuredOutput("lark", "\n".join(lines) + "\n")
 
     def new_parser(self) -> CallParser:
@@ -114,7 +116,8 @@ class XmlArgsFormat(ToolCallFormat):
             f"{lay.value_open}{key}{lay.value_open_tail}{_as_text(value)}{lay.value_close}"
             for key, value in arguments.items()
         )
-        return f"{lay.call_open}{lay.name_open}{name}{lay.name_close}{values}{lay.call_close}"
+        head = f"{lay.call_open}{lay.name_open}{name}{lay.name_close}"
+        return f"{head}{values}{lay.values_close}{lay.call_close}"
 
     def _value_rules(self, prefix: str, schema: Mapping[str, Any], lines: list[str]) -> str:
         """Rules for each property's tagged value (appended to `lines`); their sequence."""
@@ -128,6 +131,8 @@ class XmlArgsFormat(ToolCallFormat):
             if _is_text(sub) and "enum" in sub:
                 choices = " | ".join(json.dumps(v) for v in sub["enum"])
                 lines.append(f"{rule}: {opening} ({choices}) {closing}")
+            elif _is_text(sub) and closing.startswith("<["):  # text ends at the closing token
+                lines.append(f"{rule}: {opening} TEXT {closing}")
             elif _is_text(sub):  # free text, up to the first closing tag
                 lines.append(f"{rule}: {opening} {rule}_text")
                 lines.append(f"{rule}_text[lazy]: TEXT {closing}")

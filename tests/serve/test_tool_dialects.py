@@ -1,0 +1,207 @@
+"""Each tool-call dialect against its family's real chat template (fixtures/chat_templates): the
+dialect is detected from the template; a conversation with two calls, rendered by the template
+through densa's prompt path, parses back to those calls (streamed in any split, or whole); the
+dialect writes calls exactly as the template does; and a forced call goes through the grammar
+on a tokenizer whose markers are tokens -- matched as those tokens.
+
+Tokenizers: DeepSeek's is real (fixtures/tokenizers). For Kimi K2, GLM, Qwen3-Coder and
+Mistral none is available here (fixtures/tokenizers/README.md): SmolLM2's tokenizer with the
+family's markers added as tokens stands in for the real one.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from densa.serve.tools.formats import detect_format, format_for, tool_format
+from densa.serve.tools.parser import CallArguments, CallStart, Content, ToolCallParser, parse_output
+from densa.serve.tools.render import render_messages
+from densa.text.tokenizer import Tokenizer, TokenizerFiles
+from densa.worker.grammar import GrammarCompiler
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]},
+                       "days": {"type": "integer", "minimum": 1}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "ping"}},
+]  # fmt: skip
+CALLS = [
+    {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 3}},
+    {"name": "ping", "arguments": {}},
+]
+
+
+@dataclass(frozen=True)
+class Family:
+    dialect: str
+    template: str  # file in fixtures/chat_templates
+    markers: tuple[str, ...]  # added tokens of the stand-in tokenizer (() = the real tokenizer)
+    end_of_turn: str  # where the rendered assistant turn ends
+    call_ids: tuple[str, str] = ("call_0123456789abcdef", "call_fedcba9876543210")
+    writes_like_template: bool = True  # the template writes the calls as the dialect does
+    turn_start: str = ""  # the turn follows this (else: what the bare prompt renders)
+
+    def __str__(self) -> str:
+        return self.dialect
+
+
+FAMILIES = [
+    Family("kimi_k2", "kimi_k2_thinking.jinja",
+           ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
+            "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+           "<|im_end|>", call_ids=("functions.get_weather:0", "functions.ping:1")),
+    Family("deepseek_v3", "deepseek_v3.jinja", (), "<｜end▁of▁sentence｜>"),
+    Family("deepseek_v31", "deepseek_v3_1.jinja", (), "<｜end▁of▁sentence｜>"),
+    Family("glm", "glm_4_6.jinja",
+           ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+            "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+            "</arg_value>", "<tool_response>", "</tool_response>", "<think>", "</think>"),
+           "<|assistant|>"),
+    Family("qwen3_coder", "qwen3_coder.jinja",
+           ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"), "<|im_end|>"),
+    Family("mistral", "devstral_small_2.jinja",
+           ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]",
+            "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+            "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"), "</s>"),
+    Family("mistral_json", "mistral_parallel.jinja",
+           ("<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"), "</s>",
+           writes_like_template=False,  # its template adds each call's id to the JSON
+           turn_start="[/INST]"),  # its prompt moves the system text into the last [INST]
+]  # fmt: skip
+
+
+def tokenizer_for(family: Family, smollm2_dir: Path) -> Tokenizer:
+    template = (FIXTURES / "chat_templates" / family.template).read_text(encoding="utf-8")
+    if not family.markers:  # DeepSeek's real tokenizer
+        folder = FIXTURES / "tokenizers"
+        text = lzma.decompress((folder / "deepseek_tokenizer.json.xz").read_bytes()).decode()
+        config = (folder / "deepseek_tokenizer_config.json").read_text(encoding="utf-8")
+        return Tokenizer(TokenizerFiles(text, config, template))
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as RustTokenizer
+
+    rust = RustTokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    rust.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in family.markers])
+    config = json.dumps({"eos_token": family.end_of_turn, "bos_token": family.markers[0]})
+    return Tokenizer(TokenizerFiles(rust.to_str(), config, template))
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=str)
+def family(request: pytest.FixtureRequest) -> Family:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def tokenizer(family: Family, smollm2_dir: Path) -> Tokenizer:
+    return tokenizer_for(family, smollm2_dir)
+
+
+def assistant_turn(family: Family, tokenizer: Tokenizer) -> str:
+    """The text the template renders for an assistant turn that made CALLS."""
+    ask = [{"role": "user", "content": "Weather in Paris for 3 days, then ping."}]
+    calls = [
+        {"id": call_id, "type": "function", "function": {"name": c["name"],
+         "arguments": json.dumps(c["arguments"])}}
+        for call_id, c in zip(family.call_ids, CALLS, strict=True)
+    ]  # fmt: skip
+    turn = [*ask, {"role": "assistant", "content": "", "tool_calls": calls}]
+    fmt = tool_format(family.dialect)
+    if family.dialect == "deepseek_v31":  # its template joins the arguments as text
+        messages = turn
+    else:  # densa's prompt path: arguments as objects, as Hugging Face templates expect
+        messages = render_messages(turn, TOOLS, fmt, tokenizer.template_renders_tools)
+    rendered = tokenizer.render_chat(messages, TOOLS)
+    if family.turn_start:
+        turn = rendered.split(family.turn_start, 1)[1]
+    else:
+        prompt = tokenizer.render_chat(ask, TOOLS).rstrip()  # the turn starts where this ends
+        assert rendered.startswith(prompt), (prompt, rendered)
+        turn = rendered[len(prompt) :]
+    return turn.split(family.end_of_turn)[0]
+
+
+def test_the_dialect_is_chosen_from_the_template(family: Family, tokenizer: Tokenizer) -> None:
+    assert detect_format(tokenizer.chat_template) == family.dialect
+
+
+def test_calls_rendered_by_the_template_parse_back(family: Family, tokenizer: Tokenizer) -> None:
+    fmt = tool_format(family.dialect).with_tools(TOOLS)
+    turn = assistant_turn(family, tokenizer)
+    parsed = parse_output(fmt, turn)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        (c["name"], c["arguments"]) for c in CALLS
+    ], turn
+    assert parsed.content.strip() in ("", "<think></think>"), parsed.content
+    if family.dialect == "kimi_k2":  # Kimi's ids name the function; they are kept
+        assert [c.call_id for c in parsed.tool_calls] == list(family.call_ids)
+    if family.writes_like_template:  # (indentation some templates leave between calls aside)
+        assert fmt.render_calls(CALLS).strip() in re.sub(" {2,}", "", turn)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_any_split_of_the_stream_gives_the_whole_result(
+    family: Family, tokenizer: Tokenizer, seed: int
+) -> None:
+    fmt = tool_format(family.dialect).with_tools(TOOLS)
+    turn = assistant_turn(family, tokenizer)
+    whole = parse_output(fmt, turn)
+    rng, parser, events, start = random.Random(seed), ToolCallParser(fmt), [], 0
+    while start < len(turn):
+        end = start + rng.randint(1, 6)
+        events += parser.feed(turn[start:end])
+        start = end
+    events += parser.finish()
+    assert "".join(e.text for e in events if isinstance(e, Content)) == whole.content
+    streamed: list[list[str]] = []
+    for event in events:
+        if isinstance(event, CallStart):
+            streamed.append([event.name, ""])
+        elif isinstance(event, CallArguments):
+            streamed[event.index][1] += event.text
+    assert streamed == [[c.name, c.arguments] for c in whole.tool_calls]
+
+
+def test_a_forced_call_matches_the_marker_tokens(family: Family, tokenizer: Tokenizer) -> None:
+    import llguidance.numpy as lln
+
+    fmt = format_for(family.dialect, tokenizer.added_tokens)
+    assert fmt.tokens, "the family's markers are tokens of its vocabulary"
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    grammar = compiler.compile_now(fmt.call_grammar(TOOLS, parallel=True))
+
+    def accepts(calls: list[dict[str, Any]]) -> bool:
+        matcher = grammar.new_matcher()
+        ids = tokenizer.encode(fmt.render_calls(calls), add_special_tokens=False)
+        return bool(matcher.consume_tokens(ids)) and bool(matcher.is_accepting())
+
+    # The first token allowed is the dialect's first marker, as the token it is.
+    matcher = grammar.new_matcher()
+    bitmask = lln.allocate_token_bitmask(1, tokenizer.vocab_size)
+    lln.fill_next_token_bitmask(matcher, bitmask, 0)
+    bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[: tokenizer.vocab_size]
+    first = tokenizer.encode(fmt.render_calls(CALLS), add_special_tokens=False)[0]
+    assert np.nonzero(bits)[0].tolist() == [first]
+    assert first in fmt.tokens.values()
+
+    assert accepts(CALLS)
+    assert accepts(CALLS[:1])
+    wrong_unit = {**CALLS[0], "arguments": {**CALLS[0]["arguments"], "unit": "kelvin"}}
+    assert not accepts([wrong_unit])
+    assert not accepts([{"name": "other", "arguments": {}}])
+    no_city = {"name": "get_weather", "arguments": {"unit": "celsius"}}
+    assert not accepts([no_city])
+    compiler.shutdown()
