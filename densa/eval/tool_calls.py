@@ -87,7 +87,12 @@ def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[Cas
         )
         prompts.append(llm.tokenizer.encode_chat(messages))
         params.append(
-            SamplingParams(temperature=0, max_tokens=max_tokens, structured=plan.constraint)
+            SamplingParams(
+                temperature=0,
+                max_tokens=max_tokens,
+                structured=plan.constraint,
+                kept_special_token_ids=plan.marker_token_ids,
+            )
         )
     results = []
     for case, generation in zip(cases, llm.generate(prompts, params), strict=True):

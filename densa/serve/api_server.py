@@ -413,6 +413,8 @@ def _engine_call(
         params = body.to_sampling_params(max_tokens, body.num_logprobs, plan.constraint)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+    if plan.marker_token_ids:  # the call parser reads the markers, special tokens or not
+        params = dataclasses.replace(params, kept_special_token_ids=plan.marker_token_ids)
     prepare.check_token_ids(_state(request).served, prompt_ids, params)
     record = _record(request)
     record.session_id = session_id or body.prompt_cache_key or None

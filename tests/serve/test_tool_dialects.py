@@ -23,8 +23,11 @@ import numpy as np
 import pytest
 
 from densa.serve.tools.formats import detect_format, format_for, tool_format
+from densa.serve.tools.models import ToolDefinition
 from densa.serve.tools.parser import CallArguments, CallStart, Content, ToolCallParser, parse_output
+from densa.serve.tools.plan import plan_tools
 from densa.serve.tools.render import render_messages
+from densa.text.detokenizer import Detokenizer
 from densa.text.tokenizer import Tokenizer, TokenizerFiles
 from densa.worker.grammar import GrammarCompiler
 
@@ -205,3 +208,28 @@ def test_a_forced_call_matches_the_marker_tokens(family: Family, tokenizer: Toke
     no_city = {"name": "get_weather", "arguments": {"unit": "celsius"}}
     assert not accepts([no_city])
     compiler.shutdown()
+
+
+def test_marker_tokens_that_are_special_reach_the_parser(smollm2_dir: Path) -> None:
+    """Mistral's markers are special tokens, which a response's text leaves out: the plan keeps
+    them in (the end-of-sequence token stays out), so the calls are read."""
+    mistral = next(f for f in FAMILIES if f.dialect == "mistral")
+    tokenizer = tokenizer_for(mistral, smollm2_dir)
+    fmt = format_for("mistral", tokenizer.added_tokens)
+    tools = [ToolDefinition.model_validate(t) for t in TOOLS]
+    plan = plan_tools(fmt, tools, "required", None, None)
+    token_ids = tokenizer.encode(fmt.render_calls(CALLS) + "</s>", add_special_tokens=False)
+
+    def decoded(kept: tuple[int, ...]) -> str:
+        detokenizer = Detokenizer(tokenizer, [], (), False, True, kept)
+        for token_id in token_ids:
+            detokenizer.add_token(token_id)
+        return detokenizer.text
+
+    assert parse_output(fmt, decoded(())).tool_calls == []  # the markers were dropped
+    text = decoded(plan.marker_token_ids)
+    assert "</s>" not in text
+    calls = parse_output(fmt.with_tools(TOOLS), text).tool_calls
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        (c["name"], c["arguments"]) for c in CALLS
+    ]
