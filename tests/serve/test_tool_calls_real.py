@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from densa.model.loader import resolve_model_dir
-from densa.serve.tools.formats import HERMES
+from densa.serve.tools.formats import AUTO, HERMES, resolve_format
 from densa.text.tokenizer import Tokenizer
 from densa.worker.grammar import GrammarCompiler
 
@@ -54,6 +54,7 @@ def qwen_dir(real_model: Callable[[str], Path]) -> Path:
 
 def test_call_grammars_match_the_marker_tokens(qwen_dir: Path) -> None:
     tokenizer = Tokenizer.from_dir(qwen_dir)
+    assert resolve_format(AUTO, tokenizer).name == "hermes"  # from Qwen2.5's own template
     fmt = HERMES.with_vocabulary(tokenizer.added_tokens)
     assert fmt.tokens == {"<tool_call>": TOOL_CALL, "</tool_call>": END_TOOL_CALL}
     text = fmt.render_calls(

@@ -141,6 +141,14 @@ def test_the_dialect_is_chosen_from_the_template(family: Family, tokenizer: Toke
     assert detect_format(tokenizer.chat_template) == family.dialect
 
 
+def test_a_template_without_a_dialect_gets_hermes(smollm2_dir: Path) -> None:
+    """SmolLM2's plain ChatML shows no dialect (densa then writes the tools into the prompt)."""
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    assert not tokenizer.template_renders_tools
+    assert detect_format(tokenizer.chat_template) == "hermes"
+    assert detect_format(None) == "hermes"
+
+
 def test_calls_rendered_by_the_template_parse_back(family: Family, tokenizer: Tokenizer) -> None:
     fmt = tool_format(family.dialect).with_tools(TOOLS)
     turn = assistant_turn(family, tokenizer)
