@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from densa.sampling_params import JSON_STYLE, StructuredOutput
-from densa.serve.tools.base import MAX_PARALLEL_CALLS, Schemas, ToolCallFormat, parameters
+from densa.sampling_params import StructuredOutput
+from densa.serve.tools.base import Schemas, ToolCallFormat, json_rule, parameters, repeat
 from densa.serve.tools.events import (
     CallArguments,
     CallParser,
@@ -64,12 +64,10 @@ class JsonCallFormat(ToolCallFormat):
         return self.separator.join(blocks)
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> StructuredOutput:
-        body = {"anyOf": [self._call_schema(tool) for tool in tools], "x-guidance": JSON_STYLE}
+        body = json_rule({"anyOf": [self._call_schema(tool) for tool in tools]})
         call = seq(self.literal(self.open_marker), "body", self.literal(self.close_marker))
-        more = MAX_PARALLEL_CALLS - 1 if parallel else 0
-        start = f"call ({seq(self.literal(self.separator), 'call')})~0..{more}" if more else "call"
-        lark = f"start: {start}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
-        return StructuredOutput("lark", lark)
+        start = repeat("call", self.literal(self.separator), parallel)
+        return StructuredOutput("lark", f"start: {start}\ncall: {call}\nbody: {body}\n")
 
     def new_parser(self) -> CallParser:
         return JsonCallParser(self)
