@@ -83,7 +83,11 @@ def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[Cas
             calls_format, tools, "required" if mode == "constrained" else "auto", False, None
         )
         messages = render_messages(
-            case.messages, plan.tools, calls_format, llm.tokenizer.template_renders_tools
+            case.messages,
+            plan.tools,
+            calls_format,
+            llm.tokenizer.template_renders_tools,
+            llm.tokenizer.template_renders_tool_calls,
         )
         prompts.append(llm.tokenizer.encode_chat(messages))
         params.append(

@@ -122,16 +122,18 @@ def assistant_turn(family: Family, tokenizer: Tokenizer) -> str:
         for call_id, c in zip(family.call_ids, CALLS, strict=True)
     ]  # fmt: skip
     turn = [*ask, {"role": "assistant", "content": "", "tool_calls": calls}]
-    fmt = tool_format(family.dialect)
-    if family.dialect == "deepseek_v31":  # its template joins the arguments as text
-        messages = turn
-    else:  # densa's prompt path: arguments as objects, as Hugging Face templates expect
-        messages = render_messages(turn, TOOLS, fmt, tokenizer.template_renders_tools)
-    rendered = tokenizer.render_chat(messages, TOOLS)
+
+    def render(messages: list[dict[str, Any]]) -> str:  # as the server renders a prompt
+        renders_tools = tokenizer.template_renders_tools
+        fmt, renders_calls = tool_format(family.dialect), tokenizer.template_renders_tool_calls
+        messages = render_messages(messages, TOOLS, fmt, renders_tools, renders_calls)
+        return tokenizer.render_chat(messages, TOOLS if renders_tools else None)
+
+    rendered = render(turn)
     if family.turn_start:
         turn = rendered.split(family.turn_start, 1)[1]
     else:
-        prompt = tokenizer.render_chat(ask, TOOLS).rstrip()  # the turn starts where this ends
+        prompt = render(ask).rstrip()  # the turn starts where this ends
         assert rendered.startswith(prompt), (prompt, rendered)
         turn = rendered[len(prompt) :]
     return turn.split(family.end_of_turn)[0]
