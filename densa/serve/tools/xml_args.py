@@ -49,8 +49,8 @@ class _Layout:
     call_close: str
     name_open: str  # between call_open and the name
     name_close: str  # after the name
-    value_open: str  # key is written between value_open's two halves: (before key, after key)
-    value_open_tail: str
+    key_open: str  # before an argument's name
+    key_close: str  # between its name and its value
     value_close: str
     values_close: str  # after the last value
     separator: str  # between calls
@@ -84,7 +84,7 @@ class XmlArgsFormat(ToolCallFormat):
 
     def markers(self) -> tuple[str, ...]:
         lay = self.layout
-        return (lay.call_open, lay.call_close, lay.name_open, lay.value_open, lay.value_open_tail,
+        return (lay.call_open, lay.call_close, lay.name_open, lay.key_open, lay.key_close,
                 lay.value_close, lay.values_close)  # fmt: skip
 
     def render_calls(self, calls: list[dict[str, Any]]) -> str:
@@ -113,7 +113,7 @@ class XmlArgsFormat(ToolCallFormat):
     def _render(self, name: str, arguments: dict[str, Any]) -> str:
         lay = self.layout
         values = "".join(
-            f"{lay.value_open}{key}{lay.value_open_tail}{_as_text(value)}{lay.value_close}"
+            f"{lay.key_open}{key}{lay.key_close}{_as_text(value)}{lay.value_close}"
             for key, value in arguments.items()
         )
         head = f"{lay.call_open}{lay.name_open}{name}{lay.name_close}"
@@ -125,8 +125,9 @@ class XmlArgsFormat(ToolCallFormat):
         required = set(schema.get("required", ()))
         sequence = []
         for idx, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+            sub = sub if isinstance(sub, Mapping) else {}  # `true`: any value
             rule = f"{prefix}_{idx}"
-            opening = self.literal(f"{lay.value_open}{key}{lay.value_open_tail}")
+            opening = self.literal(f"{lay.key_open}{key}{lay.key_close}")
             closing = self.literal(lay.value_close)
             if _is_text(sub) and "enum" in sub:
                 choices = " | ".join(json.dumps(v) for v in sub["enum"])
