@@ -243,3 +243,35 @@ def test_marker_tokens_that_are_special_reach_the_parser(smollm2_dir: Path) -> N
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         (c["name"], c["arguments"]) for c in CALLS
     ]
+
+
+EDGES = [
+    ("glm", "Sure.\n<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>x y</arg_value>\n</tool_call>\n",
+     "Sure.", [("f", '{"a": "x y"}')]),
+    ("qwen3_coder", "<tool_call>\nnot a call\n</tool_call>", "<tool_call>\nnot a call\n</tool_call>", []),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": "x',
+     "", [("f", '{"a": "x')]),  # cut short by max_tokens: the call keeps what it had
+    ("deepseek_v3", 'ok <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{"a": [1, "`"]}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+     "ok", [("f", '{"a": [1, "`"]}')]),
+    ("mistral", 'Hi[TOOL_CALLS]f[CALL_ID]abc123XYZ[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', "Hi",
+     [("f", '{"a": 1}'), ("g", "{}")]),
+    ("mistral_json", "[TOOL_CALLS] [not json", "[TOOL_CALLS] [not json", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("dialect", "text", "content", "calls"), EDGES)
+def test_content_broken_blocks_and_cut_calls(
+    dialect: str, text: str, content: str, calls: list[tuple[str, str]]
+) -> None:
+    parsed = parse_output(tool_format(dialect), text)
+    assert parsed.content == content
+    assert [(c.name, c.arguments) for c in parsed.tool_calls] == calls
+
+
+def test_values_written_as_text_are_typed_by_the_schema() -> None:
+    glm = tool_format("glm")
+    text = "<tool_call>f\n<arg_key>code</arg_key>\n<arg_value>007</arg_value>\n<arg_key>n</arg_key>\n<arg_value>7</arg_value>\n</tool_call>"  # fmt: skip
+    assert parse_output(glm, text).tool_calls[0].arguments == '{"code": "007", "n": 7}'
+    schema = {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "string"}}}
+    typed = glm.with_tools([{"type": "function", "function": {"name": "f", "parameters": schema}}])
+    assert parse_output(typed, text).tool_calls[0].arguments == '{"code": "007", "n": "7"}'

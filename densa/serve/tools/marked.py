@@ -66,8 +66,8 @@ class MarkedCallParser:
 
     def finish(self) -> list[Event]:
         events: list[Event] = []
-        if self._mode == _CONTENT and self._pending:
-            events.append(Content(self._pending))
+        if self._mode == _CONTENT and (self._pending.strip() or not self.calls):
+            _emit(events, self._pending)  # (whitespace after the calls is not an answer)
         elif self._mode == _CALL:
             self._complete(events, self._pending)
         self._pending, self._mode = "", _CONTENT
