@@ -55,6 +55,7 @@ class StructuredSampler:
     compiler: GrammarCompiler
     _states: dict[str, _MatcherState] = field(default_factory=dict)
     _executor: Any = None  # llguidance.LLExecutor, for filling several rows in parallel
+    _bitmask: np.ndarray | None = None  # the last one filled (what `accept` checks tokens against)
     times: MaskTimes = field(default_factory=MaskTimes)
 
     def forget(self, request_id: str) -> None:
@@ -78,6 +79,7 @@ class StructuredSampler:
             lln.fill_next_token_bitmask(pairs[0][0], bitmask, pairs[0][1])
         else:
             lln.fill_next_token_bitmask_par(self._parallel(), pairs, bitmask)
+        self._bitmask = bitmask
         return bitmask
 
     def accept(self, rows: list[StructuredRow], token_ids: list[int]) -> dict[str, str]:
@@ -88,11 +90,19 @@ class StructuredSampler:
             token_id = token_ids[r.row]
             if state.matcher.is_error():  # it failed computing the mask (which allowed only EOS)
                 errors[r.request_id] = _cannot_proceed(state.matcher)
+            elif not self._was_allowed(r.row, token_id):  # the mask left nothing to sample
+                errors[r.request_id] = _nothing_allowed(token_id)
             elif not state.matcher.consume_token(token_id):
                 errors[r.request_id] = _refused(state.matcher, token_id)
             else:
                 state.num_consumed += 1
         return errors
+
+    def _was_allowed(self, row: int, token_id: int) -> bool:
+        if self._bitmask is None:
+            return True
+        word = int(self._bitmask[row, token_id // 32])
+        return bool((word >> (token_id % 32)) & 1)
 
     def _synced(self, r: StructuredRow) -> _MatcherState:
         state = self._states.get(r.request_id)
@@ -132,6 +142,14 @@ def _cannot_proceed(matcher: Any) -> str:
             f"({reason}); simplify the schema"
         )
     return f"grammar_error: the output constraint allows no next token ({reason})"
+
+
+def _nothing_allowed(token_id: int) -> str:
+    # Every token the constraint allows is outside the model's logits (or penalised away).
+    return (
+        "grammar_error: the output constraint allows no token the model can write here "
+        f"(token {token_id} was sampled from nothing)"
+    )
 
 
 def _refused(matcher: Any, token_id: int) -> str:

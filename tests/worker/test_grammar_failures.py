@@ -62,3 +62,20 @@ def test_a_constraint_beyond_the_engines_bounds_is_the_requests_fault(smollm2_di
     )
     assert "Too many items" in errors["req-2"] and errors["req-2"].endswith("simplify the schema")
     compiler.shutdown()
+
+
+def test_a_token_sampled_outside_the_mask_says_nothing_was_allowed(smollm2_dir: Path) -> None:
+    """All the tokens a constraint allows can be out of reach (their logits -inf): what is
+    sampled then lies outside the mask, and the request ends saying so."""
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    sampler = StructuredSampler(compiler)
+    row = StructuredRow(0, "req-3", StructuredOutput("json_schema", '{"const": "x"}'), [])
+    outside = tokenizer.encode("hello", add_special_tokens=False)[0]
+    assert outside not in _allowed(sampler.fill_bitmask([row], 1), tokenizer.vocab_size)
+    errors = sampler.accept([row], [outside])
+    assert errors["req-3"] == (
+        "grammar_error: the output constraint allows no token the model can write here "
+        f"(token {outside} was sampled from nothing)"
+    )
+    compiler.shutdown()
