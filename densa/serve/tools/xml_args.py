@@ -149,22 +149,37 @@ QWEN3_CODER = XmlArgsFormat("qwen3_coder", QWEN3_CODER_LAYOUT)
 
 
 class _Reader:
+    """Reads a block's values once each: a block is read again as every piece of it arrives,
+    so only text past the last complete value is searched, and only once a closing tag came."""
+
     def __init__(self, layout: _Layout, schemas: Schemas) -> None:
         self.layout = layout
         self.schemas = schemas
+        self._close = layout.value_close.strip()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._head = ""  # the block up to the end of its last complete value
+        self._members: list[str] = []  # those values, as JSON object members
+        self._searched = 0  # the block has been searched for a closing tag up to here
 
     def read(self, body: str, final: bool) -> list[CallRead] | None:
         header = self.layout.header.match(body if not final else body + "\n")
         if header is None:
             return None
+        if not body.startswith(self._head):  # another block
+            self._reset()
         name = header.group(1).strip()
-        properties = (self.schemas.get(name) or {}).get("properties") or {}
-        values = [
-            f"{json.dumps(key.strip(), ensure_ascii=False)}: "
-            f"{value_json(value, properties.get(key.strip()))}"
-            for key, value in self.layout.value.findall(body, header.end())
-        ]
-        return [CallRead(name, "{" + ", ".join(values) + ("}" if final else ""))]
+        since = max(self._searched - len(self._close), len(self._head))
+        if final or body.find(self._close, since) >= 0:
+            properties = (self.schemas.get(name) or {}).get("properties") or {}
+            for match in self.layout.value.finditer(body, max(len(self._head), header.end())):
+                key, value = match.group(1).strip(), match.group(2)
+                member = f"{json.dumps(key, ensure_ascii=False)}: "
+                self._members.append(member + value_json(value, properties.get(key)))
+                self._head = body[: match.end()]
+        self._searched = len(body)
+        return [CallRead(name, "{" + ", ".join(self._members) + ("}" if final else ""))]
 
 
 def value_json(text: str, schema: Mapping[str, Any] | None) -> str:
