@@ -52,6 +52,7 @@ class MarkedCallParser:
         self._mode = _CONTENT
         self._in_section = False
         self._block_started = False  # a call of the open block has been announced
+        self._searched = 0  # the open block holds no end marker before this (no search again)
 
     def feed(self, text: str) -> list[Event]:
         self._pending += text
@@ -105,8 +106,9 @@ class MarkedCallParser:
     def _call(self, events: list[Event]) -> None:
         m = self.markers
         ends = [m.call_close] if m.call_close else [m.call_open, m.section_close]
-        found = _first(self._pending, ends)
+        found = _first(self._pending, ends, self._searched)
         if found is None:
+            self._searched = max(0, len(self._pending) - max(len(end) for end in ends) + 1)
             held = max(partial_suffix(self._pending, end) for end in ends)
             reads = self.reader.read(self._pending[: len(self._pending) - held], final=False)
             if reads:
@@ -117,6 +119,7 @@ class MarkedCallParser:
         self._pending = self._pending[idx + len(marker) if marker == m.call_close else idx :]
         self._complete(events, body)
         self._mode = _SECTION if self._in_section else _CONTENT
+        self._searched = 0
 
     # ---- calls ---------------------------------------------------------------------------------
     def _complete(self, events: list[Event], body: str) -> None:
@@ -143,9 +146,9 @@ class MarkedCallParser:
             events.append(CallArguments(len(self.calls) - 1, fragment))
 
 
-def _first(text: str, markers: list[str]) -> tuple[int, str] | None:
-    """The earliest of `markers` in `text` (empty ones never match)."""
-    hits = [(text.find(m), m) for m in markers if m and m in text]
+def _first(text: str, markers: list[str], start: int = 0) -> tuple[int, str] | None:
+    """The earliest of `markers` in text[start:] (empty ones never match)."""
+    hits = [(at, m) for m in markers if m and (at := text.find(m, start)) >= 0]
     return min(hits) if hits else None
 
 
