@@ -24,26 +24,11 @@ from densa.text.tokenizer import Tokenizer
 from densa.worker.grammar import GrammarCompiler
 
 from .support import MODEL_NAME, RunningServer, engine_client, running_server
+from .test_tools import WEATHER
 
 MODEL = "qwen2.5-coder-0.5b"
 TOOL_CALL, END_TOOL_CALL = 151657, 151658  # Qwen2.5's marker tokens
 VOCAB_SIZE = 151936  # the model's embedding rows (the tokenizer has fewer entries)
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 30},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use celsius."}]
 
 
