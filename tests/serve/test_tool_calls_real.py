@@ -109,8 +109,10 @@ def test_a_grammar_that_cannot_proceed_says_why_and_is_logged(
     a 500 grammar_error that names the refused token, and a WARNING with its request id."""
     state = server.app.state.densa
     bound, state.tool_format = state.tool_format, HERMES
+    densa_log = logging.getLogger("densa")  # (it may not propagate once the CLI configured it)
+    densa_log.addHandler(caplog.handler)
     try:
-        with caplog.at_level(logging.WARNING):
+        with caplog.at_level(logging.WARNING, logger="densa"):
             if stream:
                 with pytest.raises(openai.APIError) as info:
                     list(_ask(server, stream=True))
@@ -123,6 +125,7 @@ def test_a_grammar_that_cannot_proceed_says_why_and_is_logged(
                 assert f"request {request_id} ended with an error (grammar_error)" in caplog.text
     finally:
         state.tool_format = bound
+        densa_log.removeHandler(caplog.handler)
     assert isinstance(error, dict) and error["code"] == "grammar_error", error
     assert "refused token 151657, which its own mask allowed" in error["message"]
     assert "ended with an error (grammar_error)" in caplog.text
