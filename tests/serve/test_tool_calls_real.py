@@ -66,8 +66,10 @@ def server(qwen_dir: Path) -> Iterator[RunningServer]:
 
 
 def _ask(server: RunningServer, **kwargs: Any) -> Any:
+    # One call (with parallel calls the model goes on to a second one, cut by max_tokens).
     settings: dict[str, Any] = {"model": MODEL_NAME, "messages": ASK, "tools": [WEATHER],
-                                "tool_choice": "required", "temperature": 0, "max_tokens": 60}  # fmt: skip
+                                "tool_choice": "required", "parallel_tool_calls": False,
+                                "temperature": 0, "max_tokens": 60}  # fmt: skip
     return server.client().chat.completions.create(**(settings | kwargs))
 
 
