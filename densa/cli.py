@@ -131,9 +131,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--tool-call-format",
-        default="hermes",
-        help="how the model writes tool calls: hermes (default; suits the bundled model) or "
-        "llama3_json (docs/serving.md)",
+        default="auto",
+        help="how the model writes tool calls: auto (default: from the chat template), hermes, "
+        "llama3_json, kimi_k2, deepseek_v3, deepseek_v31, glm, qwen3_coder, mistral, "
+        "mistral_json (docs/serving.md, 'Tool calls')",
     )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serve)
@@ -165,9 +166,10 @@ def _serve(ns: argparse.Namespace) -> int:
     args.check()
     bind_listener(ns.host, ns.port).close()
     from densa.serve import run_server
-    from densa.serve.tools.formats import tool_format
+    from densa.serve.tools.formats import AUTO, tool_format
 
-    tool_format(ns.tool_call_format)  # an unknown format: one line, before the model loads
+    if ns.tool_call_format != AUTO:
+        tool_format(ns.tool_call_format)  # an unknown format: one line, before the model loads
 
     run_server(
         args,

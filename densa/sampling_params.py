@@ -74,6 +74,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (0 = only the chosen token's)
     min_tokens: int = 0  # EOS / stop token ids are masked until this many tokens are generated
     skip_special_tokens: bool = True
+    # Special tokens written into the text even so: tool-call markers that are special tokens
+    # (Mistral's [TOOL_CALLS]), which the call parser must see.
+    kept_special_token_ids: tuple[int, ...] = ()
     # Grammar-constrained decoding (JSON schema, tool calls); None = unconstrained.
     structured: StructuredOutput | None = None
 
@@ -81,6 +84,7 @@ class SamplingParams:
         # Accept lists from callers; store tuples so the object stays hashable and immutable.
         object.__setattr__(self, "stop", _as_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
+        object.__setattr__(self, "kept_special_token_ids", _as_tuple(self.kept_special_token_ids))
         self._validate()
 
     def _validate(self) -> None:

@@ -1,10 +1,11 @@
 """`densa eval tools`: tool-call validity on BFCL cases, constrained vs unconstrained, per format.
 
 Every case is asked twice per format, greedily, through the same prompt path the server uses
-(densa renders the tool definitions for templates without tool support, Hermes format):
+(the dialect the server would choose from the chat template; Hermes for templates that show
+none, and then densa renders the tool definitions itself):
 
 - unconstrained: `tool_choice: auto` -- the model writes whatever it writes, and densa's
-  Hermes parser reads calls out of it;
+  parser for the dialect reads calls out of it;
 - constrained: `tool_choice: required` -- the grammar allows only calls of the offered tools
   with schema-valid arguments (serve/tools/formats.py), so validity is guaranteed by
   construction and what remains to measure is whether the call is the right one (AST match).
@@ -27,7 +28,7 @@ from densa.eval.report import QualityReport, new_report
 from densa.eval.stats import DEFAULT_BOOTSTRAP, Bootstrap, mean_ci, paired_difference_ci
 from densa.measure.report import Table
 from densa.sampling_params import SamplingParams
-from densa.serve.tools.formats import HERMES
+from densa.serve.tools.formats import AUTO, resolve_format
 from densa.serve.tools.models import ToolDefinition
 from densa.serve.tools.parser import parse_output
 from densa.serve.tools.plan import plan_tools
@@ -75,21 +76,31 @@ def load_tool_cases(settings: ToolEvalSettings) -> list[ToolCase]:
 def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[CaseResult]:
     prompts: list[str | list[int]] = []
     params = []
+    calls_format = resolve_format(AUTO, llm.tokenizer)  # as the server chooses it
     for case in cases:
         tools = [ToolDefinition.model_validate(t) for t in case.tools]
         plan = plan_tools(
-            HERMES, tools, "required" if mode == "constrained" else "auto", False, None
+            calls_format, tools, "required" if mode == "constrained" else "auto", False, None
         )
         messages = render_messages(
-            case.messages, plan.tools, HERMES, llm.tokenizer.template_renders_tools
+            case.messages,
+            plan.tools,
+            calls_format,
+            llm.tokenizer.template_renders_tools,
+            llm.tokenizer.template_renders_tool_calls,
         )
         prompts.append(llm.tokenizer.encode_chat(messages))
         params.append(
-            SamplingParams(temperature=0, max_tokens=max_tokens, structured=plan.constraint)
+            SamplingParams(
+                temperature=0,
+                max_tokens=max_tokens,
+                structured=plan.constraint,
+                kept_special_token_ids=plan.marker_token_ids,
+            )
         )
     results = []
     for case, generation in zip(cases, llm.generate(prompts, params), strict=True):
-        parsed = parse_output(HERMES, generation.text)
+        parsed = parse_output(calls_format, generation.text)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
         results.append(
             CaseResult(

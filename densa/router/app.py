@@ -35,7 +35,7 @@ from densa.router.sessions import SessionTable
 from densa.router.tokens import PieceCachingTokenizer
 from densa.router.workers import Worker, WorkerPool
 from densa.serve.errors import APIError, install_error_handlers
-from densa.serve.tools.formats import tool_format
+from densa.serve.tools.formats import format_for
 from densa.text.tokenizer import TokenizerFiles
 from densa.utils.logging import get_logger
 
@@ -130,7 +130,7 @@ def model_info(body: dict[str, Any]) -> ModelInfo:
         max_model_len=int(body["max_model_len"]),
         page_size=int(body["page_size"]),
         tokenizer=tokenizer,
-        tool_format=tool_format(body.get("tool_call_format", "hermes")),
+        tool_format=format_for(body.get("tool_call_format", "hermes"), tokenizer.added_tokens),
     )
 
 

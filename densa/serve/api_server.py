@@ -51,7 +51,13 @@ from densa.serve.protocol import (
     SamplingFields,
 )
 from densa.serve.responses import ChatFormatter, CompletionFormatter, Generation, TokenTexts
-from densa.serve.tools.formats import DEFAULT_TOOL_FORMAT, ToolCallFormat, tool_format
+from densa.serve.tools.formats import (
+    DEFAULT_TOOL_FORMAT,
+    FALLBACK_FORMAT,
+    ToolCallFormat,
+    resolve_format,
+    tool_format,
+)
 from densa.serve.tools.plan import NO_TOOLS, ToolPlan
 from densa.serve.tracking import SESSION_HEADER, RequestRecord, RequestTracking, record_of
 from densa.text.tokenizer import Tokenizer
@@ -76,7 +82,9 @@ class ServerState:
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     request_timeout: float | None = None  # seconds per request, then it is aborted (504)
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT  # seconds to receive a body (then 408)
-    tool_format: ToolCallFormat = field(default_factory=lambda: tool_format(DEFAULT_TOOL_FORMAT))
+    tool_call_format: str = DEFAULT_TOOL_FORMAT  # as asked for ("auto": the chat template's)
+    # The dialect served, bound to the tokenizer when the engine has started.
+    tool_format: ToolCallFormat = field(default_factory=lambda: tool_format(FALLBACK_FORMAT))
     created: int = field(default_factory=lambda: int(time.time()))
     is_draining: bool = False  # set on SIGINT/SIGTERM: new requests get 503 while old ones finish
     num_open_responses: int = 0  # generation responses started and not yet counted and logged
@@ -91,6 +99,9 @@ class ServerState:
     def on_engine_started(self, served: ServedModel) -> None:
         self.tokenizer = Tokenizer(served.tokenizer, served.eos_token_ids)
         self.token_texts = TokenTexts(self.tokenizer)
+        self.tool_format = resolve_format(self.tool_call_format, self.tokenizer)
+        logger.info("tool calls: %s dialect (--tool-call-format %s)", self.tool_format.name,
+                    self.tool_call_format)  # fmt: skip
         # Parsing a large tokenizer.json peaks ~90 MB above what the tokenizer keeps (150k
         # tokens): give the heap's free pages back rather than hold them for the server's life.
         return_free_heap()
@@ -159,7 +170,7 @@ def build_app(
         api_keys=api_keys or ApiKeys(),
         request_timeout=request_timeout,
         body_timeout=body_timeout,
-        tool_format=tool_format(tool_call_format),
+        tool_call_format=tool_call_format,
         placement=placement or PlacementPolicy(),
     )
     app.state.densa = state
@@ -325,7 +336,7 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
         body.model,
         _token_texts(state),
         body.num_logprobs,
-        tool_format=state.tool_format if plan.parse_calls else None,
+        tool_format=state.tool_format.with_tools(plan.tools) if plan.parse_calls else None,
     )
     return await _respond(request, call, formatter, body)
 
@@ -406,6 +417,8 @@ def _engine_call(
         params = body.to_sampling_params(max_tokens, body.num_logprobs, plan.constraint)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
+    if plan.marker_token_ids:  # the call parser reads the markers, special tokens or not
+        params = dataclasses.replace(params, kept_special_token_ids=plan.marker_token_ids)
     prepare.check_token_ids(_state(request).served, prompt_ids, params)
     record = _record(request)
     record.session_id = session_id or body.prompt_cache_key or None

@@ -125,6 +125,7 @@ def from_engine_output(output: RequestOutput) -> APIError:
     """The error for a request the engine ended with finish_reason "error"."""
     code = output.error_code or "engine_error"
     message = output.error or "the engine failed this request"
+    logger.warning("request %s ended with an error (%s): %s", output.request_id, code, message)
     if code in _CLIENT_ERROR_CODES:
         return APIError(400, message, code=code)
     if code == "engine_unavailable":  # the engine died under it: retrying may well work

@@ -236,8 +236,9 @@ async def chat_prompt(
     _check_text_size(tokenizer, num_bytes, max_model_len, "messages")
     renders_tools = tokenizer.template_renders_tools
     messages = render_messages(
-        [m.to_template() for m in body.messages], plan.tools, fmt, renders_tools
-    )
+        [m.to_template() for m in body.messages], plan.tools, fmt, renders_tools,
+        tokenizer.template_renders_tool_calls,
+    )  # fmt: skip
     tools = plan.tools if renders_tools and plan.tools else None
     last = body.messages[-1]
     continue_final = last.role == "assistant" and not last.tool_calls

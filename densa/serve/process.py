@@ -44,7 +44,7 @@ class ServerOptions:
     request_timeout: float | None = None  # seconds one request may take, then it is aborted (504)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no key needed
     api_key_file: str | None = None  # more keys, one per line
-    tool_call_format: str = "hermes"  # serve/tools/formats.py: TOOL_FORMATS
+    tool_call_format: str = "auto"  # serve/tools/formats.py: TOOL_FORMATS, or the template's
     log_level: str = "info"
     header_timeout: float = DEFAULT_HEADER_TIMEOUT  # seconds to receive request headers (408)
     body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds to receive a request body (408)

@@ -35,11 +35,18 @@ class Detokenizer:
         stop: tuple[str, ...],
         include_stop_str: bool,
         skip_special_tokens: bool,
+        kept_special_token_ids: tuple[int, ...] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self._stop = stop
         self._include_stop = include_stop_str
         self._skip_special = skip_special_tokens
+        # Special tokens left out of the text (all of them when skipping, but the kept ones).
+        self._skipped = (
+            frozenset(tokenizer.all_special_ids) - set(kept_special_token_ids)
+            if skip_special_tokens and kept_special_token_ids
+            else None
+        )
         self._holdback = max((len(s) for s in stop), default=1) - 1
         # Seed the window with the end of the prompt so the first output token decodes in context.
         context = prompt_token_ids[-_CONTEXT_TOKENS:]
@@ -103,4 +110,7 @@ class Detokenizer:
         return longest
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._skipped is not None:
+            kept = [t for t in token_ids if t not in self._skipped]
+            return self._tokenizer.decode(kept, skip_special_tokens=False)
         return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)

@@ -54,6 +54,7 @@ class TextStream:
             params.stop,
             params.include_stop_str_in_output,
             params.skip_special_tokens,
+            params.kept_special_token_ids,
         )
         self._token_ids: list[int] = []
         self.stopped = False  # a stop string ended it: abort the engine request

@@ -92,6 +92,11 @@ class Tokenizer:
         """Whether the chat template itself renders `tools` (else densa renders them as text)."""
         return bool(self.chat_template) and "tools" in str(self.chat_template)
 
+    @property
+    def template_renders_tool_calls(self) -> bool:
+        """Whether the chat template itself writes assistant `tool_calls` (and tool results)."""
+        return bool(self.chat_template) and "tool_calls" in str(self.chat_template)
+
     # ---- tokens ----------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -101,6 +106,12 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         return [self._tok.id_to_token(t) or "" for t in token_ids]
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[str, int]:
+        """Every added token (text -> id): the tokenizer splits these out of text before anything
+        else, so text that contains one encodes it as that single token."""
+        return {t.content: int(i) for i, t in self._tok.get_added_tokens_decoder().items()}
 
     @functools.cached_property
     def verbatim_added_tokens(self) -> dict[str, int] | None:
@@ -141,6 +152,7 @@ class Tokenizer:
         import jinja2
 
         chat = json.loads(json.dumps(messages))  # plain JSON data only, and a private copy
+        _arguments_as_both(chat)
         if continue_final:
             if not chat or not isinstance(chat[-1].get("content"), str):
                 raise ChatTemplateError("the final message has no text content to continue")
@@ -168,6 +180,29 @@ class Tokenizer:
     ) -> list[int]:
         # The template already contains the special tokens; do not add a BOS on top of it.
         return self.encode(self.render_chat(messages, tools, continue_final), False)
+
+
+class _JsonArguments(dict[str, Any]):
+    """A call's arguments as templates take them either way: an object (`.items()`, `tojson`,
+    `is mapping`: Hugging Face's convention) that joins text with `+` and prints as its JSON
+    text (templates written for OpenAI's string arguments, such as DeepSeek's)."""
+
+    def __str__(self) -> str:
+        return json.dumps(self, ensure_ascii=False)
+
+    def __add__(self, other: Any) -> Any:
+        return str(self) + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other: Any) -> Any:
+        return other + str(self) if isinstance(other, str) else NotImplemented
+
+
+def _arguments_as_both(chat: list[dict[str, Any]]) -> None:
+    for message in chat:
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), dict):
+                function["arguments"] = _JsonArguments(function["arguments"])
 
 
 def _token_text(value: Any) -> str | None:

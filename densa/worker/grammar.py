@@ -63,7 +63,9 @@ class GrammarCompiler:
         vocab_size: int,
         max_entries: int = DEFAULT_CACHE_ENTRIES,
         num_threads: int = DEFAULT_COMPILE_THREADS,
+        limits: Any = None,  # llguidance.LLParserLimits; None = llguidance's defaults
     ) -> None:
+        self._limits = limits
         self._tokenizer_json = tokenizer.files.tokenizer_json
         self._eos_token_ids = list(tokenizer.eos_token_ids)
         self.vocab_size = vocab_size
@@ -99,7 +101,7 @@ class GrammarCompiler:
 
         tokenizer = self._tokenizer()
         grammar = to_llguidance_grammar(spec)
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
         with self._lock:

@@ -11,6 +11,7 @@ has consumed exactly those -- stays valid as it is.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ class StructuredSampler:
     compiler: GrammarCompiler
     _states: dict[str, _MatcherState] = field(default_factory=dict)
     _executor: Any = None  # llguidance.LLExecutor, for filling several rows in parallel
+    _bitmask: np.ndarray | None = None  # the last one filled (what `accept` checks tokens against)
     times: MaskTimes = field(default_factory=MaskTimes)
 
     def forget(self, request_id: str) -> None:
@@ -66,8 +68,8 @@ class StructuredSampler:
     def fill_bitmask(self, rows: list[StructuredRow], num_rows: int) -> np.ndarray:
         """The allowed tokens of every constrained row ([num_rows, W]; other rows allow all).
 
-        A matcher in an error state (it cannot happen through the mask, but a grammar may hit a
-        resource limit) allows nothing; `errors` then reports the request.
+        A matcher in an error state (a grammar that hit a resource limit) allows only EOS;
+        `accept` then ends its request with the reason.
         """
         import llguidance.numpy as lln
 
@@ -77,6 +79,7 @@ class StructuredSampler:
             lln.fill_next_token_bitmask(pairs[0][0], bitmask, pairs[0][1])
         else:
             lln.fill_next_token_bitmask_par(self._parallel(), pairs, bitmask)
+        self._bitmask = bitmask
         return bitmask
 
     def accept(self, rows: list[StructuredRow], token_ids: list[int]) -> dict[str, str]:
@@ -85,11 +88,21 @@ class StructuredSampler:
         for r in rows:
             state = self._states[r.request_id]
             token_id = token_ids[r.row]
-            if not state.matcher.consume_token(token_id):
-                errors[r.request_id] = _grammar_error(state.matcher)
-                continue
-            state.num_consumed += 1
+            if state.matcher.is_error():  # it failed computing the mask (which allowed only EOS)
+                errors[r.request_id] = _cannot_proceed(state.matcher)
+            elif not self._was_allowed(r.row, token_id):  # the mask left nothing to sample
+                errors[r.request_id] = _nothing_allowed(token_id)
+            elif not state.matcher.consume_token(token_id):
+                errors[r.request_id] = _refused(state.matcher, token_id)
+            else:
+                state.num_consumed += 1
         return errors
+
+    def _was_allowed(self, row: int, token_id: int) -> bool:
+        if self._bitmask is None:
+            return True
+        word = int(self._bitmask[row, token_id // 32])
+        return bool((word >> (token_id % 32)) & 1)
 
     def _synced(self, r: StructuredRow) -> _MatcherState:
         state = self._states.get(r.request_id)
@@ -121,7 +134,36 @@ def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) ->
     return logits
 
 
-def _grammar_error(matcher: Any) -> str:
+def _cannot_proceed(matcher: Any) -> str:
+    reason = _reason(matcher)
+    if _LIMIT.search(reason):  # the request's constraint outgrew the engine's bounds
+        return (
+            "invalid_grammar: the output constraint is too complex to follow at this point "
+            f"({reason}); simplify the schema"
+        )
+    return f"grammar_error: the output constraint allows no next token ({reason})"
+
+
+def _nothing_allowed(token_id: int) -> str:
+    # Every token the constraint allows is outside the model's logits (or penalised away).
+    return (
+        "grammar_error: the output constraint allows no token the model can write here "
+        f"(token {token_id} was sampled from nothing)"
+    )
+
+
+def _refused(matcher: Any, token_id: int) -> str:
+    # The token passed the mask, so the grammar engine contradicts itself: a server fault.
+    return (
+        f"grammar_error: the grammar engine refused token {token_id}, which its own mask "
+        f"allowed ({_reason(matcher)})"
+    )
+
+
+_LIMIT = re.compile(r"too complex|limit|too many|max is|max_", re.IGNORECASE)
+
+
+def _reason(matcher: Any) -> str:
+    # llguidance appends its parser state and the whole grammar: keep the first line.
     error = matcher.get_error().strip()
-    first = error.splitlines()[0] if error else "the token does not fit the grammar"
-    return f"grammar_error: {first}"
+    return error.splitlines()[0] if error else "no reason given"

@@ -1,126 +1,93 @@
-"""How one model family writes tool calls: markers, key names, prompt text, and call grammars.
+"""The tool-call dialects, in a registry (`densa serve --tool-call-format NAME`), and how one is
+chosen from the model's chat template when none is named.
 
-Two formats, in a registry (`TOOL_FORMATS`, chosen with `densa serve --tool-call-format`):
-
-hermes (the default; Hermes / Qwen style), one call per block, blocks back to back:
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-llama3_json (Llama 3.x): the answer is the call itself, several separated by "; ":
-
-    {"name": "get_weather", "parameters": {"city": "Paris"}}
+    hermes        <tool_call>{"name": ..., "arguments": ...}</tool_call>      json_calls.py
+    llama3_json   {"name": ..., "parameters": ...}                          json_calls.py
+    kimi_k2       <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0...  kimi_k2.py
+    deepseek_v3   <｜tool▁calls▁begin｜>...function<｜tool▁sep｜>NAME ```json    deepseek.py
+    deepseek_v31  <｜tool▁calls▁begin｜>...NAME<｜tool▁sep｜>{...}          deepseek.py
+    glm           <tool_call>NAME <arg_key>k</arg_key><arg_value>v</arg_value>  xml_args.py
+    qwen3_coder   <tool_call><function=NAME><parameter=k>v</parameter>...     xml_args.py
+    mistral       [TOOL_CALLS]NAME[ARGS]{...}                               mistral.py
+    mistral_json  [TOOL_CALLS] [{"name": ..., "arguments": ...}]              mistral.py
 
 For a chat template that cannot render tools (the bundled SmolLM2's), densa writes the tool
-definitions into the system message itself, in the text `system_prompt` returns, and renders
-earlier calls and tool results as the format writes them.
+definitions into the system message itself and renders earlier calls and tool results as the
+dialect writes them (serve/tools/render.py).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from densa.sampling_params import JSON_STYLE, StructuredOutput
+from densa.serve.tools.base import MAX_PARALLEL_CALLS, ToolCallFormat
+from densa.serve.tools.deepseek import DeepSeekFormat
+from densa.serve.tools.json_calls import HERMES, LLAMA3_JSON, JsonCallFormat
+from densa.serve.tools.kimi_k2 import KimiK2Format
+from densa.serve.tools.mistral import MistralFormat, MistralJsonFormat
+from densa.serve.tools.xml_args import GLM, QWEN3_CODER
 
-# A constrained answer holds at most this many calls: a model that never chooses to stop must
-# still end (OpenAI sets no limit; agents rarely need more in one turn).
-MAX_PARALLEL_CALLS = 8
+if TYPE_CHECKING:
+    from densa.text.tokenizer import Tokenizer
 
+__all__ = ["AUTO", "DEFAULT_TOOL_FORMAT", "HERMES", "LLAMA3_JSON", "MAX_PARALLEL_CALLS",
+           "TOOL_FORMATS", "JsonCallFormat", "ToolCallFormat", "detect_format", "format_for",
+           "resolve_format", "tool_format"]  # fmt: skip
 
-@dataclass(frozen=True)
-class ToolCallFormat:
-    name: str
-    open_marker: str  # text before each call ("" = the call starts the answer)
-    close_marker: str  # text after each call
-    separator: str  # between calls in a constrained answer
-    arguments_key: str  # the key holding the arguments object
-    result_open: str  # tool results are wrapped in these when densa renders them
-    result_close: str
-
-    # ---- prompts -------------------------------------------------------------------------------
-    def system_prompt(self, tools: list[dict[str, Any]]) -> str:
-        """Tool definitions as text, for templates that cannot render `tools` themselves."""
-        definitions = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-        example = self.render_calls([{"name": "<function name>", "arguments": {"<arg>": "..."}}])
-        return (
-            "You can call functions to help answer. These are the functions, as JSON:\n"
-            f"<tools>\n{definitions}\n</tools>\n"
-            "To call a function, answer with exactly this and nothing else:\n"
-            f"{example}\n"
-            "Use only the functions above and only their parameters. After a call you get the "
-            f"result in {self.result_open}...{self.result_close}; then answer the user."
-        )
-
-    def render_calls(self, calls: list[dict[str, Any]]) -> str:
-        """An assistant turn's calls as this format writes them ({name, arguments(dict)})."""
-        blocks = [
-            self.open_marker
-            + json.dumps(
-                {"name": call["name"], self.arguments_key: call["arguments"]}, ensure_ascii=False
-            )
-            + self.close_marker
-            for call in calls
-        ]
-        return self.separator.join(blocks)
-
-    def render_result(self, content: str) -> str:
-        return f"{self.result_open}{content}{self.result_close}"
-
-    # ---- constraints ---------------------------------------------------------------------------
-    def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> StructuredOutput:
-        """A grammar whose every output is one call (or several, if parallel) of these tools,
-        with arguments valid under each tool's parameter schema."""
-        body = {"anyOf": [self._call_schema(tool) for tool in tools], "x-guidance": JSON_STYLE}
-        call = f"{_lark_string(self.open_marker)} body {_lark_string(self.close_marker)}"
-        call = call.replace('"" ', "").replace(' ""', "")
-        more = MAX_PARALLEL_CALLS - 1 if parallel else 0
-        start = f"call ({_lark_string(self.separator)} call)~0..{more}" if more else "call"
-        lark = f"start: {start}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
-        return StructuredOutput("lark", lark)
-
-    def _call_schema(self, tool: dict[str, Any]) -> dict[str, Any]:
-        function = tool["function"]
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        return {
-            "type": "object",
-            "properties": {"name": {"const": function["name"]}, self.arguments_key: parameters},
-            "required": ["name", self.arguments_key],
-            "additionalProperties": False,
-        }
-
-
-def _lark_string(text: str) -> str:
-    return json.dumps(text)  # a JSON string literal is a valid Lark string literal
-
-
-HERMES = ToolCallFormat(
-    name="hermes",
-    open_marker="<tool_call>\n",
-    close_marker="\n</tool_call>",
-    separator="\n",
-    arguments_key="arguments",
-    result_open="<tool_response>\n",
-    result_close="\n</tool_response>",
+_ALL: tuple[ToolCallFormat, ...] = (
+    HERMES,
+    LLAMA3_JSON,
+    KimiK2Format(),
+    DeepSeekFormat("deepseek_v3", fenced=True),
+    DeepSeekFormat("deepseek_v31", fenced=False),
+    GLM,
+    QWEN3_CODER,
+    MistralFormat(),
+    MistralJsonFormat(),
 )
-LLAMA3_JSON = ToolCallFormat(
-    name="llama3_json",
-    open_marker="",
-    close_marker="",
-    separator="; ",
-    arguments_key="parameters",
-    result_open="",
-    result_close="",
+TOOL_FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in _ALL}
+AUTO = "auto"  # choose from the chat template
+DEFAULT_TOOL_FORMAT = AUTO
+FALLBACK_FORMAT = HERMES.name  # templates that show no dialect (densa then renders tools)
+
+# What each family's chat template writes, checked in this order (the first match wins).
+_TEMPLATE_SIGNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("kimi_k2", ("<|tool_calls_section_begin|>",)),
+    ("deepseek_v3", ("tool▁calls▁begin", "```json")),
+    ("deepseek_v31", ("tool▁calls▁begin",)),
+    ("glm", ("<arg_key>",)),
+    ("qwen3_coder", ("<function=", "<parameter=")),
+    ("mistral", ("[TOOL_CALLS]", "[ARGS]")),
+    ("mistral_json", ("[TOOL_CALLS]",)),
+    ("hermes", ("<tool_call>",)),
+    ("llama3_json", ("<|start_header_id|>", '"parameters"')),
 )
-TOOL_FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON)}
-DEFAULT_TOOL_FORMAT = HERMES.name
 
 
 def tool_format(name: str) -> ToolCallFormat:
     if name not in TOOL_FORMATS:
-        raise ValueError(
-            f"unknown tool-call format {name!r}; choose from {', '.join(TOOL_FORMATS)}"
-        )
+        choices = ", ".join([AUTO, *TOOL_FORMATS])
+        raise ValueError(f"unknown tool-call format {name!r}; choose from {choices}")
     return TOOL_FORMATS[name]
+
+
+def detect_format(chat_template: str | None) -> str:
+    """The dialect whose markers the chat template writes (hermes when it shows none)."""
+    for name, signs in _TEMPLATE_SIGNS:
+        if chat_template and all(sign in chat_template for sign in signs):
+            return name
+    return FALLBACK_FORMAT
+
+
+def format_for(name: str, added_tokens: Mapping[str, int]) -> ToolCallFormat:
+    """The named dialect, bound to a vocabulary whose added tokens are `added_tokens`."""
+    return tool_format(name).with_vocabulary(added_tokens)
+
+
+def resolve_format(name: str | None, tokenizer: Tokenizer) -> ToolCallFormat:
+    """The dialect to serve: the named one, or (None / "auto") the chat template's; bound to
+    the tokenizer's vocabulary."""
+    if name in (None, AUTO):
+        name = detect_format(tokenizer.chat_template)
+    return format_for(name, tokenizer.added_tokens)

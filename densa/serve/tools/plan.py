@@ -33,6 +33,8 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # definitions shown in the prompt (OpenAI's JSON shape)
     constraint: StructuredOutput | None
     parse_calls: bool  # read tool calls back out of the answer
+    # The dialect's marker tokens: decoded into the text even where they are special tokens.
+    marker_token_ids: tuple[int, ...] = ()
 
 
 NO_TOOLS = ToolPlan([], None, False)
@@ -61,6 +63,7 @@ def plan_tools(
         if tool.function.parameters is not None:
             _check(tool.function.parameters, f"tools[{idx}].function.parameters")
     definitions = [tool.model_dump(exclude_none=True) for tool in tools]
+    markers = tuple(sorted(fmt.tokens.values()))
     if isinstance(choice, NamedToolChoice):
         named = [d for d in definitions if d["function"]["name"] == choice.function.name]
         if not named:
@@ -68,11 +71,11 @@ def plan_tools(
                 f"tool_choice names {choice.function.name!r}, which is not in tools",
                 "tool_choice",
             )
-        return ToolPlan(named, fmt.call_grammar(named, parallel=False), True)
+        return ToolPlan(named, fmt.call_grammar(named, parallel=False), True, markers)
     if choice == "required":
         parallel = parallel_tool_calls is not False
-        return ToolPlan(definitions, fmt.call_grammar(definitions, parallel), True)
-    return ToolPlan(definitions, None, True)
+        return ToolPlan(definitions, fmt.call_grammar(definitions, parallel), True, markers)
+    return ToolPlan(definitions, None, True, markers)
 
 
 def response_constraint(response_format: ResponseFormat | None) -> StructuredOutput | None:

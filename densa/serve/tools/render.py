@@ -4,7 +4,9 @@ A template that renders tools itself (Hermes, Qwen, Llama 3 templates) gets Open
 as Hugging Face templates expect it: `tools=`, assistant `tool_calls` with arguments as dicts,
 `tool` messages. A template that cannot (the bundled SmolLM2's plain ChatML) gets text: the tool
 definitions in the system message (`ToolCallFormat.system_prompt`), earlier calls written as the
-format writes them, and tool results wrapped as the format wraps them.
+format writes them, and tool results wrapped as the format wraps them. A template that renders
+calls and results but not the definitions (DeepSeek V3.1's: its users put them in the system
+prompt) gets the structure, and the definitions in the system message.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ def render_messages(
     tools: list[dict[str, Any]],
     fmt: ToolCallFormat,
     template_renders_tools: bool,
+    template_renders_calls: bool | None = None,
 ) -> list[dict[str, Any]]:
     """`messages` as template dicts, where an assistant turn may carry `tool_calls` in OpenAI's
-    shape (arguments as JSON text)."""
-    if template_renders_tools:
-        return [_structured(m) for m in messages]
-    rendered = [_as_text(m, fmt) for m in messages]
-    if tools:
+    shape (arguments as JSON text). `template_renders_calls` (None: as `template_renders_tools`)
+    says whether the template writes `tool_calls` and `tool` messages itself."""
+    renders_calls = (
+        template_renders_tools if template_renders_calls is None else template_renders_calls
+    )
+    rendered = [_structured(m) if renders_calls else _as_text(m, fmt) for m in messages]
+    if tools and not template_renders_tools:
         rendered = _with_tool_prompt(rendered, fmt.system_prompt(tools))
     return rendered
 
