@@ -1,5 +1,9 @@
 """The OpenAI-compatible HTTP app: its state, its routes and its published OpenAPI schema.
 
+Anthropic Messages (/v1/messages) and OpenAI Responses (/v1/responses) are translations onto the
+chat route's pipeline (serve/anthropic_api/, serve/responses_api/): the request becomes a chat
+request, the engine outputs become that API's answer or events.
+
     build_app(engine_client)       -> a FastAPI app over an EngineClient (started by the app's
                                       lifespan, on the server's event loop; stopped with it)
     run_server(engine_args, ...)   -> (process.py) start the engine, serve, drain on SIGTERM, exit
@@ -21,12 +25,21 @@ from typing import Annotated, Any, Protocol
 from fastapi import APIRouter, Depends, FastAPI, Header, Request, Security
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 
 from densa.cache.scope import tenant_of
 from densa.ipc.messages import ServedModel
 from densa.serve import generation, prepare
+from densa.serve.anthropic_api import formatter as anthropic
+from densa.serve.anthropic_api.models import (
+    CountTokensRequest,
+    CountTokensResponse,
+    ErrorBody,
+    Message,
+    MessagesRequest,
+)
+from densa.serve.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
 from densa.serve.auth import ApiKeys
 from densa.serve.disagg import PlacementPolicy, PrefillPeers, disagg_router, prefill_address
 from densa.serve.engine_client import EngineClient
@@ -38,7 +51,7 @@ from densa.serve.errors import (
     model_not_found,
     shutting_down,
 )
-from densa.serve.generation import EngineCall, SSEResponse, StreamFormatter
+from densa.serve.generation import OPENAI_FRAMING, EngineCall, Framing, SSEResponse, StreamFormatter
 from densa.serve.metrics import CONTENT_TYPE, ServerMetrics
 from densa.serve.peer import peer_router
 from densa.serve.protocol import (
@@ -51,6 +64,9 @@ from densa.serve.protocol import (
     SamplingFields,
 )
 from densa.serve.responses import ChatFormatter, CompletionFormatter, Generation, TokenTexts
+from densa.serve.responses_api.formatter import ResponseFormatter, skeleton_of
+from densa.serve.responses_api.models import ResponseObject, ResponsesRequest
+from densa.serve.responses_api.to_chat import to_chat_request as responses_to_chat
 from densa.serve.tools.formats import (
     DEFAULT_TOOL_FORMAT,
     FALLBACK_FORMAT,
@@ -174,7 +190,7 @@ def build_app(
         placement=placement or PlacementPolicy(),
     )
     app.state.densa = state
-    install_error_handlers(app)
+    install_error_handlers(app, render_error)
     app.include_router(open_router)
     app.include_router(disagg_router)  # /disagg/peer, for decode workers
     app.include_router(peer_router)  # /densa/info and /densa/load, for routers
@@ -191,6 +207,16 @@ def start_draining(app: FastAPI) -> None:
 
 def _state(request: Request) -> ServerState:
     return request.app.state.densa
+
+
+ANTHROPIC_PREFIX = "/v1/messages"  # /v1/messages and /v1/messages/count_tokens
+
+
+def render_error(request: Request, error: APIError) -> Response:
+    """Anthropic's clients get Anthropic's error shape; every other route OpenAI's."""
+    if request.url.path.startswith(ANTHROPIC_PREFIX):
+        return anthropic.error_response(error)
+    return error.to_response()
 
 
 def _engine_not_running(engine: EngineClient) -> APIError:
@@ -235,14 +261,21 @@ async def metrics(request: Request) -> Response:
 
 # ---- the OpenAI API (API key required when the server has keys) ---------------------------------
 _bearer = HTTPBearer(auto_error=False, description="an API key, when the server sets --api-key")
+_x_api_key = APIKeyHeader(
+    name="x-api-key", auto_error=False, description="the same key, as Anthropic's clients send it"
+)
 
 
 async def require_api_key(
     request: Request,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
+    x_api_key: Annotated[str | None, Security(_x_api_key)],
 ) -> None:
-    """Check the key, and remember whose it is: the tenant part of the prefix-cache scope is the
-    key's identity, however the header spelled it (`bearer K`, `Bearer K`)."""
+    """Check the key (from `Authorization: Bearer`, else `x-api-key`), and remember whose it is:
+    the tenant part of the prefix-cache scope is the key's identity, however the header spelled
+    it (`bearer K`, `Bearer K`, `x-api-key: K`)."""
+    if credentials is None and x_api_key is not None:
+        credentials = HTTPAuthorizationCredentials(scheme="Bearer", credentials=x_api_key)
     _state(request).api_keys.check(credentials)
     request.state.tenant = tenant_of(credentials.credentials) if credentials else None
 
@@ -265,7 +298,13 @@ _GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 # Request bodies are read by hand (size limit, UTF-8 and JSON errors, strict types), so FastAPI does
 # not see their models: the schema gets them from here, exactly the models the routes validate with.
-_REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+_REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    MessagesRequest,
+    CountTokensRequest,
+    ResponsesRequest,
+)
 _REF = "#/components/schemas/{model}"
 
 
@@ -317,28 +356,103 @@ def _model_card(state: ServerState) -> ModelCard:
     openapi_extra={"requestBody": _request_body(ChatCompletionRequest)},
 )
 async def chat_completions(request: Request, session_id: SessionHeader = None) -> Response:
-    state, deadline = _state(request), _deadline(request)
+    deadline = _deadline(request)
     body = await _read(ChatCompletionRequest, request)
-    tokenizer = state.check_can_serve(body.model)
-    plan = prepare.tool_plan(state.tool_format, body)
-    prompt_ids = await prepare.chat_prompt(
-        tokenizer, body, state.max_model_len, plan, state.tool_format
+    call, plan = await _prepare_chat(request, body, session_id, deadline)
+    formatter = ChatFormatter(
+        call.request_id,
+        int(time.time()),
+        body.model,
+        _token_texts(_state(request)),
+        body.num_logprobs,
+        tool_format=_calls_format(request, plan),
     )
+    return await _respond(request, call, formatter, body)
+
+
+async def _prepare_chat(
+    request: Request,
+    body: ChatCompletionRequest,
+    session_id: str | None,
+    deadline: float | None,
+) -> tuple[EngineCall, ToolPlan]:
+    """A chat request as an engine call: its tools planned, its prompt rendered, lengths checked."""
+    state = _state(request)
+    prompt_ids, plan = await _chat_prompt(request, body)
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.requested_max_tokens
     prepare.check_lengths(state.max_model_len, len(prompt_ids), max_tokens, ("messages", param))
     max_tokens = max_tokens or state.max_model_len - len(prompt_ids)
     call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline, plan)
-    call = await _with_prefill(request, call)
-    formatter = ChatFormatter(
-        call.request_id,
-        int(time.time()),
-        body.model,
-        _token_texts(state),
-        body.num_logprobs,
-        tool_format=state.tool_format.with_tools(plan.tools) if plan.parse_calls else None,
+    return await _with_prefill(request, call), plan
+
+
+async def _chat_prompt(request: Request, body: ChatCompletionRequest) -> tuple[list[int], ToolPlan]:
+    """The conversation's prompt tokens, with the tools its plan shows."""
+    state = _state(request)
+    tokenizer = state.check_can_serve(body.model)
+    plan = prepare.tool_plan(state.tool_format, body)
+    prompt_ids = await prepare.chat_prompt(
+        tokenizer, body, state.max_model_len, plan, state.tool_format
     )
-    return await _respond(request, call, formatter, body)
+    return prompt_ids, plan
+
+
+def _calls_format(request: Request, plan: ToolPlan) -> ToolCallFormat | None:
+    """The format the answer is read for calls in; None when the request offers no tools."""
+    return _state(request).tool_format.with_tools(plan.tools) if plan.parse_calls else None
+
+
+# ---- Anthropic Messages and OpenAI Responses, on the chat pipeline ------------------------------
+_ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 404, 413, 429, 500, 503, 504)
+}
+
+
+@router.post(
+    "/v1/messages",
+    responses={200: _ok(Message), **_ANTHROPIC_ERRORS},
+    openapi_extra={"requestBody": _request_body(MessagesRequest)},
+)
+async def anthropic_messages(request: Request, session_id: SessionHeader = None) -> Response:
+    """Anthropic's Messages API; the `anthropic-version` header is accepted and not needed."""
+    deadline = _deadline(request)
+    body = await _read(MessagesRequest, request)
+    chat = anthropic_to_chat(body)
+    call, plan = await _prepare_chat(request, chat, session_id, deadline)
+    formatter = anthropic.MessagesFormatter(
+        call.request_id, body.model, _calls_format(request, plan)
+    )
+    return await _respond(request, call, formatter, chat, anthropic.FRAMING)
+
+
+@router.post(
+    "/v1/messages/count_tokens",
+    responses={200: {"model": CountTokensResponse}, **_ANTHROPIC_ERRORS},
+    openapi_extra={"requestBody": _request_body(CountTokensRequest)},
+)
+async def anthropic_count_tokens(request: Request) -> Response:
+    """The prompt's length as /v1/messages would render it (tools included)."""
+    chat = anthropic_to_chat(await _read(CountTokensRequest, request))
+    prompt_ids, _ = await _chat_prompt(request, chat)
+    count = CountTokensResponse(input_tokens=len(prompt_ids))
+    return Response(count.model_dump_json(), media_type="application/json")
+
+
+@router.post(
+    "/v1/responses",
+    responses={200: _ok(ResponseObject), **_GENERATION_ERRORS},
+    openapi_extra={"requestBody": _request_body(ResponsesRequest)},
+)
+async def openai_responses(request: Request, session_id: SessionHeader = None) -> Response:
+    """OpenAI's Responses API, stateless: the whole conversation comes in `input`."""
+    deadline = _deadline(request)
+    body = await _read(ResponsesRequest, request)
+    chat = responses_to_chat(body)
+    call, plan = await _prepare_chat(request, chat, session_id, deadline)
+    skeleton = skeleton_of(call.request_id, int(time.time()), body)
+    formatter = ResponseFormatter(skeleton, _calls_format(request, plan))
+    return await _respond(request, call, formatter, chat, formatter.framing)
 
 
 @router.post(
@@ -368,13 +482,19 @@ class _Formatter(StreamFormatter, Protocol):
 
 
 async def _respond(
-    request: Request, call: EngineCall, formatter: _Formatter, body: SamplingFields
+    request: Request,
+    call: EngineCall,
+    formatter: _Formatter,
+    body: SamplingFields,
+    framing: Framing = OPENAI_FRAMING,
 ) -> Response:
     record, state = _record(request), _state(request)
     assert state.tokenizer is not None  # checked by check_can_serve
     first, outputs = await generation.start(request, state.engine, state.tokenizer, call, record)
     if body.stream:
-        events = generation.sse_events(call, record, first, outputs, formatter, body.include_usage)
+        events = generation.sse_events(
+            call, record, first, outputs, formatter, body.include_usage, framing
+        )
         return SSEResponse(events)
     result = await generation.collect(request, call, record, first, outputs)
     return Response(formatter.response(result).model_dump_json(), media_type="application/json")
@@ -467,8 +587,8 @@ def _publish_limits(properties: dict[str, Any], state: ServerState) -> None:
     properties["model"]["enum"] = [state.served_model_name]
     max_token_id = state.served.vocab_size - 1
     _cap_integers(properties.get("prompt", {}), max_token_id)
-    _cap_integers(properties["stop_token_ids"], max_token_id)
-    for name in ("max_tokens", "max_completion_tokens"):
+    _cap_integers(properties.get("stop_token_ids", {}), max_token_id)
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if name in properties:
             _cap_integers(properties[name], state.max_model_len - 1)
 

@@ -1,4 +1,5 @@
-"""Optional API keys (`--api-key`, `--api-key-file`): `Authorization: Bearer <key>` on /v1/*.
+"""Optional API keys (`--api-key`, `--api-key-file`): `Authorization: Bearer <key>` on /v1/*
+(or `x-api-key: <key>`, as Anthropic's clients send it).
 
 With no keys configured every request is let through (a loopback or private deployment). /health,
 /metrics and /openapi.json stay open either way: load balancers and scrapers carry no key.

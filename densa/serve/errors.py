@@ -6,7 +6,7 @@ Every failure a client can cause becomes `{"error": {"message", "type", "param",
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -110,7 +110,10 @@ def unauthorized(has_key: bool) -> APIError:
     if has_key:
         message = "incorrect API key provided; pass a key this server accepts"
     else:
-        message = "this server needs an API key: send the header 'Authorization: Bearer <key>'"
+        message = (
+            "this server needs an API key: send the header 'Authorization: Bearer <key>' "
+            "(or 'x-api-key: <key>')"
+        )
     return APIError(401, message, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -170,38 +173,43 @@ def _message(error: Any) -> str:
 
 
 # ---- handlers ------------------------------------------------------------------------------------
-def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(APIError, _on_api_error)  # type: ignore[arg-type]
+# Writes an error as the response the route's clients expect (OpenAI's shape unless the route
+# speaks another API: see api_server.render_error).
+ErrorRenderer = Callable[[Request, APIError], Response]
+
+
+def openai_shape(_: Request, error: APIError) -> Response:
+    return error.to_response()
+
+
+def install_error_handlers(app: FastAPI, render: ErrorRenderer = openai_shape) -> None:
+    async def on_api_error(request: Request, exc: APIError) -> Response:
+        note_error(request, exc.info.code)
+        return render(request, exc)
+
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        error = from_validation_error(exc)
+        note_error(request, error.info.code)
+        return render(request, error)
+
+    async def on_http_exception(request: Request, exc: StarletteHTTPException) -> Response:
+        # Unknown routes and wrong methods: same body shape as every other error.
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        headers = dict(exc.headers) if exc.headers else None
+        return render(request, APIError(exc.status_code, str(exc.detail), code, headers=headers))
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
+        note_error(request, "internal_error")
+        message = "internal server error; the server logged the details"
+        return render(request, APIError(500, message, "internal_error", error_type="server_error"))
+
+    app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
     app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
-    app.add_exception_handler(RequestValidationError, _on_validation_error)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, _on_http_exception)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, _on_unexpected)
-
-
-async def _on_api_error(request: Request, exc: APIError) -> Response:
-    note_error(request, exc.info.code)
-    return exc.to_response()
+    app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, on_unexpected)
 
 
 async def _on_client_disconnected(_: Request, __: Exception) -> Response:
     return Response(status_code=STATUS_CLIENT_CLOSED)
-
-
-async def _on_validation_error(request: Request, exc: RequestValidationError) -> Response:
-    error = from_validation_error(exc)
-    note_error(request, error.info.code)
-    return error.to_response()
-
-
-async def _on_http_exception(_: Request, exc: StarletteHTTPException) -> Response:
-    # Unknown routes and wrong methods: same body shape as every other error.
-    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    headers = dict(exc.headers) if exc.headers else None
-    return APIError(exc.status_code, str(exc.detail), code=code, headers=headers).to_response()
-
-
-async def _on_unexpected(request: Request, exc: Exception) -> Response:
-    logger.exception("unhandled error serving %s %s", request.method, request.url.path)
-    note_error(request, "internal_error")
-    message = "internal server error; the server logged the details"
-    return APIError(500, message, "internal_error", error_type="server_error").to_response()

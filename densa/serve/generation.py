@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -83,6 +83,25 @@ class StreamFormatter(Protocol):
     def stream_chunks(self, output: RequestOutput) -> list[BaseModel]: ...
 
     def usage_chunk(self, final: RequestOutput) -> BaseModel: ...
+
+
+def openai_error(error: APIError) -> BaseModel:
+    return ErrorResponse(error=error.info)
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How a stream writes its events. OpenAI's chat and completions streams send bare `data:`
+    chunks, a failure as `{"error": ...}`, and `[DONE]` last; Anthropic Messages and OpenAI
+    Responses name every event after its body's `type` and need no terminator (their formatters
+    write the last event)."""
+
+    named: bool = False
+    error_body: Callable[[APIError], BaseModel] = openai_error
+    done: str = "data: [DONE]\n\n"
+
+
+OPENAI_FRAMING = Framing()
 
 
 async def text_outputs(
@@ -176,39 +195,42 @@ async def sse_events(
     outputs: Outputs,
     formatter: StreamFormatter,
     include_usage: bool,
+    framing: Framing = OPENAI_FRAMING,
 ) -> AsyncGenerator[str, None]:
     """`data: {chunk}` events, then a usage chunk if asked for, then `data: [DONE]`.
 
     A failure mid-stream (engine error, deadline) sends `data: {"error": ...}` and ends the stream
     without [DONE] (the status line is long gone), which the OpenAI clients raise as an error.
+    Another `framing` names the events and writes the failure (and the end) its own way.
     """
     async with contextlib.aclosing(outputs):
         for chunk in formatter.stream_start():
-            yield _event(chunk)
+            yield _event(chunk, framing.named)
         output = first
         while True:
             if output.finish_reason == "error":
-                yield _error_event(record, from_engine_output(output))
+                yield _error_event(record, from_engine_output(output), framing)
                 return
             for body in formatter.stream_chunks(output):
-                yield _event(body)
+                yield _event(body, framing.named)
             if output.finished:
                 break
             try:
                 async with asyncio.timeout_at(call.deadline):
                     output = await anext(outputs)
             except TimeoutError:  # leaving the `async with` aborts the request
-                yield _error_event(record, timed_out(call.timeout))
+                yield _error_event(record, timed_out(call.timeout), framing)
                 return
             record.observe(output)
         if include_usage:
-            yield _event(formatter.usage_chunk(output))
-        yield "data: [DONE]\n\n"
+            yield _event(formatter.usage_chunk(output), framing.named)
+        if framing.done:
+            yield framing.done
 
 
-def _error_event(record: RequestRecord, error: APIError) -> str:
+def _error_event(record: RequestRecord, error: APIError, framing: Framing) -> str:
     record.error_code = error.info.code
-    return _event(ErrorResponse(error=error.info))
+    return _event(framing.error_body(error), framing.named)
 
 
 class SSEResponse(StreamingResponse):
@@ -260,5 +282,10 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _event(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json()}\n\n"
+def _event(body: BaseModel, named: bool = False) -> str:
+    data = f"data: {body.model_dump_json()}\n\n"
+    if not named:
+        return data
+    name = getattr(body, "type", None)
+    assert isinstance(name, str), "a named event's body has a `type`: its name"
+    return f"event: {name}\n{data}"

@@ -25,7 +25,12 @@ logger = get_logger("densa.requests")
 REQUEST_ID_HEADER = "x-request-id"
 SESSION_HEADER = "x-session-affinity"
 # Generation endpoints -> the prefix of their request ids (OpenAI's spelling).
-TRACKED_ENDPOINTS = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
+TRACKED_ENDPOINTS = {
+    "/v1/chat/completions": "chatcmpl",
+    "/v1/completions": "cmpl",
+    "/v1/messages": "msg",  # Anthropic Messages
+    "/v1/responses": "resp",  # OpenAI Responses
+}
 _STATE_KEY = "densa_record"
 # The outcome of a request whose client went away before it finished.
 CLIENT_CLOSED = "client_closed"

@@ -54,6 +54,7 @@ class Detokenizer:
             token_ids=list(context), prefix_offset=0, read_offset=len(context)
         )
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that was found (cut from the text)
 
     @property
     def text(self) -> str:
@@ -82,6 +83,7 @@ class Detokenizer:
         idx, stop = min(hits)
         self._state.text = text[: idx + len(stop)] if self._include_stop else text[:idx]
         self.stopped = True
+        self.stop_string = stop
         return True
 
     def take_delta(self, finished: bool) -> str:

@@ -29,6 +29,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # set when finish_reason == "error"
     error_code: str | None = None  # machine-readable, e.g. "kv_integrity_violation"
+    stop_string: str | None = None  # the stop string that ended the request, if one did
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # tokens handed out so far (up to a stop string, not past it)
@@ -77,6 +78,7 @@ class TextStream:
             finish_reason=reason if self.finished else None,
             error=None if self.stopped else delta.error,
             error_code=None if self.stopped else delta.error_code,
+            stop_string=self._detokenizer.stop_string,
             num_prompt_tokens=delta.num_prompt_tokens,
             num_cached_tokens=delta.num_cached_tokens,
             num_output_tokens=len(self._token_ids),

@@ -51,13 +51,14 @@ def test_stop_string_cuts_the_text_and_is_never_streamed(tokenizer: Tokenizer) -
 
 
 def test_stop_string_kept_when_asked(tokenizer: Tokenizer) -> None:
-    deltas, _ = stream(tokenizer, "one two three four", stop=("three", "four"), include=True)
+    deltas, detok = stream(tokenizer, "one two three four", stop=("four", "three"), include=True)
     assert "".join(deltas) == "one two three"
+    assert detok.stop_string == "three"  # the one found first in the text, not in the list
 
 
 def test_text_that_only_starts_like_a_stop_string_is_released(tokenizer: Tokenizer) -> None:
     deltas, detok = stream(tokenizer, "an ENDLESS ENvelope", stop=("ENDX",))
-    assert not detok.stopped
+    assert not detok.stopped and detok.stop_string is None
     assert "".join(deltas) == "an ENDLESS ENvelope"
 
 
