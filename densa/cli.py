@@ -135,8 +135,18 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="how the model writes tool calls: hermes (default; suits the bundled model) or "
         "llama3_json (docs/serving.md)",
     )
+    _add_api_options(parser)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serve)
+
+
+def _add_api_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("API compatibility (docs/serving.md)")
+    g.add_argument(
+        "--strict-api", action="store_true",
+        help="refuse unknown request fields with a 400, as OpenAI does (default: ignore them, "
+        "with a warning logged once per field and the x-densa-ignored-fields response header)",
+    )  # fmt: skip
 
 
 def _port(text: str) -> int:
@@ -185,6 +195,7 @@ def _serve(ns: argparse.Namespace) -> int:
         engine_restarts=ns.engine_restarts,
         tool_call_format=ns.tool_call_format,
         prefill_peers=tuple(ns.prefill_peer),
+        strict_api=ns.strict_api,
     )
     return 0
 

@@ -54,6 +54,7 @@ from densa.serve.responses import ChatFormatter, CompletionFormatter, Generation
 from densa.serve.tools.formats import DEFAULT_TOOL_FORMAT, ToolCallFormat, tool_format
 from densa.serve.tools.plan import NO_TOOLS, ToolPlan
 from densa.serve.tracking import SESSION_HEADER, RequestRecord, RequestTracking, record_of
+from densa.serve.unknown_fields import IgnoredFieldLog
 from densa.text.tokenizer import Tokenizer
 from densa.utils.logging import get_logger
 
@@ -62,6 +63,13 @@ request_log = get_logger("densa.requests")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may take to send its whole body (then 408)
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    """How the API reads requests and writes answers (docs/serving.md)."""
+
+    strict_api: bool = False  # unknown request fields are a 400 (else dropped, with a warning)
 
 
 @dataclass
@@ -86,6 +94,8 @@ class ServerState:
     placement: PlacementPolicy = field(default_factory=PlacementPolicy)
     # Huge bodies one at a time, with a bounded share of CPU (prepare.LargeBodyGate).
     large_bodies: prepare.LargeBodyGate = field(default_factory=prepare.LargeBodyGate)
+    api: ApiOptions = field(default_factory=ApiOptions)
+    ignored_log: IgnoredFieldLog = field(default_factory=IgnoredFieldLog)
 
     def on_engine_started(self, served: ServedModel) -> None:
         self.tokenizer = Tokenizer(served.tokenizer, served.eos_token_ids)
@@ -133,6 +143,7 @@ def build_app(
     drain_timeout: float = 30.0,
     tool_call_format: str = DEFAULT_TOOL_FORMAT,
     placement: PlacementPolicy | None = None,
+    api: ApiOptions | None = None,
 ) -> FastAPI:
     """The app; its lifespan starts the engine (and waits for its handshake) before the server
     accepts requests, and shuts it down (draining first) when the server stops."""
@@ -157,6 +168,7 @@ def build_app(
         body_timeout=body_timeout,
         tool_format=tool_format(tool_call_format),
         placement=placement or PlacementPolicy(),
+        api=api or ApiOptions(),
     )
     app.state.densa = state
     install_error_handlers(app)
@@ -366,10 +378,25 @@ async def _respond(
 
 
 async def _read(model: type[prepare.RequestT], request: Request) -> prepare.RequestT:
+    """The body as `model`; unknown fields are dropped (warned about once per name, and named
+    in the response's x-densa-ignored-fields header) unless the server runs --strict-api."""
     state = _state(request)
-    return await prepare.read_request(
-        model, request, state.max_body_bytes, state.body_timeout, state.large_bodies
+    ignored: list[str] | None = None if state.api.strict_api else []
+    body = await prepare.read_request(
+        model, request, state.max_body_bytes, state.body_timeout, state.large_bodies, ignored
     )
+    _note_ignored(request, ignored or [])
+    return body
+
+
+def _note_ignored(request: Request, names: list[str]) -> None:
+    """Warn about ignored request fields (once per name) and name them in the response header."""
+    if not names:
+        return
+    _state(request).ignored_log.note(request.url.path, names)
+    record = record_of(request)
+    if record is not None:
+        record.ignored_fields.extend(n for n in names if n not in record.ignored_fields)
 
 
 def _token_texts(state: ServerState) -> TokenTexts:
@@ -438,8 +465,13 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for model in _REQUEST_MODELS:
             model_schema = model.model_json_schema(ref_template=_REF)
-            components.update(model_schema.pop("$defs", {}))
+            defs = model_schema.pop("$defs", {})
             _publish_limits(model_schema["properties"], app.state.densa)
+            if not app.state.densa.api.strict_api:  # unknown fields are accepted (and dropped)
+                for part in (model_schema, *defs.values()):
+                    if part.get("additionalProperties") is False:
+                        del part["additionalProperties"]
+            components.update(defs)
             components[model.__name__] = model_schema
         app.openapi_schema = schema
     return app.openapi_schema

@@ -26,6 +26,7 @@ from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
 from densa.serve.tools.formats import HERMES, ToolCallFormat
 from densa.serve.tools.plan import NO_TOOLS, ToolPlan, ToolRequestError, plan_tools
 from densa.serve.tools.render import render_messages
+from densa.serve.unknown_fields import drop_fields, unknown_field_locs
 from densa.text.tokenizer import ChatTemplateError, Tokenizer
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -104,9 +105,12 @@ async def read_request(
     max_bytes: int,
     timeout: float | None = None,
     large_bodies: LargeBodyGate | None = None,
+    ignored: list[str] | None = None,
 ) -> RequestT:
-    """read_json, validated as `model` (400 naming the field)."""
-    parsed = await read_json(request, max_bytes, timeout, large_bodies, lambda d: parse(model, d))
+    """read_json, validated as `model` (400 naming the field; unknown fields: see parse)."""
+    parsed = await read_json(
+        request, max_bytes, timeout, large_bodies, lambda d: parse(model, d, ignored)
+    )
     assert isinstance(parsed, model)
     return parsed
 
@@ -188,13 +192,19 @@ def _too_large(max_bytes: int) -> APIError:
     return APIError(413, message, code="request_too_large")
 
 
-def parse(model: type[RequestT], data: Any) -> RequestT:
+def parse(model: type[RequestT], data: Any, ignored: list[str] | None = None) -> RequestT:
+    """`data` validated as `model` (400 naming the field). Unknown fields are refused when
+    `ignored` is None (--strict-api); else they are dropped and their names added to it."""
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", "invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise from_validation_error(exc) from exc
+        names = drop_fields(data, unknown_field_locs(exc)) if ignored is not None else []
+        if ignored is None or not names:
+            raise from_validation_error(exc) from exc
+        ignored.extend(names)
+    return parse(model, data, None)  # a field still wrong after that is the client's 400
 
 
 # ---- prompts and lengths ------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from densa.engine.args import EngineArgs
 from densa.serve.api_server import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
+    ApiOptions,
     build_app,
     start_draining,
 )
@@ -53,6 +54,7 @@ class ServerOptions:
     engine_restarts: int = ClientOptions.max_restarts  # engines dying young, then exit 1
     # Decode role: prefill workers requests may name without the router's signed placement.
     prefill_peers: tuple[str, ...] = ()
+    strict_api: bool = False  # unknown request fields are a 400 (default: dropped, warned about)
 
 
 def run_server(
@@ -68,9 +70,10 @@ def run_server(
     engine_args.check()
     api_keys = load_api_keys(options.api_keys, options.api_key_file)
     placement = placement_policy(engine_args, options)
+    api = api_options(options)
     sock = bind_listener(host, port)
     try:
-        _load_and_serve(engine_args, sock, options, api_keys, placement)
+        _load_and_serve(engine_args, sock, options, api_keys, placement, api)
     finally:
         sock.close()
     logger.info("server stopped")
@@ -100,6 +103,7 @@ def _load_and_serve(
     options: ServerOptions,
     api_keys: Any,
     placement: PlacementPolicy,
+    api: ApiOptions,
 ) -> None:
     client = make_engine_client(engine_args, options)
     if api_keys.is_enabled:
@@ -113,10 +117,16 @@ def _load_and_serve(
         drain_timeout=options.drain_timeout,
         tool_call_format=options.tool_call_format,
         placement=placement,
+        api=api,
     )
     asyncio.run(_serve(app, client, sock, options))
     if client.has_failed:
         raise EngineGaveUp(f"the engine failed and was not restarted: {client.failure}")
+
+
+def api_options(options: ServerOptions) -> ApiOptions:
+    """The API's options, checked before the model loads."""
+    return ApiOptions(strict_api=options.strict_api)
 
 
 def make_engine_client(engine_args: EngineArgs, options: ServerOptions) -> EngineClient:

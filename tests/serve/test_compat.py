@@ -1,0 +1,154 @@
+"""What frameworks rely on beyond the OpenAI spec: unknown fields ignored (with a warning and a
+header) unless --strict-api."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from densa.serve.unknown_fields import MAX_HEADER_FIELDS, IgnoredFieldLog, header_value
+
+from .support import MODEL_NAME, RunningServer
+
+CHAT = "/v1/chat/completions"
+HEADER = "x-densa-ignored-fields"
+MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(autouse=True)
+def still_serving(server: RunningServer) -> Iterator[None]:
+    yield
+    server.wait_idle()
+
+
+@pytest.fixture
+def warnings_logged() -> Iterator[list[str]]:
+    """The WARNING lines of densa.serve.unknown_fields while the test runs."""
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("densa.serve.unknown_fields")
+    log.addHandler(handler)
+    yield lines
+    log.removeHandler(handler)
+
+
+def post(server: RunningServer, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, timeout=30)
+
+
+# ---- unknown fields -----------------------------------------------------------------------------
+def test_unknown_fields_are_ignored_and_named_in_a_header(server: RunningServer) -> None:
+    raw = server.client().chat.completions.with_raw_response.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=2, temperature=0,
+        extra_body={"guided_decoding_backend": "auto", "chat_id": 7},
+    )  # fmt: skip
+    assert raw.http_response.status_code == 200
+    assert raw.headers[HEADER] == "guided_decoding_backend,chat_id"
+    assert raw.parse().usage is not None and raw.parse().usage.completion_tokens == 2
+
+
+def test_streamed_responses_carry_the_header_too(server: RunningServer) -> None:
+    client = server.client()
+    with client.chat.completions.with_streaming_response.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=3, stream=True,
+        extra_body={"x_vendor_option": True},
+    ) as response:  # fmt: skip
+        assert response.headers[HEADER] == "x_vendor_option"
+        chunks = list(response.parse())
+    assert chunks[-1].choices[0].finish_reason == "length"
+    completion = client.completions.with_raw_response.create(
+        model=MODEL_NAME, prompt="Once", max_tokens=2, extra_body={"best_of_n_other": 2}
+    )
+    assert completion.headers[HEADER] == "best_of_n_other"
+
+
+def test_a_request_without_unknown_fields_has_no_header(server: RunningServer) -> None:
+    response = post(server, CHAT, {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1})
+    assert response.status_code == 200
+    assert HEADER not in response.headers
+
+
+def test_nested_unknown_fields_are_named_by_path_once(server: RunningServer) -> None:
+    """Clients echo whole assistant messages back (`refusal`, `annotations`, ...)."""
+    messages = [
+        {"role": "user", "content": "hi", "x_meta": 1},
+        {"role": "assistant", "content": "hello", "refusal": None, "annotations": []},
+        {"role": "user", "content": "again", "x_meta": 2},
+    ]
+    tool_choice = {"type": "function", "function": {"name": "f"}, "x_tag": "a"}  # in a union
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 1, "tools": tools,
+            "tool_choice": tool_choice}  # fmt: skip
+    response = post(server, CHAT, body)
+    assert response.status_code == 200, response.text
+    names = response.headers[HEADER].split(",")
+    expected = [
+        "messages[].x_meta",
+        "messages[].refusal",
+        "messages[].annotations",
+        "tool_choice.x_tag",
+    ]
+    assert sorted(names) == sorted(expected)
+
+
+def test_known_fields_are_still_validated_beside_unknown_ones(server: RunningServer) -> None:
+    for field, value in (("temperature", "hot"), ("max_tokens", 10**9), ("n", 3)):
+        body = {"model": MODEL_NAME, "messages": MESSAGES, field: value, "x_unknown": 1}
+        response = post(server, CHAT, body)
+        assert response.status_code == 400, field
+        assert response.json()["error"]["param"] == field
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, extra_body={"x_unknown": 1, "top_k": "ten"}
+        )
+    assert caught.value.body["param"] == "top_k"  # type: ignore[index]
+
+
+def test_a_warning_is_logged_once_per_field_name(
+    server: RunningServer, warnings_logged: list[str]
+) -> None:
+    name = f"x_{uuid.uuid4().hex[:8]}"  # new to this server
+    for _ in range(3):
+        body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1, name: 1}
+        assert post(server, CHAT, body).status_code == 200
+    assert len([line for line in warnings_logged if name in line]) == 1
+
+
+def test_hostile_field_names_make_a_short_safe_header(server: RunningServer) -> None:
+    fields = {f"f{i}": i for i in range(40)}
+    fields["a,b\r\nx-evil: 1 é"] = 1
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1, **fields}
+    response = post(server, CHAT, body)
+    assert response.status_code == 200
+    assert "x-evil" not in response.headers
+    value = response.headers[HEADER]
+    assert value.isascii() and len(value.split(",")) == MAX_HEADER_FIELDS + 1
+    assert value.endswith(",+25")
+
+
+def test_strict_api_refuses_what_the_default_ignores(
+    server: RunningServer, api_options: Any
+) -> None:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi", "x": 1}]}
+    api_options(strict_api=True)
+    response = post(server, CHAT, body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages[0].x"
+    assert response.json()["error"]["code"] == "unknown_parameter"
+
+
+def test_header_value_and_log_bounds(warnings_logged: list[str]) -> None:
+    assert header_value(["a", "b[].c"]) == "a,b[].c"
+    assert header_value(["x" * 500]) == "x" * 64
+    log = IgnoredFieldLog(max_names=3)
+    log.note("/v1/chat/completions", ["a", "b", "a", "c", "d", "e"])
+    log.note("/v1/chat/completions", ["f", "a"])
+    assert len(warnings_logged) == 4  # a, b, c, then "naming no more" once
+    assert "naming no more" in warnings_logged[-1]
