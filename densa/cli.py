@@ -147,6 +147,11 @@ def _add_api_options(parser: argparse.ArgumentParser) -> None:
         help="refuse unknown request fields with a 400, as OpenAI does (default: ignore them, "
         "with a warning logged once per field and the x-densa-ignored-fields response header)",
     )  # fmt: skip
+    g.add_argument(
+        "--accept-any-model-name", action="store_true",
+        help="serve whatever 'model' a request names (responses echo it) instead of a 404 for "
+        "names other than --served-model-name's",
+    )  # fmt: skip
 
 
 def _port(text: str) -> int:
@@ -196,6 +201,8 @@ def _serve(ns: argparse.Namespace) -> int:
         tool_call_format=ns.tool_call_format,
         prefill_peers=tuple(ns.prefill_peer),
         strict_api=ns.strict_api,
+        served_model_names=tuple(ns.served_model_name or ()),
+        accept_any_model_name=ns.accept_any_model_name,
     )
     return 0
 

@@ -70,6 +70,8 @@ class ApiOptions:
     """How the API reads requests and writes answers (docs/serving.md)."""
 
     strict_api: bool = False  # unknown request fields are a 400 (else dropped, with a warning)
+    served_model_names: tuple[str, ...] = ()  # ids clients may send as "model" (): the engine's
+    accept_any_model_name: bool = False  # any "model" is served (responses echo it)
 
 
 @dataclass
@@ -107,7 +109,15 @@ class ServerState:
 
     @property
     def served_model_name(self) -> str:
-        return self.served.name
+        return self.served_model_names[0]
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The ids clients may send as "model" (--served-model-name a b), the first the main one."""
+        return self.api.served_model_names or (self.served.name,)
+
+    def has_model(self, model: str) -> bool:
+        return self.api.accept_any_model_name or model in self.served_model_names
 
     @property
     def max_model_len(self) -> int:
@@ -119,8 +129,8 @@ class ServerState:
             raise shutting_down()
         if not self.engine.is_alive or self.tokenizer is None:
             raise _engine_not_running(self.engine)
-        if model != self.served_model_name:
-            raise model_not_found(model, self.served_model_name)
+        if not self.has_model(model):
+            raise model_not_found(model, self.served_model_names)
         return self.tokenizer
 
     def start(self, record: RequestRecord) -> None:
@@ -291,21 +301,20 @@ def _ok(model: type[BaseModel]) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_model_card(_state(request))])
+    state = _state(request)
+    return ModelList(data=[_model_card(state, name) for name in state.served_model_names])
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> ModelCard:
     state = _state(request)
-    if model_id != state.served_model_name:
-        raise model_not_found(model_id, state.served_model_name)
-    return _model_card(state)
+    if not state.has_model(model_id):
+        raise model_not_found(model_id, state.served_model_names)
+    return _model_card(state, model_id)
 
 
-def _model_card(state: ServerState) -> ModelCard:
-    return ModelCard(
-        id=state.served_model_name, created=state.created, max_model_len=state.max_model_len
-    )
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, created=state.created, max_model_len=state.max_model_len)
 
 
 @router.post(
@@ -479,7 +488,8 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
 
 def _publish_limits(properties: dict[str, Any], state: ServerState) -> None:
     """Limits that depend on the served model: its name, its vocabulary and its context."""
-    properties["model"]["enum"] = [state.served_model_name]
+    if not state.api.accept_any_model_name:
+        properties["model"]["enum"] = list(state.served_model_names)
     max_token_id = state.served.vocab_size - 1
     _cap_integers(properties.get("prompt", {}), max_token_id)
     _cap_integers(properties["stop_token_ids"], max_token_id)

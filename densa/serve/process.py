@@ -55,6 +55,8 @@ class ServerOptions:
     # Decode role: prefill workers requests may name without the router's signed placement.
     prefill_peers: tuple[str, ...] = ()
     strict_api: bool = False  # unknown request fields are a 400 (default: dropped, warned about)
+    served_model_names: tuple[str, ...] = ()  # every id clients may send ((): the engine's own)
+    accept_any_model_name: bool = False  # serve any "model" a request names
 
 
 def run_server(
@@ -126,7 +128,11 @@ def _load_and_serve(
 
 def api_options(options: ServerOptions) -> ApiOptions:
     """The API's options, checked before the model loads."""
-    return ApiOptions(strict_api=options.strict_api)
+    return ApiOptions(
+        strict_api=options.strict_api,
+        served_model_names=options.served_model_names,
+        accept_any_model_name=options.accept_any_model_name,
+    )
 
 
 def make_engine_client(engine_args: EngineArgs, options: ServerOptions) -> EngineClient:

@@ -1,5 +1,5 @@
 """What frameworks rely on beyond the OpenAI spec: unknown fields ignored (with a warning and a
-header) unless --strict-api."""
+header) unless --strict-api, and model aliases or any model name, echoed back."""
 
 from __future__ import annotations
 
@@ -152,3 +152,31 @@ def test_header_value_and_log_bounds(warnings_logged: list[str]) -> None:
     log.note("/v1/chat/completions", ["f", "a"])
     assert len(warnings_logged) == 4  # a, b, c, then "naming no more" once
     assert "naming no more" in warnings_logged[-1]
+
+
+# ---- model names --------------------------------------------------------------------------------
+def test_aliases_are_listed_served_and_echoed(server: RunningServer, api_options: Any) -> None:
+    api_options(served_model_names=("densa-main", "gpt-4o-mini"))
+    client = server.client()
+    assert [m.id for m in client.models.list()] == ["densa-main", "gpt-4o-mini"]
+    assert client.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
+    for name in ("densa-main", "gpt-4o-mini"):
+        response = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=1)
+        assert response.model == name
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1)
+    assert "'densa-main', 'gpt-4o-mini'" in str(caught.value)
+
+
+def test_any_model_name_is_served_and_echoed(server: RunningServer, api_options: Any) -> None:
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="claude-x", prompt="hi", max_tokens=1)
+    api_options(accept_any_model_name=True)
+    stream = client.chat.completions.create(
+        model="claude-x", messages=MESSAGES, max_tokens=2, stream=True
+    )
+    assert {chunk.model for chunk in stream} == {"claude-x"}
+    assert client.completions.create(model="gpt-3.5", prompt="hi", max_tokens=1).model == "gpt-3.5"
+    assert client.models.retrieve("anything").id == "anything"
+    assert [m.id for m in client.models.list()] == [MODEL_NAME]
