@@ -148,6 +148,15 @@ def _add_api_options(parser: argparse.ArgumentParser) -> None:
         "with a warning logged once per field and the x-densa-ignored-fields response header)",
     )  # fmt: skip
     g.add_argument(
+        "--reasoning-parser", default=None, metavar="NAME",
+        help="split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3, "
+        "kimi_k2 or glm45 (docs/serving.md)",
+    )  # fmt: skip
+    g.add_argument(
+        "--chat-template", default=None, metavar="FILE",
+        help="a Jinja chat template that replaces the model's",
+    )  # fmt: skip
+    g.add_argument(
         "--accept-any-model-name", action="store_true",
         help="serve whatever 'model' a request names (responses echo it) instead of a 404 for "
         "names other than --served-model-name's",
@@ -183,6 +192,10 @@ def _serve(ns: argparse.Namespace) -> int:
     from densa.serve.tools.formats import tool_format
 
     tool_format(ns.tool_call_format)  # an unknown format: one line, before the model loads
+    if ns.reasoning_parser is not None:
+        from densa.serve.reasoning import reasoning_format
+
+        reasoning_format(ns.reasoning_parser)
 
     run_server(
         args,
@@ -203,6 +216,8 @@ def _serve(ns: argparse.Namespace) -> int:
         strict_api=ns.strict_api,
         served_model_names=tuple(ns.served_model_name or ()),
         accept_any_model_name=ns.accept_any_model_name,
+        reasoning_parser=ns.reasoning_parser,
+        chat_template=ns.chat_template,
     )
     return 0
 

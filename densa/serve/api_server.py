@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from densa.cache.scope import tenant_of
 from densa.ipc.messages import ServedModel
-from densa.serve import generation, prepare
+from densa.serve import generation, prepare, templates
 from densa.serve.auth import ApiKeys
 from densa.serve.disagg import PlacementPolicy, PrefillPeers, disagg_router, prefill_address
 from densa.serve.engine_client import EngineClient
@@ -50,6 +50,7 @@ from densa.serve.protocol import (
     ModelList,
     SamplingFields,
 )
+from densa.serve.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format
 from densa.serve.responses import ChatFormatter, CompletionFormatter, Generation, TokenTexts
 from densa.serve.tools.formats import DEFAULT_TOOL_FORMAT, ToolCallFormat, tool_format
 from densa.serve.tools.plan import NO_TOOLS, ToolPlan
@@ -72,6 +73,8 @@ class ApiOptions:
     strict_api: bool = False  # unknown request fields are a 400 (else dropped, with a warning)
     served_model_names: tuple[str, ...] = ()  # ids clients may send as "model" (): the engine's
     accept_any_model_name: bool = False  # any "model" is served (responses echo it)
+    reasoning_parser: str | None = None  # serve/reasoning.py: REASONING_FORMATS
+    chat_template: str | None = None  # replaces the model's chat template (its text)
 
 
 @dataclass
@@ -100,8 +103,17 @@ class ServerState:
     ignored_log: IgnoredFieldLog = field(default_factory=IgnoredFieldLog)
 
     def on_engine_started(self, served: ServedModel) -> None:
-        self.tokenizer = Tokenizer(served.tokenizer, served.eos_token_ids)
+        files = served.tokenizer
+        if self.api.chat_template is not None:
+            files = dataclasses.replace(files, chat_template=self.api.chat_template)
+        markers = self.reasoning_format.markers if self.reasoning_format else ()
+        self.tokenizer = Tokenizer(files, served.eos_token_ids, shown_special_tokens=markers)
         self.token_texts = TokenTexts(self.tokenizer)
+
+    @property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        parser = self.api.reasoning_parser
+        return reasoning_format(parser) if parser else None
 
     @property
     def served(self) -> ServedModel:
@@ -326,6 +338,7 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
     state, deadline = _state(request), _deadline(request)
     body = await _read(ChatCompletionRequest, request)
     tokenizer = state.check_can_serve(body.model)
+    _note_ignored(request, templates.unread_fields(tokenizer, body))
     plan = prepare.tool_plan(state.tool_format, body)
     prompt_ids = await prepare.chat_prompt(
         tokenizer, body, state.max_model_len, plan, state.tool_format
@@ -343,8 +356,18 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
         _token_texts(state),
         body.num_logprobs,
         tool_format=state.tool_format if plan.parse_calls else None,
+        reasoning=_reasoning_splitter(state, tokenizer, prompt_ids, body),
     )
     return await _respond(request, call, formatter, body)
+
+
+def _reasoning_splitter(
+    state: ServerState, tokenizer: Tokenizer, prompt_ids: list[int], body: ChatCompletionRequest
+) -> ReasoningSplitter | None:
+    fmt = state.reasoning_format
+    if fmt is None:
+        return None
+    return fmt.splitter(tokenizer, prompt_ids, templates.template_variables(tokenizer, body))
 
 
 @router.post(

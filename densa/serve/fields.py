@@ -116,6 +116,25 @@ Prompt = Annotated[
     ),
 ]
 Role = Literal["system", "user", "assistant", "tool", "developer"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# What chat templates are rendered with already; a request cannot replace these.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+     "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"}
+)  # fmt: skip
+
+
+def _template_names(value: Any) -> Any:
+    if isinstance(value, dict):
+        for name in value:
+            if not (isinstance(name, str) and name.isidentifier()):
+                raise ValueError(f"{name!r} is not a template variable name")
+            if name in RESERVED_TEMPLATE_NAMES:
+                raise ValueError(f"{name!r} is set by the server; it cannot be passed")
+    return value
+
+
+TemplateKwargs = Annotated[dict[str, Any], BeforeValidator(_template_names), Field(max_length=64)]
 
 
 def _unsupported(accepted: dict[str, Any], feature: str) -> WithJsonSchema:

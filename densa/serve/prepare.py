@@ -23,6 +23,7 @@ from densa.ipc.messages import ServedModel
 from densa.sampling_params import SamplingParams
 from densa.serve.errors import APIError, ClientDisconnected, bad_request, from_validation_error
 from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
+from densa.serve.templates import template_variables
 from densa.serve.tools.formats import HERMES, ToolCallFormat
 from densa.serve.tools.plan import NO_TOOLS, ToolPlan, ToolRequestError, plan_tools
 from densa.serve.tools.render import render_messages
@@ -251,10 +252,13 @@ async def chat_prompt(
     tools = plan.tools if renders_tools and plan.tools else None
     last = body.messages[-1]
     continue_final = last.role == "assistant" and not last.tool_calls
+    variables = template_variables(tokenizer, body)
     try:
         # Rendering and tokenizing a long prompt takes milliseconds: keep the event loop free
         # (unless the caller knows it is cheap: a thread hand-off costs more than a short prompt).
-        return await _run(offload, tokenizer.encode_chat, messages, tools, continue_final)
+        return await _run(
+            offload, tokenizer.encode_chat, messages, tools, continue_final, variables
+        )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), code="invalid_messages", param="messages") from exc
 

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -32,6 +33,7 @@ from densa.serve.auth import load_api_keys
 from densa.serve.disagg import PlacementPolicy, peer_base_url
 from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
 from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
+from densa.serve.reasoning import reasoning_format
 from densa.utils.logging import configure_logging, get_logger
 from densa.utils.net import bind_listener, check_kv_listen, tcp_socket
 
@@ -57,6 +59,8 @@ class ServerOptions:
     strict_api: bool = False  # unknown request fields are a 400 (default: dropped, warned about)
     served_model_names: tuple[str, ...] = ()  # every id clients may send ((): the engine's own)
     accept_any_model_name: bool = False  # serve any "model" a request names
+    reasoning_parser: str | None = None  # serve/reasoning.py: REASONING_FORMATS
+    chat_template: str | None = None  # a Jinja file replacing the model's chat template
 
 
 def run_server(
@@ -127,11 +131,21 @@ def _load_and_serve(
 
 
 def api_options(options: ServerOptions) -> ApiOptions:
-    """The API's options, checked before the model loads."""
+    """The API's options, checked (an unknown parser, an unreadable template: ValueError)."""
+    if options.reasoning_parser is not None:
+        reasoning_format(options.reasoning_parser)
+    template = None
+    if options.chat_template is not None:
+        try:
+            template = Path(options.chat_template).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {options.chat_template}: {exc}") from exc
     return ApiOptions(
         strict_api=options.strict_api,
         served_model_names=options.served_model_names,
         accept_any_model_name=options.accept_any_model_name,
+        reasoning_parser=options.reasoning_parser,
+        chat_template=template,
     )
 
 

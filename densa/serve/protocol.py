@@ -29,8 +29,10 @@ from densa.serve.fields import (
     NoSuffix,
     OnlyOne,
     Prompt,
+    ReasoningEffort,
     Role,
     StopStrings,
+    TemplateKwargs,
     TextContent,
     Unsupported,
 )
@@ -83,6 +85,8 @@ class ChatMessage(_RequestBody):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # calls an earlier assistant turn made
+    # An earlier turn's reasoning, as the response gave it (templates may show it again).
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
@@ -105,6 +109,8 @@ class ChatMessage(_RequestBody):
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -207,9 +213,10 @@ class ChatCompletionRequest(SamplingFields):
     audio: Annotated[Any, Unsupported("audio output")] = None
     prediction: Annotated[Any, Unsupported("prediction (predicted outputs)")] = None
     web_search_options: Annotated[Any, Unsupported("web_search_options (web search)")] = None
-    reasoning_effort: Annotated[
-        Any, Unsupported("reasoning_effort (this is not a reasoning model)")
-    ] = None
+    # Given to the chat template where it reads it (serve/templates.py), else ignored.
+    reasoning_effort: ReasoningEffort | None = None
+    # Extra variables for the chat template (vLLM's name), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: TemplateKwargs | None = None
     verbosity: Annotated[Any, Unsupported("verbosity")] = None
 
     @model_validator(mode="after")
@@ -295,6 +302,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None when the answer is only tool calls
     tool_calls: list[ResponseToolCall] | None = None
+    reasoning_content: str | None = None  # the thinking of a reasoning model (--reasoning-parser)
 
 
 class ChatChoice(BaseModel):
@@ -316,6 +324,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # streamed before the content (--reasoning-parser)
     tool_calls: list[ToolCallDelta] | None = None
 
 

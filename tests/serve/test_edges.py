@@ -86,7 +86,6 @@ UNSUPPORTED = [
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
     ("prediction", {"type": "content", "content": "x"}),
-    ("reasoning_effort", "high"),
     ("store", True),
     ("metadata", {"k": "v"}),
     ("service_tier", "flex"),
