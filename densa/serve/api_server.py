@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from densa.cache.scope import tenant_of
 from densa.ipc.messages import ServedModel
 from densa.serve import generation, prepare, templates
+from densa.serve import tokenize as tokenization
 from densa.serve.auth import ApiKeys
 from densa.serve.disagg import PlacementPolicy, PrefillPeers, disagg_router, prefill_address
 from densa.serve.engine_client import EngineClient
@@ -130,6 +131,14 @@ class ServerState:
 
     def has_model(self, model: str) -> bool:
         return self.api.accept_any_model_name or model in self.served_model_names
+
+    def tokenizer_for(self, model: str | None) -> Tokenizer:
+        """The tokenizer, for requests that need no engine (/tokenize); `model` optional."""
+        if self.tokenizer is None:
+            raise _engine_not_running(self.engine)
+        if model is not None and not self.has_model(model):
+            raise model_not_found(model, self.served_model_names)
+        return self.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -284,13 +293,19 @@ _GENERATION_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 # Request bodies are read by hand (size limit, UTF-8 and JSON errors, strict types), so FastAPI does
 # not see their models: the schema gets them from here, exactly the models the routes validate with.
-_REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+_REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    *tokenization.REQUEST_MODELS,
+)
 _REF = "#/components/schemas/{model}"
 
 
-def _request_body(model: type[BaseModel]) -> dict[str, Any]:
-    ref = {"$ref": _REF.format(model=model.__name__)}
-    return {"required": True, "content": {"application/json": {"schema": ref}}}
+def _request_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """One of `models` (by reference to the published component)."""
+    refs = [{"$ref": _REF.format(model=model.__name__)} for model in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
 def _ok(model: type[BaseModel]) -> dict[str, Any]:
@@ -390,6 +405,35 @@ async def completions(request: Request, session_id: SessionHeader = None) -> Res
         call.request_id, int(time.time()), body.model, _token_texts(state), body.num_logprobs
     )
     return await _respond(request, call, formatter, body)
+
+
+_TOKENIZE_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 413, 500, 503)
+}
+
+
+@router.post(
+    "/tokenize",
+    responses={200: {"model": tokenization.TokenizeResponse}, **_TOKENIZE_ERRORS},
+    openapi_extra={
+        "requestBody": _request_body(
+            tokenization.TokenizeCompletionRequest, tokenization.TokenizeChatRequest
+        )
+    },
+)
+async def tokenize(request: Request) -> Response:
+    """The token ids of a text, or of a chat as /v1/chat/completions would render it (vLLM's)."""
+    return await tokenization.tokenize(request, _state(request))
+
+
+@router.post(
+    "/detokenize",
+    responses={200: {"model": tokenization.DetokenizeResponse}, **_TOKENIZE_ERRORS},
+    openapi_extra={"requestBody": _request_body(tokenization.DetokenizeRequest)},
+)
+async def detokenize(request: Request) -> Response:
+    """The text of token ids, special tokens included (vLLM's /detokenize)."""
+    return await tokenization.detokenize(request, _state(request))
 
 
 class _Formatter(StreamFormatter, Protocol):
@@ -498,7 +542,8 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
         for model in _REQUEST_MODELS:
             model_schema = model.model_json_schema(ref_template=_REF)
             defs = model_schema.pop("$defs", {})
-            _publish_limits(model_schema["properties"], app.state.densa)
+            required = "model" in model_schema.get("required", [])
+            _publish_limits(model_schema["properties"], app.state.densa, required)
             if not app.state.densa.api.strict_api:  # unknown fields are accepted (and dropped)
                 for part in (model_schema, *defs.values()):
                     if part.get("additionalProperties") is False:
@@ -509,13 +554,14 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def _publish_limits(properties: dict[str, Any], state: ServerState) -> None:
+def _publish_limits(properties: dict[str, Any], state: ServerState, model_required: bool) -> None:
     """Limits that depend on the served model: its name, its vocabulary and its context."""
     if not state.api.accept_any_model_name:
-        properties["model"]["enum"] = list(state.served_model_names)
+        names: list[str | None] = list(state.served_model_names)
+        properties["model"]["enum"] = names if model_required else [*names, None]
     max_token_id = state.served.vocab_size - 1
-    _cap_integers(properties.get("prompt", {}), max_token_id)
-    _cap_integers(properties["stop_token_ids"], max_token_id)
+    for name in ("prompt", "stop_token_ids", "tokens"):
+        _cap_integers(properties.get(name, {}), max_token_id)
     for name in ("max_tokens", "max_completion_tokens"):
         if name in properties:
             _cap_integers(properties[name], state.max_model_len - 1)

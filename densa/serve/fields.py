@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, core_schema
 
-from densa.sampling_params import MAX_STOP_STRINGS
+from densa.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_STRINGS
 
 
 def _join_text_parts(value: Any) -> Any:
@@ -171,8 +171,13 @@ class Unsupported:
 
 
 OnlyOne = Annotated[Int | None, _unsupported({"const": 1}, "several choices")]
-NoLogitBias = Annotated[
-    dict[str, float] | None, _unsupported({"type": "object", "maxProperties": 0}, "logit_bias")
+# JSON keys are strings: a token id is spelled in decimal ("50256"), as OpenAI's clients send it.
+LogitBias = Annotated[
+    dict[
+        Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+        Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])],
+    ],
+    Field(max_length=MAX_LOGIT_BIAS),
 ]
 NoEcho = Annotated[bool, WithJsonSchema({"const": False, "description": "echo: not supported"})]
 NoSuffix = Annotated[str | None, _unsupported({"type": "string", "maxLength": 0}, "suffix")]

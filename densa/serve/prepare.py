@@ -303,6 +303,10 @@ def check_token_ids(served: ServedModel, prompt_ids: list[int], params: Sampling
     if bad_stop:
         message = f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}"
         raise bad_request(message, code="invalid_value", param="stop_token_ids")
+    bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
+    if bad_bias:
+        message = f"logit_bias names token ids out of range [0, {vocab}): {bad_bias[:5]}"
+        raise bad_request(message, code="invalid_value", param="logit_bias")
 
 
 def check_lengths(

@@ -24,8 +24,8 @@ from densa.serve.body import RequestBody as _RequestBody
 from densa.serve.body import publish_nullable as _publish_nullable
 from densa.serve.fields import (
     INTEGRAL,
+    LogitBias,
     NoEcho,
-    NoLogitBias,
     NoSuffix,
     OnlyOne,
     Prompt,
@@ -137,7 +137,7 @@ class SamplingFields(_RequestBody):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
-    logit_bias: NoLogitBias = None
+    logit_bias: LogitBias | None = None  # {"token id": bias in [-100, 100]}
     # Extensions (vLLM spells them the same way).
     top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT), INTEGRAL] | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -158,13 +158,6 @@ class SamplingFields(_RequestBody):
     def _one_choice(cls, value: int | None) -> int | None:
         if value not in (None, 1):
             raise ValueError(f"only n=1 is supported, got {value}; send several requests instead")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
         return value
 
     @property
@@ -193,6 +186,7 @@ class SamplingFields(_RequestBody):
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             structured=structured,
+            logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
         )
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from densa.serve.unknown_fields import MAX_HEADER_FIELDS, IgnoredFieldLog, header_value
 
-from .support import MODEL_NAME, RunningServer
+from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer
 
 CHAT = "/v1/chat/completions"
 HEADER = "x-densa-ignored-fields"
@@ -180,3 +180,89 @@ def test_any_model_name_is_served_and_echoed(server: RunningServer, api_options:
     assert client.completions.create(model="gpt-3.5", prompt="hi", max_tokens=1).model == "gpt-3.5"
     assert client.models.retrieve("anything").id == "anything"
     assert [m.id for m in client.models.list()] == [MODEL_NAME]
+
+
+# ---- /tokenize and /detokenize ------------------------------------------------------------------
+def test_tokenize_text_and_detokenize_round_trip(server: RunningServer) -> None:
+    text = "The sea is salty."
+    response = post(server, "/tokenize", {"prompt": text, "return_token_strs": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["tokens"] == server.tokenizer.encode(text)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == MAX_MODEL_LEN
+    assert body["token_strs"] == server.tokenizer.convert_ids_to_tokens(body["tokens"])
+    back = post(server, "/detokenize", {"model": MODEL_NAME, "tokens": body["tokens"]})
+    assert back.json() == {"prompt": server.tokenizer.decode(body["tokens"], False)}
+    assert post(server, "/tokenize", {"prompt": text}).json()["token_strs"] is None
+
+
+def test_tokenize_chat_gives_the_ids_a_chat_completion_runs(server: RunningServer) -> None:
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    response = post(server, "/tokenize", {"model": MODEL_NAME, "messages": messages})
+    assert response.status_code == 200, response.text
+    completion = server.client().chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=1
+    )
+    assert completion.usage is not None
+    assert response.json()["count"] == completion.usage.prompt_tokens
+    assert response.json()["tokens"] == server.tokenizer.encode_chat(messages)
+    assert response.json()["token_strs"] is None
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/detokenize", {"tokens": [49152]}, 400, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+        ("/tokenize", {"prompt": 5}, 400, "prompt"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+            400,
+            None,
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True},
+            400,
+            "add_special_tokens",
+        ),
+    ],
+)
+def test_tokenize_refuses_what_it_cannot_do(
+    server: RunningServer, path: str, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    response = post(server, path, body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == param
+
+
+# ---- logit_bias ---------------------------------------------------------------------------------
+def test_logit_bias_forces_and_bans_tokens(server: RunningServer) -> None:
+    """+100 all but forces a token, -100 bans it: `sea` wins over a +90 `land` until banned."""
+    client = server.client()
+    [sea] = server.tokenizer.encode(" sea", add_special_tokens=False)
+    [land] = server.tokenizer.encode(" land", add_special_tokens=False)
+
+    def text(bias: dict[str, int]) -> str:
+        response = client.completions.create(
+            model=MODEL_NAME, prompt="Once", max_tokens=3, temperature=0, logit_bias=bias
+        )
+        return response.choices[0].text
+
+    assert text({str(sea): 100, str(land): 90}) == server.tokenizer.decode([sea] * 3)
+    assert text({str(sea): -100, str(land): 90}) == server.tokenizer.decode([land] * 3)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=2, temperature=0, logit_bias={str(sea): 100}
+    )
+    assert chat.choices[0].message.content == server.tokenizer.decode([sea] * 2)
+
+
+@pytest.mark.parametrize(
+    "bias", [{"49152": 1}, {"5": 100.5}, {"5": -101}, {"five": 1}, {"05": 1}, {"5": "1"}]
+)
+def test_logit_bias_out_of_range_is_a_400(server: RunningServer, bias: dict[str, Any]) -> None:
+    response = post(server, CHAT, {"model": MODEL_NAME, "messages": MESSAGES, "logit_bias": bias})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith("logit_bias")
