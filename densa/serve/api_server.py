@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from densa.cache.scope import tenant_of
 from densa.ipc.messages import ServedModel
-from densa.serve import generation, prepare, templates
+from densa.serve import choices, generation, prepare, templates
 from densa.serve import tokenize as tokenization
 from densa.serve.auth import ApiKeys
 from densa.serve.disagg import PlacementPolicy, PrefillPeers, disagg_router, prefill_address
@@ -364,16 +364,20 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
     max_tokens = max_tokens or state.max_model_len - len(prompt_ids)
     call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline, plan)
     call = await _with_prefill(request, call)
-    formatter = ChatFormatter(
-        call.request_id,
-        int(time.time()),
-        body.model,
-        _token_texts(state),
-        body.num_logprobs,
-        tool_format=state.tool_format if plan.parse_calls else None,
-        reasoning=_reasoning_splitter(state, tokenizer, prompt_ids, body),
-    )
-    return await _respond(request, call, formatter, body)
+    created = int(time.time())
+
+    def new_formatter() -> ChatFormatter:  # one per choice: each parses its own answer
+        return ChatFormatter(
+            call.request_id,
+            created,
+            body.model,
+            _token_texts(state),
+            body.num_logprobs,
+            tool_format=state.tool_format if plan.parse_calls else None,
+            reasoning=_reasoning_splitter(state, tokenizer, prompt_ids, body),
+        )
+
+    return await _respond(request, call, new_formatter, body)
 
 
 def _reasoning_splitter(
@@ -401,10 +405,14 @@ async def completions(request: Request, session_id: SessionHeader = None) -> Res
     max_tokens = min(body.requested_max_tokens, state.max_model_len - len(prompt_ids))
     call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline)
     call = await _with_prefill(request, call)
-    formatter = CompletionFormatter(
-        call.request_id, int(time.time()), body.model, _token_texts(state), body.num_logprobs
-    )
-    return await _respond(request, call, formatter, body)
+    created = int(time.time())
+
+    def new_formatter() -> CompletionFormatter:  # one per choice: each has its text offset
+        return CompletionFormatter(
+            call.request_id, created, body.model, _token_texts(state), body.num_logprobs
+        )
+
+    return await _respond(request, call, new_formatter, body)
 
 
 _TOKENIZE_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -441,10 +449,20 @@ class _Formatter(StreamFormatter, Protocol):
 
 
 async def _respond(
-    request: Request, call: EngineCall, formatter: _Formatter, body: SamplingFields
+    request: Request,
+    call: EngineCall,
+    new_formatter: Callable[[], _Formatter],
+    body: SamplingFields,
 ) -> Response:
     record, state = _record(request), _state(request)
     assert state.tokenizer is not None  # checked by check_can_serve
+    if body.num_choices > 1:  # n > 1: serve/choices.py
+        calls = choices.choice_calls(call, body.num_choices)
+        return await choices.respond(
+            request, state.engine, state.tokenizer, calls, record, new_formatter, body.stream,
+            body.include_usage,
+        )  # fmt: skip
+    formatter = new_formatter()
     first, outputs = await generation.start(request, state.engine, state.tokenizer, call, record)
     if body.stream:
         events = generation.sse_events(call, record, first, outputs, formatter, body.include_usage)

@@ -46,6 +46,7 @@ from densa.serve.tools.models import (
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 16  # n: each choice is an engine request of its own (serve/choices.py)
 _DEFAULTS = SamplingParams()  # what an omitted (or null) sampling field means
 T = TypeVar("T")
 
@@ -121,7 +122,7 @@ class SamplingFields(_RequestBody):
     max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: OnlyOne = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), INTEGRAL] | None = None
     stop: StopStrings = Field(default_factory=list)
     # What torch.Generator accepts.
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64), INTEGRAL] | None = None
@@ -153,12 +154,9 @@ class SamplingFields(_RequestBody):
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"only n=1 is supported, got {value}; send several requests instead")
-        return value
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:

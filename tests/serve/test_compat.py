@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from densa.serve.scrape import scrape
 from densa.serve.unknown_fields import MAX_HEADER_FIELDS, IgnoredFieldLog, header_value
 
 from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer
@@ -99,7 +100,7 @@ def test_nested_unknown_fields_are_named_by_path_once(server: RunningServer) -> 
 
 
 def test_known_fields_are_still_validated_beside_unknown_ones(server: RunningServer) -> None:
-    for field, value in (("temperature", "hot"), ("max_tokens", 10**9), ("n", 3)):
+    for field, value in (("temperature", "hot"), ("max_tokens", 10**9), ("n", 0)):
         body = {"model": MODEL_NAME, "messages": MESSAGES, field: value, "x_unknown": 1}
         response = post(server, CHAT, body)
         assert response.status_code == 400, field
@@ -266,3 +267,54 @@ def test_logit_bias_out_of_range_is_a_400(server: RunningServer, bias: dict[str,
     response = post(server, CHAT, {"model": MODEL_NAME, "messages": MESSAGES, "logit_bias": bias})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith("logit_bias")
+
+
+# ---- n > 1 --------------------------------------------------------------------------------------
+def test_n_choices_share_the_prompts_pages(server: RunningServer) -> None:
+    """Choices 1 and 2 start from the pages choice 0 computed; seeded choices differ from each
+    other and are reproducible; usage counts the prompt once and every choice's tokens."""
+    client = server.client()
+    messages: list[Any] = [{"role": "user", "content": f"{uuid.uuid4().hex} " + "wave " * 80}]
+    num_prompt = len(server.tokenizer.encode_chat(messages))
+    server.wait_idle()
+    before = scrape(server.base_url).value("densa_cached_prompt_tokens_total")
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "messages": messages, "n": 3, "max_tokens": 4,
+                              "seed": 5, "temperature": 1.0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    response = client.chat.completions.create(**kwargs)
+    server.wait_idle()
+    cached = scrape(server.base_url).value("densa_cached_prompt_tokens_total") - before
+    assert cached >= 2 * ((num_prompt - 1) // 16 * 16)  # 16: the engine's page size
+    assert [choice.index for choice in response.choices] == [0, 1, 2]
+    texts = [choice.message.content for choice in response.choices]
+    assert len(set(texts)) == 3
+    assert response.usage is not None
+    assert response.usage.prompt_tokens == num_prompt
+    assert response.usage.completion_tokens == 12
+    again = client.chat.completions.create(**kwargs)
+    assert [choice.message.content for choice in again.choices] == texts
+
+
+def test_streamed_choices_reassemble_to_the_whole_ones(server: RunningServer) -> None:
+    client = server.client()
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "prompt": "Once upon", "n": 3, "max_tokens": 5,
+                              "seed": 11, "temperature": 1.0}  # fmt: skip
+    whole = client.completions.create(**kwargs)
+    texts, finishes = ["", "", ""], [0, 0, 0]
+    usage = None
+    for chunk in client.completions.create(stream=True, stream_options={"include_usage": True},
+                                           **kwargs):  # fmt: skip
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] += choice.finish_reason is not None
+        usage = chunk.usage or usage
+    assert texts == [choice.text for choice in whole.choices]
+    assert finishes == [1, 1, 1]
+    assert usage is not None and whole.usage is not None
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_too_many_choices_is_a_400(server: RunningServer) -> None:
+    response = post(server, CHAT, {"model": MODEL_NAME, "messages": MESSAGES, "n": 17})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "n"
