@@ -136,8 +136,32 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "llama3_json, kimi_k2, deepseek_v3, deepseek_v31, glm, qwen3_coder, mistral, "
         "mistral_json (docs/serving.md, 'Tool calls')",
     )
+    _add_api_options(parser)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_serve)
+
+
+def _add_api_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("API compatibility (docs/serving.md)")
+    g.add_argument(
+        "--strict-api", action="store_true",
+        help="refuse unknown request fields with a 400, as OpenAI does (default: ignore them, "
+        "with a warning logged once per field and the x-densa-ignored-fields response header)",
+    )  # fmt: skip
+    g.add_argument(
+        "--reasoning-parser", default=None, metavar="NAME",
+        help="split a reasoning model's thinking into reasoning_content: deepseek_r1, qwen3, "
+        "kimi_k2 or glm45 (docs/serving.md)",
+    )  # fmt: skip
+    g.add_argument(
+        "--chat-template", default=None, metavar="FILE",
+        help="a Jinja chat template that replaces the model's",
+    )  # fmt: skip
+    g.add_argument(
+        "--accept-any-model-name", action="store_true",
+        help="serve whatever 'model' a request names (responses echo it) instead of a 404 for "
+        "names other than --served-model-name's",
+    )  # fmt: skip
 
 
 def _port(text: str) -> int:
@@ -170,6 +194,10 @@ def _serve(ns: argparse.Namespace) -> int:
 
     if ns.tool_call_format != AUTO:
         tool_format(ns.tool_call_format)  # an unknown format: one line, before the model loads
+    if ns.reasoning_parser is not None:
+        from densa.serve.reasoning import reasoning_format
+
+        reasoning_format(ns.reasoning_parser)
 
     run_server(
         args,
@@ -187,6 +215,11 @@ def _serve(ns: argparse.Namespace) -> int:
         engine_restarts=ns.engine_restarts,
         tool_call_format=ns.tool_call_format,
         prefill_peers=tuple(ns.prefill_peer),
+        strict_api=ns.strict_api,
+        served_model_names=tuple(ns.served_model_name or ()),
+        accept_any_model_name=ns.accept_any_model_name,
+        reasoning_parser=ns.reasoning_parser,
+        chat_template=ns.chat_template,
     )
     return 0
 

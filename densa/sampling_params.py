@@ -16,6 +16,8 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_COUNT = 2**31 - 1
 # Repetition penalties outside this range overflow or flush the penalized logits to zero/inf.
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS = 1024  # biased tokens per request
 
 # How constrained JSON is written: as json.dumps writes it, the separators a model has seen most,
 # and no free whitespace (a model may otherwise emit newlines forever without breaking the
@@ -79,12 +81,16 @@ class SamplingParams:
     kept_special_token_ids: tuple[int, ...] = ()
     # Grammar-constrained decoding (JSON schema, tool calls); None = unconstrained.
     structured: StructuredOutput | None = None
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the object stays hashable and immutable.
         object.__setattr__(self, "stop", _as_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
         object.__setattr__(self, "kept_special_token_ids", _as_tuple(self.kept_special_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
         self._validate()
 
     def _validate(self) -> None:
@@ -111,9 +117,24 @@ class SamplingParams:
         _check(all(0 <= t <= MAX_COUNT for t in self.stop_token_ids), "stop_token_ids must be >= 0")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        self._validate_logit_bias()
         if self.structured is not None:
             # A finished grammar allows only EOS: ignoring it would force an invalid token.
             _check(not self.ignore_eos, "ignore_eos cannot be combined with a structured output")
+
+    def _validate_logit_bias(self) -> None:
+        low, high = LOGIT_BIAS_RANGE
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS, f"at most {MAX_LOGIT_BIAS} logit_bias entries"
+        )
+        _check(
+            all(0 <= t <= MAX_COUNT for t, _ in self.logit_bias),
+            "logit_bias token ids must be >= 0",
+        )
+        _check(
+            all(low <= b <= high for _, b in self.logit_bias),
+            f"logit_bias values must be in [{low:g}, {high:g}]",
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -43,6 +43,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
         (["--role", "prefill", "--kv-listen", "tcp://0.0.0.0:0"], ["--kv-listen", "secret"]),
         (["--role", "decode", "--prefill-peer", "http://p:1/x"], ["--prefill-peer", "a path"]),
         (["--cluster-secret-file", "/no/such/secret"], ["cannot read the cluster secret"]),
+        (["--reasoning-parser", "o1"], ["--reasoning-parser 'o1'", "deepseek_r1, glm45"]),
+        (["--chat-template", "/no/such/t.jinja"], ["--chat-template /no/such/t.jinja", "No such"]),
     ],
 )
 def test_bad_options_fail_in_one_line_before_loading(args: list[str], needles: list[str]) -> None:
@@ -84,3 +86,12 @@ def test_a_model_that_cannot_fit_fails_in_one_line_before_loading(tiny_model_dir
     line = assert_one_line_error(serve("serve", *model, "--num-kv-pages", "1000000000"))
     assert "not enough memory" in line and "is available (MemAvailable" in line
     assert "--kv-cache-memory" in line and "--skip-memory-check" in line
+
+
+def test_served_model_names_are_the_engines_name_then_aliases() -> None:
+    from densa.cli import build_parser
+    from densa.engine.args import EngineArgs
+
+    ns = build_parser().parse_args(["serve", "--served-model-name", "main", "alias"])
+    assert ns.served_model_name == ["main", "alias"]  # the front serves both
+    assert EngineArgs.from_cli(ns).served_model_name == "main"  # the engine knows the first

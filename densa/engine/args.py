@@ -224,8 +224,10 @@ class EngineArgs:
             + "; scripts/setup.sh models) (default: bundled SmolLM2-135M)",
         )
         g.add_argument(
-            "--served-model-name", default=None, help="model id clients use (default: file name)"
-        )
+            "--served-model-name", default=None, nargs="+", metavar="NAME",
+            help="model id clients use (default: file name); `densa serve` also accepts the "
+            "names after the first as aliases",
+        )  # fmt: skip
         g.add_argument("--dtype", default=d.dtype, choices=list(COMPUTE_DTYPES))
         g.add_argument(
             "--max-model-len", type=int, default=None, help="tokens per request (prompt + output)"
@@ -371,6 +373,8 @@ class EngineArgs:
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
         values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+        if isinstance(values.get("served_model_name"), list):  # the engine's name is the first
+            values["served_model_name"] = values["served_model_name"][0]
         if "kv_integrity" in values:
             values["kv_integrity"] = values["kv_integrity"] == "on"
         return cls(**values)

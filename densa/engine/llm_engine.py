@@ -249,6 +249,9 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}")
+        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad_bias[:5]}")
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:

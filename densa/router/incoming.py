@@ -83,10 +83,11 @@ async def read_incoming(
     stream = data.get("stream") is True
     try:
         parsed: ChatCompletionRequest | CompletionRequest
+        # Unknown fields are the worker's to refuse (--strict-api) or ignore: read past them.
         if endpoint == CHAT:
-            parsed = prepare.parse(ChatCompletionRequest, data)
+            parsed = prepare.parse(ChatCompletionRequest, data, ignored=[])
         else:
-            parsed = prepare.parse(CompletionRequest, data)
+            parsed = prepare.parse(CompletionRequest, data, ignored=[])
     except APIError:
         return Incoming(endpoint, body, session, stream)
     max_tokens = parsed.requested_max_tokens

@@ -16,6 +16,11 @@ peer        GET /densa/info and /densa/load: what a router needs (tokenizer, pag
 api_server  routes, `build_app`, the published OpenAPI schema
 process     `run_server` (signals, graceful drain) and `serve_in_thread` (tests, benchmarks)
 tools/      tool calls and structured output: models, formats, parser, prompts, schema checks
+unknown_fields  request fields the server does not know: dropped, warned about, named in a header
+reasoning   a reasoning model's answer -> reasoning_content and content (--reasoning-parser)
+templates   what a chat request adds to the chat template (chat_template_kwargs, reasoning_effort)
+tokenize    POST /tokenize and /detokenize (vLLM's shapes), answered by the front alone
+choices     n > 1: one engine request per choice, the later ones reusing the first's prompt pages
 """
 
 from densa.serve.api_server import build_app

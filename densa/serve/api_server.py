@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
@@ -30,7 +30,8 @@ from pydantic import BaseModel
 
 from densa.cache.scope import tenant_of
 from densa.ipc.messages import ServedModel
-from densa.serve import generation, prepare
+from densa.serve import choices, generation, prepare, templates
+from densa.serve import tokenize as tokenization
 from densa.serve.anthropic_api import formatter as anthropic
 from densa.serve.anthropic_api.models import (
     CountTokensRequest,
@@ -63,6 +64,7 @@ from densa.serve.protocol import (
     ModelList,
     SamplingFields,
 )
+from densa.serve.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format
 from densa.serve.responses import ChatFormatter, CompletionFormatter, Generation, TokenTexts
 from densa.serve.responses_api.formatter import ResponseFormatter, skeleton_of
 from densa.serve.responses_api.models import ResponseObject, ResponsesRequest
@@ -76,6 +78,7 @@ from densa.serve.tools.formats import (
 )
 from densa.serve.tools.plan import NO_TOOLS, ToolPlan
 from densa.serve.tracking import SESSION_HEADER, RequestRecord, RequestTracking, record_of
+from densa.serve.unknown_fields import IgnoredFieldLog
 from densa.text.tokenizer import Tokenizer
 from densa.utils.heap import return_free_heap
 from densa.utils.logging import get_logger
@@ -85,6 +88,17 @@ request_log = get_logger("densa.requests")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may take to send its whole body (then 408)
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    """How the API reads requests and writes answers (docs/serving.md)."""
+
+    strict_api: bool = False  # unknown request fields are a 400 (else dropped, with a warning)
+    served_model_names: tuple[str, ...] = ()  # ids clients may send as "model" (): the engine's
+    accept_any_model_name: bool = False  # any "model" is served (responses echo it)
+    reasoning_parser: str | None = None  # serve/reasoning.py: REASONING_FORMATS
+    chat_template: str | None = None  # replaces the model's chat template (its text)
 
 
 @dataclass
@@ -111,9 +125,15 @@ class ServerState:
     placement: PlacementPolicy = field(default_factory=PlacementPolicy)
     # Huge bodies one at a time, with a bounded share of CPU (prepare.LargeBodyGate).
     large_bodies: prepare.LargeBodyGate = field(default_factory=prepare.LargeBodyGate)
+    api: ApiOptions = field(default_factory=ApiOptions)
+    ignored_log: IgnoredFieldLog = field(default_factory=IgnoredFieldLog)
 
     def on_engine_started(self, served: ServedModel) -> None:
-        self.tokenizer = Tokenizer(served.tokenizer, served.eos_token_ids)
+        files = served.tokenizer
+        if self.api.chat_template is not None:
+            files = dataclasses.replace(files, chat_template=self.api.chat_template)
+        markers = self.reasoning_format.markers if self.reasoning_format else ()
+        self.tokenizer = Tokenizer(files, served.eos_token_ids, shown_special_tokens=markers)
         self.token_texts = TokenTexts(self.tokenizer)
         self.tool_format = resolve_format(self.tool_call_format, self.tokenizer)
         logger.info("tool calls: %s dialect (--tool-call-format %s)", self.tool_format.name,
@@ -123,12 +143,33 @@ class ServerState:
         return_free_heap()
 
     @property
+    def reasoning_format(self) -> ReasoningFormat | None:
+        parser = self.api.reasoning_parser
+        return reasoning_format(parser) if parser else None
+
+    @property
     def served(self) -> ServedModel:
         return self.engine.served
 
     @property
     def served_model_name(self) -> str:
-        return self.served.name
+        return self.served_model_names[0]
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """The ids clients may send as "model" (--served-model-name a b), the first the main one."""
+        return self.api.served_model_names or (self.served.name,)
+
+    def has_model(self, model: str) -> bool:
+        return self.api.accept_any_model_name or model in self.served_model_names
+
+    def tokenizer_for(self, model: str | None) -> Tokenizer:
+        """The tokenizer, for requests that need no engine (/tokenize); `model` optional."""
+        if self.tokenizer is None:
+            raise _engine_not_running(self.engine)
+        if model is not None and not self.has_model(model):
+            raise model_not_found(model, self.served_model_names)
+        return self.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -140,8 +181,8 @@ class ServerState:
             raise shutting_down()
         if not self.engine.is_alive or self.tokenizer is None:
             raise _engine_not_running(self.engine)
-        if model != self.served_model_name:
-            raise model_not_found(model, self.served_model_name)
+        if not self.has_model(model):
+            raise model_not_found(model, self.served_model_names)
         return self.tokenizer
 
     def start(self, record: RequestRecord) -> None:
@@ -164,6 +205,7 @@ def build_app(
     drain_timeout: float = 30.0,
     tool_call_format: str = DEFAULT_TOOL_FORMAT,
     placement: PlacementPolicy | None = None,
+    api: ApiOptions | None = None,
 ) -> FastAPI:
     """The app; its lifespan starts the engine (and waits for its handshake) before the server
     accepts requests, and shuts it down (draining first) when the server stops."""
@@ -188,6 +230,7 @@ def build_app(
         body_timeout=body_timeout,
         tool_call_format=tool_call_format,
         placement=placement or PlacementPolicy(),
+        api=api or ApiOptions(),
     )
     app.state.densa = state
     install_error_handlers(app, render_error)
@@ -304,13 +347,16 @@ _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     MessagesRequest,
     CountTokensRequest,
     ResponsesRequest,
+    *tokenization.REQUEST_MODELS,
 )
 _REF = "#/components/schemas/{model}"
 
 
-def _request_body(model: type[BaseModel]) -> dict[str, Any]:
-    ref = {"$ref": _REF.format(model=model.__name__)}
-    return {"required": True, "content": {"application/json": {"schema": ref}}}
+def _request_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """One of `models` (by reference to the published component)."""
+    refs = [{"$ref": _REF.format(model=model.__name__)} for model in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
 
 
 def _ok(model: type[BaseModel]) -> dict[str, Any]:
@@ -333,21 +379,20 @@ def _ok(model: type[BaseModel]) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    return ModelList(data=[_model_card(_state(request))])
+    state = _state(request)
+    return ModelList(data=[_model_card(state, name) for name in state.served_model_names])
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> ModelCard:
     state = _state(request)
-    if model_id != state.served_model_name:
-        raise model_not_found(model_id, state.served_model_name)
-    return _model_card(state)
+    if not state.has_model(model_id):
+        raise model_not_found(model_id, state.served_model_names)
+    return _model_card(state, model_id)
 
 
-def _model_card(state: ServerState) -> ModelCard:
-    return ModelCard(
-        id=state.served_model_name, created=state.created, max_model_len=state.max_model_len
-    )
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, created=state.created, max_model_len=state.max_model_len)
 
 
 @router.post(
@@ -359,15 +404,21 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
     deadline = _deadline(request)
     body = await _read(ChatCompletionRequest, request)
     call, plan = await _prepare_chat(request, body, session_id, deadline)
-    formatter = ChatFormatter(
-        call.request_id,
-        int(time.time()),
-        body.model,
-        _token_texts(_state(request)),
-        body.num_logprobs,
-        tool_format=_calls_format(request, plan),
-    )
-    return await _respond(request, call, formatter, body)
+    state, created = _state(request), int(time.time())
+    tokenizer = state.check_can_serve(body.model)
+
+    def new_formatter() -> ChatFormatter:  # one per choice: each parses its own answer
+        return ChatFormatter(
+            call.request_id,
+            created,
+            body.model,
+            _token_texts(state),
+            body.num_logprobs,
+            tool_format=_calls_format(request, plan),
+            reasoning=_reasoning_splitter(state, tokenizer, call.prompt_token_ids, body),
+        )
+
+    return await _respond(request, call, new_formatter, body)
 
 
 async def _prepare_chat(
@@ -391,6 +442,7 @@ async def _chat_prompt(request: Request, body: ChatCompletionRequest) -> tuple[l
     """The conversation's prompt tokens, with the tools its plan shows."""
     state = _state(request)
     tokenizer = state.check_can_serve(body.model)
+    _note_ignored(request, templates.unread_fields(tokenizer, body))
     plan = prepare.tool_plan(state.tool_format, body)
     prompt_ids = await prepare.chat_prompt(
         tokenizer, body, state.max_model_len, plan, state.tool_format
@@ -423,7 +475,7 @@ async def anthropic_messages(request: Request, session_id: SessionHeader = None)
     formatter = anthropic.MessagesFormatter(
         call.request_id, body.model, _calls_format(request, plan)
     )
-    return await _respond(request, call, formatter, chat, anthropic.FRAMING)
+    return await _respond(request, call, lambda: formatter, chat, anthropic.FRAMING)
 
 
 @router.post(
@@ -452,7 +504,16 @@ async def openai_responses(request: Request, session_id: SessionHeader = None) -
     call, plan = await _prepare_chat(request, chat, session_id, deadline)
     skeleton = skeleton_of(call.request_id, int(time.time()), body)
     formatter = ResponseFormatter(skeleton, _calls_format(request, plan))
-    return await _respond(request, call, formatter, chat, formatter.framing)
+    return await _respond(request, call, lambda: formatter, chat, formatter.framing)
+
+
+def _reasoning_splitter(
+    state: ServerState, tokenizer: Tokenizer, prompt_ids: list[int], body: ChatCompletionRequest
+) -> ReasoningSplitter | None:
+    fmt = state.reasoning_format
+    if fmt is None:
+        return None
+    return fmt.splitter(tokenizer, prompt_ids, templates.template_variables(tokenizer, body))
 
 
 @router.post(
@@ -471,10 +532,43 @@ async def completions(request: Request, session_id: SessionHeader = None) -> Res
     max_tokens = min(body.requested_max_tokens, state.max_model_len - len(prompt_ids))
     call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline)
     call = await _with_prefill(request, call)
-    formatter = CompletionFormatter(
-        call.request_id, int(time.time()), body.model, _token_texts(state), body.num_logprobs
-    )
-    return await _respond(request, call, formatter, body)
+    created = int(time.time())
+
+    def new_formatter() -> CompletionFormatter:  # one per choice: each has its text offset
+        return CompletionFormatter(
+            call.request_id, created, body.model, _token_texts(state), body.num_logprobs
+        )
+
+    return await _respond(request, call, new_formatter, body)
+
+
+_TOKENIZE_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 413, 500, 503)
+}
+
+
+@router.post(
+    "/tokenize",
+    responses={200: {"model": tokenization.TokenizeResponse}, **_TOKENIZE_ERRORS},
+    openapi_extra={
+        "requestBody": _request_body(
+            tokenization.TokenizeCompletionRequest, tokenization.TokenizeChatRequest
+        )
+    },
+)
+async def tokenize(request: Request) -> Response:
+    """The token ids of a text, or of a chat as /v1/chat/completions would render it (vLLM's)."""
+    return await tokenization.tokenize(request, _state(request))
+
+
+@router.post(
+    "/detokenize",
+    responses={200: {"model": tokenization.DetokenizeResponse}, **_TOKENIZE_ERRORS},
+    openapi_extra={"requestBody": _request_body(tokenization.DetokenizeRequest)},
+)
+async def detokenize(request: Request) -> Response:
+    """The text of token ids, special tokens included (vLLM's /detokenize)."""
+    return await tokenization.detokenize(request, _state(request))
 
 
 class _Formatter(StreamFormatter, Protocol):
@@ -484,12 +578,19 @@ class _Formatter(StreamFormatter, Protocol):
 async def _respond(
     request: Request,
     call: EngineCall,
-    formatter: _Formatter,
+    new_formatter: Callable[[], _Formatter],
     body: SamplingFields,
     framing: Framing = OPENAI_FRAMING,
 ) -> Response:
     record, state = _record(request), _state(request)
     assert state.tokenizer is not None  # checked by check_can_serve
+    if body.num_choices > 1:  # n > 1: serve/choices.py
+        calls = choices.choice_calls(call, body.num_choices)
+        return await choices.respond(
+            request, state.engine, state.tokenizer, calls, record, new_formatter, body.stream,
+            body.include_usage,
+        )  # fmt: skip
+    formatter = new_formatter()
     first, outputs = await generation.start(request, state.engine, state.tokenizer, call, record)
     if body.stream:
         events = generation.sse_events(
@@ -501,10 +602,25 @@ async def _respond(
 
 
 async def _read(model: type[prepare.RequestT], request: Request) -> prepare.RequestT:
+    """The body as `model`; unknown fields are dropped (warned about once per name, and named
+    in the response's x-densa-ignored-fields header) unless the server runs --strict-api."""
     state = _state(request)
-    return await prepare.read_request(
-        model, request, state.max_body_bytes, state.body_timeout, state.large_bodies
+    ignored: list[str] | None = None if state.api.strict_api else []
+    body = await prepare.read_request(
+        model, request, state.max_body_bytes, state.body_timeout, state.large_bodies, ignored
     )
+    _note_ignored(request, ignored or [])
+    return body
+
+
+def _note_ignored(request: Request, names: list[str]) -> None:
+    """Warn about ignored request fields (once per name) and name them in the response header."""
+    if not names:
+        return
+    _state(request).ignored_log.note(request.url.path, names)
+    record = record_of(request)
+    if record is not None:
+        record.ignored_fields.extend(n for n in names if n not in record.ignored_fields)
 
 
 def _token_texts(state: ServerState) -> TokenTexts:
@@ -575,19 +691,27 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for model in _REQUEST_MODELS:
             model_schema = model.model_json_schema(ref_template=_REF)
-            components.update(model_schema.pop("$defs", {}))
-            _publish_limits(model_schema["properties"], app.state.densa)
+            defs = model_schema.pop("$defs", {})
+            required = "model" in model_schema.get("required", [])
+            _publish_limits(model_schema["properties"], app.state.densa, required)
+            if not app.state.densa.api.strict_api:  # unknown fields are accepted (and dropped)
+                for part in (model_schema, *defs.values()):
+                    if part.get("additionalProperties") is False:
+                        del part["additionalProperties"]
+            components.update(defs)
             components[model.__name__] = model_schema
         app.openapi_schema = schema
     return app.openapi_schema
 
 
-def _publish_limits(properties: dict[str, Any], state: ServerState) -> None:
+def _publish_limits(properties: dict[str, Any], state: ServerState, model_required: bool) -> None:
     """Limits that depend on the served model: its name, its vocabulary and its context."""
-    properties["model"]["enum"] = [state.served_model_name]
+    if not state.api.accept_any_model_name:
+        names: list[str | None] = list(state.served_model_names)
+        properties["model"]["enum"] = names if model_required else [*names, None]
     max_token_id = state.served.vocab_size - 1
-    _cap_integers(properties.get("prompt", {}), max_token_id)
-    _cap_integers(properties.get("stop_token_ids", {}), max_token_id)
+    for name in ("prompt", "stop_token_ids", "tokens"):
+        _cap_integers(properties.get(name, {}), max_token_id)
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if name in properties:
             _cap_integers(properties[name], state.max_model_len - 1)

@@ -77,8 +77,9 @@ def bad_request(message: str, code: str = "invalid_value", param: str | None = N
     return APIError(400, message, code=code, param=param)
 
 
-def model_not_found(model: str, served_model_name: str) -> APIError:
-    message = f"the model {model!r} does not exist; this server serves {served_model_name!r}"
+def model_not_found(model: str, served_model_names: Sequence[str]) -> APIError:
+    served = ", ".join(repr(name) for name in served_model_names)
+    message = f"the model {model!r} does not exist; this server serves {served}"
     return APIError(404, message, code="model_not_found", param="model")
 
 

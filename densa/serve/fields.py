@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, core_schema
 
-from densa.sampling_params import MAX_STOP_STRINGS
+from densa.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_STRINGS
 
 
 def _join_text_parts(value: Any) -> Any:
@@ -116,6 +116,25 @@ Prompt = Annotated[
     ),
 ]
 Role = Literal["system", "user", "assistant", "tool", "developer"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# What chat templates are rendered with already; a request cannot replace these.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token",
+     "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"}
+)  # fmt: skip
+
+
+def _template_names(value: Any) -> Any:
+    if isinstance(value, dict):
+        for name in value:
+            if not (isinstance(name, str) and name.isidentifier()):
+                raise ValueError(f"{name!r} is not a template variable name")
+            if name in RESERVED_TEMPLATE_NAMES:
+                raise ValueError(f"{name!r} is set by the server; it cannot be passed")
+    return value
+
+
+TemplateKwargs = Annotated[dict[str, Any], BeforeValidator(_template_names), Field(max_length=64)]
 
 
 def _unsupported(accepted: dict[str, Any], feature: str) -> WithJsonSchema:
@@ -152,8 +171,13 @@ class Unsupported:
 
 
 OnlyOne = Annotated[Int | None, _unsupported({"const": 1}, "several choices")]
-NoLogitBias = Annotated[
-    dict[str, float] | None, _unsupported({"type": "object", "maxProperties": 0}, "logit_bias")
+# JSON keys are strings: a token id is spelled in decimal ("50256"), as OpenAI's clients send it.
+LogitBias = Annotated[
+    dict[
+        Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+        Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])],
+    ],
+    Field(max_length=MAX_LOGIT_BIAS),
 ]
 NoEcho = Annotated[bool, WithJsonSchema({"const": False, "description": "echo: not supported"})]
 NoSuffix = Annotated[str | None, _unsupported({"type": "string", "maxLength": 0}, "suffix")]

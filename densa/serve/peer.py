@@ -32,7 +32,7 @@ async def info(request: Request) -> Response:
     if not state.engine.is_alive or state.tokenizer is None:
         return _unavailable()
     served = state.served
-    files = served.tokenizer
+    files = state.tokenizer.files  # the chat template this front renders (--chat-template)
     body: dict[str, Any] = {
         "model": served.name,
         "max_model_len": served.max_model_len,

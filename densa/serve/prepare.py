@@ -23,9 +23,11 @@ from densa.ipc.messages import ServedModel
 from densa.sampling_params import SamplingParams
 from densa.serve.errors import APIError, ClientDisconnected, bad_request, from_validation_error
 from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
+from densa.serve.templates import template_variables
 from densa.serve.tools.formats import HERMES, ToolCallFormat
 from densa.serve.tools.plan import NO_TOOLS, ToolPlan, ToolRequestError, plan_tools
 from densa.serve.tools.render import render_messages
+from densa.serve.unknown_fields import drop_fields, unknown_field_locs
 from densa.text.tokenizer import ChatTemplateError, Tokenizer
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -104,9 +106,12 @@ async def read_request(
     max_bytes: int,
     timeout: float | None = None,
     large_bodies: LargeBodyGate | None = None,
+    ignored: list[str] | None = None,
 ) -> RequestT:
-    """read_json, validated as `model` (400 naming the field)."""
-    parsed = await read_json(request, max_bytes, timeout, large_bodies, lambda d: parse(model, d))
+    """read_json, validated as `model` (400 naming the field; unknown fields: see parse)."""
+    parsed = await read_json(
+        request, max_bytes, timeout, large_bodies, lambda d: parse(model, d, ignored)
+    )
     assert isinstance(parsed, model)
     return parsed
 
@@ -188,13 +193,19 @@ def _too_large(max_bytes: int) -> APIError:
     return APIError(413, message, code="request_too_large")
 
 
-def parse(model: type[RequestT], data: Any) -> RequestT:
+def parse(model: type[RequestT], data: Any, ignored: list[str] | None = None) -> RequestT:
+    """`data` validated as `model` (400 naming the field). Unknown fields are refused when
+    `ignored` is None (--strict-api); else they are dropped and their names added to it."""
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object", "invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise from_validation_error(exc) from exc
+        names = drop_fields(data, unknown_field_locs(exc)) if ignored is not None else []
+        if ignored is None or not names:
+            raise from_validation_error(exc) from exc
+        ignored.extend(names)
+    return parse(model, data, None)  # a field still wrong after that is the client's 400
 
 
 # ---- prompts and lengths ------------------------------------------------------------------------
@@ -242,10 +253,13 @@ async def chat_prompt(
     tools = plan.tools if renders_tools and plan.tools else None
     last = body.messages[-1]
     continue_final = last.role == "assistant" and not last.tool_calls
+    variables = template_variables(tokenizer, body)
     try:
         # Rendering and tokenizing a long prompt takes milliseconds: keep the event loop free
         # (unless the caller knows it is cheap: a thread hand-off costs more than a short prompt).
-        return await _run(offload, tokenizer.encode_chat, messages, tools, continue_final)
+        return await _run(
+            offload, tokenizer.encode_chat, messages, tools, continue_final, variables
+        )
     except ChatTemplateError as exc:
         raise bad_request(str(exc), code="invalid_messages", param="messages") from exc
 
@@ -290,6 +304,10 @@ def check_token_ids(served: ServedModel, prompt_ids: list[int], params: Sampling
     if bad_stop:
         message = f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}"
         raise bad_request(message, code="invalid_value", param="stop_token_ids")
+    bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
+    if bad_bias:
+        message = f"logit_bias names token ids out of range [0, {vocab}): {bad_bias[:5]}"
+        raise bad_request(message, code="invalid_value", param="logit_bias")
 
 
 def check_lengths(

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -24,6 +25,7 @@ from densa.engine.args import EngineArgs
 from densa.serve.api_server import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
+    ApiOptions,
     build_app,
     start_draining,
 )
@@ -31,6 +33,7 @@ from densa.serve.auth import load_api_keys
 from densa.serve.disagg import PlacementPolicy, peer_base_url
 from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
 from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
+from densa.serve.reasoning import reasoning_format
 from densa.utils.logging import configure_logging, get_logger
 from densa.utils.net import bind_listener, check_kv_listen, tcp_socket
 
@@ -53,6 +56,11 @@ class ServerOptions:
     engine_restarts: int = ClientOptions.max_restarts  # engines dying young, then exit 1
     # Decode role: prefill workers requests may name without the router's signed placement.
     prefill_peers: tuple[str, ...] = ()
+    strict_api: bool = False  # unknown request fields are a 400 (default: dropped, warned about)
+    served_model_names: tuple[str, ...] = ()  # every id clients may send ((): the engine's own)
+    accept_any_model_name: bool = False  # serve any "model" a request names
+    reasoning_parser: str | None = None  # serve/reasoning.py: REASONING_FORMATS
+    chat_template: str | None = None  # a Jinja file replacing the model's chat template
 
 
 def run_server(
@@ -68,9 +76,10 @@ def run_server(
     engine_args.check()
     api_keys = load_api_keys(options.api_keys, options.api_key_file)
     placement = placement_policy(engine_args, options)
+    api = api_options(options)
     sock = bind_listener(host, port)
     try:
-        _load_and_serve(engine_args, sock, options, api_keys, placement)
+        _load_and_serve(engine_args, sock, options, api_keys, placement, api)
     finally:
         sock.close()
     logger.info("server stopped")
@@ -100,6 +109,7 @@ def _load_and_serve(
     options: ServerOptions,
     api_keys: Any,
     placement: PlacementPolicy,
+    api: ApiOptions,
 ) -> None:
     client = make_engine_client(engine_args, options)
     if api_keys.is_enabled:
@@ -113,10 +123,30 @@ def _load_and_serve(
         drain_timeout=options.drain_timeout,
         tool_call_format=options.tool_call_format,
         placement=placement,
+        api=api,
     )
     asyncio.run(_serve(app, client, sock, options))
     if client.has_failed:
         raise EngineGaveUp(f"the engine failed and was not restarted: {client.failure}")
+
+
+def api_options(options: ServerOptions) -> ApiOptions:
+    """The API's options, checked (an unknown parser, an unreadable template: ValueError)."""
+    if options.reasoning_parser is not None:
+        reasoning_format(options.reasoning_parser)
+    template = None
+    if options.chat_template is not None:
+        try:
+            template = Path(options.chat_template).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {options.chat_template}: {exc}") from exc
+    return ApiOptions(
+        strict_api=options.strict_api,
+        served_model_names=options.served_model_names,
+        accept_any_model_name=options.accept_any_model_name,
+        reasoning_parser=options.reasoning_parser,
+        chat_template=template,
+    )
 
 
 def make_engine_client(engine_args: EngineArgs, options: ServerOptions) -> EngineClient:

@@ -24,13 +24,15 @@ from densa.serve.body import RequestBody as _RequestBody
 from densa.serve.body import publish_nullable as _publish_nullable
 from densa.serve.fields import (
     INTEGRAL,
+    LogitBias,
     NoEcho,
-    NoLogitBias,
     NoSuffix,
     OnlyOne,
     Prompt,
+    ReasoningEffort,
     Role,
     StopStrings,
+    TemplateKwargs,
     TextContent,
     Unsupported,
 )
@@ -44,6 +46,7 @@ from densa.serve.tools.models import (
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 16  # n: each choice is an engine request of its own (serve/choices.py)
 _DEFAULTS = SamplingParams()  # what an omitted (or null) sampling field means
 T = TypeVar("T")
 
@@ -83,6 +86,8 @@ class ChatMessage(_RequestBody):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # calls an earlier assistant turn made
+    # An earlier turn's reasoning, as the response gave it (templates may show it again).
+    reasoning_content: str | None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
@@ -105,6 +110,8 @@ class ChatMessage(_RequestBody):
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -115,7 +122,7 @@ class SamplingFields(_RequestBody):
     max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: OnlyOne = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES), INTEGRAL] | None = None
     stop: StopStrings = Field(default_factory=list)
     # What torch.Generator accepts.
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64), INTEGRAL] | None = None
@@ -131,7 +138,7 @@ class SamplingFields(_RequestBody):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
-    logit_bias: NoLogitBias = None
+    logit_bias: LogitBias | None = None  # {"token id": bias in [-100, 100]}
     # Extensions (vLLM spells them the same way).
     top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT), INTEGRAL] | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -147,19 +154,9 @@ class SamplingFields(_RequestBody):
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"only n=1 is supported, got {value}; send several requests instead")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
-        return value
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
@@ -187,6 +184,7 @@ class SamplingFields(_RequestBody):
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             structured=structured,
+            logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
         )
 
 
@@ -207,9 +205,10 @@ class ChatCompletionRequest(SamplingFields):
     audio: Annotated[Any, Unsupported("audio output")] = None
     prediction: Annotated[Any, Unsupported("prediction (predicted outputs)")] = None
     web_search_options: Annotated[Any, Unsupported("web_search_options (web search)")] = None
-    reasoning_effort: Annotated[
-        Any, Unsupported("reasoning_effort (this is not a reasoning model)")
-    ] = None
+    # Given to the chat template where it reads it (serve/templates.py), else ignored.
+    reasoning_effort: ReasoningEffort | None = None
+    # Extra variables for the chat template (vLLM's name), e.g. {"enable_thinking": false}.
+    chat_template_kwargs: TemplateKwargs | None = None
     verbosity: Annotated[Any, Unsupported("verbosity")] = None
 
     @model_validator(mode="after")
@@ -295,6 +294,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None when the answer is only tool calls
     tool_calls: list[ResponseToolCall] | None = None
+    reasoning_content: str | None = None  # the thinking of a reasoning model (--reasoning-parser)
 
 
 class ChatChoice(BaseModel):
@@ -316,6 +316,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # streamed before the content (--reasoning-parser)
     tool_calls: list[ToolCallDelta] | None = None
 
 

@@ -6,6 +6,7 @@ plus, for completions, the running text offset that legacy logprobs report.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ from densa.serve.protocol import (
     TopLogprob,
     Usage,
 )
+from densa.serve.reasoning import ReasoningSplitter
 from densa.serve.tools.deltas import to_deltas
 from densa.serve.tools.formats import ToolCallFormat
 from densa.serve.tools.models import ResponseFunctionCall, ResponseToolCall
@@ -111,12 +113,17 @@ class ChatFormatter:
     tool_format: ToolCallFormat | None = None
     _parser: ToolCallParser | None = field(default=None, init=False)
     _num_calls: int = field(default=0, init=False)  # calls streamed so far
+    # Set with --reasoning-parser: the reasoning is split off first; calls are read from the rest.
+    reasoning: ReasoningSplitter | None = None
 
     def response(self, generation: Generation) -> ChatCompletionResponse:
+        reasoning, text = "", generation.text
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split_all(text)
         parsed = (
-            parse_output(self.tool_format, generation.text)
+            parse_output(self.tool_format, text)
             if self.tool_format is not None
-            else ParsedOutput(generation.text)
+            else ParsedOutput(text)
         )
         calls = [
             ResponseToolCall(
@@ -127,6 +134,7 @@ class ChatFormatter:
         message = AssistantMessage(
             content=parsed.content if parsed.content or not calls else None,
             tool_calls=calls or None,
+            reasoning_content=reasoning or None,
         )
         choice = ChatChoice(
             message=message,
@@ -146,6 +154,19 @@ class ChatFormatter:
         return [self._chunk(ChatChunkChoice(delta=ChatDelta(role="assistant", content="")))]
 
     def stream_chunks(self, output: RequestOutput) -> list[BaseModel]:
+        if self.reasoning is None:
+            return self._answer_chunks(output)
+        split = self.reasoning.feed(output.new_text, final=output.finished)
+        if not split.reasoning:
+            return self._answer_chunks(dataclasses.replace(output, new_text=split.content))
+        # The reasoning first, with this output's logprobs; then the answer's chunks.
+        delta = ChatDelta(reasoning_content=split.reasoning)
+        logprobs = self._logprobs(output.new_logprobs)
+        first = self._chunk(ChatChunkChoice(delta=delta, logprobs=logprobs))
+        rest = dataclasses.replace(output, new_text=split.content, new_logprobs=[])
+        return [first, *self._answer_chunks(rest)]
+
+    def _answer_chunks(self, output: RequestOutput) -> list[BaseModel]:
         if self.tool_format is not None:
             return self._tool_chunks(output)
         if not (output.new_text or output.new_logprobs or output.finished):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from densa.serve.unknown_fields import header_value
 from densa.text.output import RequestOutput
 from densa.utils.logging import get_logger
 
@@ -24,6 +25,7 @@ logger = get_logger("densa.requests")
 
 REQUEST_ID_HEADER = "x-request-id"
 SESSION_HEADER = "x-session-affinity"
+IGNORED_FIELDS_HEADER = "x-densa-ignored-fields"  # set by the routes (serve/unknown_fields.py)
 # Generation endpoints -> the prefix of their request ids (OpenAI's spelling).
 TRACKED_ENDPOINTS = {
     "/v1/chat/completions": "chatcmpl",
@@ -45,6 +47,7 @@ class RequestRecord:
     session_id: str | None = None  # x-session-affinity, else the body's prompt_cache_key
     session_header: str | None = None  # x-session-affinity as sent (echoed back as a header)
     safety_identifier: str | None = None  # the client's end-user id for abuse tracing (logged)
+    ignored_fields: list[str] = field(default_factory=list)  # request fields that were ignored
     arrival_time: float = field(default_factory=time.monotonic)
     status: int | None = None  # the HTTP status sent (200 for a stream, even one that failed)
     error_code: str | None = None  # set for any error, before or during the response
@@ -197,4 +200,7 @@ def _echo_headers(record: RequestRecord) -> list[tuple[bytes, bytes]]:
     headers = [(REQUEST_ID_HEADER.encode(), record.request_id.encode())]
     if record.session_header is not None:
         headers.append((SESSION_HEADER.encode(), record.session_header.encode("latin-1")))
+    if record.ignored_fields:
+        value = header_value(record.ignored_fields)
+        headers.append((IGNORED_FIELDS_HEADER.encode(), value.encode("ascii")))
     return headers

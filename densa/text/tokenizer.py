@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -60,7 +61,14 @@ class TokenizerFiles:
 class Tokenizer:
     """The few calls densa needs: encode, decode, token pieces, and chat rendering."""
 
-    def __init__(self, files: TokenizerFiles, eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        files: TokenizerFiles,
+        eos_token_ids: tuple[int, ...] = (),
+        shown_special_tokens: tuple[str, ...] = (),
+    ) -> None:
+        """shown_special_tokens: special tokens decoding keeps even when it skips special tokens
+        (a reasoning model's `<think>` where it is one: the front splits the text at it)."""
         from tokenizers import Tokenizer as RustTokenizer
 
         try:
@@ -78,6 +86,8 @@ class Tokenizer:
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         added = self._tok.get_added_tokens_decoder()  # id -> AddedToken
         self.all_special_ids: set[int] = {i for i, token in added.items() if token.special}
+        shown = {self._tok.token_to_id(text) for text in shown_special_tokens}
+        self._skipped_ids = self.all_special_ids - shown
 
     @classmethod
     def from_dir(cls, folder: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
@@ -97,11 +107,18 @@ class Tokenizer:
         """Whether the chat template itself writes assistant `tool_calls` (and tool results)."""
         return bool(self.chat_template) and "tool_calls" in str(self.chat_template)
 
+    def template_reads(self, name: str) -> bool:
+        """Whether the chat template mentions the variable `name` (e.g. reasoning_effort)."""
+        return bool(self.chat_template) and name in str(self.chat_template)
+
     # ---- tokens ----------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and len(self._skipped_ids) < len(self.all_special_ids):
+            token_ids = [t for t in token_ids if t not in self._skipped_ids]
+            skip_special_tokens = False
         return str(self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
@@ -144,9 +161,11 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         continue_final: bool = False,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for a conversation, ending where the assistant's answer begins -- or,
-        with continue_final, inside the final message, so generation extends it."""
+        with continue_final, inside the final message, so generation extends it. `variables`:
+        more for the template to read (e.g. enable_thinking), never the ones set here."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions instead")
         import jinja2
@@ -165,6 +184,7 @@ class Tokenizer:
                 documents=None,
                 add_generation_prompt=not continue_final,
                 **{k: v for k, v in self._special_tokens.items() if v is not None},
+                **json.loads(json.dumps(dict(variables or {}))),  # plain JSON data, a copy
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"cannot apply the chat template: {exc}") from exc
@@ -177,9 +197,10 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         continue_final: bool = False,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         # The template already contains the special tokens; do not add a BOS on top of it.
-        return self.encode(self.render_chat(messages, tools, continue_final), False)
+        return self.encode(self.render_chat(messages, tools, continue_final, variables), False)
 
 
 class _JsonArguments(dict[str, Any]):

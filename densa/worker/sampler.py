@@ -87,7 +87,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         failed = _non_finite_rows(logits, "the model's logits are not finite")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
-        logits = _apply_penalties(logits, rows)
+        logits = _apply_logit_bias(_apply_penalties(logits, rows), rows)
         constrained = _constrained_rows(rows)
         if constrained:
             logits = self._apply_grammar(logits, constrained)
@@ -214,6 +214,19 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.T
         row = row - params.frequency_penalty * output_counts[:vocab].to(row.dtype)
         row = row - params.presence_penalty * (output_counts[:vocab] > 0).to(row.dtype)
         logits[i] = row
+    return logits
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return logits
+    logits = logits.clone()
+    for i in biased:
+        pairs = [(t, b) for t, b in rows[i].params.logit_bias if t < logits.shape[1]]
+        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=logits.device)
+        bias = torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
+        logits[i] = logits[i].index_add(0, ids, bias)
     return logits
 
 

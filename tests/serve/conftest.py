@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from densa.serve.api_server import ApiOptions
 from densa.serve.auth import ApiKeys
 
 from .support import RunningServer, ScriptedClient, engine_client, running_server
@@ -68,3 +69,16 @@ def api_keys(server: RunningServer) -> Iterator[Callable[..., None]]:
 
     yield require
     state.api_keys = ApiKeys()
+
+
+@pytest.fixture
+def api_options(server: RunningServer) -> Iterator[Callable[..., None]]:
+    """Call with ApiOptions fields (strict_api=True, ...) to set them on the shared server, for
+    this test only."""
+    state = server.app.state.densa
+
+    def configure(**options: object) -> None:
+        state.api = ApiOptions(**options)  # type: ignore[arg-type]
+
+    yield configure
+    state.api = ApiOptions()

@@ -1,9 +1,9 @@
 """OpenAI compatibility on the edges, and hostile input refused before it costs anything.
 
-Nulls mean "the default"; unknown and unimplemented parameters are 400s naming them; a final
-assistant message is continued; text no UTF-8 encoder can write is a 400 naming its field; text
-too long for the context is refused before it is tokenized; a client that leaves mid-body is a
-499-class outcome, not a server error.
+Nulls mean "the default"; unimplemented parameters (and, with --strict-api, unknown ones) are
+400s naming them; a final assistant message is continued; text no UTF-8 encoder can write is a
+400 naming its field; text too long for the context is refused before it is tokenized; a client
+that leaves mid-body is a 499-class outcome, not a server error.
 """
 
 from __future__ import annotations
@@ -86,7 +86,6 @@ UNSUPPORTED = [
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("modalities", ["text", "audio"]),
     ("prediction", {"type": "content", "content": "x"}),
-    ("reasoning_effort", "high"),
     ("store", True),
     ("metadata", {"k": "v"}),
     ("service_tier", "flex"),
@@ -118,7 +117,10 @@ def test_values_that_ask_for_nothing_pass(server: RunningServer) -> None:
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-def test_unknown_fields_are_refused_by_name(server: RunningServer, path: str) -> None:
+def test_strict_api_refuses_unknown_fields_by_name(
+    server: RunningServer, api_options: Any, path: str
+) -> None:
+    api_options(strict_api=True)  # `densa serve --strict-api`; test_compat.py: the default
     body = chat_body(temprature=0.5) if path == CHAT else {"model": MODEL_NAME, "prompt": "x",
                                                            "max_token": 3}  # fmt: skip
     response = post(server, path, json=body)

@@ -80,7 +80,7 @@ def test_unreadable_bodies(server: RunningServer, content: bytes, code: str) -> 
         ({"max_tokens": 1.5}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
         ({"temperature": "0.5"}, "temperature"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
         ({"stop": ["ok", 3]}, "stop[1]"),
         ({"stop": [""]}, "stop[0]"),
         ({"seed": 2**70}, "seed"),

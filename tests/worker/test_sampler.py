@@ -84,6 +84,18 @@ def test_repetition_presence_and_frequency_penalties() -> None:
     ).token_ids == [0]
 
 
+def test_logit_bias_adds_to_the_named_logits() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5], [2.0, -2.0, 1.0, 0.5]])
+    sampler = Sampler()
+    rows = [
+        row("ban", logit_bias={0: -100.0}, temperature=0.0),  # token 0 banned: token 2 wins
+        row("lift", logit_bias={1: 4.5, 99: 100.0}, temperature=0.0),  # 99: past this vocab
+    ]
+    assert sampler.sample(logits, rows).token_ids == [2, 1]
+    seeded = [row("s", logit_bias={3: 100.0}, seed=7)]
+    assert {sampler.sample(logits[:1], seeded).token_ids[0] for _ in range(20)} == {3}
+
+
 def test_min_tokens_masks_eos_and_stop_ids() -> None:
     logits = torch.tensor([[0.0, 0.0, 1.0, 5.0]])
     sampler = Sampler()
