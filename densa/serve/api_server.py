@@ -530,7 +530,8 @@ async def completions(request: Request, session_id: SessionHeader = None) -> Res
         state.max_model_len, len(prompt_ids), body.max_tokens, ("prompt", "max_tokens")
     )
     max_tokens = min(body.requested_max_tokens, state.max_model_len - len(prompt_ids))
-    call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline)
+    plan = prepare.completion_plan(body)
+    call = _engine_call(request, body, prompt_ids, max_tokens, session_id, deadline, plan)
     call = await _with_prefill(request, call)
     created = int(time.time())
 

@@ -25,7 +25,13 @@ from densa.serve.errors import APIError, ClientDisconnected, bad_request, from_v
 from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
 from densa.serve.templates import template_variables
 from densa.serve.tools.formats import HERMES, ToolCallFormat
-from densa.serve.tools.plan import NO_TOOLS, ToolPlan, ToolRequestError, plan_tools
+from densa.serve.tools.plan import (
+    NO_TOOLS,
+    ToolPlan,
+    ToolRequestError,
+    output_constraint,
+    plan_tools,
+)
 from densa.serve.tools.render import render_messages
 from densa.serve.unknown_fields import drop_fields, unknown_field_locs
 from densa.text.tokenizer import ChatTemplateError, Tokenizer
@@ -223,10 +229,22 @@ def tool_plan(fmt: ToolCallFormat, body: ChatCompletionRequest) -> ToolPlan:
     """What tools the prompt shows and what constrains the answer (400 naming the field)."""
     try:
         return plan_tools(
-            fmt, body.tools, body.tool_choice, body.parallel_tool_calls, body.response_format
+            fmt,
+            body.tools,
+            body.tool_choice,
+            body.parallel_tool_calls,
+            body.response_format,
+            body.structured_outputs,
         )
     except ToolRequestError as exc:
         raise bad_request(str(exc), code="invalid_value", param=exc.param) from exc
+
+
+def completion_plan(body: CompletionRequest) -> ToolPlan:
+    """A completion's output constraint (structured_outputs), as a plan without tools."""
+    if body.structured_outputs is None:
+        return NO_TOOLS
+    return ToolPlan([], output_constraint(body.structured_outputs), False)
 
 
 async def chat_prompt(

@@ -40,6 +40,7 @@ from densa.serve.tools.models import (
     AssistantToolCall,
     ResponseFormat,
     ResponseToolCall,
+    StructuredOutputs,
     ToolCallDelta,
     ToolChoice,
     ToolDefinition,
@@ -153,6 +154,8 @@ class SamplingFields(_RequestBody):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)
+    # vLLM's: the answer matches a regex or is one of a list of strings (tools/plan.py).
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def num_choices(self) -> int:

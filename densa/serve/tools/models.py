@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from densa.serve.body import RequestBody as _Body
 
@@ -36,6 +36,30 @@ class NamedToolChoice(_Body):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+# Bounds on what one request may ask the grammar engine to compile.
+MAX_REGEX_CHARS = 4096
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` field: the answer matches a regular expression (the grammar
+    engine's syntax: Rust's `regex`) or is exactly one of the choices. JSON goes through
+    `response_format`; vLLM's other keys here (json, grammar, ...) are ignored like any unknown
+    field, and then neither regex nor choice is set: a 400."""
+
+    regex: str | None = Field(None, min_length=1, max_length=MAX_REGEX_CHARS)
+    choice: list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        if (self.regex is None) == (self.choice is None):
+            raise ValueError("structured_outputs needs exactly one of regex and choice")
+        return self
 
 
 class JsonSchemaFormat(_Body):

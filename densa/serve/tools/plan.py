@@ -2,7 +2,8 @@
 the output, and whether the answer is parsed for calls.
 
     tool_choice   tools in the prompt   constraint                      calls parsed
-    none          no                    response_format, if any         no
+    none          no                    response_format or              no
+                                        structured_outputs, if any
     auto          yes                   none (the model chooses)        yes
     required      yes                   one or more calls of any tool   yes
     {function}    yes (that tool only)  one call of that tool           yes
@@ -16,7 +17,13 @@ from typing import Any
 
 from densa.sampling_params import StructuredOutput
 from densa.serve.tools.formats import ToolCallFormat
-from densa.serve.tools.models import NamedToolChoice, ResponseFormat, ToolChoice, ToolDefinition
+from densa.serve.tools.models import (
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputs,
+    ToolChoice,
+    ToolDefinition,
+)
 from densa.serve.tools.schema_check import check_schema
 
 
@@ -46,9 +53,17 @@ def plan_tools(
     tool_choice: ToolChoice | None,
     parallel_tool_calls: bool | None,
     response_format: ResponseFormat | None,
+    structured_outputs: StructuredOutputs | None = None,
 ) -> ToolPlan:
     """Raises ToolRequestError for what cannot be honoured (a 400 naming the field)."""
     answer_constraint = response_constraint(response_format)
+    if structured_outputs is not None:
+        if answer_constraint is not None:
+            raise ToolRequestError(
+                "response_format and structured_outputs cannot both constrain the answer",
+                "structured_outputs",
+            )
+        answer_constraint = output_constraint(structured_outputs)
     if tool_choice not in (None, "none") and not tools:
         raise ToolRequestError("tool_choice needs tools", "tool_choice")
     choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
@@ -56,8 +71,9 @@ def plan_tools(
         return ToolPlan([], answer_constraint, False)
     if answer_constraint is not None:
         raise ToolRequestError(
-            "response_format cannot be combined with tools unless tool_choice is 'none'",
-            "response_format",
+            f"{'response_format' if response_format else 'structured_outputs'} cannot be "
+            "combined with tools unless tool_choice is 'none'",
+            "response_format" if response_format else "structured_outputs",
         )
     for idx, tool in enumerate(tools):
         if tool.function.parameters is not None:
@@ -76,6 +92,29 @@ def plan_tools(
         parallel = parallel_tool_calls is not False
         return ToolPlan(definitions, fmt.call_grammar(definitions, parallel), True, markers)
     return ToolPlan(definitions, None, True, markers)
+
+
+def output_constraint(outputs: StructuredOutputs) -> StructuredOutput:
+    """A regex or choice constraint as a Lark grammar (the engine compiles it; a regex it
+    cannot parse comes back as a 400 invalid_grammar)."""
+    if outputs.regex is not None:
+        return StructuredOutput("lark", f"start: /{_lark_regex_body(outputs.regex)}/")
+    choices = outputs.choice or []
+    return StructuredOutput("lark", "start: " + " | ".join(json.dumps(c) for c in choices))
+
+
+def _lark_regex_body(regex: str) -> str:
+    """The regex between Lark's slashes: an unescaped '/' would end it, so it becomes '\\/';
+    escape pairs ('\\/', '\\\\') pass through unchanged."""
+    out, chars = [], iter(regex)
+    for char in chars:
+        if char == "\\":
+            out.append(char + next(chars, ""))  # a lone final backslash: the engine refuses it
+        elif char == "/":
+            out.append("\\/")
+        else:
+            out.append(char)
+    return "".join(out)
 
 
 def response_constraint(response_format: ResponseFormat | None) -> StructuredOutput | None:
