@@ -22,7 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from densa.router.config import RouterConfig
-from densa.router.incoming import CHAT, COMPLETIONS, ModelInfo, read_incoming
+from densa.router.incoming import (
+    CHAT,
+    COMPLETIONS,
+    MESSAGES,
+    RESPONSES,
+    ModelInfo,
+    read_incoming,
+)
 from densa.router.lengths import LengthEstimator
 from densa.router.membership import apply_membership, check_admin, describe, roles_from_body
 from densa.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -141,6 +148,8 @@ def _state(request: Request) -> RouterState:
 def _add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/chat/completions", _generate(CHAT), methods=["POST"])
     app.add_api_route("/v1/completions", _generate(COMPLETIONS), methods=["POST"])
+    app.add_api_route("/v1/messages", _generate(MESSAGES), methods=["POST"])
+    app.add_api_route("/v1/responses", _generate(RESPONSES), methods=["POST"])
     app.add_api_route("/v1/models", _list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", _get_model, methods=["GET"])
     app.add_api_route("/health", _health, methods=["GET"])

@@ -6,8 +6,10 @@ tenant sent before is no faster to read, so the router's timing tells nothing ab
 
 The prompt is rendered and tokenized by the workers' own code (densa/serve/prepare.py, with the
 tokenizer and tool-call format the workers reported), and the scope is the workers' own digest:
-the tenant is the identity of the bearer key (parsed as the workers' FastAPI security does), and
-`user` / `cache_salt` narrow it. So a block hash here is the one the chosen worker will look up.
+the tenant is the identity of the key (Bearer, else x-api-key, as the workers read it), and
+`user` / `cache_salt` narrow it. Anthropic Messages and OpenAI Responses bodies are read as the
+chat requests the workers translate them to. So a block hash here is the one the chosen worker
+will look up.
 
 The router forwards the body's bytes untouched. A body it cannot read (bad JSON, invalid fields,
 a template error) is still forwarded -- the worker answers with its own exact error -- only
@@ -26,8 +28,12 @@ from starlette.datastructures import Headers
 from densa.cache.scope import tenant_of
 from densa.router.tokens import PieceCachingTokenizer
 from densa.serve import prepare
+from densa.serve.anthropic_api.models import MessagesRequest
+from densa.serve.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
 from densa.serve.errors import APIError
 from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
+from densa.serve.responses_api.models import ResponsesRequest
+from densa.serve.responses_api.to_chat import to_chat_request as responses_to_chat
 from densa.serve.tools.formats import ToolCallFormat
 from densa.serve.tracking import SESSION_HEADER
 
@@ -37,6 +43,8 @@ from densa.serve.tracking import SESSION_HEADER
 INLINE_BODY_BYTES = 64 * 1024
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+MESSAGES = "/v1/messages"  # Anthropic's; read as the chat request the workers translate it to
+RESPONSES = "/v1/responses"  # OpenAI's; the same
 
 
 @dataclass(frozen=True)
@@ -67,10 +75,12 @@ class Incoming:
 
 
 def tenant_from(headers: Headers) -> str | None:
+    """The key's identity, as the workers take it: `Authorization: Bearer`, else `x-api-key`."""
     scheme, credentials = get_authorization_scheme_param(headers.get("authorization"))
-    if scheme.lower() != "bearer" or not credentials:
-        return None
-    return tenant_of(credentials)
+    if scheme.lower() == "bearer" and credentials:
+        return tenant_of(credentials)
+    key = headers.get("x-api-key")
+    return tenant_of(key) if key else None
 
 
 async def read_incoming(
@@ -82,12 +92,7 @@ async def read_incoming(
         return Incoming(endpoint, body, session)
     stream = data.get("stream") is True
     try:
-        parsed: ChatCompletionRequest | CompletionRequest
-        # Unknown fields are the worker's to refuse (--strict-api) or ignore: read past them.
-        if endpoint == CHAT:
-            parsed = prepare.parse(ChatCompletionRequest, data, ignored=[])
-        else:
-            parsed = prepare.parse(CompletionRequest, data, ignored=[])
+        parsed = _parse(endpoint, data)
     except APIError:
         return Incoming(endpoint, body, session, stream)
     max_tokens = parsed.requested_max_tokens
@@ -96,6 +101,18 @@ async def read_incoming(
     offload = len(body) > INLINE_BODY_BYTES
     prompt_ids = await _prompt_ids(parsed, model, scope, offload) if model is not None else None
     return Incoming(endpoint, body, session, stream, max_tokens, prompt_ids, scope)
+
+
+def _parse(endpoint: str, data: dict[str, Any]) -> ChatCompletionRequest | CompletionRequest:
+    """The body as the workers read it; Messages and Responses as the chat request they become.
+    Unknown fields are the worker's to refuse (--strict-api) or ignore: read past them."""
+    if endpoint == COMPLETIONS:
+        return prepare.parse(CompletionRequest, data, ignored=[])
+    if endpoint == MESSAGES:
+        return anthropic_to_chat(prepare.parse(MessagesRequest, data, ignored=[]))
+    if endpoint == RESPONSES:
+        return responses_to_chat(prepare.parse(ResponsesRequest, data, ignored=[]))
+    return prepare.parse(ChatCompletionRequest, data, ignored=[])
 
 
 async def _prompt_ids(

@@ -247,3 +247,34 @@ def test_the_densa_router_command_serves_and_stops_on_sigterm(
         log.close()
     text = (tmp_path / "router.log").read_text()
     assert f"-> {worker} status=200" in text  # the log line names the worker
+
+
+def test_anthropic_and_responses_clients_keep_their_session_and_prefix(
+    workers: list[WorkerProcess],
+) -> None:
+    """/v1/messages and /v1/responses through the router: read as the chat requests the workers
+    make of them, so a session's turns stay on one worker and reuse its cached prefix; the
+    Anthropic client's x-api-key is the same tenant as a Bearer key."""
+    import anthropic
+
+    with router_over([w.url for w in workers]) as (base, _):
+        claude = anthropic.Anthropic(base_url=base, api_key="key-a", max_retries=0, timeout=120)
+        places, cached = [], []
+        for turn in range(3):
+            raw = claude.messages.with_raw_response.create(
+                model="tiny", max_tokens=4, system=SYSTEM,
+                messages=[{"role": "user", "content": f"Question {turn}?"}],
+                extra_headers={"x-session-affinity": "claude-1"},
+            )  # fmt: skip
+            places.append(raw.headers["x-densa-worker"])
+            cached.append(raw.parse().usage.cache_read_input_tokens)
+        assert len(set(places)) == 1 and all(n and n > 0 for n in cached[1:]), (places, cached)
+
+        api = client(base, "key-a")
+        raw_response = api.responses.with_raw_response.create(
+            model="tiny", instructions=SYSTEM, input="Question 9?", max_output_tokens=4,
+            extra_headers={"x-session-affinity": "claude-1"},
+        )  # fmt: skip
+        assert raw_response.headers["x-densa-worker"] == places[0]
+        usage = raw_response.parse().usage
+        assert usage is not None and usage.input_tokens_details.cached_tokens > 0
