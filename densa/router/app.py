@@ -201,7 +201,8 @@ async def _ask_models(request: Request, path: str) -> Response:
     """Any healthy worker's answer (they serve the same model)."""
     state = _state(request)
     assert state.proxy is not None
-    headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+    keys = ("authorization", "x-api-key")  # the caller's key, as either client sends it
+    headers = {k: v for k, v in request.headers.items() if k.lower() in keys}
     for worker in state.router.pool.healthy():
         if worker.role == "prefill":
             continue
