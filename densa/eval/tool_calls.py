@@ -28,11 +28,12 @@ from densa.eval.report import QualityReport, new_report
 from densa.eval.stats import DEFAULT_BOOTSTRAP, Bootstrap, mean_ci, paired_difference_ci
 from densa.measure.report import Table
 from densa.sampling_params import SamplingParams
-from densa.serve.tools.formats import AUTO, resolve_format
+from densa.serve.tools.formats import AUTO, ToolCallFormat, resolve_format
 from densa.serve.tools.models import ToolDefinition
 from densa.serve.tools.parser import parse_output
-from densa.serve.tools.plan import plan_tools
+from densa.serve.tools.plan import ToolPlan, plan_tools
 from densa.serve.tools.render import render_messages
+from densa.text.tokenizer import Tokenizer
 
 MODES = ("unconstrained", "constrained")
 
@@ -73,6 +74,20 @@ def load_tool_cases(settings: ToolEvalSettings) -> list[ToolCase]:
     return cases
 
 
+def case_prompt(
+    tokenizer: Tokenizer, case: ToolCase, plan: ToolPlan, calls_format: ToolCallFormat
+) -> list[int]:
+    """The case's prompt as the server renders it (serve/prepare.py chat_prompt): a template
+    that renders tools gets them; otherwise render_messages writes them into the system
+    message."""
+    renders_tools = tokenizer.template_renders_tools
+    messages = render_messages(
+        case.messages, plan.tools, calls_format, renders_tools,
+        tokenizer.template_renders_tool_calls,
+    )  # fmt: skip
+    return tokenizer.encode_chat(messages, plan.tools if renders_tools and plan.tools else None)
+
+
 def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[CaseResult]:
     prompts: list[str | list[int]] = []
     params = []
@@ -82,14 +97,7 @@ def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[Cas
         plan = plan_tools(
             calls_format, tools, "required" if mode == "constrained" else "auto", False, None
         )
-        messages = render_messages(
-            case.messages,
-            plan.tools,
-            calls_format,
-            llm.tokenizer.template_renders_tools,
-            llm.tokenizer.template_renders_tool_calls,
-        )
-        prompts.append(llm.tokenizer.encode_chat(messages))
+        prompts.append(case_prompt(llm.tokenizer, case, plan, calls_format))
         params.append(
             SamplingParams(
                 temperature=0,

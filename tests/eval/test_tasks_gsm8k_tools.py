@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,25 @@ def test_gsm8k_report_greedy_only_or_with_sampled_trials(
 def test_gsm8k_settings_refuse_a_single_sampled_trial() -> None:
     with pytest.raises(ValueError, match="num_seeds 0 or >= 2"):
         gsm8k.GSM8KSettings(num_seeds=1)
+
+
+def test_a_template_that_renders_tools_gets_them_in_the_eval_prompt(
+    real_model: Callable[[str], Path],
+) -> None:
+    """Qwen2.5's template renders `tools` itself: the eval must pass them to it, as the server
+    does (without them the prompt offers no function, and the model answers in prose)."""
+    from densa.eval.tool_calls import case_prompt
+    from densa.model.loader import resolve_model_dir
+    from densa.serve.tools.formats import AUTO, resolve_format
+    from densa.serve.tools.models import ToolDefinition
+    from densa.serve.tools.plan import plan_tools
+    from densa.text.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(resolve_model_dir(str(real_model("qwen2.5-coder-0.5b"))))
+    assert tokenizer.template_renders_tools
+    [case] = load_tool_cases(ToolEvalSettings(limit_simple=1, limit_multiple=0))
+    calls_format = resolve_format(AUTO, tokenizer)
+    tools = [ToolDefinition.model_validate(t) for t in case.tools]
+    plan = plan_tools(calls_format, tools, "auto", False, None)
+    text = tokenizer.decode(case_prompt(tokenizer, case, plan, calls_format), False)
+    assert "<tools>" in text and case.tools[0]["function"]["name"] in text
