@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -102,3 +102,16 @@ def make_tiny_llama(
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+@pytest.fixture
+def forced_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Force the native kernels' code path (`request.param`, e.g. "avx2") for one test:
+    parametrize with indirect=True."""
+    from densa.kernels import native
+
+    monkeypatch.setenv(native.ISA_ENV, request.param)
+    native.isa.cache_clear()
+    yield request.param
+    monkeypatch.delenv(native.ISA_ENV)
+    native.isa.cache_clear()

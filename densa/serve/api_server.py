@@ -405,7 +405,8 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
     body = await _read(ChatCompletionRequest, request)
     call, plan = await _prepare_chat(request, body, session_id, deadline)
     state, created = _state(request), int(time.time())
-    tokenizer = state.check_can_serve(body.model)
+    tokenizer = state.tokenizer
+    assert tokenizer is not None  # checked by _prepare_chat (check_can_serve)
 
     def new_formatter() -> ChatFormatter:  # one per choice: each parses its own answer
         return ChatFormatter(

@@ -14,7 +14,6 @@ when alone: how a context is split must not depend on the batch either.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import torch
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine, StepRecord
-from densa.kernels import native
 from densa.sampling_params import SamplingParams
 from tests.conftest import make_tiny_llama
 
@@ -122,15 +120,6 @@ def one_kv_head_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path)
     return make_tiny_llama(
         tmp_path_factory.mktemp("one-kv-head"), smollm2_dir, num_key_value_heads=1
     )
-
-
-@pytest.fixture
-def forced_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setenv(native.ISA_ENV, request.param)
-    native.isa.cache_clear()
-    yield request.param
-    monkeypatch.delenv(native.ISA_ENV)
-    native.isa.cache_clear()
 
 
 def _engine(model_dir: Path, weights: str, kv: str) -> LLMEngine:

@@ -5,7 +5,7 @@ CPU runs (AVX2 forced too)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,15 +55,6 @@ def biased_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path
             param.normal_(0, 0.08)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
-
-
-@pytest.fixture
-def forced_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setenv(native.ISA_ENV, request.param)
-    native.isa.cache_clear()
-    yield request.param
-    monkeypatch.delenv(native.ISA_ENV)
-    native.isa.cache_clear()
 
 
 # Three prompts (lengths, page tables): pages are scattered and shared by no one.
