@@ -405,8 +405,6 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
     body = await _read(ChatCompletionRequest, request)
     call, plan = await _prepare_chat(request, body, session_id, deadline)
     state, created = _state(request), int(time.time())
-    tokenizer = state.tokenizer
-    assert tokenizer is not None  # checked by _prepare_chat (check_can_serve)
 
     def new_formatter() -> ChatFormatter:  # one per choice: each parses its own answer
         return ChatFormatter(
@@ -416,7 +414,7 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
             _token_texts(state),
             body.num_logprobs,
             tool_format=_calls_format(request, plan),
-            reasoning=_reasoning_splitter(state, tokenizer, call.prompt_token_ids, body),
+            reasoning=_reasoning_splitter(request, call.prompt_token_ids, body),
         )
 
     return await _respond(request, call, new_formatter, body)
@@ -472,9 +470,14 @@ async def anthropic_messages(request: Request, session_id: SessionHeader = None)
     deadline = _deadline(request)
     body = await _read(MessagesRequest, request)
     chat = anthropic_to_chat(body)
+    if body.thinking is not None and body.thinking.budget_tokens is not None:
+        _note_ignored(request, ["thinking.budget_tokens"])
     call, plan = await _prepare_chat(request, chat, session_id, deadline)
     formatter = anthropic.MessagesFormatter(
-        call.request_id, body.model, _calls_format(request, plan)
+        call.request_id,
+        body.model,
+        _calls_format(request, plan),
+        _reasoning_splitter(request, call.prompt_token_ids, chat),
     )
     return await _respond(request, call, lambda: formatter, chat, anthropic.FRAMING)
 
@@ -504,16 +507,20 @@ async def openai_responses(request: Request, session_id: SessionHeader = None) -
     chat = responses_to_chat(body)
     call, plan = await _prepare_chat(request, chat, session_id, deadline)
     skeleton = skeleton_of(call.request_id, int(time.time()), body)
-    formatter = ResponseFormatter(skeleton, _calls_format(request, plan))
+    reasoning = _reasoning_splitter(request, call.prompt_token_ids, chat)
+    formatter = ResponseFormatter(skeleton, _calls_format(request, plan), reasoning)
     return await _respond(request, call, lambda: formatter, chat, formatter.framing)
 
 
 def _reasoning_splitter(
-    state: ServerState, tokenizer: Tokenizer, prompt_ids: list[int], body: ChatCompletionRequest
+    request: Request, prompt_ids: list[int], body: ChatCompletionRequest
 ) -> ReasoningSplitter | None:
-    fmt = state.reasoning_format
+    """The split of one answer's reasoning from its content; None without --reasoning-parser."""
+    state = _state(request)
+    fmt, tokenizer = state.reasoning_format, state.tokenizer
     if fmt is None:
         return None
+    assert tokenizer is not None  # checked by _prepare_chat (check_can_serve)
     return fmt.splitter(tokenizer, prompt_ids, templates.template_variables(tokenizer, body))
 
 

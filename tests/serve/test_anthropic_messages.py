@@ -221,8 +221,10 @@ def _post(server: RunningServer, body: dict[str, Any], path: str = "/v1/messages
         ({"model": "claude-x", "max_tokens": 1, "messages": ASK}, 404, "not_found_error",
          "claude-x"),
         ({"model": MODEL_NAME, "max_tokens": 1, "messages": ASK,
-          "thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error",
-         "thinking"),
+          "thinking": {"type": "sometimes"}}, 400, "invalid_request_error", "thinking"),
+        ({"model": MODEL_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": [
+            {"type": "thinking", "thinking": "t", "signature": ""}]}]}, 400,
+         "invalid_request_error", "assistant"),
         ({"model": MODEL_NAME, "max_tokens": 1, "messages": ASK,
           "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
          "invalid_request_error", "server tools"),

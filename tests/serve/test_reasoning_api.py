@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import pytest
 from pydantic import BaseModel
@@ -26,9 +27,11 @@ from densa.text.tokenizer import Tokenizer
 from .support import MODEL_NAME, RunningServer, engine_client, running_server
 
 # Opens <think> in the prompt (DeepSeek R1 style) unless enable_thinking is false, when it
-# closes an empty one (Qwen3 style).
+# closes an empty one (Qwen3 style); shows an earlier turn's reasoning_content.
 TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}<think></think>\n"
     "{% else %}<think>\n{% endif %}{% endif %}"
@@ -41,6 +44,10 @@ WEATHER = {
         "name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
     },
+}
+ANTHROPIC_WEATHER: Any = {
+    "name": "get_weather",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -203,3 +210,136 @@ def test_the_chat_template_option_replaces_the_models_template(
     info = httpx.get(reasoning_server.base_url + "/densa/info").json()
     assert info["tokenizer"]["chat_template"] == TEMPLATE
     assert reasoning_server.tokenizer.render_chat(ASK).endswith("assistant\n<think>\n")
+
+
+# ---- the same split in Anthropic Messages and OpenAI Responses ----------------------------------
+def anthropic_client(server: RunningServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key="test-key", max_retries=0)
+
+
+def message(server: RunningServer, **kwargs: Any) -> Any:
+    return anthropic_client(server).messages.create(
+        model=MODEL_NAME, max_tokens=64, messages=ASK, **kwargs
+    )
+
+
+def test_a_message_puts_the_reasoning_in_a_first_thinking_block(
+    reasoning_server: RunningServer, scripted: ScriptedAnswer
+) -> None:
+    scripted.text = ANSWER
+    answer = message(reasoning_server, thinking={"type": "enabled", "budget_tokens": 1024})
+    [thinking, text] = answer.content
+    assert thinking.type == "thinking" and thinking.thinking == "The sea is salty, so"
+    assert text.type == "text" and text.text == "Yes, it is salty."
+
+
+@pytest.mark.parametrize("tokens_per_output", [1, 3])
+def test_a_streamed_message_rebuilds_the_same_blocks(
+    reasoning_server: RunningServer, scripted: ScriptedAnswer, tokens_per_output: int
+) -> None:
+    scripted.text, scripted.tokens_per_output = f"Maybe.</think>Checking.{CALL}", tokens_per_output
+    with anthropic_client(reasoning_server).messages.stream(
+        model=MODEL_NAME, max_tokens=64, messages=ASK, tools=[ANTHROPIC_WEATHER]
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    thinking_deltas = [e.delta.thinking for e in events if e.type == "content_block_delta"
+                       and e.delta.type == "thinking_delta"]  # fmt: skip
+    assert "".join(thinking_deltas) == "Maybe."
+    assert [block.type for block in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[0].thinking == "Maybe." and final.content[1].text == "Checking."
+    assert final.content[2].input == {"city": "Paris"} and final.stop_reason == "tool_use"
+    whole = message(reasoning_server, tools=[ANTHROPIC_WEATHER])
+    assert [block.model_dump() for block in whole.content[:2]] == [
+        block.model_dump() for block in final.content[:2]
+    ]
+
+
+def test_thinking_sent_back_reaches_the_template_and_disabled_turns_it_off(
+    reasoning_server: RunningServer, scripted: ScriptedAnswer
+) -> None:
+    """An earlier turn's thinking block becomes its reasoning_content; `thinking: disabled` is
+    the template's enable_thinking switch, and a budget the server cannot enforce is named."""
+    scripted.text = "Plainly yes.</think>"
+    turns: list[Any] = [
+        *ASK,
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Salt, yes.", "signature": ""},
+            {"type": "redacted_thinking", "data": "opaque"},
+            {"type": "text", "text": "Yes."},
+        ]},
+        {"role": "user", "content": "Why?"},
+    ]  # fmt: skip
+    raw = anthropic_client(reasoning_server).messages.with_raw_response.create(
+        model=MODEL_NAME, max_tokens=64, messages=turns, thinking={"type": "disabled"}
+    )
+    answer = raw.parse()
+    assert [block.type for block in answer.content] == ["text"]
+    assert answer.content[0].text == "Plainly yes.</think>"
+    assert "x-densa-ignored-fields" not in raw.headers
+    expected = reasoning_server.tokenizer.render_chat(
+        [*ASK, {"role": "assistant", "content": "Yes.", "reasoning_content": "Salt, yes."},
+         {"role": "user", "content": "Why?"}],
+        variables={"enable_thinking": False},
+    )  # fmt: skip
+    assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == len(
+        reasoning_server.tokenizer.encode(expected, False)
+    )
+    budget = anthropic_client(reasoning_server).messages.with_raw_response.create(
+        model=MODEL_NAME, max_tokens=64, messages=ASK,
+        thinking={"type": "enabled", "budget_tokens": 2048},
+    )  # fmt: skip
+    assert budget.headers["x-densa-ignored-fields"] == "thinking.budget_tokens"
+
+
+def test_a_response_puts_the_reasoning_in_a_first_reasoning_item(
+    reasoning_server: RunningServer, scripted: ScriptedAnswer
+) -> None:
+    scripted.text = ANSWER
+    response = reasoning_server.client().responses.create(model=MODEL_NAME, input=ASK)
+    [reasoning, answer] = response.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert [part.text for part in reasoning.content] == ["The sea is salty, so"]
+    assert answer.type == "message" and answer.content[0].text == "Yes, it is salty."
+    assert response.output_text == "Yes, it is salty."
+
+
+@pytest.mark.parametrize("tokens_per_output", [1, 3])
+def test_a_streamed_response_streams_its_reasoning_first(
+    reasoning_server: RunningServer, scripted: ScriptedAnswer, tokens_per_output: int
+) -> None:
+    scripted.text, scripted.tokens_per_output = f"Maybe.</think>{CALL}", tokens_per_output
+    tools: list[Any] = [{"type": "function", **WEATHER["function"]}]
+    events = list(
+        reasoning_server.client().responses.create(
+            model=MODEL_NAME, input=ASK, tools=tools, stream=True
+        )
+    )
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == "Maybe."
+    [done] = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert done.text == "Maybe." and done.output_index == 0
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    assert final.output[0].content[0].text == "Maybe."
+    assert json.loads(final.output[1].arguments) == {"city": "Paris"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_reasoning_items_sent_back_open_the_assistant_turn(
+    reasoning_server: RunningServer, scripted: ScriptedAnswer
+) -> None:
+    scripted.text = "Because of salt."
+    turns: list[Any] = [
+        *ASK,
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Salt, yes."}]},
+        {"role": "assistant", "content": "Yes."},
+        {"role": "user", "content": "Why?"},
+    ]  # fmt: skip
+    response = reasoning_server.client().responses.create(model=MODEL_NAME, input=turns)
+    expected = reasoning_server.tokenizer.render_chat(
+        [*ASK, {"role": "assistant", "content": "Yes.", "reasoning_content": "Salt, yes."},
+         {"role": "user", "content": "Why?"}]
+    )  # fmt: skip
+    assert response.usage.input_tokens == len(reasoning_server.tokenizer.encode(expected, False))

@@ -4,7 +4,8 @@ A stream is
 
     message_start (usage so far: the prompt) - ping
     per content block: content_block_start - content_block_delta* - content_block_stop
-        (text_delta for text, input_json_delta for a tool_use block's input JSON)
+        (thinking_delta for the reasoning, text_delta for text, input_json_delta for a tool_use
+        block's input JSON)
     message_delta (stop_reason, stop_sequence, final usage) - message_stop
 
 and its blocks are exactly the non-streamed answer's (serve/blocks.py). A tool_use block's `input`
@@ -38,11 +39,14 @@ from densa.serve.anthropic_api.models import (
     StopInfo,
     TextContent,
     TextDelta,
+    ThinkingContent,
+    ThinkingDelta,
     ToolUseContent,
 )
 from densa.serve.blocks import Block, BlockDelta, BlockEvent, BlockStart, BlockStream, whole_blocks
 from densa.serve.errors import APIError
 from densa.serve.generation import Framing
+from densa.serve.reasoning import ReasoningSplitter
 from densa.serve.responses import Generation
 from densa.serve.tools.formats import ToolCallFormat
 from densa.text.output import RequestOutput
@@ -54,15 +58,17 @@ class MessagesFormatter:
     model: str
     # Set when the request offers tools: the answer is read for calls in this format.
     tool_format: ToolCallFormat | None = None
+    # Set with --reasoning-parser: the reasoning becomes a first `thinking` block.
+    reasoning: ReasoningSplitter | None = None
     _blocks: BlockStream = field(init=False)
     _kinds: list[str] = field(default_factory=list, init=False)  # each streamed block's kind
     _started: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        self._blocks = BlockStream(self.tool_format)
+        self._blocks = BlockStream(self.tool_format, self.reasoning)
 
     def response(self, generation: Generation) -> Message:
-        blocks = whole_blocks(self.tool_format, generation.text)
+        blocks = whole_blocks(self.tool_format, generation.text, self.reasoning)
         num_calls = sum(block.kind == "call" for block in blocks)
         stop = stop_info(generation.final, num_calls)
         return Message(
@@ -101,15 +107,21 @@ class MessagesFormatter:
             block = Block(event.kind, call_id=event.call_id, name=event.name)
             return ContentBlockStart(index=event.index, content_block=_content(block, {}))
         if isinstance(event, BlockDelta):
-            is_text = self._kinds[event.index] == "text"
-            delta = (
-                TextDelta(text=event.text) if is_text else InputJsonDelta(partial_json=event.text)
+            return ContentBlockDelta(
+                index=event.index, delta=_delta(self._kinds[event.index], event.text)
             )
-            return ContentBlockDelta(index=event.index, delta=delta)
         return ContentBlockStop(index=event.index)
 
 
+def _delta(kind: str, text: str) -> ThinkingDelta | TextDelta | InputJsonDelta:
+    if kind == "reasoning":
+        return ThinkingDelta(thinking=text)
+    return TextDelta(text=text) if kind == "text" else InputJsonDelta(partial_json=text)
+
+
 def _content(block: Block, tool_input: dict[str, Any] | None = None) -> ContentBlock:
+    if block.kind == "reasoning":
+        return ThinkingContent(thinking=block.text)
     if block.kind == "text":
         return TextContent(text=block.text)
     arguments = tool_input if tool_input is not None else _object_or_empty(block.text)

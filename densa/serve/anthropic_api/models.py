@@ -58,7 +58,26 @@ class ToolResultBlock(_Body):
         return self.content if isinstance(self.content, str) else _join(self.content)
 
 
-InputBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Body):
+    """An earlier assistant turn's reasoning, sent back as the answer gave it. Its signature is
+    not checked: densa's answers carry an empty one."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(_Body):
+    """Reasoning another server encrypted: densa cannot read it, so the turn goes on without it."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+InputBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
 
 
 class InputMessage(_Body):
@@ -74,6 +93,8 @@ class InputMessage(_Body):
             raise ValueError("tool_use blocks belong in assistant messages")
         if self.role == "assistant" and "tool_result" in kinds:
             raise ValueError("tool_result blocks belong in user messages")
+        if self.role == "user" and kinds & {"thinking", "redacted_thinking"}:
+            raise ValueError("thinking blocks belong in assistant messages")
         return self
 
 
@@ -110,6 +131,17 @@ class ToolChoice(_Body):
         return self
 
 
+class ThinkingConfig(_Body):
+    """Extended thinking. "disabled" turns the template's thinking switch off where it has one
+    (Qwen3's and GLM's enable_thinking); "enabled" and "adaptive" leave the model to think as its
+    template does. The reasoning comes back as `thinking` blocks when the server splits it
+    (`--reasoning-parser`). `budget_tokens` is read and not enforced: max_tokens bounds the whole
+    answer (the response names it in x-densa-ignored-fields)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = None
+
+
 class Metadata(_Body):
     user_id: str | None = None
 
@@ -127,9 +159,7 @@ class MessagesRequest(_Body):
     tools: list[ToolSpec] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
-    thinking: Annotated[Any, Unsupported("thinking (extended thinking)", {"type": "disabled"})] = (
-        None
-    )
+    thinking: ThinkingConfig | None = None
     service_tier: Annotated[Any, Unsupported("service_tier", "auto", "standard_only")] = None
     output_config: Annotated[Any, Unsupported("output_config")] = None
     container: Annotated[Any, Unsupported("container (server-side code execution)")] = None
@@ -146,9 +176,7 @@ class CountTokensRequest(_Body):
     system: str | list[TextBlock] | None = None
     tools: list[ToolSpec] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
-    thinking: Annotated[Any, Unsupported("thinking (extended thinking)", {"type": "disabled"})] = (
-        None
-    )
+    thinking: ThinkingConfig | None = None
 
 
 def _join(blocks: list[TextBlock]) -> str:
@@ -171,7 +199,15 @@ class ToolUseContent(BaseModel):
     input: dict[str, Any]
 
 
-ContentBlock = TextContent | ToolUseContent
+class ThinkingContent(BaseModel):
+    """The reasoning the split found (`--reasoning-parser`); always the first block."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""  # densa does not sign its reasoning; one sent back is taken as it is
+
+
+ContentBlock = ThinkingContent | TextContent | ToolUseContent
 
 
 class MessageUsage(BaseModel):
@@ -220,6 +256,11 @@ class TextDelta(BaseModel):
     text: str
 
 
+class ThinkingDelta(BaseModel):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
 class InputJsonDelta(BaseModel):
     type: Literal["input_json_delta"] = "input_json_delta"
     partial_json: str
@@ -228,7 +269,7 @@ class InputJsonDelta(BaseModel):
 class ContentBlockDelta(BaseModel):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: ThinkingDelta | TextDelta | InputJsonDelta
 
 
 class ContentBlockStop(BaseModel):

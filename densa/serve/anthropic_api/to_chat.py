@@ -4,6 +4,8 @@
     user text blocks                       -> a "user" message (blocks joined by "\\n")
     user tool_result blocks                -> "tool" messages, in order (is_error: "error: ...")
     assistant text + tool_use blocks       -> an "assistant" message with content and tool_calls
+    assistant thinking blocks              -> its reasoning_content (redacted_thinking: dropped)
+    thinking {"type": "disabled"}          -> reasoning_effort "none" (the template's switch off)
     tools {name, description, input_schema}-> function tools
     tool_choice auto / any / tool / none   -> auto / required / that function / none
     disable_parallel_tool_use              -> parallel_tool_calls: false
@@ -24,6 +26,7 @@ from densa.serve.anthropic_api.models import (
     InputMessage,
     MessagesRequest,
     TextBlock,
+    ThinkingBlock,
     ToolChoice,
     ToolResultBlock,
     ToolSpec,
@@ -41,6 +44,7 @@ def to_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletio
         "tools": _tools(body.tools),
         "tool_choice": _tool_choice(body.tool_choice),
         "parallel_tool_calls": _parallel(body.tool_choice),
+        "reasoning_effort": "none" if body.thinking and body.thinking.type == "disabled" else None,
     }
     if isinstance(body, MessagesRequest):
         data |= {
@@ -72,7 +76,10 @@ def chat_messages(
 def _assistant(blocks: list[Any]) -> dict[str, Any]:
     texts = [block.text for block in blocks if isinstance(block, TextBlock)]
     calls = [_call(block) for block in blocks if isinstance(block, ToolUseBlock)]
+    thoughts = [block.thinking for block in blocks if isinstance(block, ThinkingBlock)]
     message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) or None}
+    if thoughts:
+        message["reasoning_content"] = "\n".join(thoughts)
     if calls:
         message["tool_calls"] = calls
     elif message["content"] is None:
@@ -96,7 +103,7 @@ def _user(blocks: list[Any]) -> list[dict[str, Any]]:
                 chat.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
             chat.append(_tool_result(block))
-        else:
+        elif isinstance(block, TextBlock):
             texts.append(block.text)
     if texts or not chat:
         chat.append({"role": "user", "content": "\n".join(texts)})

@@ -1,9 +1,12 @@
 """Engine outputs as an OpenAI Responses response object, or as its stream of events.
 
-Text becomes a `message` output item, each tool call a `function_call` item, in the order the
-model wrote them (serve/blocks.py). A stream is
+Reasoning (with `--reasoning-parser`) becomes a first `reasoning` item, text a `message` output
+item, each tool call a `function_call` item, in the order the model wrote them (serve/blocks.py).
+A stream is
 
     response.created - response.in_progress
+    reasoning:       output_item.added - reasoning_text.delta* - reasoning_text.done -
+                     output_item.done
     per text block:  output_item.added - content_part.added - output_text.delta* -
                      output_text.done - content_part.done - output_item.done
     per call:        output_item.added - function_call_arguments.delta* -
@@ -24,6 +27,7 @@ from pydantic import BaseModel
 from densa.serve.blocks import Block, BlockDelta, BlockEvent, BlockStart, BlockStream, whole_blocks
 from densa.serve.errors import APIError
 from densa.serve.generation import Framing
+from densa.serve.reasoning import ReasoningSplitter
 from densa.serve.responses import Generation
 from densa.serve.responses_api.models import (
     ArgumentsDeltaEvent,
@@ -37,6 +41,10 @@ from densa.serve.responses_api.models import (
     MessageOut,
     OutputItem,
     OutputItemEvent,
+    ReasoningDeltaEvent,
+    ReasoningDoneEvent,
+    ReasoningOut,
+    ReasoningTextOut,
     ResponseError,
     ResponseEvent,
     ResponseObject,
@@ -64,15 +72,17 @@ class ResponseFormatter:
     skeleton: ResponseObject
     # Set when the request offers tools: the answer is read for calls in this format.
     tool_format: ToolCallFormat | None = None
+    # Set with --reasoning-parser: the reasoning becomes a first `reasoning` item.
+    reasoning: ReasoningSplitter | None = None
     _blocks: BlockStream = field(init=False)
     _items: list[_Item] = field(default_factory=list, init=False)
     _num_events: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        self._blocks = BlockStream(self.tool_format)
+        self._blocks = BlockStream(self.tool_format, self.reasoning)
 
     def response(self, generation: Generation) -> ResponseObject:
-        blocks = whole_blocks(self.tool_format, generation.text)
+        blocks = whole_blocks(self.tool_format, generation.text, self.reasoning)
         items = [_Item(block, _item_id(block)) for block in blocks]
         return self._finished(generation.final, _final_outputs(items, generation.final))
 
@@ -127,15 +137,18 @@ class ResponseFormatter:
         return events
 
     def _delta(self, idx: int, text: str) -> BaseModel:
-        item_id = self._items[idx].item_id
-        if self._items[idx].block.kind == "text":
-            return self._event(TextDeltaEvent, item_id=item_id, output_index=idx, delta=text)
-        return self._event(ArgumentsDeltaEvent, item_id=item_id, output_index=idx, delta=text)
+        item_id, kind = self._items[idx].item_id, self._items[idx].block.kind
+        event = _DELTA_EVENTS[kind]
+        return self._event(event, item_id=item_id, output_index=idx, delta=text)
 
     def _item_done(self, idx: int, status: ItemStatus) -> list[BaseModel]:
         item = self._items[idx]
         block, item_id = item.block, item.item_id
-        if block.kind == "text":
+        if block.kind == "reasoning":
+            events = [
+                self._event(ReasoningDoneEvent, item_id=item_id, output_index=idx, text=block.text)
+            ]
+        elif block.kind == "text":
             events = [
                 self._event(TextDoneEvent, item_id=item_id, output_index=idx, text=block.text),
                 self._part_event("done", idx, TextOut(text=block.text)),
@@ -180,6 +193,12 @@ class ResponseFormatter:
 
 
 _CUT_AT_MAX_TOKENS = IncompleteDetails(reason="max_output_tokens")
+_DELTA_EVENTS: dict[str, type[Event]] = {
+    "reasoning": ReasoningDeltaEvent,
+    "text": TextDeltaEvent,
+    "call": ArgumentsDeltaEvent,
+}
+_ITEM_ID_PREFIXES = {"reasoning": "rs_", "text": "msg_", "call": "fc_"}
 
 
 def skeleton_of(response_id: str, created_at: int, request: ResponsesRequest) -> ResponseObject:
@@ -208,11 +227,14 @@ def _dump(value: Any) -> Any:
 
 
 def _item_id(block: Block) -> str:
-    return ("msg_" if block.kind == "text" else "fc_") + uuid.uuid4().hex
+    return _ITEM_ID_PREFIXES[block.kind] + uuid.uuid4().hex
 
 
 def _output(item: _Item, status: ItemStatus) -> OutputItem:
     block = item.block
+    if block.kind == "reasoning":
+        thought = [ReasoningTextOut(text=block.text)] if status != "in_progress" else []
+        return ReasoningOut(id=item.item_id, status=status, content=thought)
     if block.kind == "text":
         text = [TextOut(text=block.text)] if status != "in_progress" else []
         return MessageOut(id=item.item_id, status=status, content=text)

@@ -82,6 +82,28 @@ class FunctionCallOutputItem(_Body):
         return self.output if isinstance(self.output, str) else _join(self.output)
 
 
+class ReasoningText(_Body):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_Body):
+    """An earlier answer's reasoning, sent back as the response gave it: it becomes the next
+    assistant message's reasoning_content (templates may show it). `encrypted_content` is another
+    server's; densa cannot read it."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] | None = None
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+    @property
+    def text(self) -> str:
+        return _join(self.content or [])
+
+
 def _join(parts: list[Any]) -> str:
     return "\n".join(part.text for part in parts)
 
@@ -94,12 +116,13 @@ def _item_kind(value: Any) -> str:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(
         _item_kind,
         custom_error_type="unsupported_item",
-        custom_error_message="input items may be message, function_call and "
-        "function_call_output items; no other kind is supported",
+        custom_error_message="input items may be message, function_call, function_call_output "
+        "and reasoning items; no other kind is supported",
     ),
 ]
 
@@ -208,7 +231,23 @@ class FunctionCallOut(BaseModel):
     status: ItemStatus
 
 
-OutputItem = MessageOut | FunctionCallOut
+class ReasoningTextOut(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOut(BaseModel):
+    """The reasoning the split found (`--reasoning-parser`); always the first item. densa
+    returns the reasoning itself, not a summary (nor an encrypted copy)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    status: ItemStatus
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningTextOut]
+
+
+OutputItem = ReasoningOut | MessageOut | FunctionCallOut
 
 
 class InputTokensDetails(BaseModel):
@@ -307,6 +346,22 @@ class TextDoneEvent(Event):
     content_index: int = 0
     text: str
     logprobs: list[Any] = Field(default_factory=list)
+
+
+class ReasoningDeltaEvent(Event):
+    type: str = "response.reasoning_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    delta: str
+
+
+class ReasoningDoneEvent(Event):
+    type: str = "response.reasoning_text.done"
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    text: str
 
 
 class ArgumentsDeltaEvent(Event):

@@ -7,6 +7,7 @@ Field by field:
     message items                         -> messages of their role (text parts joined by "\\n")
     function_call items                   -> tool_calls of the assistant turn they follow
     function_call_output items            -> "tool" messages
+    reasoning items                       -> reasoning_content of the assistant turn they open
     tools (flat: name, parameters)        -> function tools
     tool_choice, parallel_tool_calls, temperature, top_p, user, prompt_cache_key,
     safety_identifier                     -> the same chat fields
@@ -26,6 +27,7 @@ from densa.serve.responses_api.models import (
     FunctionCallOutputItem,
     FunctionTool,
     MessageItem,
+    ReasoningItem,
     ResponsesRequest,
     TextConfig,
 )
@@ -56,13 +58,20 @@ def chat_messages(instructions: str | None, items: str | list[Any]) -> list[dict
     chat = [] if instructions is None else [{"role": "system", "content": instructions}]
     if isinstance(items, str):
         return [*chat, {"role": "user", "content": items}]
+    reasoning: list[str] = []  # reasoning items waiting for the assistant turn they open
     for item in items:
+        if isinstance(item, ReasoningItem):
+            reasoning.append(item.text)
+            continue
         if isinstance(item, MessageItem):
             chat.append({"role": item.role, "content": item.text})
         elif isinstance(item, FunctionCallItem):
             _add_call(chat, item)
         else:
             chat.append(_tool_result(item))
+        if reasoning and chat[-1]["role"] == "assistant":
+            chat[-1]["reasoning_content"] = "\n".join(reasoning)
+            reasoning = []
     return chat
 
 
