@@ -28,6 +28,14 @@ class Quantized:
     shape: tuple[int, ...]
 
 
+@dataclass
+class Converted:
+    """One weight already in the parts its runtime layer takes (a shipped checkpoint's weight,
+    converted by densa.quant.shipped); per-expert ones are stacked like dense tensors."""
+
+    parts: Parts
+
+
 Value = torch.Tensor | Quantized
 
 
