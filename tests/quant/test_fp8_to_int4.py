@@ -109,3 +109,17 @@ def test_an_unrelated_int4_checkpoint_is_refused_at_the_handshake(
     assert final.finish_reason == "error" and final.error_code == "kv_peer_mismatch"
     assert "the weights come from different checkpoints" in (final.error or "")
     pair.assert_all_free()
+
+
+def test_gptq_from_the_fp8_checkpoint_loads_and_keeps_the_lineage(
+    llama_pair: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """GPTQ calibrates on the FP8 checkpoint loaded as shipped (dequantized for calibration)."""
+    fp8_dir, _ = llama_pair
+    gptq = WeightFormat("int4", group_size=32, method="gptq")
+    settings = QuantizeSettings(gptq, calibration_passages=4, show_progress=False)
+    result = quantize_checkpoint(str(fp8_dir), tmp_path / "gptq", settings)
+    assert result.calibration_tokens > 0 and result.num_quantized == 14  # 2 layers x 7
+    assert checkpoint_lineage(tmp_path / "gptq") == checkpoint_lineage(fp8_dir)
+    tokens = colocated_tokens(tmp_path / "gptq", [PROMPT], GREEDY, **SMALL)[0]
+    assert len(tokens) == GREEDY.max_tokens
