@@ -458,11 +458,9 @@ def _quantized_modules(
 
 
 def _shipped_modules(model: CausalLM, stored: CheckpointFormat, runtime: WeightFormat) -> set[str]:
-    """The layers that run quantized from a shipped checkpoint: those it stores quantized that
-    densa quantizes too (not MLA's kv_b_proj, routers, ...) and holds exactly; with another
-    runtime format asked (int4 from an FP8 checkpoint), every layer densa quantizes."""
-    if runtime != stored.format:
-        return quantizable_linears(model)
+    """The layers that run quantized from a shipped checkpoint (`runtime` is its format:
+    runtime_format refuses another): those it stores quantized that densa quantizes too (not
+    MLA's kv_b_proj, routers, ...) and holds exactly."""
     modules = {shipped_module(model, name) for name in stored.tensors}
     # A fused layer (q|k|v) with one act-order shard loads dense as a whole.
     reordered = {shipped_module(model, name) for name in stored.dense}

@@ -402,9 +402,9 @@ def convert_shipped(
     runtime: WeightFormat | None,
     dense: set[str],
 ) -> Iterator[tuple[str, Any]]:
-    """Grouped shipped weights -> densa runtime parts (`Converted`) where they run in `runtime`,
-    float32 weights for the names in `dense` and whenever `runtime` is another format (a dense
-    load, or INT4 at load time from an FP8 checkpoint, quantized downstream)."""
+    """Grouped shipped weights -> densa runtime parts (`Converted`) where they run in `runtime`
+    (the checkpoint's format), float32 weights for the names in `dense` and when `runtime` is
+    None (a dense load, or `densa quantize` dequantizing its source)."""
     from densa.quant.checkpoint import Converted, Quantized
 
     quantizer = ShippedQuantizer(ckpt.producer, ckpt.format)
