@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+# "auto" resolves per checkpoint: bfloat16 for one stored in bfloat16, else float32.
+DTYPE_CHOICES = ("auto", *COMPUTE_DTYPES)
 # auto: densa's Numba kernels on the CPU, its Triton kernels on a GPU (torch's without Triton).
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # "auto" resolves to the compute dtype. fp8_e4m3 and int8 are the compressed formats (about half

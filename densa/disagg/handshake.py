@@ -2,8 +2,10 @@
 
 Formats may differ on purpose (prefill BF16 KV, decode FP8 KV: pages are converted at landing);
 the model may not: the same architecture and shapes, the same vocabulary and tokenizer, the same
-page size. A mismatch is refused with a message that names every difference, never a silent
-corruption (SGLang's transfer paired BF16 with FP8 pages and produced garbage).
+page size, and weights of one lineage (an FP8 release and its INT4 conversion pair up; two
+fine-tunes of one base do not: densa.model.lineage). A mismatch is refused with a message that
+names every difference, never a silent corruption (SGLang's transfer paired BF16 with FP8 pages
+and produced garbage).
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ def peer_model(
     page: PageFormat,
     role: str,
     weight_format: str = "",
+    lineage: str = "",
 ) -> PeerModel:
     # As the wire carries it (tuples become lists), so both sides compare like with like.
     plain = msgspec.to_builtins(architecture)
-    return PeerModel(plain, tokenizer_digest(tokenizer), page, role, weight_format)
+    return PeerModel(plain, tokenizer_digest(tokenizer), page, role, weight_format, lineage)
 
 
 def is_landable(page: PageFormat) -> bool:
@@ -71,6 +74,12 @@ def mismatch(ours: PeerModel, theirs: PeerModel) -> str | None:
             problems.append(f"{key}: {mine!r} here, {other!r} there")
     if ours.tokenizer_digest != theirs.tokenizer_digest:
         problems.append("the tokenizers differ")
+    if ours.lineage and theirs.lineage and ours.lineage != theirs.lineage:
+        problems.append(
+            f"the weights come from different checkpoints (lineage {ours.lineage[:12]} here, "
+            f"{theirs.lineage[:12]} there): convert the decode checkpoint from the prefill "
+            "worker's with densa quantize"
+        )
     if ours.page.page_size != theirs.page.page_size:
         problems.append(f"page size: {ours.page.page_size} here, {theirs.page.page_size} there")
     if not is_landable(theirs.page):

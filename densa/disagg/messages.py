@@ -63,6 +63,9 @@ class PeerModel(msgspec.Struct, frozen=True):
     page: PageFormat
     role: Id
     weight_format: Text = ""  # for logs: the formats differ on purpose
+    # The checkpoint the weights come from (densa.model.lineage): an FP8 release and its INT4
+    # conversion share it; "" = not announced (not checked).
+    lineage: Id = ""
 
 
 class PeerHello(msgspec.Struct, tag=True):

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from densa.config import (
     ATTENTION_BACKENDS,
-    COMPUTE_DTYPES,
     DEFAULT_KV_SCALES,
+    DTYPE_CHOICES,
     HEAD_FORMATS,
     KV_CACHE_DTYPES,
     KV_SCALE_POLICIES,
@@ -56,7 +56,9 @@ def default_model_path() -> str:
 class EngineArgs:
     model: str | None = None  # None = the bundled default model
     served_model_name: str | None = None
-    dtype: str = "float32"
+    # Compute dtype (and that of dense weights). auto: bfloat16 for a checkpoint stored in
+    # bfloat16 (kept as shipped), else float32 (densa.model.loader.auto_dtype).
+    dtype: str = "auto"
     max_model_len: int | None = None
     # auto = as the checkpoint's metadata says; dense = dequantize at load; int4 / fp8 = quantize
     # a dense checkpoint at load time (round-to-nearest; `densa quantize` for calibrated ones).
@@ -228,7 +230,7 @@ class EngineArgs:
             help="model id clients use (default: file name); `densa serve` also accepts the "
             "names after the first as aliases",
         )  # fmt: skip
-        g.add_argument("--dtype", default=d.dtype, choices=list(COMPUTE_DTYPES))
+        g.add_argument("--dtype", default=d.dtype, choices=list(DTYPE_CHOICES))
         g.add_argument(
             "--max-model-len", type=int, default=None, help="tokens per request (prompt + output)"
         )

@@ -20,7 +20,7 @@ from densa.model.fused_decode import unsupported_reason
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.model.linear import resident_weight_bytes
-from densa.model.loader import auto_formats, load_model, resolve_model_dir
+from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
 from densa.quant import fp8_kv
 from densa.quant.kv_format import KVFormat
 from densa.sched.stop import StopRule
@@ -51,7 +51,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     model_path = args.model or default_model_path()
     model_dir = resolve_model_dir(model_path)
     weights, head = auto_formats(model_path, model_dir, args.weight_format, args.head_format)
-    args = dataclasses.replace(args, weight_format=weights, head_format=head)
+    dtype = auto_dtype(model_path, model_dir, args.dtype)
+    args = dataclasses.replace(args, weight_format=weights, head_format=head, dtype=dtype)
     arch = ArchConfig.from_dir(model_dir)
     device = torch.device(args.device)
     max_len = args.resolved_max_model_len(arch)

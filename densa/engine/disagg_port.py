@@ -25,6 +25,8 @@ from densa.disagg.transport import KVTransport, ZmqTransport
 from densa.engine.llm_engine import LLMEngine
 from densa.ipc.messages import RequestDelta
 from densa.model.attention import LayerKVCache
+from densa.model.lineage import checkpoint_lineage
+from densa.model.loader import resolve_model_dir
 from densa.sched.output import KVLanding
 from densa.utils.logging import get_logger
 from densa.utils.net import check_kv_listen
@@ -41,7 +43,10 @@ def describe(engine: LLMEngine, role: str) -> PeerModel:
     size = page_bytes(engine.arch, page_size, kv_format.name, kv_format.fp8_policy)
     page = PageFormat(kv_format.name, kv_format.scales, page_size, size)
     architecture = engine.arch.signature()
-    return peer_model(architecture, engine.tokenizer.files, page, role, engine.weight_format)
+    lineage = checkpoint_lineage(resolve_model_dir(engine.config.model.model))
+    return peer_model(
+        architecture, engine.tokenizer.files, page, role, engine.weight_format, lineage
+    )
 
 
 def layer_caches(engine: LLMEngine) -> list[LayerKVCache]:

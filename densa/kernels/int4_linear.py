@@ -102,7 +102,11 @@ def pack_for_cpu(
     group_size: int,
     in_features: int,
 ) -> CpuInt4Pack | None:
-    """torch's packed layout for this weight, or None when its shape constraints are not met."""
+    """torch's packed layout for this weight, or None when its shape constraints are not met
+    or its scales / zeros are not exactly bf16 values (the op's dtype): a checkpoint's fp16 or
+    float32 scales (AWQ, GPTQ, asymmetric zero points) then run dequantize-then-matmul, exact."""
+    if not (_is_bf16_exact(scales) and _is_bf16_exact(zeros)):
+        return None
     out_features = qweight.shape[0]
     op_group = cpu_group_size(out_features, in_features, group_size)
     if op_group is None:
@@ -119,6 +123,12 @@ def pack_for_cpu(
     )
     scales_and_zeros = torch.stack([op_scales, op_zeros], dim=-1).transpose(0, 1)
     return CpuInt4Pack(packed, scales_and_zeros.to(torch.bfloat16).contiguous(), op_group)
+
+
+def _is_bf16_exact(values: torch.Tensor | None) -> bool:
+    if values is None or values.dtype == torch.bfloat16:
+        return True
+    return bool(torch.equal(values.to(torch.bfloat16).to(values.dtype), values))
 
 
 def cpu_int4_linear(

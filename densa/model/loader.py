@@ -10,6 +10,7 @@ stored dense -- `densa quantize` writes the calibrated ones).
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,8 +51,9 @@ from densa.model.quantized_embedding import GGUFEmbedding
 from densa.model.registry import meta_skeleton, model_factory
 from densa.model.stacked_linear import StackedLinear, prepare_stacked, quantize_stacked
 from densa.quant import gguf_blocks
-from densa.quant.checkpoint import Quantized, group_parts, read_format
+from densa.quant.checkpoint import Converted, Quantized, group_parts, read_format
 from densa.quant.quantizer import make_quantizer
+from densa.quant.shipped import UnsupportedCheckpoint, convert_shipped, read_shipped_format
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
 from densa.utils.heap import keep_large_allocations_unmappable, return_free_heap
 from densa.utils.logging import get_logger
@@ -329,6 +331,20 @@ def auto_formats(
     return weight_format, head_format
 
 
+def auto_dtype(model_path: str, model_dir: Path, dtype: str) -> str:
+    """Resolve `--dtype auto`: a checkpoint whose config says bfloat16 (`torch_dtype`, or
+    `dtype` as transformers 5 writes it) computes and keeps its dense weights in bfloat16, as
+    shipped -- upcasting would double their memory; everything else (GGUF files, float32 and
+    float16 checkpoints) in float32, the CPU default (bf16 compute degrades small models)."""
+    if dtype != "auto":
+        return dtype
+    if str(model_path).endswith(".gguf"):
+        return "float32"
+    config = json.loads((model_dir / "config.json").read_text())
+    stored = config.get("torch_dtype") or config.get("dtype")
+    return "bfloat16" if stored == "bfloat16" else "float32"
+
+
 def _auto_head(model_dir: Path, stored: dict[str, str | None]) -> str:
     head = stored.get("head")
     if head is None:
@@ -391,11 +407,20 @@ def runtime_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors -> the tensors the model's parameters take, in HF naming: quantized
     weights become their runtime parts ('<module>.<part>'), or dense weights when dequantizing,
-    and dense weights of quantized layers are quantized on the way (round-to-nearest)."""
-    stored_quantizer = make_quantizer(stored.format) if stored is not None else None
+    and dense weights of quantized layers are quantized on the way (round-to-nearest). A shipped
+    checkpoint's weights are converted one at a time as they are read (densa.quant.shipped)."""
+    grouped = group_parts(raw, stored)
+    shipped = stored is not None and stored.producer != "densa"
+    if shipped:
+        assert stored is not None
+        dense = shipped_dense_names(model, stored, targets)
+        grouped = convert_shipped(grouped, stored, runtime, dense)
+    stored_quantizer = make_quantizer(stored.format) if stored is not None and not shipped else None
     runtime_quantizer = make_quantizer(runtime) if runtime is not None else None
-    for name, value in model.normalize_checkpoint(group_parts(raw, stored)):
-        if isinstance(value, Quantized):
+    for name, value in model.normalize_checkpoint(grouped):
+        if isinstance(value, Converted):
+            yield from _parts_of(name, value.parts)
+        elif isinstance(value, Quantized):
             assert stored_quantizer is not None  # group_parts only makes these from metadata
             if runtime_quantizer is None:
                 yield name, stored_quantizer.dequantize(value.parts, value.shape[-1])
@@ -424,17 +449,52 @@ def _quantized_modules(
         return set()
     if stored is None:  # quantizing a dense checkpoint at load time
         return quantizable_linears(model)
+    if stored.producer != "densa":
+        return _shipped_modules(model, stored, runtime)
     modules = {linear_module_of(model, name) for name in stored.tensors}
     if None in modules:
         raise ModelLoadError("the checkpoint lists a quantized tensor that is not a linear weight")
     return {m for m in modules if m is not None}
 
 
+def _shipped_modules(model: CausalLM, stored: CheckpointFormat, runtime: WeightFormat) -> set[str]:
+    """The layers that run quantized from a shipped checkpoint (`runtime` is its format:
+    runtime_format refuses another): those it stores quantized that densa quantizes too (not
+    MLA's kv_b_proj, routers, ...) and holds exactly."""
+    modules = {shipped_module(model, name) for name in stored.tensors}
+    # A fused layer (q|k|v) with one act-order shard loads dense as a whole.
+    reordered = {shipped_module(model, name) for name in stored.dense}
+    return {m for m in modules - reordered if m is not None} & quantizable_linears(model)
+
+
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
+
+
+def shipped_module(model: CausalLM, name: str) -> str | None:
+    """The module a shipped per-tensor name loads into ('...experts.3.w1.weight' ->
+    '...experts.gate_up_proj'): the family's renames, then the expert index dropped as
+    stacking does."""
+    renamed = next(iter(model.normalize_checkpoint(iter([(name, None)]))), None)
+    if renamed is None:
+        return None  # dropped by the family (DeepSeek's multi-token-prediction layers)
+    return linear_module_of(model, _EXPERT_INDEX.sub(".experts.", renamed[0]))
+
+
+def shipped_dense_names(model: CausalLM, stored: CheckpointFormat, targets: set[str]) -> set[str]:
+    """Shipped quantized weights that load dense: act-order layers, and layers densa keeps in
+    high precision (their values are the producer's dequantization, exact in float32)."""
+    return {name for name in stored.tensors if shipped_module(model, name) not in targets}
+
+
 def _read_stored_format(files: list[Path]) -> CheckpointFormat | None:
+    """densa's own format (safetensors metadata), else a shipped producer's
+    (config.json's quantization_config), else None (dense)."""
     from safetensors import SafetensorError
 
     try:
-        return read_format(files)
+        return read_format(files) or read_shipped_format(files[0].parent, files)
+    except UnsupportedCheckpoint as exc:
+        raise ModelLoadError(f"cannot load {files[0].parent}: {exc}") from exc
     except (SafetensorError, OSError) as exc:
         where = files[0].parent
         raise ModelLoadError(

@@ -31,6 +31,7 @@ from densa.model.family_config import MoEConfig
 from densa.model.layers import GatedMLP, activation
 from densa.model.linear import Linear
 from densa.model.stacked_linear import StackedLinear
+from densa.quant.checkpoint import Converted
 
 Routing = tuple[torch.Tensor, torch.Tensor]  # (weights [T, k] float32, expert ids [T, k] int64)
 
@@ -154,11 +155,12 @@ def stack_experts(
     tensors: Iterator[tuple[str, object]], num_experts: int
 ) -> Iterator[tuple[str, object]]:
     """'...experts.7.gate_proj.weight' (one [out, in] per expert, as checkpoints store them) ->
-    '...experts.gate_proj.weight' [E, out, in], yielded once all E experts have been read."""
-    pending: dict[str, dict[int, torch.Tensor]] = {}
+    '...experts.gate_proj.weight' [E, out, in], yielded once all E experts have been read.
+    A shipped quantized checkpoint's experts (`Converted` parts) stack part by part."""
+    pending: dict[str, dict[int, torch.Tensor | Converted]] = {}
     for name, value in tensors:
         match = _EXPERT_WEIGHT.match(name)
-        if match is None or not isinstance(value, torch.Tensor):
+        if match is None or not isinstance(value, torch.Tensor | Converted):
             yield name, value
             continue
         stacked_name = f"{match['prefix']}.{match['proj']}.weight"
@@ -166,7 +168,15 @@ def stack_experts(
         experts[int(match["expert"])] = value
         if len(experts) == num_experts:
             del pending[stacked_name]
-            yield stacked_name, torch.stack([experts[e] for e in range(num_experts)])
+            yield stacked_name, _stack([experts[e] for e in range(num_experts)])
     if pending:
         name, experts = next(iter(pending.items()))
         raise KeyError(f"checkpoint has {len(experts)} of {num_experts} experts for {name}")
+
+
+def _stack(values: list[torch.Tensor | Converted]) -> torch.Tensor | Converted:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(values)  # type: ignore[arg-type]
+    parts = [v.parts for v in values if isinstance(v, Converted)]
+    return Converted({part: torch.stack([p[part] for p in parts]) for part in first.parts})

@@ -26,8 +26,10 @@ from densa.model.attention import AttentionMetadata, TorchAttentionBackend, buil
 from densa.model.gguf import GGUFFile
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import scratch_caches
+from densa.model.lineage import lineage_metadata
 from densa.model.loader import (
     DTYPES,
+    _read_stored_format,
     dense_checkpoint,
     linear_module_of,
     load_model,
@@ -38,7 +40,7 @@ from densa.model.loader import (
 from densa.model.quant_targets import QuantScope, quantization_targets
 from densa.model.registry import kv_layout, meta_skeleton, model_factory
 from densa.quant.calibration import HessianCollector
-from densa.quant.checkpoint import Value, quantize_tensors, read_format, write_checkpoint
+from densa.quant.checkpoint import Value, quantize_tensors, write_checkpoint
 from densa.quant.quantizer import make_quantizer
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
 from densa.text.tokenizer import Tokenizer
@@ -87,7 +89,8 @@ def quantize_checkpoint(src: str, dst: Path, settings: QuantizeSettings) -> Quan
     dst.mkdir(parents=True, exist_ok=True)
     tensors = _output_tensors(src_dir, skeleton, targets, hessians, settings)
     ckpt = CheckpointFormat(settings.fmt) if settings.fmt is not None else None
-    write_checkpoint(dst, _with_progress(tensors, src_dir, settings.show_progress), ckpt)
+    lineage = lineage_metadata(src_dir)  # prefill (source) and decode (this) pair up by it
+    write_checkpoint(dst, _with_progress(tensors, src_dir, settings.show_progress), ckpt, lineage)
     _copy_side_files(src_dir, dst, settings.fmt)
     return QuantizeResult(
         source_bytes=_weight_bytes(src_dir),
@@ -157,7 +160,9 @@ def _output_tensors(
 ) -> Iterator[tuple[str, Value]]:
     checkpoint, _ = dense_checkpoint(src_dir)
     gguf_source = GGUFFile.of_converted(src_dir) is not None
-    stored = None if gguf_source else read_format(safetensors_files(src_dir))
+    # densa's own format or a shipped one (FP8 blocks, INT4 packs): each weight dequantized as
+    # it is read, then quantized, so no dense copy of the model is ever held.
+    stored = None if gguf_source else _read_stored_format(safetensors_files(src_dir))
     dense = runtime_tensors(checkpoint, skeleton, stored, None, set())
     if settings.fmt is None:
         keep = DTYPES[settings.keep_dtype]

@@ -28,6 +28,14 @@ class Quantized:
     shape: tuple[int, ...]
 
 
+@dataclass
+class Converted:
+    """One weight already in the parts its runtime layer takes (a shipped checkpoint's weight,
+    converted by densa.quant.shipped); per-expert ones are stacked like dense tensors."""
+
+    parts: Parts
+
+
 Value = torch.Tensor | Quantized
 
 
@@ -97,10 +105,14 @@ def quantize_tensors(
 
 
 def write_checkpoint(
-    out_dir: Path, tensors: Iterable[tuple[str, Value]], ckpt: CheckpointFormat | None
+    out_dir: Path,
+    tensors: Iterable[tuple[str, Value]],
+    ckpt: CheckpointFormat | None,
+    extra_metadata: dict[str, str] | None = None,
 ) -> Path:
     """Save one safetensors file; quantized tensors are stored as '<name>.<part>' and listed,
-    with their shapes, in the `densa.weights` metadata (ckpt.tensors is filled here)."""
+    with their shapes, in the `densa.weights` metadata (ckpt.tensors is filled here);
+    `extra_metadata` (the source's lineage) is stored beside it."""
     from safetensors.torch import save_file
 
     flat: dict[str, torch.Tensor] = {}
@@ -114,6 +126,7 @@ def write_checkpoint(
         ckpt.tensors[name] = StoredTensor(shape=value.shape, parts=parts)
         flat.update({parts[part]: t.contiguous() for part, t in value.parts.items()})
     metadata = {"format": "pt", **(ckpt.to_metadata() if ckpt is not None else {})}
+    metadata.update(extra_metadata or {})
     path = out_dir / WEIGHTS_FILE
     save_file(flat, str(path), metadata=metadata)
     return path

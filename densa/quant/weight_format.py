@@ -25,7 +25,9 @@ METADATA_KEY = "densa.weights"
 FORMAT_VERSION = 1
 WEIGHT_KINDS = ("int4", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)
-SCALE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# float32 holds what the 16-bit dtypes cannot: a shipped checkpoint's integer zero point times
+# its scale (densa.quant.shipped), exactly.
+SCALE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 METHODS = ("rtn", "gptq")
 
 
@@ -81,6 +83,12 @@ class CheckpointFormat:
 
     format: WeightFormat
     tensors: dict[str, StoredTensor] = field(default_factory=dict)  # logical name -> parts
+    # Who wrote the parts: "densa" (its own layout), or a producer whose layout
+    # densa.quant.shipped converts into `format` as each weight is read.
+    producer: str = "densa"
+    # Weights stored quantized that no densa layout holds exactly (act-order groups): they are
+    # dequantized when loaded instead.
+    dense: frozenset[str] = frozenset()
 
     def to_metadata(self) -> dict[str, str]:
         payload = {

@@ -23,6 +23,7 @@ CAPACITY_FORMATS = [
     ("int8", None),
 ]
 DEFAULT_SCALES_FILE = "kv_scales.json"
+GPUS_BY_NAME = ("h100", "h200")  # densa.tools.deployment.GPUS (no torch import here)
 
 
 def add_kv_parsers(commands: argparse._SubParsersAction) -> None:
@@ -44,6 +45,22 @@ def _add_capacity(commands: argparse._SubParsersAction) -> None:
         "--context-len", type=int, default=2048, help="tokens per request (prompt + output)"
     )
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    deployment = parser.add_argument_group(
+        "a deployment (--gpu): weights per GPU in bf16 / fp8 / int4 and the KV tokens the rest "
+        "holds per KV dtype, from a config.json alone (densa.tools.deployment)"
+    )
+    deployment.add_argument(
+        "--config", default=None, help="a config.json (or its directory); no weights needed"
+    )
+    deployment.add_argument("--gpu", default=None, choices=sorted(GPUS_BY_NAME))
+    deployment.add_argument("--gpu-memory", default=None, help="instead of --gpu's, e.g. 141GB")
+    deployment.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    deployment.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="share of each GPU used"
+    )
+    deployment.add_argument(
+        "--reserve", default="4GiB", help="per GPU, kept for activations and CUDA graphs"
+    )
     parser.set_defaults(handler=_capacity)
 
 
@@ -54,6 +71,8 @@ def _capacity(ns: argparse.Namespace) -> int:
     from densa.utils.sizes import parse_memory
     from densa.worker.kv_cache import kv_capacity
 
+    if ns.gpu is not None or ns.gpu_memory is not None:
+        return _deployment(ns)
     budget = parse_memory(ns.kv_cache_memory)
     if not isinstance(budget, int):
         print("densa capacity: give --kv-cache-memory in bytes, e.g. '4GiB'", file=sys.stderr)
@@ -64,6 +83,36 @@ def _capacity(ns: argparse.Namespace) -> int:
     arch = ArchConfig.from_dir(resolve_model_dir(ns.model or default_model_path()))
     rows = [kv_capacity(arch, budget, ns.page_size, d, s) for d, s in CAPACITY_FORMATS]
     print(format_capacity(arch, rows, budget, ns.context_len))
+    return 0
+
+
+def _deployment(ns: argparse.Namespace) -> int:
+    import json
+
+    from densa.model.arch import ArchConfig
+    from densa.tools import deployment
+    from densa.utils.sizes import parse_memory
+
+    if ns.config is None:
+        print("densa capacity: --gpu needs --config (a config.json)", file=sys.stderr)
+        return 2
+    path = Path(ns.config)
+    path = path / "config.json" if path.is_dir() else path
+    gpu_bytes = parse_memory(ns.gpu_memory) if ns.gpu_memory else deployment.GPUS[ns.gpu]
+    reserve = parse_memory(ns.reserve)
+    if not isinstance(gpu_bytes, int) or not isinstance(reserve, int) or ns.tp < 1:
+        print("densa capacity: give --gpu-memory / --reserve in bytes and --tp >= 1",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    cfg = json.loads(path.read_text())
+    arch = ArchConfig.from_hf_dict(cfg)
+    counts = deployment.count_parameters(cfg, arch)
+    sizes = deployment.weight_sizes(counts, ns.tp)
+    util = ns.gpu_memory_utilization
+    rows = deployment.kv_rows(arch, sizes, gpu_bytes, util, reserve, ns.tp)
+    gpu = ns.gpu or "GPU"
+    print(deployment.format_deployment(path.parent.name, arch, counts, sizes, rows, gpu,
+                                       gpu_bytes, util, reserve, ns.tp))  # fmt: skip
     return 0
 
 

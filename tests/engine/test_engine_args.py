@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
-from densa.config import ATTENTION_BACKENDS, COMPUTE_DTYPES, KV_CACHE_DTYPES, WEIGHT_FORMATS
+from densa.config import ATTENTION_BACKENDS, DTYPE_CHOICES, KV_CACHE_DTYPES, WEIGHT_FORMATS
 from densa.engine.args import EngineArgs
 
 
@@ -24,7 +24,7 @@ def test_every_field_is_an_option_and_the_choices_are_the_configs() -> None:
     parser = _parser()
     options = {a.dest: a for a in parser._actions}
     assert {f.name for f in fields(EngineArgs)} <= set(options)
-    assert options["dtype"].choices == list(COMPUTE_DTYPES)
+    assert options["dtype"].choices == list(DTYPE_CHOICES)
     assert options["kv_cache_dtype"].choices == list(KV_CACHE_DTYPES)
     assert options["weight_format"].choices == list(WEIGHT_FORMATS)
     assert options["attention_backend"].choices == list(ATTENTION_BACKENDS)

@@ -21,7 +21,7 @@ from densa.engine.memory_plan import (
 from densa.kernels import native
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.linear import resident_weight_bytes
-from densa.model.loader import auto_formats, load_model, resolve_model_dir
+from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
 
 from .test_gguf_quants import MIXES, write_tiny_gguf
 
@@ -80,7 +80,9 @@ def test_planned_weights_are_the_loaded_bytes(
 
 def _check(path: Path, free: int, **options: object) -> object:
     model_dir, arch, weights, head = _formats(path, "auto")
-    args = EngineArgs(model=str(path), max_model_len=512, weight_format=weights, head_format=head)
+    dtype = auto_dtype(str(path), model_dir, "auto")  # resolved first, as the builder does
+    args = EngineArgs(model=str(path), max_model_len=512, weight_format=weights, head_format=head,
+                      dtype=dtype)  # fmt: skip
     args = dataclasses.replace(args, **options)  # type: ignore[arg-type]
     return check_memory(
         args, model_dir, arch, args.kv_format(), 512, available=lambda: Available(free, "test")

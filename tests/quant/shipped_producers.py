@@ -1,0 +1,284 @@
+"""Quantized checkpoints written the way their producers write them, and each format's own
+dequantization, for tests of densa.quant.shipped.
+
+compressed-tensors is the real library (its compressors pack and unpack). AutoAWQ and AutoGPTQ
+need CUDA to install, so their packing and dequantization are written here once, slowly and
+literally, from their code (AutoAWQ WQLinear_GEMM.from_linear and its reverse order; AutoGPTQ
+QuantLinear.pack with `zeros -= 1` and its forward's `zeros + 1`); DeepSeek's from
+inference/kernel.py weight_dequant (y = x * s per 128 x 128 block). None of them calls densa.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Parts = dict[str, torch.Tensor]
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
+FP8_MAX = 448.0
+
+# The linear weights producers quantize (routers, embeddings, norms and the head stay dense).
+QUANTIZED = re.compile(r"\.(q|k|v|o|gate|up|down|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?\.weight$")
+
+
+# ---- DeepSeek-V3 FP8 ----------------------------------------------------------------------------
+def deepseek_fp8(weight: torch.Tensor, block: int = 128) -> Parts:
+    n, k = weight.shape
+    scale = torch.empty(-(-n // block), -(-k // block))
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = weight[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            s = max(float(tile.abs().max()), 1e-12) / FP8_MAX
+            scale[i, j] = s
+            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / s).to(q.dtype)
+    return {"weight": q, "weight_scale_inv": scale}
+
+
+def deepseek_dequant(parts: Parts, block: int = 128) -> torch.Tensor:
+    """inference/kernel.py weight_dequant: every block times its scale_inv."""
+    q, s = parts["weight"].float(), parts["weight_scale_inv"]
+    out = torch.empty_like(q)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            rows, cols = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
+            out[rows, cols] = q[rows, cols] * s[i, j]
+    return out
+
+
+FP8_CONFIG = {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}  # fmt: skip
+
+
+# ---- compressed-tensors -------------------------------------------------------------------------
+def ct_scheme(kind: str, group_size: int = 32, symmetric: bool = True) -> Any:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    if kind == "int4":
+        weights = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric,
+                                   strategy="group", group_size=group_size)  # fmt: skip
+        return QuantizationScheme(targets=["Linear"], weights=weights)
+    strategy = "block" if kind == "fp8-block" else "channel"
+    weights = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True,
+                               block_structure=[128, 128] if strategy == "block" else None)  # fmt: skip
+    inputs = QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True)
+    return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=inputs)
+
+
+def ct_compressor(scheme: Any) -> Any:
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+    int4 = scheme.weights.type == "int"
+    return PackedQuantizationCompressor if int4 else FloatQuantizationCompressor
+
+
+def ct_scales(weight: torch.Tensor, scheme: Any) -> Parts:
+    """Scales (and zero points) as an observer would choose them, in the model's bf16."""
+    args = scheme.weights
+    if args.type == "float":
+        if args.strategy == "block":
+            blocks = deepseek_fp8(weight)["weight_scale_inv"]
+            return {"weight_scale": blocks.to(torch.bfloat16)}
+        scale = weight.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        return {"weight_scale": scale.to(torch.bfloat16)}
+    groups = weight.reshape(weight.shape[0], -1, args.group_size)
+    if args.symmetric:
+        return {"weight_scale": (groups.abs().amax(-1) / 7.5).to(torch.bfloat16)}
+    low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    scale = ((high - low) / 15).to(torch.bfloat16)
+    zero = torch.clamp(torch.round(-low / scale.float()) - 8, -8, 7).to(torch.int8)
+    return {"weight_scale": scale, "weight_zero_point": zero}
+
+
+def ct_compress(weight: torch.Tensor, scheme: Any) -> Parts:
+    state = {"weight": weight.to(torch.bfloat16), **ct_scales(weight, scheme)}
+    return dict(ct_compressor(scheme).compress(state, scheme))
+
+
+def ct_dequant(parts: Parts, scheme: Any) -> torch.Tensor:
+    """compressed-tensors' own decompression, with scales widened to float32 so its product
+    (q - zp) * s is exact: the bf16 result it gives by default is this, rounded."""
+    state = {k: v.float() if k == "weight_scale" else v for k, v in parts.items()}
+    return ct_compressor(scheme).decompress(state, scheme)["weight"]
+
+
+def ct_config(scheme: Any, fmt: str) -> dict[str, Any]:
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt,
+                                quantization_status="compressed", ignore=["lm_head"])  # fmt: skip
+    return config.model_dump(mode="json")
+
+
+# ---- AutoAWQ GEMM -------------------------------------------------------------------------------
+def awq_pack(weight: torch.Tensor, group_size: int) -> Parts:
+    """WQLinear_GEMM.from_linear: zero-point quantization per group, columns packed 8 per
+    int32 in AWQ's interleaved order."""
+    n, k = weight.shape
+    groups = weight.reshape(n, -1, group_size)
+    high, low = groups.amax(-1), groups.amin(-1)
+    scales = ((high - low).clamp(min=1e-5) / 15).to(torch.float16)  # [N, G]
+    zeros = torch.clamp(-torch.round(low / scales.float()), 0, 15).to(torch.int32)
+    g = torch.arange(k) // group_size
+    intweight = torch.clamp(torch.round(weight / scales.float()[:, g]) + zeros[:, g], 0, 15)
+    intweight = intweight.to(torch.int32).t().contiguous()  # [K, N]
+    return {
+        "qweight": _awq_words(intweight),
+        "qzeros": _awq_words(zeros.t().contiguous()),
+        "scales": scales.t().contiguous(),
+    }
+
+
+def _awq_words(values: torch.Tensor) -> torch.Tensor:
+    packed = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int32)
+    for col in range(packed.shape[1]):
+        for i in range(8):
+            packed[:, col] |= values[:, col * 8 + AWQ_ORDER[i]] << (i * 4)
+    return packed
+
+
+def _awq_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's unpack: shift out 8 nibbles per word, then undo the order with its reverse."""
+    shifts = torch.arange(0, 32, 4)
+    raw = (packed[:, :, None] >> shifts[None, None, :]).reshape(packed.shape[0], -1) & 0xF
+    order = torch.arange(raw.shape[1]).reshape(-1, 8)[:, AWQ_REVERSE_ORDER].reshape(-1)
+    return raw[:, order]
+
+
+def awq_dequant(parts: Parts, group_size: int) -> torch.Tensor:
+    iweight, izeros = _awq_unpack(parts["qweight"]), _awq_unpack(parts["qzeros"])  # [K, N], [G, N]
+    g = torch.arange(iweight.shape[0]) // group_size
+    scales = parts["scales"].float()
+    return ((iweight - izeros[g]).float() * scales[g]).t()
+
+
+def awq_config(group_size: int) -> dict[str, Any]:
+    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+            "version": "gemm", "modules_to_not_convert": None}  # fmt: skip
+
+
+# ---- AutoGPTQ (v1 checkpoint format) ------------------------------------------------------------
+def gptq_pack(
+    weight: torch.Tensor, group_size: int, symmetric: bool, act_order: bool, seed: int = 0
+) -> Parts:
+    """QuantLinear.pack: groups over the act-order permutation (g_idx), qweight packed along
+    the input, qzeros holding z - 1."""
+    n, k = weight.shape
+    num_groups = k // group_size
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed)) if act_order else None
+    g_idx = torch.arange(k, dtype=torch.int32) // group_size
+    if perm is not None:
+        g_idx[perm] = torch.arange(k, dtype=torch.int32) // group_size
+    scales = torch.empty(n, num_groups)
+    zeros = torch.empty(n, num_groups, dtype=torch.int32)
+    for group in range(num_groups):
+        cols = weight[:, g_idx == group]
+        high, low = cols.amax(1).clamp(min=0), cols.amin(1).clamp(max=0)
+        if symmetric:
+            high = torch.maximum(high, -low)
+            scales[:, group], zeros[:, group] = 2 * high.clamp(min=1e-5) / 15, 8
+        else:
+            scales[:, group] = (high - low).clamp(min=1e-5) / 15
+            zeros[:, group] = torch.round(-low / scales[:, group])
+    scales = scales.to(torch.float16)
+    gi = g_idx.long()
+    intweight = torch.clamp(torch.round(weight / scales.float()[:, gi]) + zeros[:, gi], 0, 15)
+    intweight = intweight.to(torch.int32).t().contiguous()  # [K, N]
+    qweight = torch.zeros(k // 8, n, dtype=torch.int32)
+    for row in range(k // 8):
+        for j in range(8):
+            qweight[row] |= intweight[row * 8 + j] << (4 * j)
+    stored = (zeros - 1).t().contiguous()  # [G, N]
+    qzeros = torch.zeros(num_groups, n // 8, dtype=torch.int32)
+    for col in range(n // 8):
+        for j in range(8):
+            qzeros[:, col] |= (stored[:, col * 8 + j] & 0xF) << (4 * j)
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales.t().contiguous(),
+            "g_idx": g_idx}  # fmt: skip
+
+
+def gptq_dequant(parts: Parts) -> torch.Tensor:
+    """The forward of AutoGPTQ's QuantLinear: zeros + 1, then per input row its group's."""
+    qweight, qzeros, scales, g_idx = (parts[p] for p in ("qweight", "qzeros", "scales", "g_idx"))
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    shifts = torch.arange(0, 32, 4)
+    weight = ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(k, n)
+    zeros = ((qzeros[:, :, None] >> shifts[None, None, :]) & 0xF).reshape(qzeros.shape[0], -1)
+    zeros = zeros + 1
+    gi = g_idx.long()
+    return (scales.float()[gi] * (weight - zeros[gi]).float()).t()
+
+
+def gptq_config(group_size: int, symmetric: bool, act_order: bool) -> dict[str, Any]:
+    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order,
+            "sym": symmetric, "damp_percent": 0.01, "true_sequential": True,
+            "static_groups": False, "model_name_or_path": None,
+            "model_file_base_name": None, "checkpoint_format": "gptq"}  # fmt: skip
+
+
+# ---- whole checkpoints --------------------------------------------------------------------------
+Producer = tuple[Callable[[torch.Tensor], Parts], Callable[[Parts], torch.Tensor], dict[str, Any]]
+
+
+def producer(name: str, group_size: int = 32) -> Producer:
+    """(quantize one weight, the producer's dequantization, quantization_config) by name."""
+    if name == "deepseek-fp8":
+        return deepseek_fp8, deepseek_dequant, FP8_CONFIG
+    if name.startswith("ct-"):
+        kind, _, sym = name.removeprefix("ct-").partition("-")
+        scheme = ct_scheme(kind, group_size, symmetric=sym != "asym")
+        fmt = "pack-quantized" if kind == "int4" else "float-quantized"
+        return (
+            (lambda w: ct_compress(w, scheme)),
+            (lambda p: ct_dequant(p, scheme)),
+            (ct_config(scheme, fmt)),
+        )
+    if name == "awq":
+        return (
+            (lambda w: awq_pack(w, group_size)),
+            (lambda p: awq_dequant(p, group_size)),
+            (awq_config(group_size)),
+        )
+    symmetric, act_order = "asym" not in name, "act" in name
+    return (
+        lambda w: gptq_pack(w, group_size, symmetric, act_order),
+        gptq_dequant,
+        gptq_config(group_size, symmetric, act_order),
+    )
+
+
+def write_shipped(src: Path, out: Path, ref: Path, name: str, group_size: int = 32) -> Path:
+    """Rewrite the dense checkpoint `src` as producer `name` writes it (into `out`), and the
+    producer's own dequantization of it as a float32 checkpoint (into `ref`, for transformers)."""
+    from safetensors.torch import load_file, save_file
+
+    quantize, dequantize, config = producer(name, group_size)
+    stored, reference = {}, {}
+    for tensor_name, tensor in load_file(str(src / "model.safetensors")).items():
+        if not QUANTIZED.search(tensor_name):
+            stored[tensor_name] = reference[tensor_name] = tensor
+            continue
+        module = tensor_name.removesuffix(".weight")
+        parts = quantize(tensor.float())
+        stored.update({f"{module}.{part}": value for part, value in parts.items()})
+        reference[tensor_name] = dequantize(parts).float()
+    for directory, tensors, quantization in ((out, stored, config), (ref, reference, None)):
+        shutil.copytree(src, directory, dirs_exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  str(directory / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+        settings = json.loads((directory / "config.json").read_text())
+        settings.pop("quantization_config", None)
+        if quantization is not None:
+            settings["quantization_config"] = quantization
+        (directory / "config.json").write_text(json.dumps(settings))
+    return out
