@@ -44,6 +44,10 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # KV tiers (engine/kv_tiers.py): cached full pages whose last reference just dropped, as
+        # (page, block hash). The engine copies them out before anything can overwrite them
+        # (pages are reallocated only inside schedule(), and it drains right after). None: off.
+        self._released: list[tuple[int, BlockHash]] | None = None
 
     # ---- sizing --------------------------------------------------------------------------------
     @property
@@ -73,6 +77,13 @@ class KVCacheManager:
                 break
             page_ids.append(page_id)
         return PrefixHit(tuple(page_ids))
+
+    def prefix_hashes(self, request: Request) -> list[BlockHash]:
+        """Block hashes of the leading full blocks a prefix hit may cover (one token is always
+        left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        return self._hashes(request)[: (request.num_tokens - 1) // self.page_size]
 
     def record_prefix_query(self, request: Request, hit: PrefixHit) -> None:
         self.num_queried_tokens += request.num_tokens
@@ -153,6 +164,10 @@ class KVCacheManager:
     def _free_page(self, page_id: int, protect: bool) -> None:
         cached = self._index.has_page(page_id)
         self.pool.free([page_id], protect=protect and cached)
+        if cached and self._released is not None and self.pool.is_free(page_id):
+            block_hash = self._index.hash_of(page_id)
+            assert block_hash is not None
+            self._released.append((page_id, block_hash))
         if not cached and self.pool.is_free(page_id):
             self.pool.move_to_front(page_id)  # holds nothing reusable: reuse it before cached ones
 
@@ -179,6 +194,50 @@ class KVCacheManager:
     def forget(self, request: Request) -> None:
         """Drop per-request state once the request is finished (its pages must already be freed)."""
         self._block_hashes.pop(request.request_id, None)
+
+    # ---- KV tiers (engine/kv_tiers.py drives these) --------------------------------------------
+    def record_releases(self) -> None:
+        """From now on, remember cached pages as they become free (see drain_released)."""
+        if self._released is None:
+            self._released = []
+
+    def stop_recording_releases(self) -> None:
+        self._released = None
+
+    def drain_released(self) -> list[tuple[int, BlockHash]]:
+        """(page, block hash) of cached pages freed since the last call, oldest first. Their
+        content is intact until the next allocation."""
+        if not self._released:
+            return []
+        released, self._released = self._released, []
+        return released
+
+    def allocate_for_fetch(self, num_pages: int) -> tuple[list[int], list[int]] | None:
+        """Fresh pages (ref 1, new tags) for blocks fetched from a tier, or None (no room
+        without evicting cached pages a waiting request may want)."""
+        if num_pages > self.pool.num_free_pages:
+            return None
+        page_ids = self.pool.allocate(num_pages)
+        assert page_ids is not None
+        return page_ids, self.pool.tags(page_ids)
+
+    def adopt_fetched(
+        self, page_ids: list[int], tags: list[int], hashes: list[BlockHash], keep: int
+    ) -> list[IntegrityViolation]:
+        """The fetched bytes landed in `page_ids`: index the first `keep` pages under their
+        block hashes, then drop the fetch's reference (the pages stay cached, free, at the back
+        of the queue, for the request's admission to hit). The writer's tags are checked first;
+        a page that is not the writer's alone any more is not indexed."""
+        problems = []
+        for idx, (page_id, tag) in enumerate(zip(page_ids, tags, strict=True)):
+            if self.pool.tag(page_id) != tag or self.pool.ref_count(page_id) != 1:
+                kind = ViolationKind.STALE_WRITE
+                problems.append(IntegrityViolation("kv-tier-fetch", kind, page_id, tag,
+                                                   self.pool.tag(page_id)))  # fmt: skip
+                continue
+            if idx < keep:
+                self._index.insert(hashes[idx], page_id)
+        return problems + self.release("kv-tier-fetch", page_ids[::-1], tags[::-1])
 
     def reset_prefix_cache(self) -> None:
         self._index.clear()
