@@ -39,15 +39,15 @@ class KVCacheManager:
         self.pool = PagePool(num_pages)
         self.enable_prefix_caching = enable_prefix_caching
         self._index = PrefixIndex()
-        self.pool.set_evict_callback(self._index.evict)
+        self.pool.set_evict_callback(self._evict)
         # Hashes of each request's full blocks, computed once; kept across preemption (same tokens).
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
-        # KV tiers (engine/kv_tiers.py): cached full pages whose last reference just dropped, as
-        # (page, block hash). The engine copies them out before anything can overwrite them
-        # (pages are reallocated only inside schedule(), and it drains right after). None: off.
-        self._released: list[tuple[int, BlockHash]] | None = None
+        # KV tiers (engine/kv_tiers.py): cached pages just reallocated, as (page, block hash).
+        # Their bytes are intact until the next step writes them; the engine copies them out
+        # first (it drains after every allocation, before the step runs). None: not recorded.
+        self._evicted: list[tuple[int, BlockHash]] | None = None
 
     # ---- sizing --------------------------------------------------------------------------------
     @property
@@ -164,10 +164,6 @@ class KVCacheManager:
     def _free_page(self, page_id: int, protect: bool) -> None:
         cached = self._index.has_page(page_id)
         self.pool.free([page_id], protect=protect and cached)
-        if cached and self._released is not None and self.pool.is_free(page_id):
-            block_hash = self._index.hash_of(page_id)
-            assert block_hash is not None
-            self._released.append((page_id, block_hash))
         if not cached and self.pool.is_free(page_id):
             self.pool.move_to_front(page_id)  # holds nothing reusable: reuse it before cached ones
 
@@ -196,21 +192,26 @@ class KVCacheManager:
         self._block_hashes.pop(request.request_id, None)
 
     # ---- KV tiers (engine/kv_tiers.py drives these) --------------------------------------------
-    def record_releases(self) -> None:
-        """From now on, remember cached pages as they become free (see drain_released)."""
-        if self._released is None:
-            self._released = []
+    def record_evictions(self) -> None:
+        """From now on, remember cached pages as they are reallocated (see drain_evicted)."""
+        if self._evicted is None:
+            self._evicted = []
 
-    def stop_recording_releases(self) -> None:
-        self._released = None
+    def stop_recording_evictions(self) -> None:
+        self._evicted = None
 
-    def drain_released(self) -> list[tuple[int, BlockHash]]:
-        """(page, block hash) of cached pages freed since the last call, oldest first. Their
-        content is intact until the next allocation."""
-        if not self._released:
+    def drain_evicted(self) -> list[tuple[int, BlockHash]]:
+        """(page, block hash) of cached pages reallocated since the last call, oldest first.
+        Their bytes are intact until the next step (or fetch) writes the pages."""
+        if not self._evicted:
             return []
-        released, self._released = self._released, []
-        return released
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def _evict(self, page_id: int) -> None:
+        block_hash = self._index.hash_of(page_id)
+        if self._index.evict(page_id) and block_hash is not None and self._evicted is not None:
+            self._evicted.append((page_id, block_hash))
 
     def allocate_for_fetch(self, num_pages: int) -> tuple[list[int], list[int]] | None:
         """Fresh pages (ref 1, new tags) for blocks fetched from a tier, or None (no room

@@ -1,10 +1,10 @@
 """The engine's side of the KV tiers (densa/cache/tiers): pages go down when freed, and come back
 up when a waiting request's prefix misses the device pool but a tier holds it.
 
-    after anything frees pages      cached full pages that became free are copied out of the
-    (a step, a fetch, an abort)     device (worker/kv_io.pack, one call) before any allocation
-                                    can reuse them; the background writer splits, seals and
-                                    stores them in every tier
+    after anything allocates        cached full pages that the allocation evicted are copied
+    (schedule, a fetch, a KV        out of the device (worker/kv_io.pack, one call) before the
+    transfer's reservation)         step (or the fetch's landing) writes them; the background
+                                    writer splits, seals and stores them in every tier
     before schedule()               for the waiting requests that could be admitted next: the
                                     blocks after their device hit are looked up tier by tier
                                     (first tier that verifies wins, the chain stops at the first
@@ -105,17 +105,17 @@ class KVTiers:
         self._offered: OrderedDict[BlockHash, None] = OrderedDict()
         self._checked: set[str] = set()  # requests whose tiers were looked up already
         self.num_fetched_pages = 0
-        kv.record_releases()
+        kv.record_evictions()
 
     # ---- down: write-back ----------------------------------------------------------------------
     def write_back(self) -> None:
-        """Copy the cached pages freed since the last call and queue them for the tiers."""
-        released = [(p, h) for p, h in self.kv.drain_released() if h not in self._offered]
-        if not released:
+        """Copy the cached pages evicted since the last call and queue them for the tiers."""
+        evicted = [(p, h) for p, h in self.kv.drain_evicted() if h not in self._offered]
+        if not evicted:
             return
-        page_ids = [page_id for page_id, _ in released]
-        packed = kv_io.pack(self.runner.kv_caches, page_ids)  # a copy: pages may be reused now
-        keys = [block_hash for _, block_hash in released]
+        page_ids = [page_id for page_id, _ in evicted]
+        packed = kv_io.pack(self.runner.kv_caches, page_ids)  # a copy, before the step writes
+        keys = [block_hash for _, block_hash in evicted]
         for key in keys:
             self._remember(key)
         layout = self.layout
@@ -135,7 +135,6 @@ class KVTiers:
                 continue
             self._checked.add(request.request_id)
             self._fetch(request)
-            self.write_back()  # the fetch may have freed cached pages (its own, and hit pages)
 
     def forget(self, request_id: str) -> None:
         self._checked.discard(request_id)
@@ -164,6 +163,10 @@ class KVTiers:
                 if payload is not None:
                     break
             if payload is None or len(payload) != self.layout.payload_bytes:
+                # Sent down once but not there now (a tier's LRU, a store restarted): offer the
+                # rest of the chain again when the device frees it.
+                for lost in keys[len(found) :]:
+                    self._offered.pop(lost, None)
                 break
             found.append(payload)
         return found
@@ -179,6 +182,7 @@ class KVTiers:
         try:
             if allocated is None:
                 return
+            self.write_back()  # what the allocation evicted, before the landing overwrites it
             page_ids, tags = allocated
             try:
                 kv_io.land(self.runner.kv_caches, page_ids, self.layout.join(payloads))

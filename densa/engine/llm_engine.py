@@ -118,7 +118,7 @@ class LLMEngine:
         if self.kv_tiers is not None:
             self.kv_tiers.close()
             self.kv_tiers = None
-            self.kv_manager.stop_recording_releases()
+            self.kv_manager.stop_recording_evictions()
 
     # ---- requests ------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -295,12 +295,12 @@ class LLMEngine:
         self._finished_outputs = []
         tiers = self.kv_tiers
         if tiers is not None:
-            tiers.write_back()  # pages freed between steps (aborts), before anything reuses them
+            tiers.write_back()  # evicted between steps (a KV transfer's reservation)
             num_slots = self.config.scheduler.max_num_seqs - len(self.scheduler.running)
             tiers.fetch_for(self.scheduler.waiting, num_slots)
         sched_out = self.scheduler.schedule()
         if tiers is not None:
-            tiers.write_back()  # preempted pages: schedule() may have reallocated them already
+            tiers.write_back()  # what schedule() evicted, before the step writes those pages
         self._take_scheduler_events()
         started = time.perf_counter()
         runner_out = execute_confined(self.runner, sched_out)
@@ -329,8 +329,6 @@ class LLMEngine:
         self._take_scheduler_events()
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
-        if tiers is not None:
-            tiers.write_back()  # finished requests' pages
         return outputs
 
     def _take_scheduler_events(self) -> None:

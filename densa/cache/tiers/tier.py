@@ -110,7 +110,10 @@ def parse_tier_spec(text: str) -> TierSpec:
             raise ValueError(
                 f"--kv-tier {text!r}: expected disk:PATH:SIZE (e.g. disk:/var/kv:20GiB)"
             )
-        size_bytes = parse_memory(size)
+        try:
+            size_bytes = parse_memory(size)
+        except ValueError as exc:
+            raise ValueError(f"--kv-tier {text!r}: {exc}") from exc
         if not isinstance(size_bytes, int):
             raise ValueError(f"--kv-tier {text!r}: the size needs a unit (e.g. 20GiB)")
         return TierSpec("disk", path=path, size_bytes=size_bytes)
