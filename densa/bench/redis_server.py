@@ -13,7 +13,9 @@ from pathlib import Path
 
 import redis
 
-INSTALL_HINT = "redis-server is not installed: run scripts/setup.sh dev (apt-get install redis-server)"
+INSTALL_HINT = (
+    "redis-server is not installed: run scripts/setup.sh dev (apt-get install redis-server)"
+)
 
 
 def redis_server_binary() -> str | None:
