@@ -44,9 +44,9 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
-        # KV tiers (engine/kv_tiers.py): cached pages just reallocated, as (page, block hash).
-        # Their bytes are intact until the next step writes them; the engine copies them out
-        # first (it drains after every allocation, before the step runs). None: not recorded.
+        # KV tiers (engine/kv_tiers.py): cached pages just freed or reallocated, as (page, block
+        # hash). Their bytes are intact until the next step writes them; the engine copies them
+        # out first (it drains after every allocation, before the step runs). None: not recorded.
         self._evicted: list[tuple[int, BlockHash]] | None = None
 
     # ---- sizing --------------------------------------------------------------------------------
@@ -164,6 +164,12 @@ class KVCacheManager:
     def _free_page(self, page_id: int, protect: bool) -> None:
         cached = self._index.has_page(page_id)
         self.pool.free([page_id], protect=protect and cached)
+        if cached and self._evicted is not None and self.pool.is_free(page_id):
+            # Sent down as soon as no one holds it (another worker may want it before this
+            # pool evicts it); the engine skips blocks it already sent.
+            block_hash = self._index.hash_of(page_id)
+            assert block_hash is not None
+            self._evicted.append((page_id, block_hash))
         if not cached and self.pool.is_free(page_id):
             self.pool.move_to_front(page_id)  # holds nothing reusable: reuse it before cached ones
 
@@ -193,7 +199,8 @@ class KVCacheManager:
 
     # ---- KV tiers (engine/kv_tiers.py drives these) --------------------------------------------
     def record_evictions(self) -> None:
-        """From now on, remember cached pages as they are reallocated (see drain_evicted)."""
+        """From now on, remember cached pages as they are freed and reallocated (see
+        drain_evicted)."""
         if self._evicted is None:
             self._evicted = []
 
@@ -201,8 +208,8 @@ class KVCacheManager:
         self._evicted = None
 
     def drain_evicted(self) -> list[tuple[int, BlockHash]]:
-        """(page, block hash) of cached pages reallocated since the last call, oldest first.
-        Their bytes are intact until the next step (or fetch) writes the pages."""
+        """(page, block hash) of cached pages freed or reallocated since the last call, oldest
+        first. Their bytes are intact until the next step (or fetch) writes the pages."""
         if not self._evicted:
             return []
         evicted, self._evicted = self._evicted, []

@@ -1,10 +1,14 @@
 """The engine's side of the KV tiers (densa/cache/tiers): pages go down when freed, and come back
 up when a waiting request's prefix misses the device pool but a tier holds it.
 
-    after anything allocates        cached full pages that the allocation evicted are copied
-    (schedule, a fetch, a KV        out of the device (worker/kv_io.pack, one call) before the
-    transfer's reservation)         step (or the fetch's landing) writes them; the background
-                                    writer splits, seals and stores them in every tier
+    after anything frees or         cached full pages that became free (a request ended or was
+    allocates pages (schedule,      preempted) or were evicted, and were not sent down before,
+    a fetch, a KV transfer's        are copied out of the device (worker/kv_io.pack, one call)
+    reservation, an abort)          before the step (or the fetch's landing) can write them;
+                                    the background writer splits, seals and stores them in
+                                    every tier. Sending at free time, not only at eviction,
+                                    lets another worker fetch a session's history while this
+                                    one still holds it.
     before schedule()               for the waiting requests that could be admitted next: the
                                     blocks after their device hit are looked up tier by tier
                                     (first tier that verifies wins, the chain stops at the first
@@ -109,7 +113,8 @@ class KVTiers:
 
     # ---- down: write-back ----------------------------------------------------------------------
     def write_back(self) -> None:
-        """Copy the cached pages evicted since the last call and queue them for the tiers."""
+        """Copy the cached pages freed or evicted since the last call (and not sent down yet) and
+        queue them for the tiers."""
         evicted = [(p, h) for p, h in self.kv.drain_evicted() if h not in self._offered]
         if not evicted:
             return

@@ -105,7 +105,7 @@ def test_an_evicted_prefix_comes_back_from_disk(tmp_path: Path, reference, make_
     assert computed == ref_computed - 96
     stats = engine.kv_tiers.stats()[f"disk:{tmp_path}"]
     assert stats["hits"] == 6 and stats["rejected"] == 0
-    assert stats["blocks_written"] >= 6  # A's pages, as they were evicted
+    assert stats["blocks_written"] >= 4 * 6  # every prompt's full pages, once each
     assert engine.kv_tiers.num_fetched_pages == 6
 
 
@@ -216,6 +216,7 @@ def test_the_shared_tier_serves_each_tenant_its_own_and_survives_the_store_dying
         assert time.monotonic() - started < 30
         server.restart()  # empty, and up again: write-back and fetch resume
         time.sleep(0.3)
+        runner.run(first)  # its blocks go down again (the earlier writes went nowhere)
         for other in others:
             runner.run(other)
         again, _ = runner.run(first)
