@@ -161,7 +161,7 @@ class _EngineCollector(Collector):
                 "KV tier counters since start: hits, misses, rejected (failed a check), bytes "
                 "read and written, blocks written, write errors, fetch seconds and fetches "
                 "(mean fetch latency = fetch_seconds / fetches), disabled (1 when off)",
-                labels=["tier", "name"],
+                labels=["tier", "counter"],
             )
             for tier, counters in sorted(s.kv_tiers.items()):
                 for name, value in sorted(counters.items()):
