@@ -158,5 +158,6 @@ def test_kv_tier_counters_are_exported_per_tier() -> None:
     assert samples.value("densa_kv_tier", tier="disk:/kv", counter="hits") == 6
     assert samples.value("densa_kv_tier", tier="disk:/kv", counter="rejected") == 1
     assert (
-        samples.value("densa_kv_tier", tier="shared:redis://s:6379/0", counter="bytes_written") == 4096
+        samples.value("densa_kv_tier", tier="shared:redis://s:6379/0", counter="bytes_written")
+        == 4096
     )
