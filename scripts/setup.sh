@@ -69,6 +69,17 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
   echo "[densa] environment ready"
 fi
+# The shared KV tier's store (--kv-tier shared:redis://..., docs/kv-cache.md): its tests and
+# `densa bench tiers` start a real redis-server process. Debian/Ubuntu: installed with apt.
+if [ "$profile" = dev ] && ! command -v redis-server >/dev/null && [ ! -x /usr/bin/redis-server ]; then
+  if [ "$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null; then sudo="sudo"; else sudo=none; fi
+  if [ "$sudo" != none ] && command -v apt-get >/dev/null; then
+    echo "[densa] installing redis-server (apt-get) for the shared KV tier's tests"
+    $sudo apt-get install -y -q redis-server >/dev/null || $sudo sh -c 'apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null' || echo "[densa] could not install redis-server: the shared KV tier's tests will be skipped (install it: apt-get install redis-server)"
+  else
+    echo "[densa] redis-server is missing and cannot be installed here (no root, sudo or apt-get): the shared KV tier's tests will be skipped; install Redis 7 by hand"
+  fi
+fi
 # densa's C++ CPU kernels: compiled once per machine and source version (~1 minute the first
 # time; cached in ~/.cache/densa/extensions). Without a compiler densa still runs, on torch ops.
 kernels_stamp=".venv/.densa-kernels-$(cat densa/kernels/csrc/* | sha256sum | cut -c1-16)"

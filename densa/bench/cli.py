@@ -28,6 +28,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_integrity(benchmarks)
     _add_load(benchmarks)
     _add_prefix(benchmarks)
+    _add_tiers(benchmarks)
     _add_kv_sweep(benchmarks)
     _add_weights(benchmarks)
     _add_moe(benchmarks)
@@ -340,6 +341,55 @@ def _add_prefix(benchmarks: argparse._SubParsersAction) -> None:
     g.add_argument("--out", type=Path, default=Path("docs/benchmarks/prefix"))
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(handler=_prefix, kv_cache_memory=BENCH_KV_CACHE_MEMORY)
+
+
+def _add_tiers(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "tiers",
+        help="KV tiers (off / disk / shared Redis) under agent sessions, one and two workers",
+        description="Agent-like sessions (long tool-schema system prompts, growing history) "
+        "that the device pool cannot all keep: hit rate vs the ceiling, returning-turn TTFT and "
+        "throughput with the KV tiers off, on a local disk and in a shared redis-server.",
+    )
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--num-sessions", type=int, default=8)
+    g.add_argument("--num-turns", type=int, default=3)
+    g.add_argument("--system-tokens", type=int, default=2048, help="tool schemas per session")
+    g.add_argument("--user-tokens", type=int, default=48, help="tokens each user message adds")
+    g.add_argument("--max-tokens", type=int, default=16, help="tokens each answer adds")
+    g.add_argument("--pool-share", type=float, default=0.25,
+                   help="share of the live sessions' contexts the device pool holds")  # fmt: skip
+    g.add_argument("--workers", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    g.add_argument("--variants", nargs="+", default=["off", "disk", "shared"],
+                   choices=["off", "disk", "shared"])  # fmt: skip
+    g.add_argument("--out", type=Path, default=Path("docs/benchmarks/tiers"))
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_tiers)
+
+
+def _tiers(ns: argparse.Namespace) -> int:
+    from densa.bench.tiers import TiersSettings, run_tiers
+
+    settings = _settings(
+        "tiers",
+        lambda: TiersSettings(
+            num_sessions=ns.num_sessions,
+            num_turns=ns.num_turns,
+            system_tokens=ns.system_tokens,
+            user_tokens=ns.user_tokens,
+            max_tokens=ns.max_tokens,
+            pool_share=ns.pool_share,
+            workers=tuple(ns.workers),
+            variants=tuple(ns.variants),
+        ),
+    )
+    if settings is None:
+        return 2
+
+    def save(report: Any) -> None:  # after each configuration: a cut-short run keeps them
+        report.write(ns.out)
+
+    return _write(run_tiers(settings, EngineArgs.from_cli(ns), on_config=save), ns.out)
 
 
 def _prefix(ns: argparse.Namespace) -> int:

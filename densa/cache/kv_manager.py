@@ -39,11 +39,15 @@ class KVCacheManager:
         self.pool = PagePool(num_pages)
         self.enable_prefix_caching = enable_prefix_caching
         self._index = PrefixIndex()
-        self.pool.set_evict_callback(self._index.evict)
+        self.pool.set_evict_callback(self._evict)
         # Hashes of each request's full blocks, computed once; kept across preemption (same tokens).
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        # KV tiers (engine/kv_tiers.py): cached pages just freed or reallocated, as (page, block
+        # hash). Their bytes are intact until the next step writes them; the engine copies them
+        # out first (it drains after every allocation, before the step runs). None: not recorded.
+        self._evicted: list[tuple[int, BlockHash]] | None = None
 
     # ---- sizing --------------------------------------------------------------------------------
     @property
@@ -73,6 +77,13 @@ class KVCacheManager:
                 break
             page_ids.append(page_id)
         return PrefixHit(tuple(page_ids))
+
+    def prefix_hashes(self, request: Request) -> list[BlockHash]:
+        """Block hashes of the leading full blocks a prefix hit may cover (one token is always
+        left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        return self._hashes(request)[: (request.num_tokens - 1) // self.page_size]
 
     def record_prefix_query(self, request: Request, hit: PrefixHit) -> None:
         self.num_queried_tokens += request.num_tokens
@@ -153,6 +164,12 @@ class KVCacheManager:
     def _free_page(self, page_id: int, protect: bool) -> None:
         cached = self._index.has_page(page_id)
         self.pool.free([page_id], protect=protect and cached)
+        if cached and self._evicted is not None and self.pool.is_free(page_id):
+            # Sent down as soon as no one holds it (another worker may want it before this
+            # pool evicts it); the engine skips blocks it already sent.
+            block_hash = self._index.hash_of(page_id)
+            assert block_hash is not None
+            self._evicted.append((page_id, block_hash))
         if not cached and self.pool.is_free(page_id):
             self.pool.move_to_front(page_id)  # holds nothing reusable: reuse it before cached ones
 
@@ -179,6 +196,56 @@ class KVCacheManager:
     def forget(self, request: Request) -> None:
         """Drop per-request state once the request is finished (its pages must already be freed)."""
         self._block_hashes.pop(request.request_id, None)
+
+    # ---- KV tiers (engine/kv_tiers.py drives these) --------------------------------------------
+    def record_evictions(self) -> None:
+        """From now on, remember cached pages as they are freed and reallocated (see
+        drain_evicted)."""
+        if self._evicted is None:
+            self._evicted = []
+
+    def stop_recording_evictions(self) -> None:
+        self._evicted = None
+
+    def drain_evicted(self) -> list[tuple[int, BlockHash]]:
+        """(page, block hash) of cached pages freed or reallocated since the last call, oldest
+        first. Their bytes are intact until the next step (or fetch) writes the pages."""
+        if not self._evicted:
+            return []
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def _evict(self, page_id: int) -> None:
+        block_hash = self._index.hash_of(page_id)
+        if self._index.evict(page_id) and block_hash is not None and self._evicted is not None:
+            self._evicted.append((page_id, block_hash))
+
+    def allocate_for_fetch(self, num_pages: int) -> tuple[list[int], list[int]] | None:
+        """Fresh pages (ref 1, new tags) for blocks fetched from a tier, or None (no room
+        without evicting cached pages a waiting request may want)."""
+        if num_pages > self.pool.num_free_pages:
+            return None
+        page_ids = self.pool.allocate(num_pages)
+        assert page_ids is not None
+        return page_ids, self.pool.tags(page_ids)
+
+    def adopt_fetched(
+        self, page_ids: list[int], tags: list[int], hashes: list[BlockHash], keep: int
+    ) -> list[IntegrityViolation]:
+        """The fetched bytes landed in `page_ids`: index the first `keep` pages under their
+        block hashes, then drop the fetch's reference (the pages stay cached, free, at the back
+        of the queue, for the request's admission to hit). The writer's tags are checked first;
+        a page that is not the writer's alone any more is not indexed."""
+        problems = []
+        for idx, (page_id, tag) in enumerate(zip(page_ids, tags, strict=True)):
+            if self.pool.tag(page_id) != tag or self.pool.ref_count(page_id) != 1:
+                kind = ViolationKind.STALE_WRITE
+                problems.append(IntegrityViolation("kv-tier-fetch", kind, page_id, tag,
+                                                   self.pool.tag(page_id)))  # fmt: skip
+                continue
+            if idx < keep:
+                self._index.insert(hashes[idx], page_id)
+        return problems + self.release("kv-tier-fetch", page_ids[::-1], tags[::-1])
 
     def reset_prefix_cache(self) -> None:
         self._index.clear()

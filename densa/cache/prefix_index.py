@@ -38,6 +38,9 @@ class PrefixIndex:
     def lookup(self, block_hash: BlockHash) -> int | None:
         return self._page_by_hash.get(block_hash)
 
+    def hash_of(self, page_id: int) -> BlockHash | None:
+        return self._hash_by_page.get(page_id)
+
     def has_page(self, page_id: int) -> bool:
         return page_id in self._hash_by_page
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from densa.cache.tiers.tier import parse_tier_spec
 from densa.config import (
     ATTENTION_BACKENDS,
     DEFAULT_KV_SCALES,
@@ -101,6 +102,9 @@ class EngineArgs:
     # The internal plane's credential (docs/security.md): a file holding the cluster secret
     # (else DENSA_CLUSTER_SECRET). It authenticates the KV link and the router's placements.
     cluster_secret_file: str | None = None
+    # KV tiers below the device pool, in order (docs/kv-cache.md): "disk:PATH:SIZE",
+    # "shared:redis://HOST:PORT[/DB]" (needs the cluster secret). Empty: the device pool only.
+    kv_tiers: tuple[str, ...] = ()
     # Start without checking that weights + KV + activations fit in available memory
     # (densa/engine/memory_plan.py), for operators who know better (also DENSA_SKIP_MEMORY_CHECK=1).
     skip_memory_check: bool = False
@@ -208,6 +212,8 @@ class EngineArgs:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if not self.kv_transfer_timeout > 0:
             raise ValueError("--kv-transfer-timeout must be > 0 seconds")
+        for spec in self.kv_tiers:
+            parse_tier_spec(spec)  # raises ValueError naming the option
         if self.model is not None and not Path(self.model).expanduser().exists():
             raise ValueError(f"--model {self.model}: no such file or directory")
         if self.decode_model is not None and not Path(self.decode_model).expanduser().exists():
@@ -367,6 +373,13 @@ class EngineArgs:
             "placements; without it a prefill worker's --kv-listen must be loopback",
         )  # fmt: skip
         g.add_argument(
+            "--kv-tier", dest="kv_tiers", action="append", default=None, metavar="TIER",
+            help="keep full prefix pages below the device too, repeatable, in tier order: "
+            "disk:PATH:SIZE (files under PATH, at most SIZE, e.g. disk:/var/densa-kv:20GiB) or "
+            "shared:redis://HOST:PORT[/DB] (a Redis server all workers reach; needs the cluster "
+            "secret). Every block read back is verified; a failing one is a miss",
+        )  # fmt: skip
+        g.add_argument(
             "--skip-memory-check", action="store_true", default=d.skip_memory_check,
             help="start even if the weights, KV cache and activations look larger than the "
             "available memory (also DENSA_SKIP_MEMORY_CHECK=1)",
@@ -377,6 +390,7 @@ class EngineArgs:
         values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
         if isinstance(values.get("served_model_name"), list):  # the engine's name is the first
             values["served_model_name"] = values["served_model_name"][0]
+        values["kv_tiers"] = tuple(values.get("kv_tiers") or ())
         if "kv_integrity" in values:
             values["kv_integrity"] = values["kv_integrity"] == "on"
         return cls(**values)

@@ -19,6 +19,7 @@ from densa.engine.args import EngineArgs
 from densa.engine.builder import build_engine_parts
 from densa.engine.confinement import execute_confined
 from densa.engine.grammar_gate import GrammarGate
+from densa.engine.kv_tiers import KVTiers, build_tiers, engine_fingerprint
 from densa.ipc.messages import RequestDelta, TokenLogprobs
 from densa.model.arch import ArchConfig
 from densa.request import Request, RequestStatus
@@ -85,16 +86,39 @@ class LLMEngine:
         self._ids = itertools.count()
         # Called after every runner step (see StepRecord); nothing runs when the list is empty.
         self.step_observers: list[StepObserver] = []
+        self.kv_tiers: KVTiers | None = None  # --kv-tier: pages below the device (attach_tiers)
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         """Load the model and tokenizer, size and allocate the KV cache, and wire the runner."""
         parts = build_engine_parts(args)
-        return cls(
+        engine = cls(
             parts.config, parts.tokenizer, parts.runner, parts.arch,
             parts.kv_format, parts.weight_format,
         )  # fmt: skip
+        if args.kv_tiers:
+            engine.attach_tiers(args.kv_tiers, args.cluster_secret_file)
+        return engine
+
+    def attach_tiers(self, specs: tuple[str, ...] | list[str], secret_file: str | None) -> None:
+        """Keep full prefix pages below the device too, in the tiers `specs` name (in order)."""
+        from densa.worker.kv_io import pack
+
+        model = self.config.model
+        fingerprint = engine_fingerprint(model.model, self.weight_format, self.kv_format,
+                                         pack(self.runner.kv_caches, []),
+                                         repr(sorted(self.arch.signature().items())))  # fmt: skip
+        tiers = build_tiers(specs, fingerprint, secret_file)
+        self.detach_tiers()
+        self.kv_tiers = KVTiers(tiers, self.kv_manager, self.runner)
+
+    def detach_tiers(self) -> None:
+        """Stop using the tiers (queued writes finish first) and close them."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+            self.kv_tiers = None
+            self.kv_manager.stop_recording_evictions()
 
     # ---- requests ------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -269,7 +293,14 @@ class LLMEngine:
             self._admit_compiled()
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
+        tiers = self.kv_tiers
+        if tiers is not None:
+            tiers.write_back()  # evicted between steps (a KV transfer's reservation)
+            num_slots = self.config.scheduler.max_num_seqs - len(self.scheduler.running)
+            tiers.fetch_for(self.scheduler.waiting, num_slots)
         sched_out = self.scheduler.schedule()
+        if tiers is not None:
+            tiers.write_back()  # what schedule() evicted, before the step writes those pages
         self._take_scheduler_events()
         started = time.perf_counter()
         runner_out = execute_confined(self.runner, sched_out)
@@ -340,6 +371,8 @@ class LLMEngine:
         tracked.pending_token_ids, tracked.pending_logprobs = [], []
         if finished:
             del self._tracked[request.request_id]
+            if self.kv_tiers is not None:
+                self.kv_tiers.forget(request.request_id)
         return output
 
 

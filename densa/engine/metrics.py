@@ -29,4 +29,5 @@ def snapshot(engine: LLMEngine, num_steps: int = 0) -> EngineStats:
         num_prefix_queried_tokens=kv.num_queried_tokens,
         num_prefix_hit_tokens=kv.num_hit_tokens,
         integrity_violations={kind.value: counts[kind] for kind in ViolationKind},
+        kv_tiers=engine.kv_tiers.stats() if engine.kv_tiers is not None else {},
     )

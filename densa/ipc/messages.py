@@ -64,6 +64,8 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True):
     integrity_violations: dict[str, int] = {}  # by ViolationKind value
     # KV handoff counters and gauges of a prefill or decode worker (densa/disagg/stats.py).
     disagg: dict[str, float] = {}
+    # KV tiers (--kv-tier): counters per tier name (densa/cache/tiers/tier.py TierCounters).
+    kv_tiers: dict[str, dict[str, float]] = {}
 
     @property
     def num_used_kv_pages(self) -> int:

@@ -62,6 +62,10 @@ class RouterState:
     proxy: Proxy | None = None  # set by the lifespan (it owns the HTTP client)
 
 
+# Blocks the router remembers as fetchable from the shared tier (LRU): ~4 GB of 1.5B-model pages.
+SHARED_INDEX_BLOCKS = 1 << 14
+
+
 def build_router(config: RouterConfig) -> tuple[Router, RouterMetrics]:
     workers = {url: Worker(url, role, WorkerPrefixIndex(1)) for url, role in config.roles().items()}
     pool = WorkerPool(workers, config.health)
@@ -74,6 +78,7 @@ def build_router(config: RouterConfig) -> tuple[Router, RouterMetrics]:
         ring=HashRing(targets, config.ring_vnodes),
         lengths=LengthEstimator(config.default_expected_tokens),
         metrics=metrics,
+        shared_prefix=WorkerPrefixIndex(SHARED_INDEX_BLOCKS) if config.shared_kv_tier else None,
     )
     pool.on_ejected = router.on_ejected
     return router, metrics

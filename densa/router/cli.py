@@ -54,6 +54,11 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
         "router signs each placement with it, and decode workers act on no other",
     )  # fmt: skip
     pools.add_argument(
+        "--shared-kv-tier", action="store_true",
+        help="the workers share a KV tier (--kv-tier shared:redis://...): a prefix routed to "
+        "any worker counts, below a device hit, as fetchable by every worker",
+    )  # fmt: skip
+    pools.add_argument(
         "--debug-headers", action="store_true",
         help="add x-densa-worker, x-densa-prefill and x-densa-router-ms to answers (off: they "
         "tell any client the workers' addresses and time the router's own work)",
@@ -98,6 +103,7 @@ def config_from(ns: argparse.Namespace) -> RouterConfig:
         default_expected_tokens=ns.expected_tokens,
         admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
         secret=load_secret(ns.cluster_secret_file), debug_headers=ns.debug_headers,
+        shared_kv_tier=ns.shared_kv_tier,
     )  # fmt: skip
 
 

@@ -37,6 +37,9 @@ class RouterConfig:
     # x-densa-worker, x-densa-prefill and x-densa-router-ms on answers: off by default, since
     # they tell any client the internal addresses and a timer of the router's own work.
     debug_headers: bool = False
+    # The workers share a KV tier (--kv-tier shared:...): a prefix routed to any worker counts,
+    # at SHARED_TIER_CREDIT, as fetchable by all (router/policy.py).
+    shared_kv_tier: bool = False
 
     def __post_init__(self) -> None:
         if not self.workers and not self.decode:

@@ -8,7 +8,10 @@ better; the highest score wins:
     A  1 if the request's session (x-session-affinity) is stuck to w and its TTL has not run out
     R  1 if w owns a new session on the consistent-hash ring (sessions spread, and a new router
        or a new worker moves few of them); 0 for requests without a session
-    P  matched / total: the prompt's full blocks that w probably caches, in the request's scope
+    P  (matched + SHARED_TIER_CREDIT * fetchable) / total: the prompt's full blocks that w
+       probably caches, in the request's scope, plus those beyond them that any worker can
+       fetch from the shared KV tier (--shared-kv-tier; a fetch skips the compute but still
+       moves the bytes, so it counts less than a device hit)
     K  w's free KV pages after this request's uncached prompt and expected output, / total pages
     Q  (q_max - q) / (q_max - q_min) over candidates (1 if all equal), q = requests queued or
        running on w; for a new session, q = max(that, live sessions stuck to w)
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
 SIGNALS = ("affinity", "ring", "prefix", "kv", "queue", "length")
+# What a block fetchable from the shared KV tier is worth next to one in a worker's device pool.
+SHARED_TIER_CREDIT = 0.5
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,9 @@ class WorkerView:
     num_routed: int = 0  # requests routed there so far (tie-break)
     matched_blocks: int = 0  # leading prompt blocks it probably caches (this request's scope)
     num_sessions: int = 0  # live sessions stuck to it
+    # Leading prompt blocks any worker can fetch from the shared KV tier (the same for every
+    # worker; 0 without --shared-kv-tier). Those beyond matched_blocks earn SHARED_TIER_CREDIT.
+    shared_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,12 +106,19 @@ def signal_values(
         table[view.url] = {
             "affinity": float(view.url == features.sticky_url),
             "ring": float(view.url == features.ring_url),
-            "prefix": view.matched_blocks / features.num_blocks if features.num_blocks else 0.0,
+            "prefix": _prefix_score(features, view),
             "kv": _free_after(features, view),
             "queue": queue[view.url],
             "length": length[view.url],
         }
     return table
+
+
+def _prefix_score(features: RouteFeatures, view: WorkerView) -> float:
+    if not features.num_blocks:
+        return 0.0
+    fetchable = max(view.shared_blocks - view.matched_blocks, 0)
+    return (view.matched_blocks + SHARED_TIER_CREDIT * fetchable) / features.num_blocks
 
 
 def _queue_load(features: RouteFeatures, view: WorkerView) -> int:

@@ -20,7 +20,7 @@ from densa.cache.prefix_index import BlockHash
 from densa.router.incoming import Incoming, ModelInfo
 from densa.router.lengths import LengthEstimator
 from densa.router.policy import Decision, RouteFeatures, RoutingPolicy, WeightedPolicy, WorkerView
-from densa.router.prefix import block_hashes
+from densa.router.prefix import WorkerPrefixIndex, block_hashes
 from densa.router.ring import HashRing
 from densa.router.sessions import SessionTable
 from densa.router.workers import Worker, WorkerPool
@@ -52,6 +52,9 @@ class Router:
     lengths: LengthEstimator
     metrics: RouterMetrics | None = None
     model: ModelInfo | None = None
+    # With a shared KV tier (--shared-kv-tier): blocks routed to any worker, which every worker
+    # can fetch once their first holder frees them. None: each worker's device pool only.
+    shared_prefix: WorkerPrefixIndex | None = None
 
     # ---- placing ------------------------------------------------------------------------------
     def place(self, incoming: Incoming, exclude: frozenset[str] = frozenset()) -> Placement | None:
@@ -114,6 +117,7 @@ class Router:
 
     def _views(self, workers: list[Worker], hashes: list[BlockHash]) -> list[WorkerView]:
         views = []
+        shared = self.shared_prefix.match(hashes) if self.shared_prefix is not None else 0
         for w in workers:
             load = w.load
             total = load.num_kv_pages if load else 0
@@ -123,7 +127,7 @@ class Router:
                 page_size=load.page_size if load else 1,
                 pending_output_tokens=w.pending_output_tokens, num_routed=w.num_routed,
                 matched_blocks=w.prefix.match(hashes),
-                num_sessions=self.sessions.num_live(w.url),
+                num_sessions=self.sessions.num_live(w.url), shared_blocks=shared,
             ))  # fmt: skip
         return views
 
@@ -136,6 +140,8 @@ class Router:
         for holder in (worker, placement.prefill):
             if holder is not None:
                 holder.prefix.insert(placement.hashes)
+        if self.shared_prefix is not None:
+            self.shared_prefix.insert(placement.hashes)
         if placement.session_id is not None:
             self.sessions.stick(placement.session_id, worker.url)
         if self.metrics is not None:

@@ -155,6 +155,18 @@ class _EngineCollector(Collector):
             for name, value in sorted(s.disagg.items()):
                 kv.add_metric([name], value)
             yield kv
+        if s.kv_tiers:  # --kv-tier (docs/kv-cache.md)
+            tiers = GaugeMetricFamily(
+                "densa_kv_tier",
+                "KV tier counters since start: hits, misses, rejected (failed a check), bytes "
+                "read and written, blocks written, write errors, fetch seconds and fetches "
+                "(mean fetch latency = fetch_seconds / fetches), disabled (1 when off)",
+                labels=["tier", "counter"],
+            )
+            for tier, counters in sorted(s.kv_tiers.items()):
+                for name, value in sorted(counters.items()):
+                    tiers.add_metric([tier, name], value)
+            yield tiers
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

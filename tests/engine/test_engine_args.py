@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+import pytest
+
 from densa.config import ATTENTION_BACKENDS, DTYPE_CHOICES, KV_CACHE_DTYPES, WEIGHT_FORMATS
 from densa.engine.args import EngineArgs
 
@@ -36,3 +38,12 @@ def test_options_parse_into_their_fields() -> None:
     args = EngineArgs.from_cli(_parser().parse_args(argv))
     assert (args.kv_cache_dtype, args.page_size, args.kv_integrity) == ("fp8_e4m3", 8, False)
     assert (args.enable_prefix_caching, args.max_num_seqs) == (False, 4)
+
+
+def test_kv_tiers_are_repeatable_in_order_and_checked() -> None:
+    argv = ["--kv-tier", "disk:/var/kv:2GiB", "--kv-tier", "shared:redis://10.0.0.5:6379/1"]
+    args = EngineArgs.from_cli(_parser().parse_args(argv))
+    assert args.kv_tiers == ("disk:/var/kv:2GiB", "shared:redis://10.0.0.5:6379/1")
+    for bad in ("disk:/var/kv", "shared:10.0.0.5:6379", "ram:1GiB"):
+        with pytest.raises(ValueError, match="--kv-tier"):
+            EngineArgs(kv_tiers=(bad,)).check()

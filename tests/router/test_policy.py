@@ -286,3 +286,47 @@ def test_expected_length_is_max_tokens_then_the_learned_mean_capped_by_it() -> N
     assert lengths.expect("chat", None) == 20 and lengths.expect("chat", 10) == 10
     lengths.observe("chat", 120)  # moving average: 20 + 0.1 * 100
     assert lengths.expect("chat", None) == 30 and lengths.expect("completions", None) == 256
+
+
+# ---- a shared KV tier ----------------------------------------------------------------------------
+def test_a_shared_tier_hit_scores_below_a_device_hit_and_above_nothing() -> None:
+    features = RouteFeatures(160, 10, 0)
+    values = signal_values(features, [
+        view(A, matched_blocks=10, shared_blocks=10),
+        view(B, matched_blocks=4, shared_blocks=10),
+        view(C, matched_blocks=0, shared_blocks=0),
+    ])  # fmt: skip
+    assert [values[u]["prefix"] for u in (A, B, C)] == [1.0, pytest.approx(0.7), 0.0]
+    assert DENSA.choose(features, [view(B, matched_blocks=4, shared_blocks=10),
+                                   view(A, matched_blocks=10, shared_blocks=10)]).url == A  # fmt: skip
+
+
+def test_with_a_shared_tier_load_moves_a_session_that_a_device_hit_alone_would_keep() -> None:
+    """The device holder is busy: without the shared tier the prefix pins the request there;
+    with it the other worker can fetch the history, so the queue decides."""
+    features = RouteFeatures(160, 10, 0)
+    busy, idle = dict(matched_blocks=10, queue_depth=3), dict(queue_depth=0)
+    local_only = DENSA.choose(features, [view(A, **busy), view(B, **idle)])
+    shared = DENSA.choose(features, [view(A, **busy, shared_blocks=10),
+                                     view(B, **idle, shared_blocks=10)])  # fmt: skip
+    assert (local_only.url, local_only.signal) == (A, "prefix")
+    assert (shared.url, shared.signal) == (B, "queue")
+
+
+def test_the_router_counts_a_prefix_routed_anywhere_as_fetchable_by_all() -> None:
+    from densa.router.routing import Router
+    from densa.router.workers import Worker, WorkerPool
+
+    workers = {u: Worker(u, "mixed", WorkerPrefixIndex(100)) for u in (A, B)}
+    router = Router(WorkerPool(workers), RoundRobin(), SessionTable(), HashRing([A, B]),
+                    LengthEstimator(16), shared_prefix=WorkerPrefixIndex(1000))  # fmt: skip
+    hashes = block_hashes(list(range(1, 100)), 16, CacheScope(tenant="t").digest())
+    views = {v.url: v for v in router._views([workers[A], workers[B]], hashes)}
+    assert (views[A].shared_blocks, views[B].shared_blocks) == (0, 0)
+    workers[A].prefix.insert(hashes)
+    router.shared_prefix.insert(hashes)  # what opened() does for a request routed to A
+    views = {v.url: v for v in router._views([workers[A], workers[B]], hashes)}
+    assert (views[A].matched_blocks, views[B].matched_blocks) == (6, 0)
+    assert (views[A].shared_blocks, views[B].shared_blocks) == (6, 6)
+    other = block_hashes(list(range(1, 100)), 16, CacheScope(tenant="u").digest())
+    assert router.shared_prefix.match(other) == 0  # another tenant's same prompt: nothing

@@ -147,3 +147,17 @@ def test_each_app_has_its_own_registry() -> None:
     first.observe(record)
     assert MetricSamples(first.render().decode()).value("densa_requests_total") == 1
     assert MetricSamples(second.render().decode()).value("densa_requests_total") == 0
+
+
+def test_kv_tier_counters_are_exported_per_tier() -> None:
+    stats = EngineStats(kv_tiers={
+        "disk:/kv": {"hits": 6, "misses": 2, "rejected": 1, "fetch_seconds": 0.5, "fetches": 8},
+        "shared:redis://s:6379/0": {"hits": 3, "bytes_written": 4096},
+    })  # fmt: skip
+    samples = MetricSamples(ServerMetrics(lambda: stats).render().decode())
+    assert samples.value("densa_kv_tier", tier="disk:/kv", counter="hits") == 6
+    assert samples.value("densa_kv_tier", tier="disk:/kv", counter="rejected") == 1
+    assert (
+        samples.value("densa_kv_tier", tier="shared:redis://s:6379/0", counter="bytes_written")
+        == 4096
+    )

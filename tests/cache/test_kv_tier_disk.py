@@ -1,0 +1,157 @@
+"""The disk tier and the stored block format, without a model: every check on read, the size
+cap, faults that disable the tier, and a writer killed with SIGKILL mid-write."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from densa.cache.tiers.block import BLOCK_OVERHEAD, BlockCodec, BlockRejected, fingerprint_of
+from densa.cache.tiers.disk import TMP_PREFIX, DiskTier
+from densa.cache.tiers.tier import parse_tier_spec
+
+FP = fingerprint_of("model-a", "fp32")
+KEY = bytes(range(16))
+OTHER_KEY = bytes(range(1, 17))
+
+
+def test_a_block_round_trips_and_every_field_is_checked() -> None:
+    codec = BlockCodec(FP)
+    data = codec.encode(KEY, b"page bytes" * 10)
+    assert bytes(codec.decode(KEY, data)) == b"page bytes" * 10
+    assert len(data) == BLOCK_OVERHEAD + 100
+    cases = {
+        "key": (OTHER_KEY, data),
+        "fingerprint": (KEY, BlockCodec(fingerprint_of("model-b", "fp32")).encode(KEY, b"x" * 100)),
+        "truncated": (KEY, data[:-1]),
+        "format": (KEY, b"XXXX" + data[4:]),
+        "checksum": (KEY, data[:-1] + bytes([data[-1] ^ 1])),
+    }
+    for reason, (key, blob) in cases.items():
+        with pytest.raises(BlockRejected) as caught:
+            (BlockCodec(FP) if reason != "fingerprint" else codec).decode(key, blob)
+        assert caught.value.reason == reason
+    # A header field changed with the checksum left alone: the checksum covers the header.
+    relabelled = bytearray(data)
+    relabelled[40] ^= 1  # the length
+    with pytest.raises(BlockRejected):
+        codec.decode(KEY, bytes(relabelled))
+
+
+def test_a_mac_written_without_the_key_is_refused() -> None:
+    sealed = BlockCodec(FP, mac_key=b"k" * 32)
+    unsealed = BlockCodec(FP).encode(KEY, b"y" * 64)
+    with pytest.raises(BlockRejected) as caught:
+        sealed.decode(KEY, unsealed)
+    assert caught.value.reason == "checksum"
+    assert bytes(sealed.decode(KEY, sealed.encode(KEY, b"y" * 64))) == b"y" * 64
+
+
+def test_tier_specs() -> None:
+    spec = parse_tier_spec("disk:/var/kv:2GiB")
+    assert (spec.kind, spec.path, spec.size_bytes) == ("disk", "/var/kv", 2 * 1024**3)
+    assert parse_tier_spec("shared:redis://10.0.0.1:6379/2").url == "redis://10.0.0.1:6379/2"
+    for bad in ("disk:/var/kv", "disk:/var/kv:0", "shared:http://x", "tape:/dev/st0"):
+        with pytest.raises(ValueError, match="--kv-tier"):
+            parse_tier_spec(bad)
+
+
+def test_the_size_cap_drops_the_least_recently_used(tmp_path: Path) -> None:
+    block = BLOCK_OVERHEAD + 1000
+    tier = DiskTier(str(tmp_path), 3 * block, BlockCodec(FP))
+    keys = [bytes([i]) * 16 for i in range(4)]
+    for key in keys[:3]:
+        tier.put(key, bytes(1000))
+    assert tier.get(keys[0]) is not None  # 0 is now the most recent: 1 goes first
+    tier.put(keys[3], bytes(1000))
+    assert [tier.contains(k) for k in keys] == [True, False, True, True]
+    assert tier.total_bytes == 3 * block
+    assert len(list(tmp_path.glob("*.kvb"))) == 3
+    # A second tier over the same directory (a restart) finds the same blocks.
+    again = DiskTier(str(tmp_path), 3 * block, BlockCodec(FP))
+    assert [again.contains(k) for k in keys] == [True, False, True, True]
+    assert again.get(keys[3]) is not None
+
+
+def test_a_corrupt_file_is_a_miss_counted_and_removed(tmp_path: Path) -> None:
+    tier = DiskTier(str(tmp_path), 1 << 20, BlockCodec(FP))
+    tier.put(KEY, b"z" * 500)
+    (path,) = tmp_path.glob("*.kvb")
+    path.write_bytes(path.read_bytes()[:-10])
+    assert tier.get(KEY) is None
+    assert not path.exists()
+    stats = tier.counters.as_dict()
+    assert (stats["hits"], stats["misses"], stats["rejected"]) == (0, 1, 1)
+    assert tier.counters.rejected_reasons == {"truncated": 1}
+
+
+def test_an_unusable_directory_disables_the_tier(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    tier = DiskTier(str(not_a_dir / "kv"), 1 << 20, BlockCodec(FP))
+    assert tier.counters.disabled
+    tier.put(KEY, b"a" * 10)  # no error: the tier is off
+    assert tier.get(KEY) is None
+
+
+def test_a_full_disk_disables_the_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = DiskTier(str(tmp_path), 1 << 20, BlockCodec(FP))
+    tier.put(KEY, b"a" * 10)
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("builtins.open", full)
+    tier.put(OTHER_KEY, b"b" * 10)
+    monkeypatch.undo()
+    assert tier.counters.disabled
+    assert not tier.contains(OTHER_KEY)
+    assert not any(p.name.startswith(TMP_PREFIX) for p in tmp_path.iterdir())
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys
+    from densa.cache.tiers.block import BlockCodec, fingerprint_of
+    from densa.cache.tiers.disk import DiskTier
+    tier = DiskTier(sys.argv[1], 1 << 40, BlockCodec(fingerprint_of("model-a", "fp32")))
+    payload = bytes(range(256)) * (128 * 1024)  # 32 MiB: each write takes a while
+    i = 0
+    while True:
+        tier.put(i.to_bytes(16, "big"), payload)
+        i += 1
+    """
+)
+
+
+def test_a_writer_killed_mid_write_leaves_no_visible_block(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # kill it while a temporary file is being written
+            if any(p.name.startswith(TMP_PREFIX) and p.stat().st_size > 0
+                   for p in tmp_path.iterdir()):  # fmt: skip
+                break
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(TMP_PREFIX)]
+    assert leftovers, "the kill did not land mid-write"
+    payload = bytes(range(256)) * (128 * 1024)
+    tier = DiskTier(str(tmp_path), 1 << 40, BlockCodec(FP))
+    blocks = list(tmp_path.glob("*.kvb"))
+    for i in range(len(blocks)):  # every visible block is whole and verifies
+        found = tier.get(i.to_bytes(16, "big"))
+        assert found is not None and bytes(found) == payload
+    assert tier.counters.rejected == 0
+    assert not any(p.name.startswith(TMP_PREFIX) for p in tmp_path.iterdir())  # cleaned at start

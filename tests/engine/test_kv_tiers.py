@@ -1,0 +1,225 @@
+"""KV tiers through the engine (bundled SmolLM2-135M, greedy): a prefix evicted from a tiny
+device pool comes back from the disk tier instead of being recomputed, with tokens identical to a
+run without tiers; a corrupted or truncated block is a miss (same tokens); another tenant never
+hits what one tenant's requests stored."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from densa.engine.args import EngineArgs
+from densa.engine.llm_engine import LLMEngine, StepRecord
+from densa.sampling_params import SamplingParams
+
+from ..outputs import Collector, Final
+
+PAGE = 16
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base_engine() -> LLMEngine:
+    # 16 pages of 16 tokens: one 100-token prompt takes 7, so three other prompts evict it.
+    args = EngineArgs(num_kv_pages=16, page_size=PAGE, max_model_len=256, max_num_seqs=4,
+                      max_num_batched_tokens=256)  # fmt: skip
+    return LLMEngine.from_args(args)
+
+
+@pytest.fixture
+def make_engine(base_engine: LLMEngine):
+    """The module's engine with an empty prefix cache and the tiers asked for (one model load
+    for the whole file)."""
+
+    def make(tiers: tuple[str, ...] = ()) -> LLMEngine:
+        base_engine.detach_tiers()
+        base_engine.kv_manager.reset_prefix_cache()
+        base_engine.step_observers.clear()
+        if tiers:
+            base_engine.attach_tiers(tiers, None)
+        return base_engine
+
+    yield make
+    base_engine.detach_tiers()
+
+
+class Runner:
+    """Runs one request at a time to the end; counts the prompt tokens each run computed."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.num_computed = 0
+        engine.step_observers.append(self._observe)
+
+    def _observe(self, record: StepRecord) -> None:
+        self.num_computed += sum(len(chunk.token_ids) for chunk in record.step.scheduled)
+
+    def run(self, prompt: list[int], scope: str = "") -> tuple[Final, int]:
+        before = self.num_computed
+        collector = Collector()
+        request_id = self.engine.add_request(prompt, GREEDY, cache_scope=scope)
+        while request_id not in collector.finals:
+            collector.add(self.engine.step())
+            self.engine.check_invariants()
+        if self.engine.kv_tiers is not None:
+            self.engine.kv_tiers.flush()  # write-back is asynchronous: let it land
+        return collector.finals[request_id], self.num_computed - before
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(300, 20000) for _ in range(100)] for _ in range(4)]
+
+
+def evict_then_return(runner: Runner, scope_back: str = "") -> tuple[Final, Final, int]:
+    """Run A, three others (A's pages get reused), then A again (in `scope_back`)."""
+    first, *others = prompts(0)
+    original, _ = runner.run(first)
+    for other in others:
+        runner.run(other)
+    again, computed = runner.run(first, scope_back)
+    return original, again, computed
+
+
+_REFERENCE: list[tuple[Final, Final, int]] = []
+
+
+@pytest.fixture
+def reference(make_engine) -> tuple[Final, Final, int]:
+    """The run without tiers (once per module)."""
+    if not _REFERENCE:
+        _REFERENCE.append(evict_then_return(Runner(make_engine())))
+    return _REFERENCE[0]
+
+
+def test_an_evicted_prefix_comes_back_from_disk(tmp_path: Path, reference, make_engine) -> None:
+    _, ref_again, ref_computed = reference
+    assert ref_again.num_cached_tokens == 0  # without tiers, the pool really lost it
+    engine = make_engine((f"disk:{tmp_path}:64MiB",))
+    original, again, computed = evict_then_return(Runner(engine))
+    assert original.token_ids == again.token_ids == ref_again.token_ids
+    assert again.num_cached_tokens == 96  # 6 full pages; the last token is always computed
+    assert computed == ref_computed - 96
+    stats = engine.kv_tiers.stats()[f"disk:{tmp_path}"]
+    assert stats["hits"] == 6 and stats["rejected"] == 0
+    assert stats["blocks_written"] >= 4 * 6  # every prompt's full pages, once each
+    assert engine.kv_tiers.num_fetched_pages == 6
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_block_is_a_miss_with_identical_output(
+    tmp_path: Path, reference, make_engine, damage: str
+) -> None:
+    engine = make_engine((f"disk:{tmp_path}:64MiB",))
+    runner = Runner(engine)
+    first, *others = prompts(0)
+    runner.run(first)
+    for other in others:
+        runner.run(other)
+    tier = engine.kv_tiers.tiers[0]
+    # Damage A's fourth block: blocks 0-2 still come back, 3 is a miss, so 4-5 are computed too.
+    key = engine.kv_manager.prefix_hashes(engine_request(engine, first))[3]
+    path = tier.directory / tier._file_name(key)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-1000] ^= 0x01
+    else:
+        del data[len(data) // 2 :]
+    path.write_bytes(bytes(data))
+    again, _ = runner.run(first)
+    assert again.token_ids == reference[1].token_ids
+    assert again.num_cached_tokens == 3 * PAGE
+    stats = engine.kv_tiers.stats()[tier.name]
+    assert stats["rejected"] == 1
+    assert not path.exists() or path.read_bytes() != bytes(data)  # removed (or rewritten whole)
+
+
+def test_another_tenant_never_hits_and_the_same_tenant_does(
+    tmp_path: Path, reference, make_engine
+) -> None:
+    engine = make_engine((f"disk:{tmp_path}:64MiB",))
+    runner = Runner(engine)
+    first, *others = prompts(0)
+    runner.run(first, scope="tenant-a")
+    for other in others:
+        runner.run(other, scope="tenant-a")
+    other_tenant, _ = runner.run(first, scope="tenant-b")
+    same_tenant, _ = runner.run(first, scope="tenant-a")
+    assert other_tenant.num_cached_tokens == 0
+    assert same_tenant.num_cached_tokens == 96
+    assert other_tenant.token_ids == same_tenant.token_ids == reference[1].token_ids
+
+
+def test_tiers_on_and_off_give_the_same_tokens_under_pressure(tmp_path: Path, make_engine) -> None:
+    """Mixed traffic (shared system prefixes, several requests at once, preemption) in both."""
+    rng = random.Random(7)
+    system = [[rng.randrange(300, 20000) for _ in range(40)] for _ in range(3)]
+    cases = [system[i % 3] + [rng.randrange(300, 20000) for _ in range(rng.randrange(5, 60))]
+             for i in range(6)]  # fmt: skip
+    results = []
+    for tiers in ((), (f"disk:{tmp_path}:64MiB",)):
+        engine = make_engine(tiers)
+        collector = Collector()
+        ids = []
+        for _ in range(2):  # the second round returns after the first was evicted
+            ids += [engine.add_request(c, GREEDY) for c in cases]
+            while any(i not in collector.finals for i in ids):
+                collector.add(engine.step())
+                engine.check_invariants()
+            if engine.kv_tiers is not None:
+                engine.kv_tiers.flush()
+        results.append([collector.finals[i].token_ids for i in ids])
+        results.append(sum(collector.finals[i].num_cached_tokens for i in ids))
+    off_tokens, off_cached, on_tokens, on_cached = results
+    assert on_tokens == off_tokens
+    assert on_cached > off_cached
+
+
+def engine_request(engine: LLMEngine, prompt: list[int]):
+    """A throwaway Request with `prompt` in the default scope, to compute its block hashes."""
+    from densa.request import Request
+
+    return Request(request_id="probe", prompt_token_ids=prompt, sampling_params=GREEDY)
+
+
+def test_the_shared_tier_serves_each_tenant_its_own_and_survives_the_store_dying(
+    tmp_path: Path, reference, make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from densa.auth.secret import SECRET_ENV, ClusterSecret
+    from densa.bench.redis_server import INSTALL_HINT, RedisServer, redis_server_binary
+    from densa.cache.tiers import shared
+
+    if redis_server_binary() is None:
+        pytest.skip(INSTALL_HINT)
+    monkeypatch.setenv(SECRET_ENV, ClusterSecret.generate().value.decode())
+    monkeypatch.setattr(shared, "RETRY_AFTER_S", 0.2)
+    with RedisServer(maxmemory="64mb") as server:
+        engine = make_engine((f"shared:{server.url}",))
+        runner = Runner(engine)
+        first, *others = prompts(0)
+        runner.run(first, scope="tenant-a")
+        for other in others:
+            runner.run(other, scope="tenant-a")
+        assert runner.run(first, scope="tenant-b")[0].num_cached_tokens == 0
+        back, _ = runner.run(first, scope="tenant-a")
+        assert back.num_cached_tokens == 96
+        assert back.token_ids == reference[1].token_ids
+        server.kill()  # mid-run: the next turns are computed, with the same tokens
+        for other in others:
+            runner.run(other)
+        started = time.monotonic()
+        down, _ = runner.run(first)
+        assert down.num_cached_tokens == 0 and down.token_ids == reference[1].token_ids
+        assert time.monotonic() - started < 30
+        server.restart()  # empty, and up again: write-back and fetch resume
+        time.sleep(0.3)
+        runner.run(first)  # its blocks go down again (the earlier writes went nowhere)
+        for other in others:
+            runner.run(other)
+        again, _ = runner.run(first)
+        assert again.num_cached_tokens == 96 and again.token_ids == reference[1].token_ids
+        stats = engine.kv_tiers.stats()[f"shared:{server.url}"]
+        assert stats["rejected"] == 0 and stats["hits"] >= 12  # the others come back too
