@@ -36,7 +36,11 @@ def _prefilled(scheduler: Scheduler, states: RequestStates, **params: object) ->
 
 
 def _verify(
-    scheduler: Scheduler, states: RequestStates, proposed: list[int], accepted: list[int], token: int
+    scheduler: Scheduler,
+    states: RequestStates,
+    proposed: list[int],
+    accepted: list[int],
+    token: int,
 ) -> SchedulerOutput:
     request = scheduler.requests["r"]
     request.spec_token_ids = list(proposed)
@@ -54,7 +58,11 @@ def test_rejected_pages_are_released_with_new_tags_and_regranted() -> None:
     # Token 20 at position 6 and five proposals at 7..11: a third page for positions 8..11.
     step = _verify(scheduler, states, [21, 22, 23, 24, 25], accepted=[21], token=30)
     (chunk,) = step.scheduled
-    assert (chunk.token_ids, chunk.start_pos, chunk.spec_token_ids) == ([20], 6, [21, 22, 23, 24, 25])
+    assert (chunk.token_ids, chunk.start_pos, chunk.spec_token_ids) == (
+        [20],
+        6,
+        [21, 22, 23, 24, 25],
+    )
     assert chunk.new_pages == [PageGrant(2, 2, 10)]
     assert step.num_scheduled_tokens == 6 and step.num_spec_tokens == 5
     # 21 accepted, 30 sampled after it: positions 0..7 hold accepted K/V, so page 2 (positions
