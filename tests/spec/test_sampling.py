@@ -8,6 +8,7 @@ vocabulary check that the first, second and third emitted tokens have exactly th
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,14 +56,7 @@ def _draws(params: SamplingParams, drafts: tuple[int, ...]) -> list[list[int]]:
     emitted = []
     for start in range(0, NUM_DRAWS, BATCH):
         rows = [
-            SampleRequest(
-                f"r{i}",
-                SamplingParams(**{**_fields(params), "seed": i}),
-                [7],
-                [],
-                frozenset(),
-                drafts,
-            )  # fmt: skip
+            SampleRequest(f"r{i}", _seeded(params, i), [7], [], frozenset(), drafts)
             for i in range(start, start + BATCH)
         ]
         result = sampler.sample(logits.repeat(BATCH, 1), rows)
@@ -70,8 +64,8 @@ def _draws(params: SamplingParams, drafts: tuple[int, ...]) -> list[list[int]]:
     return emitted
 
 
-def _fields(params: SamplingParams) -> dict[str, object]:
-    return {name: getattr(params, name) for name in ("temperature", "top_k", "presence_penalty")}
+def _seeded(params: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed)
 
 
 def _target(params: SamplingParams, row: int, seen: Sequence[int]) -> torch.Tensor:
