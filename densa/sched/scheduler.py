@@ -347,18 +347,24 @@ class Scheduler:
             self._roll_back(request, item)
             self.kv.cache_full_pages(request)
             return False
+        status, num_new = None, 0
         for new_token_id in (*accepted, token_id):
             request.output_token_ids.append(new_token_id)
             self.num_generated_tokens += 1
+            num_new += 1
             status = self._stop_status(request, new_token_id)
             if status is not None:
-                self.finish_request(request.request_id, status)
-                return True
-        # The accepted proposals' K/V, written by this step, is kept; the rest rolls back.
-        request.num_computed_tokens += len(accepted)
-        request.unsent_token_ids.extend(accepted)
+                break
+        # The kept proposals' K/V, written by this step, stays; the rest rolls back. Full pages
+        # are indexed before a stop frees them, so a finished request's prompt stays cached.
+        num_kept = min(num_new, len(accepted))
+        request.num_computed_tokens += num_kept
         self._roll_back(request, item)
         self.kv.cache_full_pages(request)  # only accepted tokens: pages past them are gone
+        if status is not None:
+            self.finish_request(request.request_id, status)
+        else:
+            request.unsent_token_ids.extend(accepted[:num_kept])
         return True
 
     def _roll_back(self, request: Request, item: ScheduledChunk) -> None:

@@ -110,6 +110,8 @@ def test_a_stop_inside_the_accepted_run_cuts_it() -> None:
     assert request.output_token_ids == [20, 21, EOS]
     assert request.status == RequestStatus.FINISHED_STOPPED
     assert scheduler.kv.num_free_pages == 8
+    # Positions 0..8 were computed and kept (EOS included): the two full pages stay cached.
+    assert scheduler.kv.num_cached_pages == 2
 
 
 def test_max_tokens_inside_the_accepted_run_cuts_it() -> None:
