@@ -7,6 +7,11 @@ from pathlib import Path
 
 import httpx
 
+from densa.serve.anthropic_api.models import MessagesRequest
+from densa.serve.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
+from densa.serve.prepare import parse
+from densa.serve.responses_api.models import ResponsesRequest
+from densa.serve.responses_api.to_chat import to_chat_request as responses_to_chat
 from tests.serve.support import MODEL_NAME, engine_client, running_server
 
 PROMPT = "one two three four five six one two three four five six one two three four"
@@ -36,3 +41,16 @@ def test_speculation_through_the_api_with_per_request_opt_out(tiny_model_dir: Pa
             json={"model": MODEL_NAME, "prompt": "x", "speculative": "sometimes"},
         )
         assert bad.status_code == 400 and "speculative" in bad.text
+
+
+def test_the_opt_out_through_messages_and_responses() -> None:
+    messages = parse(
+        MessagesRequest,
+        {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+         "speculative": False},
+    )  # fmt: skip
+    responses = parse(ResponsesRequest, {"model": "m", "input": "hi", "speculative": False})
+    for chat in (anthropic_to_chat(messages), responses_to_chat(responses)):
+        assert chat.to_sampling_params(5, None).speculative is False
+    default = parse(ResponsesRequest, {"model": "m", "input": "hi"})
+    assert responses_to_chat(default).to_sampling_params(5, None).speculative is True
