@@ -30,6 +30,9 @@ class RunnerRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    # After a speculative rollback the scheduler's page table is shorter than this mirror: the
+    # entries past it are stale until granted again, and never read (a step reads only the
+    # pages up to its own end).
     page_ids: list[int] = field(default_factory=list)
     page_tags: list[int] = field(default_factory=list)
 
