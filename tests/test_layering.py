@@ -25,6 +25,7 @@ LAYERS = {
     "memory": 3,  # huge-page allocation for weights (model/) and KV pages (worker/)
     "model": 4,
     "worker": 5,
+    "spec": 5,  # speculative decoding proposers: run models (model/, worker/), not the engine
     "disagg": 5,
     "engine": 6,
     "ipc": 1,
