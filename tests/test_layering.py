@@ -25,8 +25,9 @@ LAYERS = {
     "memory": 3,  # huge-page allocation for weights (model/) and KV pages (worker/)
     "model": 4,
     "worker": 5,
-    "spec": 5,  # speculative decoding proposers: run models (model/, worker/), not the engine
     "disagg": 5,
+    # Speculative proposers: a draft model (model/) with its own KV, sampling; engine/ drives them.
+    "spec": 5,
     "engine": 6,
     "ipc": 1,
     "serve": 7,

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from densa.config import CacheConfig, EngineConfig
+from densa.config import CacheConfig, EngineConfig, SpeculativeConfig
 from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs, default_model_path
 from densa.engine.memory_plan import check_memory
 from densa.kernels import native
@@ -24,6 +24,8 @@ from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.quant import fp8_kv
 from densa.quant.kv_format import KVFormat
 from densa.sched.stop import StopRule
+from densa.spec.ngram import NgramProposer
+from densa.spec.proposer import Proposer
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
@@ -44,6 +46,7 @@ class EngineParts:
     arch: ArchConfig
     kv_format: str  # e.g. "fp8_e4m3, dynamic scales"
     weight_format: str  # e.g. "dense", "int4 g128 symmetric"
+    proposer: Proposer | None = None  # speculative decoding's (None: off)
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
@@ -103,7 +106,17 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         budget.reason, max_len, args.max_num_seqs, backend.name,
     )  # fmt: skip
     described = kv_format.describe()
-    return EngineParts(config, tokenizer, runner, arch, described, model.weight_format)
+    proposer = build_proposer(config.speculative)
+    return EngineParts(config, tokenizer, runner, arch, described, model.weight_format, proposer)
+
+
+def build_proposer(config: SpeculativeConfig | None) -> Proposer | None:
+    """The proposer of speculative tokens the config names (docs/speculative.md)."""
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer()
+    raise ValueError(f"speculative method {config.method!r} is not available in this build")
 
 
 def enable_fused_decode(model: CausalLM, kv_caches: list[LayerCache]) -> bool:

@@ -1,4 +1,9 @@
-"""The one interface every proposer implements (n-gram prompt lookup, a draft model, MTP)."""
+"""The interface every proposer of speculative tokens implements.
+
+A proposer guesses the next tokens of a request; the target model then scores the last accepted
+token and the guesses in one forward and keeps the longest run it agrees with (worker/). Proposals
+are deterministic (point masses), so the target's rejection sampling stays exact for sampling too.
+"""
 
 from __future__ import annotations
 
@@ -18,10 +23,16 @@ class SpecInput:
 
 
 class Proposer(Protocol):
+    """Keeps whatever per-request state it needs; `release` drops it.
+
+    A proposer with its own KV (a draft model) catches up from `token_ids` and truncates its own
+    KV when the target rejected tokens (it compares `token_ids` with what it cached).
+    """
+
     name: str  # "ngram" | "draft" | "mtp"
 
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
-        """0..num_tokens proposed tokens for each input, in order."""
+        """0..num_tokens tokens per input, in the order of `inputs`."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -29,5 +40,5 @@ class Proposer(Protocol):
         ...
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
-        """MTP only: the target's last hidden states of accepted tokens; others ignore it."""
+        """MTP only: the target's last hidden states of the accepted tokens; others ignore it."""
         ...
