@@ -267,7 +267,7 @@ class DraftSpec:
     max_model_len: int
     dtype: str = "float32"
     weight_format: str = "auto"
-    kv_cache_dtype: str = "float32"
+    kv_cache_dtype: str = "float32"  # FP8 pages take dynamic scales (no calibration for the draft)
 
 
 def load_draft_proposer(
@@ -302,3 +302,9 @@ def load_draft_proposer(
         model, kv_caches, spec.page_size, backend, device, spec.num_pages,
         spec.max_model_len, draft_vocab_size(target_arch, draft_arch),
     )  # fmt: skip
+
+
+def draft_page_bytes(model: str, page_size: int, kv_cache_dtype: str) -> int:
+    """Bytes of one page of the draft's KV, read from its config alone (before any load)."""
+    arch = ArchConfig.from_dir(resolve_model_dir(model))
+    return page_bytes(arch, page_size, kv_cache_dtype)
