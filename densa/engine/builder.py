@@ -26,6 +26,7 @@ from densa.quant import fp8_kv
 from densa.quant.kv_format import KVFormat
 from densa.sched.stop import StopRule
 from densa.spec.draft import DraftModelProposer, DraftSpec, draft_page_bytes, load_draft_proposer
+from densa.spec.mtp import MTPProposer, load_mtp_proposer
 from densa.spec.ngram import NgramProposer
 from densa.spec.proposer import Proposer
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
@@ -53,6 +54,7 @@ class EngineParts:
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     args.check()
+    args = _without_prefix_caching_for_mtp(args)
     model_path = args.model or default_model_path()
     model_dir = resolve_model_dir(model_path)
     weights, head = auto_formats(model_path, model_dir, args.weight_format, args.head_format)
@@ -112,6 +114,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         config.speculative,
         DraftTarget(args, arch, tokenizer, backend, num_pages, max_len, kv_format),
     )
+    # The MTP layer reads the target's final hidden state of every position it caches.
+    runner.keeps_hidden = isinstance(proposer, MTPProposer)
     return EngineParts(config, tokenizer, runner, arch, described, model.weight_format, proposer)
 
 
@@ -136,6 +140,13 @@ def build_proposer(config: SpeculativeConfig | None, target: DraftTarget) -> Pro
         return NgramProposer()
     if config.method == "draft" and config.model is not None:
         return build_draft_proposer(config.model, config.num_tokens, target)
+    if config.method == "mtp":
+        args = target.args
+        return load_mtp_proposer(
+            resolve_model_dir(args.model or default_model_path()), target.arch, args.dtype,
+            target.num_pages, args.page_size, target.backend, torch.device(args.device),
+            target.max_len + config.num_tokens,
+        )  # fmt: skip
     raise ValueError(f"speculative method {config.method!r} is not available in this build")
 
 
@@ -386,3 +397,13 @@ def _draft_page_bytes(args: EngineArgs, kv_format: KVFormat) -> int:
     if config is None or config.method != "draft" or config.model is None:
         return 0
     return draft_page_bytes(config.model, args.page_size, kv_format.name)
+
+
+def _without_prefix_caching_for_mtp(args: EngineArgs) -> EngineArgs:
+    """The MTP layer needs the target's hidden state of every position, and a prefix hit skips
+    computing them: with MTP, prompts are computed whole (prefix caching off)."""
+    config = args.speculative_config()
+    if config is None or config.method != "mtp" or not args.enable_prefix_caching:
+        return args
+    logger.info("prefix caching off: the MTP proposer reads every position's hidden state")
+    return dataclasses.replace(args, enable_prefix_caching=False)

@@ -130,7 +130,10 @@ def num_mtp_layers(model_dir: Path) -> int:
 class MTPSequence:
     """One request's MTP state: the target's hidden states and the MTP layer's pages."""
 
-    hidden: list[torch.Tensor] = field(default_factory=list)  # [n_i, H] chunks, by position
+    # h_p for positions [hidden_start, num_hidden), in [n_i, H] chunks; rows before num_exact
+    # are dropped once their KV rows are written (a long request keeps few hidden states).
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    hidden_start: int = 0
     num_hidden: int = 0
     num_exact: int = 0  # positions [0, num_exact) hold rows computed from the target's h
     page_ids: list[int] = field(default_factory=list)
@@ -139,7 +142,12 @@ class MTPSequence:
         """h_p for p in [start, end) ([end - start, H]); chunks merge once read."""
         if len(self.hidden) > 1:
             self.hidden = [torch.cat(self.hidden)]
-        return self.hidden[0][start:end]
+        return self.hidden[0][start - self.hidden_start : end - self.hidden_start]
+
+    def drop_hidden_before(self, position: int) -> None:
+        if self.hidden and position > self.hidden_start:
+            self.hidden = [torch.cat(self.hidden)[position - self.hidden_start :]]
+            self.hidden_start = position
 
 
 @dataclass(frozen=True)
@@ -204,6 +212,8 @@ class MTPProposer:
                 row = rows.pop(idx)
                 if step == 0:
                     row.seq.num_exact = row.end_pos
+                    # the newest exact row is recomputed next call: keep its h
+                    row.seq.drop_hidden_before(row.end_pos - 1)
                 proposals[idx].append(next_ids[i])
                 if step + 1 < wanted[idx]:
                     rows[idx] = _Row(row.seq, [next_ids[i]], out_hidden[i : i + 1], row.end_pos)

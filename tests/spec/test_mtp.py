@@ -173,3 +173,20 @@ def test_a_checkpoint_without_mtp_layers_is_refused(tiny_model_dir: Path) -> Non
             tiny_model_dir, ArchConfig.from_dir(tiny_model_dir), "float32", 8, PAGE_SIZE,
             select_backend("auto", CPU), CPU, 64,
         )  # fmt: skip
+
+
+def test_with_mtp_on_greedy_output_is_unchanged(mtp_model_dir: Path) -> None:
+    from densa.engine.llm import LLM
+    from densa.sampling_params import SamplingParams
+
+    prompts = [[5, 17, 230, 1234, 9, 88, 4021], [301, 302, 7, 7, 7, 12, 4000, 51, 6, 9, 10]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine = dict(num_kv_pages=64, page_size=PAGE_SIZE, max_model_len=128)
+    plain = [r.token_ids for r in LLM(str(mtp_model_dir), **engine).generate(prompts, greedy)]
+    llm = LLM(str(mtp_model_dir), speculative_method="mtp", **engine)
+    assert [r.token_ids for r in llm.generate(prompts, greedy)] == plain
+    speculator = llm.engine.speculator
+    assert speculator is not None and isinstance(speculator.proposer, MTPProposer)
+    assert speculator.num_proposed_tokens > 0
+    assert speculator.proposer.sequences == {}  # released with their requests
+    assert speculator.proposer.pool.num_free_pages == engine["num_kv_pages"]
