@@ -157,10 +157,15 @@ class SpecWave:
 
 
 def run_speculative(
-    specs: Sequence[PeerSpec], settings: SpecBenchSettings, prompts: SpecPrompts, log_dir: Path
+    specs: Sequence[PeerSpec],
+    settings: SpecBenchSettings,
+    prompts: SpecPrompts,
+    log_dir: Path,
+    on_wave: Callable[[list[SpecWave], dict[str, dict[str, Any]]], None] | None = None,
 ) -> tuple[list[SpecWave], dict[str, dict[str, Any]]]:
     """Start every variant, warm each up on every workload, run the interleaved waves; stop
-    every server on the way out. Returns the waves and, per variant, what it runs."""
+    every server on the way out. Returns the waves and, per variant, what it runs; `on_wave`
+    sees the waves so far after each one (a long run keeps a report of what it measured)."""
     servers = [PeerServer(spec, log_dir) for spec in specs]
     wave_settings = settings.wave_settings()
     try:
@@ -173,20 +178,27 @@ def run_speculative(
                 batch = prompts.prompts(workload, 1, f"warmup{warmup_idx}")
                 for server in servers:
                     timed_wave(server, batch, wave_settings, -1)
-        waves = _timed_waves(servers, settings, prompts)
+        described = {s.spec.name: _describe(s.spec) for s in servers}
+        waves = _timed_waves(
+            servers, settings, prompts, lambda w: on_wave(w, described) if on_wave else None
+        )
     finally:
         for server in servers:
             server.stop()
-    return waves, {s.spec.name: _describe(s.spec) for s in servers}
+    return waves, described
 
 
 def _timed_waves(
-    servers: list[PeerServer], settings: SpecBenchSettings, prompts: SpecPrompts
+    servers: list[PeerServer],
+    settings: SpecBenchSettings,
+    prompts: SpecPrompts,
+    on_wave: Callable[[list[SpecWave]], None],
 ) -> list[SpecWave]:
+    # Concurrency outermost: a run cut short still has every variant at the levels it reached.
     variants = [
         (workload, c, server)
-        for workload in settings.workloads
         for c in settings.concurrency
+        for workload in settings.workloads
         for server in servers
     ]
     schedule = interleave(variants, settings.repeats)
@@ -200,6 +212,7 @@ def _timed_waves(
             batch = prompts.prompts(workload, concurrency, f"c{concurrency}-r{repeat_idx}")
             peer_wave = timed_wave(server, batch, wave_settings, repeat_idx)
             waves.append(SpecWave(workload, peer_wave))
+            on_wave(waves)
             bar.update()
             logger.info(
                 "[%d/%d] %s: %.1f output tok/s, %.2f tokens/event", len(waves), len(schedule),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from densa.bench.peers_cli import find_llama_server
 
@@ -46,9 +47,10 @@ def _speculative(ns: argparse.Namespace) -> int:
     from densa.bench.speculative import (
         SpecBenchSettings,
         SpecPrompts,
+        SpecWave,
         build_variants,
         run_speculative,
-    )  # fmt: skip
+    )
     from densa.bench.speculative_report import build_report
     from densa.engine.args import default_model_path
     from densa.measure.data import lambada_passages
@@ -85,8 +87,14 @@ def _speculative(ns: argparse.Namespace) -> int:
         lambada_passages() if "chat" in settings.workloads else [],
         settings,
     )
-    waves, variants = run_speculative(specs, settings, prompts, ns.out / "logs")
     extra = {"model": str(gguf), "draft_model": str(draft)}
+
+    def write_so_far(waves: list[SpecWave], variants: dict[str, dict[str, Any]]) -> None:
+        partial = build_report(waves, variants, {**_as_dict(settings), **extra, "partial": True})
+        partial.plots = []  # JSON and Markdown only until the run ends
+        partial.write(ns.out)
+
+    waves, variants = run_speculative(specs, settings, prompts, ns.out / "logs", write_so_far)
     report = build_report(waves, variants, {**_as_dict(settings), **extra})
     paths = report.write(ns.out)
     for table in report.tables:

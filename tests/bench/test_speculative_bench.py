@@ -98,7 +98,11 @@ def test_fake_variants_run_interleaved_and_report_acceptance(tmp_path: Path) -> 
         _fake("densa draft", "densa", "--token-delay", "0.005", "--tokens-per-event", "3"),
         _fake("llama.cpp draft", "llama.cpp", "--token-delay", "0.01", "--draft-timings", "8,6"),
     ]
-    waves, variants = run_speculative(specs, settings, _prompts(settings), tmp_path / "logs")
+    seen: list[int] = []
+    waves, variants = run_speculative(
+        specs, settings, _prompts(settings), tmp_path / "logs", lambda w, _: seen.append(len(w))
+    )
+    assert seen == list(range(1, 7))  # a report can be written after every wave
     order = [(w.workload, w.peer_wave.wave.engine, w.peer_wave.wave.concurrency) for w in waves]
     assert order == [("code-edit", s.name, c) for c in (1, 2) for s in specs]
     report = build_report(waves, variants, {"what": "test"})
