@@ -53,7 +53,7 @@ class SpecBenchSettings:
     methods: tuple[str, ...] = METHODS
     prompt_len: int = 320  # tokens of file or passage, before the chat template and the ask
     output_len: int = 64
-    num_speculative_tokens: int = 4  # densa's k and llama-server's --draft-max
+    num_speculative_tokens: int = 4  # densa's k and llama-server's --spec-draft-n-max
     repeats: int = 1
     warmup: int = 1  # untimed waves per variant and workload, at c = 1
     prompt_seed: int = 0
@@ -97,8 +97,10 @@ def build_variants(
             specs.append(build(ctx))
         else:
             plain = llama_cpp(ctx)
-            # -td: the draft's threads (it runs in turn with the target, on the same cores).
-            draft = ("-md", str(draft_gguf), "--draft-max", k, "-td", str(ctx.threads))
+            # A plain GGUF draft needs its type named (llama.cpp infers only MTP/EAGLE-style
+            # drafts from the file); -td: the draft's threads (it runs in turn with the target).
+            draft = ("-md", str(draft_gguf), "--spec-type", "draft-simple",
+                     "--spec-draft-n-max", k, "-td", str(ctx.threads))  # fmt: skip
             specs.append(
                 dataclasses.replace(
                     plain,

@@ -32,7 +32,9 @@ def add_speculative_parser(benchmarks: argparse._SubParsersAction) -> None:
     g.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 32])
     g.add_argument("--prompt-len", type=int, default=320, help="file / passage tokens")
     g.add_argument("--output-len", type=int, default=64, help="output tokens (EOS ignored)")
-    g.add_argument("--num-speculative-tokens", type=int, default=4, help="k (llama: --draft-max)")
+    g.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="k (llama-server: --spec-draft-n-max)"
+    )
     g.add_argument("--repeats", type=int, default=1)
     g.add_argument("--warmup", type=int, default=1)
     g.add_argument("--prompt-seed", type=int, default=0)

@@ -77,8 +77,9 @@ def test_each_method_starts_its_server_with_its_options(tmp_path: Path) -> None:
     )
     assert ngram[-4:] == ("--speculative-method", "ngram", "--num-speculative-tokens", "3")
     assert drafted[-4:] == ("--speculative-model", str(draft), "--num-speculative-tokens", "3")
-    assert llama[0] == str(server) and llama[-6:] == ("-md", str(draft), "--draft-max", "3",
-                                                      "-td", "2")  # fmt: skip
+    assert llama[0] == str(server)
+    assert llama[-8:] == ("-md", str(draft), "--spec-type", "draft-simple",
+                          "--spec-draft-n-max", "3", "-td", "2")  # fmt: skip
     assert all("--kv-cache-dtype" in specs[n].argv for n in ("densa off", "densa draft"))
 
 
