@@ -30,7 +30,12 @@ import torch
 
 from densa.cache.page_pool import PagePool
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.attention import AttentionBackend, AttentionMetadata, build_group
+from densa.model.attention import (
+    AttentionBackend,
+    AttentionGroup,
+    AttentionMetadata,
+    build_group,
+)
 from densa.model.fused_decode import unsupported_reason
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
@@ -42,6 +47,11 @@ from densa.utils.sizes import format_bytes
 from densa.worker.kv_cache import allocate_kv_caches, page_bytes
 
 logger = get_logger(__name__)
+
+# Catch-up chunks after the prompt up to this long run as decode rows (the fused decode path);
+# longer ones (and prompts) run as prefill. After a verified step the chunk is the accepted
+# tail and the target's own token: at most k + 1 tokens.
+MAX_DECODE_ROWS = 16
 
 
 @dataclass
@@ -164,12 +174,14 @@ class DraftModelProposer:
 
     # ---- the forward pass ------------------------------------------------------------------------
     def _forward(self, rows: list[_Row]) -> list[int]:
-        """The argmax next token after each row's chunk; writes the chunks' K/V. One-token rows
-        and longer chunks run as two passes (decode-only steps take the fused path, if on)."""
-        decodes = [i for i, row in enumerate(rows) if len(row.token_ids) == 1]
-        chunks = [i for i, row in enumerate(rows) if len(row.token_ids) > 1]
+        """The argmax next token after each row's chunk; writes the chunks' K/V. Short chunks
+        (a decode, or the few tokens the target accepted since the last call) run as decode
+        rows, one per token, so decode-only passes keep the fused path; a prompt's chunk runs
+        as prefill, in a pass of its own."""
+        short = [i for i, row in enumerate(rows) if _as_decode_rows(row)]
+        long = [i for i, row in enumerate(rows) if not _as_decode_rows(row)]
         next_ids = [0] * len(rows)
-        for part, as_decode in ((decodes, True), (chunks, False)):
+        for part, as_decode in ((short, True), (long, False)):
             if part:
                 tokens = self._forward_group([rows[i] for i in part], as_decode)
                 for i, token_id in zip(part, tokens, strict=True):
@@ -185,14 +197,7 @@ class DraftModelProposer:
             for p in range(row.start_pos, row.end_pos)
         ]
         positions_t = torch.tensor(positions, dtype=torch.long)
-        group = build_group(
-            start=0,
-            page_tables=[row.seq.page_ids[: -(-row.end_pos // self.page_size)] for row in rows],
-            seq_lens=[row.end_pos for row in rows],
-            query_lens=[len(row.token_ids) for row in rows],
-            page_size=self.page_size,
-            device=self.device,
-        )
+        group = self._decode_rows(rows) if as_decode else self._prefill_chunks(rows)
         meta = AttentionMetadata(
             slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=self.device),
             slot_offsets=(positions_t % self.page_size).to(self.device),
@@ -212,6 +217,35 @@ class DraftModelProposer:
         )
         logits = self.model.compute_logits(hidden[last_rows])[:, : self.vocab_size]  # [B, V]
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
+
+    def _decode_rows(self, rows: list[_Row]) -> AttentionGroup:
+        """One decode row per token: the row at position p attends to [0, p] (every layer stores
+        all rows' K/V before any row attends, so later rows read earlier ones from the pages),
+        exactly as if the tokens had been decoded one by one."""
+        page_tables, seq_lens = [], []
+        for row in rows:
+            pages = row.seq.page_ids[: -(-row.end_pos // self.page_size)]
+            for position in range(row.start_pos, row.end_pos):
+                page_tables.append(pages)
+                seq_lens.append(position + 1)
+        return build_group(0, page_tables, seq_lens, [1] * len(seq_lens), self.page_size,
+                           self.device)  # fmt: skip
+
+    def _prefill_chunks(self, rows: list[_Row]) -> AttentionGroup:
+        return build_group(
+            start=0,
+            page_tables=[row.seq.page_ids[: -(-row.end_pos // self.page_size)] for row in rows],
+            seq_lens=[row.end_pos for row in rows],
+            query_lens=[len(row.token_ids) for row in rows],
+            page_size=self.page_size,
+            device=self.device,
+        )
+
+
+def _as_decode_rows(row: _Row) -> bool:
+    """Whether a chunk runs as decode rows: a short one after the prompt. A prompt is computed
+    as prefill, as the target computes it."""
+    return row.start_pos > 0 and len(row.token_ids) <= MAX_DECODE_ROWS
 
 
 def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
