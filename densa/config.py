@@ -113,8 +113,9 @@ SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 # Speculation stops when more requests than this decode in one step. Verifying k proposals adds
 # k rows to a request's decode row; at batch 1 the step streams every weight for one row, so the
 # extra rows are nearly free, but as the batch grows the projections turn compute-bound and every
-# rejected row costs as much as a real one (docs/speculative.md, "When it turns off").
-DEFAULT_SPECULATIVE_MAX_BATCH = 8
+# rejected row costs as much as a real one: on the 2-core dev CPU a step of 4 rows already cost
+# twice one of 2 (docs/speculative.md, "When it turns off", has the figures).
+DEFAULT_SPECULATIVE_MAX_BATCH = 4
 
 
 @dataclass(frozen=True)

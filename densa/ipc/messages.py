@@ -64,6 +64,11 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True):
     integrity_violations: dict[str, int] = {}  # by ViolationKind value
     # KV handoff counters and gauges of a prefill or decode worker (densa/disagg/stats.py).
     disagg: dict[str, float] = {}
+    # Speculative decoding (docs/speculative.md), lifetime totals: tokens proposed to the
+    # target, how many it accepted, and steps on which the batch was too large to speculate.
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_paused_steps: int = 0
 
     @property
     def num_used_kv_pages(self) -> int:

@@ -142,6 +142,7 @@ class Sampler:
             starts.append(starts[-1] + row.num_rows)
         last_rows = torch.tensor(starts[1:]) - 1
         plain = [i for i, r in enumerate(rows) if not r.draft_token_ids]
+        last_plain = {starts[i] for i in plain}  # their one row each
         # The plain requests' rows (their last is their only one), sampled as in any step.
         result = self._sample(logits[last_rows[plain]], [rows[i] for i in plain]) if plain else None
         expanded = [one for row in rows for one in _rows_of(row)]
@@ -149,6 +150,13 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
         processed = self._processed(logits, expanded)
         no_choice_rows = _non_finite_rows(processed, "no token is left to sample after penalties")
+        # What the random verifying rows draw from, in one pass (one softmax for the step).
+        random_rows = [
+            r for r, one in enumerate(expanded) if not one.params.is_greedy and r not in last_plain
+        ]
+        probs = torch.zeros_like(processed)
+        if random_rows:
+            probs[random_rows] = _probs(processed[random_rows], [expanded[r] for r in random_rows])
         token_ids = [0] * len(rows)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         failed: dict[int, str] = {}
@@ -169,7 +177,8 @@ class Sampler:
             if any(bad):
                 failed[i] = next(reason for reason in bad if reason)
                 continue
-            kept, token_ids[i] = self._verify(processed[starts[i] : starts[i + 1]], row)
+            span_rows = slice(starts[i], starts[i + 1])
+            kept, token_ids[i] = self._verify(processed[span_rows], probs[span_rows], row)
             accepted[i] = kept
             chosen = [*kept, token_ids[i]]
             row_logprobs = _logprobs(
@@ -182,9 +191,12 @@ class Sampler:
                 accepted_logprobs[i] = [lp for lp in row_logprobs[:-1] if lp is not None]
         return SampleResult(token_ids, logprobs, failed, errors, accepted, accepted_logprobs)
 
-    def _verify(self, logits: torch.Tensor, row: SampleRequest) -> tuple[list[int], int]:
-        """logits: [1 + k, V] processed rows of one request with k proposals -> (the accepted
-        proposals, the token after them): see the module docstring."""
+    def _verify(
+        self, logits: torch.Tensor, probs: torch.Tensor, row: SampleRequest
+    ) -> tuple[list[int], int]:
+        """logits: [1 + k, V] processed rows of one request with k proposals, probs: what its
+        random rows draw from (_probs of them) -> (the accepted proposals, the token after
+        them): see the module docstring."""
         drafts = list(row.draft_token_ids)
         if row.params.is_greedy:
             best = torch.argmax(logits, dim=-1).tolist()
@@ -192,7 +204,6 @@ class Sampler:
             while num_accepted < len(drafts) and best[num_accepted] == drafts[num_accepted]:
                 num_accepted += 1
             return drafts[:num_accepted], best[num_accepted]
-        probs = _probs(logits, [row] * logits.shape[0])  # [1 + k, V], unnormalised after min-p
         generator = self._generator(row, probs.shape[-1])
         for j, draft in enumerate(drafts):
             p = probs[j]
