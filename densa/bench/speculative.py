@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,8 @@ class SpecPrompts:
 class SpecWave:
     workload: str
     peer_wave: PeerWave
+    # densa's own counters over the wave, from /metrics: (proposed, accepted) tokens
+    spec_counters: tuple[int, int] | None = None
 
 
 def run_speculative(
@@ -212,8 +215,11 @@ def _timed_waves(
             bar.set_postfix_str(label)
             # The same key gives every variant the same prompts within a repetition.
             batch = prompts.prompts(workload, concurrency, f"c{concurrency}-r{repeat_idx}")
+            before = spec_counters(server)
             peer_wave = timed_wave(server, batch, wave_settings, repeat_idx)
-            waves.append(SpecWave(workload, peer_wave))
+            after = spec_counters(server)
+            delta = (after[0] - before[0], after[1] - before[1]) if before and after else None
+            waves.append(SpecWave(workload, peer_wave, delta))
             on_wave(waves)
             bar.update()
             logger.info(
@@ -229,6 +235,27 @@ def tokens_per_event(peer_wave: PeerWave) -> float:
     events = sum(len(r.event_s) for r in peer_wave.requests)
     tokens = sum(r.completion_tokens or 0 for r in peer_wave.requests)
     return tokens / events if events else 0.0
+
+
+def spec_counters(server: PeerServer) -> tuple[int, int] | None:
+    """densa's lifetime (proposed, accepted) speculative tokens from its /metrics; None for a
+    server that does not report them."""
+    if server.spec.engine != "densa":
+        return None
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        for name in ("densa_spec_proposed_tokens", "densa_spec_accepted_tokens"):
+            if line.startswith(name) and not line.startswith(f"{name}_created"):
+                values[name] = int(float(line.split()[-1]))
+    if len(values) < 2:
+        return None
+    return values["densa_spec_proposed_tokens"], values["densa_spec_accepted_tokens"]
 
 
 def draft_counters(peer_wave: PeerWave) -> tuple[int, int] | None:

@@ -19,7 +19,8 @@ NOTES = [
     "1), median over the requests of every repetition.",
     "tok/event = output tokens per streamed event: densa streams each step's tokens as one "
     "event, so for densa it is 1 + the proposals accepted per step. llama-server streams token "
-    "by token (1.00); its acceptance is its own draft counters (accepted / drafted).",
+    "by token (1.00). 'accepted' = accepted / proposed tokens from each server's own counters "
+    "(densa's /metrics over the wave; llama-server's draft_n / draft_n_accepted timings).",
     "The machine is shared: each raw sample records the 1-minute load average before and after "
     "its wave.",
 ]
@@ -92,7 +93,9 @@ def _summarize(key: tuple[str, str, int], waves: list[SpecWave]) -> dict[str, An
     workload, variant, concurrency = key
     requests = [r for w in waves for r in w.peer_wave.wave.requests]
     tpot = [r.tpot_s for r in requests if r.tpot_s is not None]
+    # llama-server's draft counters per request, or densa's own over the wave (/metrics)
     counters = [c for w in waves if (c := draft_counters(w.peer_wave)) is not None]
+    counters += [w.spec_counters for w in waves if w.spec_counters is not None]
     drafted = sum(c[0] for c in counters)
     return {
         "kind": "variant",
@@ -148,6 +151,7 @@ def _sample(spec_wave: SpecWave) -> dict[str, Any]:
         "ttft_s": [round(r.ttft_s, 6) for r in wave.requests],
         "tpot_s": [round(r.tpot_s, 6) for r in wave.requests if r.tpot_s is not None],
         "draft_counters": draft_counters(peer_wave),
+        "densa_spec_counters": spec_wave.spec_counters,
         "failed_attempts": peer_wave.failed_attempts,
         "load_average_1m": list(peer_wave.load_average),
     }
@@ -172,7 +176,7 @@ def _workload_table(summary: list[dict[str, Any]], workload: str) -> Table:
             ]
         )
     columns = ["variant", "c", "output tok/s", "TPOT p50 ms", "TTFT p50 ms", "tok/event",
-               "draft accepted"]  # fmt: skip
+               "accepted"]  # fmt: skip
     return Table(f"{workload}", columns, rows)
 
 

@@ -151,5 +151,6 @@ def test_densa_serve_speculates_through_the_bench(tmp_path: Path) -> None:
     (wave,) = waves
     (request,) = wave.peer_wave.requests
     assert request.completion_tokens == 9
-    # 1 token from the prompt's step, then steps of 1 + 4 accepted: 3 events.
+    # 1 token from the prompt's step, then steps of 1 + 4 and 1 + 2 accepted: 3 events.
     assert len(request.event_s) == 3
+    assert wave.spec_counters == (6, 6)  # densa's /metrics over the wave
