@@ -60,6 +60,9 @@ class SpecBenchSettings:
     prompt_seed: int = 0
     threads: int = 2
     wave_timeout_s: float = 1800.0
+    # No new wave starts once this many seconds have passed since the servers were started
+    # (a run given a fixed window reports the waves it finished); None: no limit.
+    time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.workloads) - set(WORKLOADS) | set(self.methods) - set(METHODS)
@@ -173,6 +176,7 @@ def run_speculative(
     sees the waves so far after each one (a long run keeps a report of what it measured)."""
     servers = [PeerServer(spec, log_dir) for spec in specs]
     wave_settings = settings.wave_settings()
+    deadline = None if settings.time_budget_s is None else time.monotonic() + settings.time_budget_s
     try:
         for server in servers:
             started = time.perf_counter()
@@ -185,8 +189,9 @@ def run_speculative(
                     timed_wave(server, batch, wave_settings, -1)
         described = {s.spec.name: _describe(s.spec) for s in servers}
         waves = _timed_waves(
-            servers, settings, prompts, lambda w: on_wave(w, described) if on_wave else None
-        )
+            servers, settings, prompts, lambda w: on_wave(w, described) if on_wave else None,
+            deadline,
+        )  # fmt: skip
     finally:
         for server in servers:
             server.stop()
@@ -198,6 +203,7 @@ def _timed_waves(
     settings: SpecBenchSettings,
     prompts: SpecPrompts,
     on_wave: Callable[[list[SpecWave]], None],
+    deadline: float | None = None,
 ) -> list[SpecWave]:
     # Concurrency outermost: a run cut short still has every variant at the levels it reached.
     variants = [
@@ -211,6 +217,9 @@ def _timed_waves(
     wave_settings = settings.wave_settings()
     with progress(len(schedule), "bench speculative") as bar:
         for repeat_idx, (workload, concurrency, server) in schedule:
+            if deadline is not None and time.monotonic() > deadline:
+                logger.warning("time budget spent: %d of %d waves run", len(waves), len(schedule))
+                break
             label = f"{server.spec.name} {workload} c={concurrency} rep {repeat_idx + 1}"
             bar.set_postfix_str(label)
             # The same key gives every variant the same prompts within a repetition.

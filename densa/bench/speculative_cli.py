@@ -39,6 +39,8 @@ def add_speculative_parser(benchmarks: argparse._SubParsersAction) -> None:
     g.add_argument("--warmup", type=int, default=1)
     g.add_argument("--prompt-seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="per server (default: all CPUs)")
+    g.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="start no wave after this long (the report says which ran)")  # fmt: skip
     g.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's server binary")
     g.add_argument("--out", type=Path, default=Path("docs/benchmarks/speculative"))
     parser.set_defaults(handler=_speculative)
@@ -67,6 +69,7 @@ def _speculative(ns: argparse.Namespace) -> int:
             methods=tuple(ns.methods), prompt_len=ns.prompt_len, output_len=ns.output_len,
             num_speculative_tokens=ns.num_speculative_tokens, repeats=ns.repeats,
             warmup=ns.warmup, prompt_seed=ns.prompt_seed, threads=ns.threads or usable_cpus(),
+            time_budget_s=ns.time_budget,
         )  # fmt: skip
         gguf = Path(resolve_model_arg(ns.model) if ns.model else default_model_path())
         draft = Path(resolve_model_arg(ns.draft_model)) if ns.draft_model else gguf
@@ -89,14 +92,24 @@ def _speculative(ns: argparse.Namespace) -> int:
         lambada_passages() if "chat" in settings.workloads else [],
         settings,
     )
-    extra = {"model": str(gguf), "draft_model": str(draft)}
+    extra: dict[str, Any] = {"model": str(gguf), "draft_model": str(draft)}
+    so_far: list[tuple[list[SpecWave], dict[str, dict[str, Any]]]] = []
 
     def write_so_far(waves: list[SpecWave], variants: dict[str, dict[str, Any]]) -> None:
+        so_far[:] = [(list(waves), variants)]
         partial = build_report(waves, variants, {**_as_dict(settings), **extra, "partial": True})
         partial.plots = []  # JSON and Markdown only until the run ends
         partial.write(ns.out)
 
-    waves, variants = run_speculative(specs, settings, prompts, ns.out / "logs", write_so_far)
+    try:
+        waves, variants = run_speculative(specs, settings, prompts, ns.out / "logs", write_so_far)
+    except KeyboardInterrupt:  # cut short (e.g. `timeout -s INT`): report what was measured
+        if not so_far:
+            raise
+        (waves, variants), extra["partial"] = so_far[0], "interrupted; the waves measured so far"
+    planned = settings.repeats * len(settings.concurrency) * len(settings.workloads) * len(specs)
+    if len(waves) < planned and "partial" not in extra:
+        extra["partial"] = f"time budget spent: {len(waves)} of {planned} waves ran"
     report = build_report(waves, variants, {**_as_dict(settings), **extra})
     paths = report.write(ns.out)
     for table in report.tables:

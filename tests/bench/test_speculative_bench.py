@@ -122,6 +122,16 @@ def test_fake_variants_run_interleaved_and_report_acceptance(tmp_path: Path) -> 
     assert "| densa draft | 1 |" in (tmp_path / "out" / "README.md").read_text()
 
 
+def test_no_wave_starts_once_the_time_budget_is_spent(tmp_path: Path) -> None:
+    settings = SpecBenchSettings(
+        concurrency=(1,), prompt_len=16, output_len=4, warmup=0, workloads=("chat",),
+        time_budget_s=0.0,
+    )  # fmt: skip
+    specs = [_fake("densa off", "densa")]
+    waves, variants = run_speculative(specs, settings, _prompts(settings), tmp_path / "logs")
+    assert waves == [] and list(variants) == ["densa off"]
+
+
 def test_densa_serve_speculates_through_the_bench(tmp_path: Path) -> None:
     """The bundled SmolLM2 drafting for itself: every proposal is accepted, so each streamed
     event carries several tokens."""
