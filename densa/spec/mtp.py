@@ -186,7 +186,7 @@ class MTPProposer:
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         """The target's final hidden states ([n, H]) of the next n positions it put in its KV."""
         seq = self.sequences.setdefault(request_id, MTPSequence())
-        seq.hidden.append(hidden.detach().to(self.device))
+        seq.hidden.append(hidden.detach().to(self.device).clone())  # not a view of the step's
         seq.num_hidden += hidden.shape[0]
 
     def release(self, request_id: str) -> None:

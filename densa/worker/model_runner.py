@@ -200,7 +200,13 @@ class ModelRunner:
         self, model: CausalLM, items: list[ScheduledRequest]
     ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         graphs = self.decode_graphs
-        if graphs is not None and model is graphs.model and graphs.can_run(items):
+        # A replayed graph returns logits only: a step whose hidden states are kept runs eagerly.
+        if (
+            graphs is not None
+            and model is graphs.model
+            and graphs.can_run(items)
+            and not (self.keeps_hidden)
+        ):
             return graphs.run(items)
         inputs = self.prepare_inputs(items)
         hidden = model(
