@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from densa.cache.integrity import IntegrityStats
 from densa.cache.kv_manager import KVCacheManager
 from densa.config import EngineConfig
@@ -312,15 +314,21 @@ class LLMEngine:
         self._take_scheduler_events()
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
-        self._speculate(sched_out, runner_out.accepted_token_ids)
+        self._speculate(sched_out, runner_out.accepted_token_ids, runner_out.hidden)
         return outputs
 
-    def _speculate(self, step: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
+    def _speculate(
+        self,
+        step: SchedulerOutput,
+        accepted: dict[str, list[int]],
+        hidden: dict[str, torch.Tensor],
+    ) -> None:
         """Count what the step verified, drop the state of requests that stopped running, and
         ask for the next step's proposals."""
         if self.speculator is None:
             return
         self.speculator.observe(step, accepted)
+        self.speculator.observe_hidden(step, accepted, hidden)
         running = self.scheduler.running
         self.speculator.keep_only(r.request_id for r in running)
         self.speculator.propose(running, self.config.scheduler.max_model_len)

@@ -25,6 +25,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from densa.config import SpeculativeConfig
 from densa.request import Request
 from densa.sched.output import SchedulerOutput
@@ -125,6 +127,23 @@ class Speculator:
             acceptance = self._acceptance.get(item.request_id)
             if acceptance is not None:
                 acceptance.record(len(item.spec_token_ids), num_accepted)
+
+    def observe_hidden(
+        self,
+        step: SchedulerOutput,
+        accepted: dict[str, list[int]],
+        hidden: dict[str, torch.Tensor],
+    ) -> None:
+        """Hand the proposer the target's hidden states of the positions the step put in its
+        KV for good: a chunk's own tokens and the proposals accepted (rejected rows dropped).
+        Requests it saw are tracked here, so `keep_only` releases them too."""
+        for item in step.scheduled:
+            rows = hidden.get(item.request_id)
+            if rows is None:
+                continue
+            num_kept = len(item.token_ids) + len(accepted.get(item.request_id, []))
+            self._acceptance.setdefault(item.request_id, Acceptance())
+            self.proposer.observe_hidden(item.request_id, rows[:num_kept])
 
     def keep_only(self, live_request_ids: Iterable[str]) -> None:
         """Release the state of every request not in live_request_ids (finished, aborted or

@@ -45,6 +45,10 @@ class RunnerOutput:
     # come before the request's sampled token, and their logprobs where asked for.
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Only when the runner keeps hidden states (an MTP proposer reads them): each computed
+    # request's final hidden states, one row per position of its chunk ([num_tokens, hidden]),
+    # proposals included; the engine keeps the rows of the positions the step accepted.
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,9 @@ class ModelRunner:
         # The runner's mirror of each running request, kept from the scheduler's deltas.
         self.requests = RequestStates()
         self._refused_landings: list[IntegrityViolation] = []
+        # Set by the builder when the proposer reads the target's hidden states (MTP).
+        self.keeps_hidden = False
+        self._step_hidden: dict[str, torch.Tensor] = {}
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Take in the step's deltas, then compute it."""
@@ -161,6 +168,7 @@ class ModelRunner:
         if not scheduled:
             return output
         samplers, logits = self._forward(scheduled)
+        output.hidden, self._step_hidden = self._step_hidden, {}
         if logits is not None:
             self._sample(logits, samplers, output)
         return output
@@ -192,15 +200,30 @@ class ModelRunner:
         self, model: CausalLM, items: list[ScheduledRequest]
     ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         graphs = self.decode_graphs
-        if graphs is not None and model is graphs.model and graphs.can_run(items):
+        # A replayed graph returns logits only: a step whose hidden states are kept runs eagerly.
+        if (
+            graphs is not None
+            and model is graphs.model
+            and graphs.can_run(items)
+            and not (self.keeps_hidden)
+        ):
             return graphs.run(items)
         inputs = self.prepare_inputs(items)
         hidden = model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
         )
+        if self.keeps_hidden:
+            self._keep_hidden(inputs.order, hidden)
         if not inputs.samplers:
             return [], None
         return inputs.samplers, model.compute_logits(hidden[inputs.sample_rows])
+
+    def _keep_hidden(self, order: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """Each request's rows of the pass's hidden states (rows follow `order`)."""
+        start = 0
+        for item in order:
+            self._step_hidden[item.request_id] = hidden[start : start + item.num_tokens]
+            start += item.num_tokens
 
     @torch.inference_mode()
     def score(self, step: SchedulerOutput) -> torch.Tensor:
