@@ -111,8 +111,42 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+# Speculation stops when more requests than this decode in one step. Verifying k proposals adds
+# k rows to a request's decode row; at batch 1 the step streams every weight for one row, so the
+# extra rows are nearly free, but as the batch grows the projections turn compute-bound and every
+# rejected row costs as much as a real one: on the 2-core dev CPU a step of 4 rows already cost
+# twice one of 2 (docs/speculative.md, "When it turns off", has the figures).
+DEFAULT_SPECULATIVE_MAX_BATCH = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/speculative.md): a proposer guesses up to num_tokens tokens per
+    decoding request; the target verifies them in its own decode step."""
+
+    method: str = "ngram"  # ngram | draft | mtp
+    model: str | None = None  # the draft model (method "draft"): a path or a catalog name
+    num_tokens: int = 4  # most tokens proposed per request and step (k)
+    max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH  # decode requests above which it pauses
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.method!r}"
+            )
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative method draft needs --speculative-model")
+        if self.num_tokens < 1:
+            raise ValueError("--num-speculative-tokens must be >= 1")
+        if self.max_batch < 1:
+            raise ValueError("--speculative-max-batch must be >= 1")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding

@@ -63,6 +63,12 @@ class Request:
     page_tags: list[int] = field(default_factory=list)
     # How many page-table entries the runner has been sent since this request's admission.
     num_pages_sent: int = 0
+    # Speculative decoding (docs/speculative.md). Tokens a proposer guessed to follow this
+    # request's last token, for the next step to verify (the engine sets them, schedule takes them).
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Proposed tokens the last step accepted: their K/V is in the pages already (the verifying
+    # step wrote it), so no chunk computes them; the next chunk tells the runner about them.
+    unsent_token_ids: list[int] = field(default_factory=list)
     error: str | None = None
     # Disaggregation (densa/disagg): while a KV transfer may still write into this request's pages
     # (decode side) or read from them (prefill side), finishing it must not free them: the

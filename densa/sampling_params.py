@@ -83,6 +83,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias).
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # False: this request never speculates, even when the engine does (docs/speculative.md).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the object stays hashable and immutable.

@@ -26,6 +26,8 @@ LAYERS = {
     "model": 4,
     "worker": 5,
     "disagg": 5,
+    # Speculative proposers: a draft model (model/) with its own KV, sampling; engine/ drives them.
+    "spec": 5,
     "engine": 6,
     "ipc": 1,
     "serve": 7,

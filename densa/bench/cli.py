@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from densa.bench.peers_cli import add_peers_parser
+from densa.bench.speculative_cli import add_speculative_parser
 from densa.engine.args import EngineArgs
 
 T = TypeVar("T")
@@ -34,6 +35,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     _add_moe(benchmarks)
     _add_hostile(benchmarks)
     add_peers_parser(benchmarks)
+    add_speculative_parser(benchmarks)
     _add_structured(benchmarks)
     _add_router(benchmarks)
     _add_step_bytes(benchmarks)

@@ -38,6 +38,8 @@ class StreamedRequest:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     text: str = ""
+    # llama-server's `timings` of the last event that had them (its draft counters among them).
+    server_timings: dict[str, Any] | None = None
 
     def timing(self) -> RequestTiming:
         """Per-token timing: an event carrying k tokens counts as k tokens arriving together.
@@ -73,6 +75,9 @@ async def stream_one(
         if event.choices and event.choices[0].text:
             record.event_s.append(now)
             record.text += event.choices[0].text
+        timings = (event.model_extra or {}).get("timings")
+        if isinstance(timings, dict):
+            record.server_timings = timings
         if event.usage is not None:
             record.prompt_tokens = event.usage.prompt_tokens
             record.completion_tokens = event.usage.completion_tokens

@@ -141,6 +141,23 @@ class KVCacheManager:
         request.page_tags.clear()
         return problems
 
+    def truncate(self, request: Request, num_tokens: int) -> list[IntegrityViolation]:
+        """Release the request's pages wholly beyond its first num_tokens tokens, tail first
+        (speculative decoding's rollback of rejected tokens). Their tags change as any freed
+        page's do, so a reader that still maps them is caught; a partly used last page keeps
+        its stale slots, which the next tokens overwrite before the page is ever full."""
+        num_kept = self.num_pages_for(num_tokens)
+        if len(request.page_ids) <= num_kept:
+            return []
+        problems = self.release(
+            request.request_id,
+            request.page_ids[num_kept:][::-1],
+            request.page_tags[num_kept:][::-1],
+        )
+        del request.page_ids[num_kept:], request.page_tags[num_kept:]
+        request.num_pages_sent = min(request.num_pages_sent, num_kept)  # re-grant those indexes
+        return problems
+
     def release(
         self, owner_id: str, page_ids: list[int], tags: list[int], protect: bool = False
     ) -> list[IntegrityViolation]:

@@ -11,15 +11,18 @@ from densa.cache.tiers.tier import parse_tier_spec
 from densa.config import (
     ATTENTION_BACKENDS,
     DEFAULT_KV_SCALES,
+    DEFAULT_SPECULATIVE_MAX_BATCH,
     DTYPE_CHOICES,
     HEAD_FORMATS,
     KV_CACHE_DTYPES,
     KV_SCALE_POLICIES,
+    SPECULATIVE_METHODS,
     WEIGHT_FORMATS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from densa.model.arch import ArchConfig
 from densa.model.catalog import CATALOG, resolve_model_arg
@@ -108,6 +111,11 @@ class EngineArgs:
     # Start without checking that weights + KV + activations fit in available memory
     # (densa/engine/memory_plan.py), for operators who know better (also DENSA_SKIP_MEMORY_CHECK=1).
     skip_memory_check: bool = False
+    # Speculative decoding (docs/speculative.md): off unless a method or a draft model is given.
+    speculative_method: str | None = None  # ngram | draft | mtp
+    speculative_model: str | None = None  # a draft model (implies method draft)
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH
 
     def __post_init__(self) -> None:
         # A catalog name (`--model qwen2.5-coder-1.5b`, densa/model/catalog.py) becomes its
@@ -119,6 +127,8 @@ class EngineArgs:
             self.model = path
         if self.decode_model is not None:
             self.decode_model = resolve_model_arg(self.decode_model)
+        if self.speculative_model is not None:
+            self.speculative_model = resolve_model_arg(self.speculative_model)
 
     def resolve(
         self,
@@ -158,7 +168,21 @@ class EngineArgs:
             max_waiting_requests=self.max_waiting_requests,
             eos_token_ids=eos_token_ids,
         )
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler)
+        return EngineConfig(
+            model=model, cache=cache, scheduler=scheduler, speculative=self.speculative_config()
+        )
+
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """None unless --speculative-method or --speculative-model asks for speculation."""
+        method = self.speculative_method
+        if method is None and self.speculative_model is None:
+            return None
+        return SpeculativeConfig(
+            method=method or "draft",
+            model=self.speculative_model,
+            num_tokens=self.num_speculative_tokens,
+            max_batch=self.speculative_max_batch,
+        )
 
     def resolved_max_model_len(self, arch: ArchConfig) -> int:
         limit = arch.max_position_embeddings  # sliding windows are attended as windows
@@ -218,6 +242,9 @@ class EngineArgs:
             raise ValueError(f"--model {self.model}: no such file or directory")
         if self.decode_model is not None and not Path(self.decode_model).expanduser().exists():
             raise ValueError(f"--decode-model {self.decode_model}: no such file or directory")
+        self.speculative_config()  # raises ValueError naming the option
+        if self.speculative_method not in (None, "draft") and self.speculative_model is not None:
+            raise ValueError("--speculative-model is a draft model: use it with method draft")
 
     # ---- command line --------------------------------------------------------------------------
     @staticmethod
@@ -383,6 +410,25 @@ class EngineArgs:
             "--skip-memory-check", action="store_true", default=d.skip_memory_check,
             help="start even if the weights, KV cache and activations look larger than the "
             "available memory (also DENSA_SKIP_MEMORY_CHECK=1)",
+        )  # fmt: skip
+
+        g.add_argument(
+            "--speculative-method", default=None, choices=list(SPECULATIVE_METHODS),
+            help="speculative decoding (docs/speculative.md): ngram = prompt lookup, draft = a "
+            "small model of the same tokenizer (--speculative-model), mtp = the checkpoint's "
+            "multi-token-prediction layer; greedy and sampled outputs keep their distribution",
+        )  # fmt: skip
+        g.add_argument(
+            "--speculative-model", default=None, metavar="PATH_OR_NAME",
+            help="the draft model for speculative decoding (implies --speculative-method draft)",
+        )  # fmt: skip
+        g.add_argument(
+            "--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+            help="most tokens proposed per request and step (each request adapts below it)",
+        )  # fmt: skip
+        g.add_argument(
+            "--speculative-max-batch", type=int, default=d.speculative_max_batch,
+            help="speculation pauses while more requests than this decode in a step",
         )  # fmt: skip
 
     @classmethod

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from densa.config import CacheConfig, EngineConfig
+from densa.config import CacheConfig, EngineConfig, SpeculativeConfig
 from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs, default_model_path
 from densa.engine.memory_plan import check_memory
 from densa.kernels import native
@@ -21,16 +21,21 @@ from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
+from densa.model.packed_linear import PACKED_FORMATS
 from densa.quant import fp8_kv
 from densa.quant.kv_format import KVFormat
 from densa.sched.stop import StopRule
+from densa.spec.draft import DraftModelProposer, DraftSpec, draft_page_bytes, load_draft_proposer
+from densa.spec.mtp import MTPProposer, load_mtp_proposer
+from densa.spec.ngram import NgramProposer
+from densa.spec.proposer import Proposer
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
 from densa.worker.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker, NoopIntegrityChecker, TagTableChecker
-from densa.worker.kv_cache import allocate_kv_caches, num_pages_for_budget, page_bytes
+from densa.worker.kv_cache import allocate_kv_caches, page_bytes
 from densa.worker.model_runner import ModelRunner
 
 logger = get_logger(__name__)
@@ -44,10 +49,12 @@ class EngineParts:
     arch: ArchConfig
     kv_format: str  # e.g. "fp8_e4m3, dynamic scales"
     weight_format: str  # e.g. "dense", "int4 g128 symmetric"
+    proposer: Proposer | None = None  # speculative decoding's (None: off)
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     args.check()
+    args = _without_prefix_caching_for_mtp(args)
     model_path = args.model or default_model_path()
     model_dir = resolve_model_dir(model_path)
     weights, head = auto_formats(model_path, model_dir, args.weight_format, args.head_format)
@@ -104,7 +111,57 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         budget.reason, max_len, args.max_num_seqs, backend.name,
     )  # fmt: skip
     described = kv_format.describe()
-    return EngineParts(config, tokenizer, runner, arch, described, model.weight_format)
+    proposer = build_proposer(
+        config.speculative,
+        DraftTarget(args, arch, tokenizer, backend, num_pages, max_len, kv_format),
+    )
+    # The MTP layer reads the target's final hidden state of every position it caches.
+    runner.keeps_hidden = isinstance(proposer, MTPProposer)
+    return EngineParts(config, tokenizer, runner, arch, described, model.weight_format, proposer)
+
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """What a draft proposer is built next to: the target's options, model and KV geometry."""
+
+    args: EngineArgs
+    arch: ArchConfig
+    tokenizer: Tokenizer
+    backend: AttentionBackend
+    num_pages: int  # the target's KV pages
+    max_len: int
+    kv_format: KVFormat
+
+
+def build_proposer(config: SpeculativeConfig | None, target: DraftTarget) -> Proposer | None:
+    """The proposer of speculative tokens the config names (docs/speculative.md)."""
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer()
+    if config.method == "draft" and config.model is not None:
+        return build_draft_proposer(config.model, config.num_tokens, target)
+    if config.method == "mtp":
+        args = target.args
+        return load_mtp_proposer(
+            resolve_model_dir(args.model or default_model_path()), target.arch, args.dtype,
+            target.num_pages, args.page_size, target.backend, torch.device(args.device),
+            target.max_len + config.num_tokens,
+        )  # fmt: skip
+    raise ValueError(f"speculative method {config.method!r} is not available in this build")
+
+
+def build_draft_proposer(model: str, num_tokens: int, target: DraftTarget) -> DraftModelProposer:
+    """The draft model with as many KV pages as the target has (same page size): every token the
+    target holds can have its draft counterpart, so the draft never runs out first. Its bytes
+    come out of the same KV budget (see `kv_page_bytes`); its KV format is the target's."""
+    args, kv_format = target.args, target.kv_format
+    spec = DraftSpec(
+        model, args.page_size, target.num_pages, target.max_len + num_tokens, args.dtype,
+        args.weight_format if args.weight_format in PACKED_FORMATS else "auto", kv_format.name,
+    )  # fmt: skip
+    device = torch.device(args.device)
+    return load_draft_proposer(spec, target.arch, target.tokenizer, target.backend, device)
 
 
 def enable_fused_decode(model: CausalLM, kv_caches: list[LayerCache]) -> bool:
@@ -311,10 +368,20 @@ def _free_memory(device: torch.device) -> int:
 def _resolve_num_pages(
     args: EngineArgs, arch: ArchConfig, kv_format: KVFormat, max_len: int, device: torch.device
 ) -> tuple[int, KVBudget]:
+    """The target's KV pages. A draft model gets as many pages of its own, out of the same budget:
+    a share of memory buys pages of (target + draft) bytes; an exact --num-kv-pages is the
+    target's, the draft's pages coming on top."""
     budget = kv_budget(args, arch, kv_format, device)
-    num_pages = num_pages_for_budget(
-        arch, args.page_size, kv_format.name, budget.num_bytes, kv_format.fp8_policy
-    )
+    target_page = page_bytes(arch, args.page_size, kv_format.name, kv_format.fp8_policy)
+    draft_page = _draft_page_bytes(args, kv_format)
+    if args.num_kv_pages is not None:
+        num_pages = args.num_kv_pages
+    else:
+        num_pages = budget.num_bytes // (target_page + draft_page)
+    if draft_page:
+        budget = dataclasses.replace(
+            budget, reason=f"{budget.reason}; a draft model takes {format_bytes(draft_page)}/page"
+        )
     needed = -(-max_len // args.page_size)
     if num_pages < needed:
         raise ModelLoadError(
@@ -323,3 +390,21 @@ def _resolve_num_pages(
             "raise --kv-cache-memory or lower --max-model-len"
         )
     return num_pages, budget
+
+
+def _draft_page_bytes(args: EngineArgs, kv_format: KVFormat) -> int:
+    """Bytes of one page of the draft model's KV (0 without a draft model)."""
+    config = args.speculative_config()
+    if config is None or config.method != "draft" or config.model is None:
+        return 0
+    return draft_page_bytes(config.model, args.page_size, kv_format.name)
+
+
+def _without_prefix_caching_for_mtp(args: EngineArgs) -> EngineArgs:
+    """The MTP layer needs the target's hidden state of every position, and a prefix hit skips
+    computing them: with MTP, prompts are computed whole (prefix caching off)."""
+    config = args.speculative_config()
+    if config is None or config.method != "mtp" or not args.enable_prefix_caching:
+        return args
+    logger.info("prefix caching off: the MTP proposer reads every position's hidden state")
+    return dataclasses.replace(args, enable_prefix_caching=False)

@@ -71,6 +71,9 @@ def _isolate(runner: ModelRunner, items: list[ScheduledRequest], newest: set[str
 
 def _merge(into: RunnerOutput, part: RunnerOutput) -> None:
     into.sampled_token_ids.update(part.sampled_token_ids)
+    into.accepted_token_ids.update(part.accepted_token_ids)
+    into.accepted_logprobs.update(part.accepted_logprobs)
+    into.hidden.update(part.hidden)
     into.logprobs.update(part.logprobs)
     into.failed.update(part.failed)
     into.errors.update(part.errors)

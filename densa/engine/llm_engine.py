@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from densa.cache.integrity import IntegrityStats
 from densa.cache.kv_manager import KVCacheManager
 from densa.config import EngineConfig
@@ -27,6 +29,8 @@ from densa.sampling_params import SamplingParams
 from densa.sched.events import ReleaseViolation
 from densa.sched.output import SchedulerOutput
 from densa.sched.scheduler import Scheduler
+from densa.spec.proposer import Proposer
+from densa.spec.speculator import Speculator
 from densa.text.tokenizer import Tokenizer
 from densa.utils.logging import get_logger
 from densa.worker.model_runner import ModelRunner
@@ -45,6 +49,7 @@ class _Tracked:
     request: Request
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_absorbed: int = 0  # output tokens already queued for the client
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class LLMEngine:
         arch: ArchConfig,
         kv_format: str = "",
         weight_format: str = "",
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         self.kv_format = kv_format  # described for people: logs, the handshake, /v1/models
@@ -87,6 +93,9 @@ class LLMEngine:
         # Called after every runner step (see StepRecord); nothing runs when the list is empty.
         self.step_observers: list[StepObserver] = []
         self.kv_tiers: KVTiers | None = None  # --kv-tier: pages below the device (attach_tiers)
+        # Speculative decoding (docs/speculative.md): None unless configured with a proposer.
+        spec = config.speculative
+        self.speculator = Speculator(proposer, spec) if spec and proposer else None
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -95,7 +104,7 @@ class LLMEngine:
         parts = build_engine_parts(args)
         engine = cls(
             parts.config, parts.tokenizer, parts.runner, parts.arch,
-            parts.kv_format, parts.weight_format,
+            parts.kv_format, parts.weight_format, parts.proposer,
         )  # fmt: skip
         if args.kv_tiers:
             engine.attach_tiers(args.kv_tiers, args.cluster_secret_file)
@@ -317,19 +326,43 @@ class LLMEngine:
             self._finish(request_id, RequestStatus.FINISHED_ERROR, violation.message)
         for request_id, error in runner_out.errors.items():
             self._finish(request_id, RequestStatus.FINISHED_ERROR, error)
-        updated = self.scheduler.update_from_output(sched_out, runner_out.sampled_token_ids)
+        updated = self.scheduler.update_from_output(
+            sched_out, runner_out.sampled_token_ids, runner_out.accepted_token_ids
+        )
         # A landed request's first token was sampled where its prompt was computed.
-        logprobs = {landing.request_id: landing.first_logprobs for landing in sched_out.kv_landings}
-        logprobs.update(runner_out.logprobs)
+        logprobs: dict[str, list[TokenLogprobs]] = {
+            landing.request_id: [landing.first_logprobs]
+            for landing in sched_out.kv_landings
+            if landing.first_logprobs is not None
+        }
+        for request_id, sampled in runner_out.logprobs.items():
+            logprobs[request_id] = [*runner_out.accepted_logprobs.get(request_id, []), sampled]
         for request in updated:
             tracked = self._tracked.get(request.request_id)
             if tracked is not None:
-                self._absorb_token(tracked, logprobs.get(request.request_id))
+                self._absorb_tokens(tracked, logprobs.get(request.request_id, []))
                 outputs.append(self._output(tracked))
         self._take_scheduler_events()
         outputs.extend(self._finished_outputs)
         self._finished_outputs = []
+        self._speculate(sched_out, runner_out.accepted_token_ids, runner_out.hidden)
         return outputs
+
+    def _speculate(
+        self,
+        step: SchedulerOutput,
+        accepted: dict[str, list[int]],
+        hidden: dict[str, torch.Tensor],
+    ) -> None:
+        """Count what the step verified, drop the state of requests that stopped running, and
+        ask for the next step's proposals."""
+        if self.speculator is None:
+            return
+        self.speculator.observe(step, accepted)
+        self.speculator.observe_hidden(step, accepted, hidden)
+        running = self.scheduler.running
+        self.speculator.keep_only(r.request_id for r in running)
+        self.speculator.propose(running, self.config.scheduler.max_model_len)
 
     def _take_scheduler_events(self) -> None:
         """Report the requests the scheduler ended itself; count pages it released badly."""
@@ -341,10 +374,13 @@ class LLMEngine:
             if tracked is not None:
                 self._finished_outputs.append(self._output(tracked))
 
-    def _absorb_token(self, tracked: _Tracked, logprobs: TokenLogprobs | None) -> None:
-        tracked.pending_token_ids.append(tracked.request.output_token_ids[-1])
-        if logprobs is not None:
-            tracked.pending_logprobs.append(logprobs)
+    def _absorb_tokens(self, tracked: _Tracked, logprobs: list[TokenLogprobs]) -> None:
+        """Queue the request's tokens since the last report (one, or several when it accepted
+        proposals; a stop may have cut those short, and their logprobs with them)."""
+        new_token_ids = tracked.request.output_token_ids[tracked.num_absorbed :]
+        tracked.num_absorbed += len(new_token_ids)
+        tracked.pending_token_ids.extend(new_token_ids)
+        tracked.pending_logprobs.extend(logprobs[: len(new_token_ids)])
 
     def _finish(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
         request = self.scheduler.finish_request(request_id, status, error)

@@ -14,6 +14,7 @@ def snapshot(engine: LLMEngine, num_steps: int = 0) -> EngineStats:
     scheduler, kv = engine.scheduler, engine.kv_manager
     requests = list(scheduler.requests.values())
     counts = engine.integrity_stats.counts
+    spec = engine.speculator
     return EngineStats(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -30,4 +31,7 @@ def snapshot(engine: LLMEngine, num_steps: int = 0) -> EngineStats:
         num_prefix_hit_tokens=kv.num_hit_tokens,
         integrity_violations={kind.value: counts[kind] for kind in ViolationKind},
         kv_tiers=engine.kv_tiers.stats() if engine.kv_tiers is not None else {},
+        num_spec_proposed_tokens=spec.num_proposed_tokens if spec else 0,
+        num_spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+        num_spec_paused_steps=spec.num_paused_steps if spec else 0,
     )

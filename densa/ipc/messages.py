@@ -66,6 +66,11 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True):
     disagg: dict[str, float] = {}
     # KV tiers (--kv-tier): counters per tier name (densa/cache/tiers/tier.py TierCounters).
     kv_tiers: dict[str, dict[str, float]] = {}
+    # Speculative decoding (docs/speculative.md), lifetime totals: tokens proposed to the
+    # target, how many it accepted, and steps on which the batch was too large to speculate.
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_paused_steps: int = 0
 
     @property
     def num_used_kv_pages(self) -> int:

@@ -54,6 +54,16 @@ class ScheduledChunk:
     start_pos: int  # == num_computed_tokens before the step
     new_pages: list[PageGrant]  # page-table entries mapped since the runner last saw this request
     sample: bool  # the step reaches the last known token: sample the next one
+    # Speculative decoding (docs/speculative.md), on decode chunks only:
+    #
+    #   position:  start_pos - a ... start_pos-1 | start_pos | end_pos ... end_pos + k - 1
+    #   tokens:    accepted_token_ids (a)        | token_ids | spec_token_ids (k)
+    #              in KV already, runner learns  | computed  | computed too, then verified
+    #
+    # Proposed tokens to verify this step: K/V goes into their slots and every one gets logits.
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Tokens the last step accepted from proposals (already in the pages, never computed again).
+    accepted_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -123,7 +133,12 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+        return sum(len(s.token_ids) + len(s.spec_token_ids) for s in self.scheduled)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens this step verifies."""
+        return sum(len(s.spec_token_ids) for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:

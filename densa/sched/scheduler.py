@@ -210,17 +210,28 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            spec_token_ids = self._spec_tokens(request, num_new, budget - num_new)
             try:
-                fits = self._allocate_or_preempt(request, num_new)
+                fits = self._allocate_or_preempt(request, num_new + len(spec_token_ids))
             except Exception:
                 self._fail_alone(request, "scheduling")
                 continue  # the list shrank: idx now points at the next request
             if not fits:
                 break  # the request preempted itself: everything after it is gone too
-            scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            scheduled.append(self._scheduled(request, num_new, spec_token_ids))
+            budget -= num_new + len(spec_token_ids)
             idx += 1
         return budget
+
+    def _spec_tokens(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The proposals this step verifies for `request` (taken from it): only on a decode
+        step, within the step's token budget and the context (every proposed position must fit
+        in max_model_len)."""
+        proposed, request.spec_token_ids = request.spec_token_ids, []
+        if num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
+            return []
+        room = self.config.max_model_len - request.num_tokens
+        return proposed[: max(0, min(budget, room))]
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> bool:
         while True:
@@ -276,6 +287,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._release(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
@@ -283,26 +295,37 @@ class Scheduler:
         self.num_preemptions += 1
         self._preempted_since_step.append(request.request_id)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _scheduled(
+        self, request: Request, num_new: int, spec_token_ids: list[int] | None = None
+    ) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return chunk_of(request, start, num_new, sample=start + num_new == request.num_tokens)
+        sample = start + num_new == request.num_tokens
+        return chunk_of(request, start, num_new, sample, spec_token_ids or [])
 
     # ---- after the step ------------------------------------------------------------------------
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        accepted_token_ids: dict[str, list[int]] | None = None,
     ) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish requests that hit a stop; run
         requests whose K/V the step landed from their first token.
 
-        Returns the requests that got a new token or finished this step.
+        accepted_token_ids: per verifying request, the proposed tokens it accepted (they come
+        before its sampled token). Returns the requests that got a new token or finished.
         """
+        accepted = accepted_token_ids or {}
         updated = []
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # finished (e.g. aborted) after the step was scheduled
+            token_id = sampled_token_ids.get(item.request_id)
             try:
-                has_token = self._advance(request, item, sampled_token_ids.get(item.request_id))
+                has_token = self._advance(
+                    request, item, token_id, accepted.get(item.request_id, [])
+                )
             except Exception:
                 self._fail_alone(request, "updating")
                 continue
@@ -314,18 +337,41 @@ class Scheduler:
                 updated.append(landed)
         return updated
 
-    def _advance(self, request: Request, item: ScheduledChunk, token_id: int | None) -> bool:
-        """Take in one request's step: computed tokens, newly full pages, its sampled token."""
+    def _advance(
+        self, request: Request, item: ScheduledChunk, token_id: int | None, accepted: list[int]
+    ) -> bool:
+        """Take in one request's step: computed tokens, its accepted and sampled tokens (cut at
+        the first that stops it, as if they had come one step each), newly full pages."""
         request.num_computed_tokens = item.end_pos
-        self.kv.cache_full_pages(request)
         if token_id is None:
+            self._roll_back(request, item)
+            self.kv.cache_full_pages(request)
             return False
-        request.output_token_ids.append(token_id)
-        self.num_generated_tokens += 1
-        status = self._stop_status(request, token_id)
+        status, num_new = None, 0
+        for new_token_id in (*accepted, token_id):
+            request.output_token_ids.append(new_token_id)
+            self.num_generated_tokens += 1
+            num_new += 1
+            status = self._stop_status(request, new_token_id)
+            if status is not None:
+                break
+        # The kept proposals' K/V, written by this step, stays; the rest rolls back. Full pages
+        # are indexed before a stop frees them, so a finished request's prompt stays cached.
+        num_kept = min(num_new, len(accepted))
+        request.num_computed_tokens += num_kept
+        self._roll_back(request, item)
+        self.kv.cache_full_pages(request)  # only accepted tokens: pages past them are gone
         if status is not None:
             self.finish_request(request.request_id, status)
+        else:
+            request.unsent_token_ids.extend(accepted[:num_kept])
         return True
+
+    def _roll_back(self, request: Request, item: ScheduledChunk) -> None:
+        """Release the pages only rejected proposals reached (their tags change)."""
+        if item.spec_token_ids:
+            violations = self.kv.truncate(request, request.num_computed_tokens)
+            self._events.extend(ReleaseViolation(v) for v in violations)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         return self.stop.status(
@@ -336,6 +382,7 @@ class Scheduler:
 def new_request_of(request: Request) -> NewRequest:
     """What the runner needs to know about `request` once, at (re-)admission."""
     request.num_pages_sent = 0  # the runner learns the page table from scratch
+    request.unsent_token_ids = []  # ... and every output token
     return NewRequest(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
@@ -344,18 +391,28 @@ def new_request_of(request: Request) -> NewRequest:
     )
 
 
-def chunk_of(request: Request, start: int, num_new: int, sample: bool) -> ScheduledChunk:
-    """Tokens [start, start + num_new) of `request`, with the page-table entries the runner has
-    not been sent yet (which are then counted as sent)."""
+def chunk_of(
+    request: Request,
+    start: int,
+    num_new: int,
+    sample: bool,
+    spec_token_ids: list[int] | None = None,
+) -> ScheduledChunk:
+    """Tokens [start, start + num_new) of `request` (then spec_token_ids to verify), with the
+    page-table entries and accepted tokens the runner has not been sent yet (which are then
+    counted as sent)."""
     grants = [
         PageGrant(idx, request.page_ids[idx], request.page_tags[idx])
         for idx in range(request.num_pages_sent, len(request.page_ids))
     ]
     request.num_pages_sent = len(request.page_ids)
+    accepted, request.unsent_token_ids = request.unsent_token_ids, []
     return ScheduledChunk(
         request_id=request.request_id,
         token_ids=request.token_slice(start, start + num_new),
         start_pos=start,
         new_pages=grants,
         sample=sample,
+        spec_token_ids=spec_token_ids or [],
+        accepted_token_ids=accepted,
     )

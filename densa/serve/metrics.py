@@ -140,6 +140,21 @@ class _EngineCollector(Collector):
             "densa_generation_tokens: the difference is work done for nobody)",
             s.num_generated_tokens,
         )
+        yield _counter(
+            "densa_spec_proposed_tokens",
+            "Speculative tokens proposed to the target model for verification",
+            s.num_spec_proposed_tokens,
+        )
+        yield _counter(
+            "densa_spec_accepted_tokens",
+            "Speculative tokens the target accepted (acceptance rate: accepted / proposed)",
+            s.num_spec_accepted_tokens,
+        )
+        yield _counter(
+            "densa_spec_paused_steps",
+            "Steps on which speculation paused: more requests decoded than --speculative-max-batch",
+            s.num_spec_paused_steps,
+        )
         violations = CounterMetricFamily(
             "densa_kv_integrity_violations", "KV page tag mismatches by kind", labels=["kind"]
         )

@@ -156,6 +156,8 @@ class SamplingFields(_RequestBody):
     cache_salt: str | None = Field(None, min_length=1)
     # vLLM's: the answer matches a regex or is one of a list of strings (tools/plan.py).
     structured_outputs: StructuredOutputs | None = None
+    # densa's: false keeps this request out of speculative decoding (docs/speculative.md).
+    speculative: bool = True
 
     @property
     def num_choices(self) -> int:
@@ -188,6 +190,7 @@ class SamplingFields(_RequestBody):
             skip_special_tokens=self.skip_special_tokens,
             structured=structured,
             logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
+            speculative=self.speculative,
         )
 
 

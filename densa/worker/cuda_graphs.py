@@ -117,10 +117,11 @@ class DecodeGraphs:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_seqs)]
 
     def can_run(self, items: list[ScheduledRequest]) -> bool:
-        """All decode rows (one token each), few enough, each context within the table width."""
+        """All decode rows (one token each, nothing to verify), few enough, each context within
+        the table width."""
         return (
             0 < len(items) <= self.max_batch_size
-            and all(item.is_decode for item in items)
+            and all(item.is_decode and not item.num_spec for item in items)
             and all(-(-item.end_pos // self.page_size) <= self.max_pages for item in items)
         )
 

@@ -41,6 +41,14 @@ class RunnerOutput:
     # no finite value to sample from, or a grammar that refused the token ("grammar_error: ...").
     # The engine ends exactly these with an error.
     errors: dict[str, str] = field(default_factory=dict)
+    # Verifying requests (speculative decoding): the proposed tokens accepted this step, which
+    # come before the request's sampled token, and their logprobs where asked for.
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Only when the runner keeps hidden states (an MTP proposer reads them): each computed
+    # request's final hidden states, one row per position of its chunk ([num_tokens, hidden]),
+    # proposals included; the engine keeps the rows of the positions the step accepted.
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -49,8 +57,10 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     order: list[ScheduledRequest]  # requests in row order (decodes first)
-    sample_rows: torch.Tensor  # [N] row of the last token of each sampling request
-    samplers: list[ScheduledRequest]  # the N sampling requests, in sample_rows order
+    # [N] rows whose logits are sampled: the last token of each sampling request, and before it
+    # the rows of the proposals it verifies (1 + num_spec rows per request).
+    sample_rows: torch.Tensor
+    samplers: list[ScheduledRequest]  # the sampling requests, in sample_rows order
 
 
 class ModelRunner:
@@ -91,6 +101,9 @@ class ModelRunner:
         # The runner's mirror of each running request, kept from the scheduler's deltas.
         self.requests = RequestStates()
         self._refused_landings: list[IntegrityViolation] = []
+        # Set by the builder when the proposer reads the target's hidden states (MTP).
+        self.keeps_hidden = False
+        self._step_hidden: dict[str, torch.Tensor] = {}
 
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Take in the step's deltas, then compute it."""
@@ -155,6 +168,7 @@ class ModelRunner:
         if not scheduled:
             return output
         samplers, logits = self._forward(scheduled)
+        output.hidden, self._step_hidden = self._step_hidden, {}
         if logits is not None:
             self._sample(logits, samplers, output)
         return output
@@ -186,15 +200,30 @@ class ModelRunner:
         self, model: CausalLM, items: list[ScheduledRequest]
     ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
         graphs = self.decode_graphs
-        if graphs is not None and model is graphs.model and graphs.can_run(items):
+        # A replayed graph returns logits only: a step whose hidden states are kept runs eagerly.
+        if (
+            graphs is not None
+            and model is graphs.model
+            and graphs.can_run(items)
+            and not (self.keeps_hidden)
+        ):
             return graphs.run(items)
         inputs = self.prepare_inputs(items)
         hidden = model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
         )
+        if self.keeps_hidden:
+            self._keep_hidden(inputs.order, hidden)
         if not inputs.samplers:
             return [], None
         return inputs.samplers, model.compute_logits(hidden[inputs.sample_rows])
+
+    def _keep_hidden(self, order: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """Each request's rows of the pass's hidden states (rows follow `order`)."""
+        start = 0
+        for item in order:
+            self._step_hidden[item.request_id] = hidden[start : start + item.num_tokens]
+            start += item.num_tokens
 
     @torch.inference_mode()
     def score(self, step: SchedulerOutput) -> torch.Tensor:
@@ -227,13 +256,13 @@ class ModelRunner:
             positions.extend(item_positions)
             slot_pages.extend(item.page_ids[p // self.page_size] for p in item_positions)
             if item.sample:
-                sample_rows.append(len(token_ids) - 1)
+                sample_rows.extend(range(len(token_ids) - 1 - item.num_spec, len(token_ids)))
         positions_t = torch.tensor(positions, dtype=torch.long)
         meta = AttentionMetadata(
             slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=self.device),
             slot_offsets=(positions_t % self.page_size).to(self.device),
-            decode=self._group(0, decodes),
-            prefill=self._group(len(decodes), prefills),
+            decode=self._decode_group(decodes),
+            prefill=self._group(sum(item.num_tokens for item in decodes), prefills),
         )
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
@@ -242,6 +271,30 @@ class ModelRunner:
             order=order,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             samplers=[item for item in order if item.sample],
+        )
+
+    def _decode_group(self, items: list[ScheduledRequest]) -> AttentionGroup | None:
+        """One attention row per decode token. A request verifying k proposals brings 1 + k
+        rows, and row j is attended exactly as the decode row at its position would be: its
+        context ends at itself (seq_len = position + 1), so the decode kernels compute it as
+        they compute any decode row, bit for bit (each layer stores every row's K/V before any
+        row attends, so a row reads the rows before it from the pages)."""
+        if not items:
+            return None
+        page_tables: list[list[int]] = []
+        seq_lens: list[int] = []
+        for item in items:
+            pages = item.page_ids[: -(-item.end_pos // self.page_size)]
+            for position in range(item.start_pos, item.end_pos):
+                page_tables.append(pages)
+                seq_lens.append(position + 1)
+        return build_group(
+            start=0,
+            page_tables=page_tables,
+            seq_lens=seq_lens,
+            query_lens=[1] * len(seq_lens),
+            page_size=self.page_size,
+            device=self.device,
         )
 
     def _group(self, start: int, items: list[ScheduledRequest]) -> AttentionGroup | None:
@@ -267,6 +320,7 @@ class ModelRunner:
                 s.prompt_token_ids,
                 s.output_token_ids,
                 self.stop_rule.ending_tokens(s.sampling_params),
+                tuple(s.spec_token_ids),
             )
             for s in samplers
         ]
@@ -280,4 +334,8 @@ class ModelRunner:
             output.sampled_token_ids[item.request_id] = token_id
             if logprobs is not None:
                 output.logprobs[item.request_id] = logprobs
+            if idx in result.accepted:
+                output.accepted_token_ids[item.request_id] = result.accepted[idx]
+            if idx in result.accepted_logprobs:
+                output.accepted_logprobs[item.request_id] = result.accepted_logprobs[idx]
         output.errors.update(result.errors)

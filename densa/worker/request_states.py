@@ -30,6 +30,9 @@ class RunnerRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
+    # After a speculative rollback the scheduler's page table is shorter than this mirror: the
+    # entries past it are stale until granted again, and never read (a step reads only the
+    # pages up to its own end).
     page_ids: list[int] = field(default_factory=list)
     page_tags: list[int] = field(default_factory=list)
 
@@ -61,6 +64,8 @@ class ScheduledRequest:
 
     Positions computed: [start_pos, start_pos + len(token_ids)), K/V into
     page_ids[pos // page_size] at slot pos % page_size; attention reads positions [0, end_pos).
+    The last num_spec of token_ids are proposed tokens to verify (speculative decoding): every
+    one of the last 1 + num_spec rows is sampled, as if each were a decode row of its own.
     """
 
     request_id: str
@@ -72,10 +77,15 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    num_spec: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def spec_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_spec :]
 
     @property
     def end_pos(self) -> int:
@@ -83,10 +93,13 @@ class ScheduledRequest:
 
     @property
     def is_decode(self) -> bool:
-        """A decode row: one generated token. The one definition the runner uses, for the
-        attention group (decode kernel), the phase's weights and CUDA graphs alike; a one-token
-        chunk of a prompt is prefill."""
-        return len(self.token_ids) == 1 and self.start_pos >= len(self.prompt_token_ids)
+        """A decode row: one generated token (and the proposals it verifies, each run as a
+        decode row of its own). The one definition the runner uses, for the attention group
+        (decode kernel), the phase's weights and CUDA graphs alike; a one-token chunk of a
+        prompt is prefill."""
+        return len(self.token_ids) - self.num_spec == 1 and self.start_pos >= len(
+            self.prompt_token_ids
+        )
 
 
 class RequestStates:
@@ -127,10 +140,13 @@ class RequestStates:
             raise UnknownRequest(f"no NewRequest was sent for {chunk.request_id!r}")
         for grant in chunk.new_pages:
             state.grant(grant.index, grant.page_id, grant.tag)
-        state.take_tokens(chunk.start_pos, chunk.token_ids)
+        accepted = chunk.accepted_token_ids  # positions just before start_pos, in KV already
+        state.take_tokens(chunk.start_pos - len(accepted), [*accepted, *chunk.token_ids])
         return ScheduledRequest(
             request_id=chunk.request_id,
-            token_ids=chunk.token_ids,
+            token_ids=[*chunk.token_ids, *chunk.spec_token_ids]
+            if chunk.spec_token_ids
+            else chunk.token_ids,
             start_pos=chunk.start_pos,
             page_ids=state.page_ids,
             page_tags=state.page_tags,
@@ -138,4 +154,5 @@ class RequestStates:
             sampling_params=state.sampling_params,
             prompt_token_ids=state.prompt_token_ids,
             output_token_ids=state.output_token_ids,
+            num_spec=len(chunk.spec_token_ids),
         )

@@ -1,13 +1,22 @@
-"""Logits to tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs.
+"""Logits to tokens: penalties, temperature, top-k / top-p / min-p, seeded sampling, logprobs,
+and the verification of speculative proposals.
 
 Every request that samples randomly draws from its own torch.Generator, so its tokens depend on its
 seed and its own logits only -- not on which other requests share the batch.
+
+Verification (docs/speculative.md): a request with k proposed tokens x_1..x_k brings k + 1 rows of
+logits; row j is the distribution p_j of the token after x_1..x_j, each processed as a decode row
+would be with x_1..x_j already in its output (penalties, min_tokens). Proposals are point masses,
+so the rejection sampling of speculative decoding reduces to: accept x_j with probability
+p_j(x_j); on the first rejection draw from p_j without x_j (renormalised) and stop; after k
+acceptances draw a bonus token from p_k. Every token then has exactly the target's distribution
+(greedy: accept while x_j is the argmax, then take the argmax).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,6 +35,12 @@ class SampleRequest:
     output_token_ids: list[int]
     # The tokens that would end this request (StopRule.ending_tokens): kept out below min_tokens.
     ending_token_ids: frozenset[int] = frozenset()
+    # Proposed tokens to verify: the request has 1 + len(draft_token_ids) rows of logits.
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        return 1 + len(self.draft_token_ids)
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,8 @@ class _SavedRng:
 
 @dataclass(frozen=True)
 class SampleResult:
+    """Per request (not per row of logits): the token sampled after any accepted proposals."""
+
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     # Rows whose logits held no finite value to choose from (NaN/inf from the model, or from a
@@ -48,6 +65,10 @@ class SampleResult:
     failed: dict[int, str] = field(default_factory=dict)
     # Requests whose grammar refused the sampled token (only on a grammar resource limit).
     errors: dict[str, str] = field(default_factory=dict)
+    # Verifying requests, by index: the proposed tokens accepted (before token_ids[index]), and
+    # their logprobs where asked for.
+    accepted: dict[int, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class Sampler:
@@ -85,13 +106,11 @@ class Sampler:
             raise
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
+        if any(r.draft_token_ids for r in rows):
+            return self._sample_verifying(logits, rows)
         failed = _non_finite_rows(logits, "the model's logits are not finite")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
-        logits = _apply_logit_bias(_apply_penalties(logits, rows), rows)
-        constrained = _constrained_rows(rows)
-        if constrained:
-            logits = self._apply_grammar(logits, constrained)
-        logits = _apply_min_tokens(logits, rows)
+        logits = self._processed(logits, rows)
         token_ids = torch.argmax(logits, dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if random_rows:
@@ -100,9 +119,101 @@ class Sampler:
             )
         no_choice = _non_finite_rows(logits, "no token is left to sample after penalties")
         chosen = token_ids.tolist()
+        constrained = _constrained_rows(rows)
         errors = self._structured().accept(constrained, chosen) if constrained else {}
         logprobs = _logprobs(raw_logprobs, rows, chosen)
         return SampleResult(chosen, logprobs, no_choice | failed, errors)
+
+    def _processed(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+        """Penalties, logit bias, the grammar's mask and min_tokens, row by row."""
+        logits = _apply_logit_bias(_apply_penalties(logits, rows), rows)
+        constrained = _constrained_rows(rows)
+        if constrained:
+            logits = self._apply_grammar(logits, constrained)
+        return _apply_min_tokens(logits, rows)
+
+    def _sample_verifying(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
+        """A step in which some requests verify proposals: logits has num_rows rows per request.
+        Requests without proposals get exactly the tokens `_sample` would give them."""
+        if any(r.draft_token_ids and r.params.structured is not None for r in rows):
+            raise ValueError("a constrained request cannot verify proposals")
+        starts = [0]
+        for row in rows:
+            starts.append(starts[-1] + row.num_rows)
+        last_rows = torch.tensor(starts[1:]) - 1
+        plain = [i for i, r in enumerate(rows) if not r.draft_token_ids]
+        last_plain = {starts[i] for i in plain}  # their one row each
+        # The plain requests' rows (their last is their only one), sampled as in any step.
+        result = self._sample(logits[last_rows[plain]], [rows[i] for i in plain]) if plain else None
+        expanded = [one for row in rows for one in _rows_of(row)]
+        failed_rows = _non_finite_rows(logits, "the model's logits are not finite")
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
+        processed = self._processed(logits, expanded)
+        no_choice_rows = _non_finite_rows(processed, "no token is left to sample after penalties")
+        # What the random verifying rows draw from, in one pass (one softmax for the step).
+        random_rows = [
+            r for r, one in enumerate(expanded) if not one.params.is_greedy and r not in last_plain
+        ]
+        probs = torch.zeros_like(processed)
+        if random_rows:
+            probs[random_rows] = _probs(processed[random_rows], [expanded[r] for r in random_rows])
+        token_ids = [0] * len(rows)
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        failed: dict[int, str] = {}
+        accepted: dict[int, list[int]] = {}
+        accepted_logprobs: dict[int, list[TokenLogprobs]] = {}
+        errors: dict[str, str] = {}
+        if result is not None:
+            errors = result.errors
+            for idx, i in enumerate(plain):
+                token_ids[i], logprobs[i] = result.token_ids[idx], result.logprobs[idx]
+                if idx in result.failed:
+                    failed[i] = result.failed[idx]
+        for i, row in enumerate(rows):
+            if not row.draft_token_ids:
+                continue
+            span = range(starts[i], starts[i + 1])
+            bad = [failed_rows.get(r) or no_choice_rows.get(r) for r in span]
+            if any(bad):
+                failed[i] = next(reason for reason in bad if reason)
+                continue
+            span_rows = slice(starts[i], starts[i + 1])
+            kept, token_ids[i] = self._verify(processed[span_rows], probs[span_rows], row)
+            accepted[i] = kept
+            chosen = [*kept, token_ids[i]]
+            row_logprobs = _logprobs(
+                None if raw_logprobs is None else raw_logprobs[starts[i] : starts[i] + len(chosen)],
+                [row] * len(chosen),
+                chosen,
+            )
+            logprobs[i] = row_logprobs[-1]
+            if row.params.logprobs is not None:
+                accepted_logprobs[i] = [lp for lp in row_logprobs[:-1] if lp is not None]
+        return SampleResult(token_ids, logprobs, failed, errors, accepted, accepted_logprobs)
+
+    def _verify(
+        self, logits: torch.Tensor, probs: torch.Tensor, row: SampleRequest
+    ) -> tuple[list[int], int]:
+        """logits: [1 + k, V] processed rows of one request with k proposals, probs: what its
+        random rows draw from (_probs of them) -> (the accepted proposals, the token after
+        them): see the module docstring."""
+        drafts = list(row.draft_token_ids)
+        if row.params.is_greedy:
+            best = torch.argmax(logits, dim=-1).tolist()
+            num_accepted = 0
+            while num_accepted < len(drafts) and best[num_accepted] == drafts[num_accepted]:
+                num_accepted += 1
+            return drafts[:num_accepted], best[num_accepted]
+        generator = self._generator(row, probs.shape[-1])
+        for j, draft in enumerate(drafts):
+            p = probs[j]
+            u = float(torch.rand((), generator=generator))
+            if u * float(p.sum()) < float(p[draft]):
+                continue
+            residual = p.clone()
+            residual[draft] = 0.0  # p without the rejected proposal, renormalised by the race
+            return drafts[:j], _race(residual, generator)
+        return drafts, _race(probs[len(drafts)], generator)
 
     def _save_rng(self, rows: list[SampleRequest]) -> _SavedRng:
         states = {
@@ -145,11 +256,7 @@ class Sampler:
         return self.structured
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-        temperatures = torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)
-        logits = _filter_top_k(logits / temperatures, rows)
-        logits = _filter_top_p(logits, rows)
-        probs = torch.softmax(logits, dim=-1)
-        probs = _filter_min_p(probs, rows)
+        probs = _probs(logits, rows)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row uses its own RNG.
         noise = torch.empty_like(probs)
         for i, row in enumerate(rows):
@@ -167,6 +274,32 @@ class Sampler:
         for _ in range(self._skipped_draws.pop(row.request_id, 0)):
             torch.empty(vocab_size).exponential_(generator=generator)
         return generator
+
+
+def _probs(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
+    """Temperature, top-k, top-p, softmax, min-p: what a random row draws from (min-p zeroes
+    tokens without renormalising; the exponential race does not need it)."""
+    temperatures = torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)
+    logits = _filter_top_k(logits / temperatures, rows)
+    logits = _filter_top_p(logits, rows)
+    probs = torch.softmax(logits, dim=-1)
+    return _filter_min_p(probs, rows)
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from probs ([V], any scale) by the exponential race, from `generator`."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int(torch.argmax(probs / noise))
+
+
+def _rows_of(row: SampleRequest) -> list[SampleRequest]:
+    """One SampleRequest per logits row of a verifying request: row j sees the first j
+    proposals as output already (penalties, min_tokens), as a decode row after them would."""
+    drafts = list(row.draft_token_ids)
+    return [
+        replace(row, output_token_ids=[*row.output_token_ids, *drafts[:j]], draft_token_ids=())
+        for j in range(row.num_rows)
+    ]
 
 
 def _non_finite_rows(logits: torch.Tensor, reason: str) -> dict[int, str]:

@@ -2,7 +2,7 @@
 known text at known delays, reports usage, and says which engine-specific fields it received.
 
 python fake_openai_server.py --port P [--token-delay S] [--first-delay S] [--tokens-per-event K]
-    [--short-by N] [--no-usage]
+    [--short-by N] [--no-usage] [--draft-timings DRAFTED,ACCEPTED]
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ def build_app(ns: argparse.Namespace) -> FastAPI:
                 "usage": usage,
                 "created": int(time.time()),
             }
+            if ns.draft_timings:  # llama-server's draft counters, in its last event
+                drafted, accepted = (int(v) for v in ns.draft_timings.split(","))
+                final["timings"] = {"draft_n": drafted, "draft_n_accepted": accepted}
             yield f"data: {json.dumps(final)}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -74,6 +77,7 @@ def main() -> None:
     parser.add_argument("--tokens-per-event", type=int, default=1)
     parser.add_argument("--short-by", type=int, default=0, help="send this many tokens too few")
     parser.add_argument("--no-usage", action="store_true")
+    parser.add_argument("--draft-timings", default=None, help="DRAFTED,ACCEPTED per request")
     ns = parser.parse_args()
     uvicorn.run(build_app(ns), host="127.0.0.1", port=ns.port, log_level="warning")
 

@@ -166,6 +166,8 @@ class MessagesRequest(_Body):
     mcp_servers: Annotated[Any, Unsupported("mcp_servers (remote MCP servers)")] = None
     inference_geo: Annotated[Any, Unsupported("inference_geo")] = None
     speed: Annotated[Any, Unsupported("speed", "standard")] = None
+    # densa's, as in chat: false keeps this request out of speculative decoding.
+    speculative: bool = True
 
 
 class CountTokensRequest(_Body):

@@ -55,6 +55,7 @@ def to_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletio
             "stop": body.stop_sequences,
             "stream": body.stream,
             "user": body.metadata.user_id if body.metadata else None,
+            "speculative": None if body.speculative else False,  # only an opt-out is set
         }
     return parse(ChatCompletionRequest, {k: v for k, v in data.items() if v is not None})
 

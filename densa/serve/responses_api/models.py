@@ -201,6 +201,8 @@ class ResponsesRequest(_Body):
     top_logprobs: Annotated[Any, Unsupported("top_logprobs", 0)] = None
     service_tier: Annotated[Any, Unsupported("service_tier", "auto", "default")] = None
     stream_options: Annotated[Any, Unsupported("stream_options")] = None
+    # densa's, as in chat: false keeps this request out of speculative decoding.
+    speculative: bool = True
 
 
 # ---- responses ----------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "user": body.user,
         "prompt_cache_key": body.prompt_cache_key,
         "safety_identifier": body.safety_identifier,
+        "speculative": None if body.speculative else False,  # only an opt-out is set
     }
     return parse(ChatCompletionRequest, {k: v for k, v in data.items() if v is not None})
 

@@ -1,0 +1,311 @@
+"""The multi-token-prediction (MTP) proposer of DeepSeek-V3-class checkpoints.
+
+The checkpoint's config says `num_nextn_predict_layers` (1 for DeepSeek-V3 and Kimi K2); those
+layers are stored after the model's own, as `model.layers.{N}.*` with N = num_hidden_layers
+(the target's loader drops them: densa/model/deepseek_v3.py). Layer N is
+
+    x_p   = eh_proj([enorm(embed(t_{p+1})) ; hnorm(h_p)])     h_p: the target's final hidden
+    o_p   = decoder layer N (MLA attention over its own KV, MoE MLP), residual added
+    logits_p = shared_head.head(shared_head.norm(o_p))        predicts t_{p+2}
+
+so at the newest position it proposes the token after the target's next one. Further proposals
+feed the layer its own output o_p as the next h (one MTP layer, applied k times).
+
+The layer keeps its own paged latent KV, one row per position p, computed from the target's
+true h_p. `observe_hidden` hands those over (the engine passes the hidden states of every
+position the target puts in its KV: prompt chunks, and the accepted rows of a verifying step).
+A position's row is exact once h_p and t_{p+1} are both known; rows of the k - 1 self-fed
+positions are recomputed next call from the target's own states:
+
+    positions:  0 .. n-2          | n-1 .. n+k-3
+                exact (target h)  | self-fed: overwritten on the next call
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import cast
+
+import torch
+from torch import nn
+
+from densa.cache.page_pool import PagePool
+from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.attention import AttentionBackend, AttentionMetadata, build_group
+from densa.model.deepseek_v3 import DeepseekV3DecoderLayer
+from densa.model.kv_layout import LatentKVCache, LayerCache
+from densa.model.layers import RMSNorm, RotaryEmbedding
+from densa.model.linear import Linear
+from densa.model.loader import DTYPES, iter_checkpoint, safetensors_files
+from densa.model.moe import stack_experts
+from densa.model.weight_loading import GATE_UP_FUSED, FusedWeightLoader
+from densa.spec.proposer import SpecInput
+from densa.worker.kv_cache import allocate_kv_caches
+
+# Tensors of the MTP layer that are its own; the rest are the decoder layer's ("block.").
+_OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+
+class MTPLayer(nn.Module):
+    """One DeepSeek-V3 MTP layer (see the module docstring), named as the checkpoint names it."""
+
+    def __init__(self, cfg: ArchConfig, max_position: int, device: torch.device) -> None:
+        super().__init__()
+        if cfg.moe is None or cfg.mla is None:
+            raise ValueError("an MTP layer needs the DeepSeek-V3 MoE and MLA settings")
+        hidden = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, hidden)
+        self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * hidden, hidden, bias=False)
+        # The layer after the model's last: MoE as every DeepSeek layer past the dense ones.
+        moe = dataclasses.replace(cfg.moe, moe_layers=(*cfg.moe.moe_layers, cfg.moe.moe_layers[-1]))
+        self.block = DeepseekV3DecoderLayer(cfg, moe, cfg.num_layers)
+        self.shared_head = SharedHead(cfg)
+        self.rotary = RotaryEmbedding(
+            cfg.mla.rope_head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device=device
+        )
+        self.num_experts = cfg.moe.num_experts
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        cache: LatentKVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """input_ids (t_{p+1}), positions (p): [T]; prev_hidden (h_p): [T, H] -> o_p [T, H]."""
+        embedded = self.enorm(self.embed_tokens(input_ids))
+        hidden = self.eh_proj(torch.cat([embedded, self.hnorm(prev_hidden)], dim=-1))  # [T, H]
+        rope = self.rotary.lookup(positions, hidden.dtype)
+        out, residual = self.block(rope, hidden, None, cache, meta, backend)
+        return cast(torch.Tensor, out + residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shared_head.head(self.shared_head.norm(hidden)).float()
+
+    def load_checkpoint(self, model_dir: Path, layer_idx: int) -> None:
+        """Copy `model.layers.{layer_idx}.*` of the checkpoint in (every parameter must fill)."""
+        prefix = f"model.layers.{layer_idx}."
+        tensors = (
+            (_module_name(name.removeprefix(prefix)), tensor)
+            for name, tensor in iter_checkpoint(safetensors_files(model_dir))
+            if name.startswith(prefix)
+        )
+        try:
+            stacked = cast(
+                Iterator[tuple[str, torch.Tensor]], stack_experts(tensors, self.num_experts)
+            )
+            FusedWeightLoader(GATE_UP_FUSED).load(self, stacked)
+        except (KeyError, ValueError) as exc:
+            raise ModelLoadError(f"the MTP layer in {model_dir} does not load: {exc}") from exc
+
+
+def _module_name(name: str) -> str:
+    """A checkpoint name inside the MTP layer -> its parameter's name in MTPLayer."""
+    if name.startswith(_OWN):
+        return name
+    return "block." + name.replace(".shared_experts.", ".shared_expert.")
+
+
+def num_mtp_layers(model_dir: Path) -> int:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("num_nextn_predict_layers") or 0)
+
+
+@dataclass
+class MTPSequence:
+    """One request's MTP state: the target's hidden states and the MTP layer's pages."""
+
+    # h_p for positions [hidden_start, num_hidden), in [n_i, H] chunks; rows before num_exact
+    # are dropped once their KV rows are written (a long request keeps few hidden states).
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    hidden_start: int = 0
+    num_hidden: int = 0
+    num_exact: int = 0  # positions [0, num_exact) hold rows computed from the target's h
+    page_ids: list[int] = field(default_factory=list)
+
+    def hidden_rows(self, start: int, end: int) -> torch.Tensor:
+        """h_p for p in [start, end) ([end - start, H]); chunks merge once read."""
+        if len(self.hidden) > 1:
+            self.hidden = [torch.cat(self.hidden)]
+        return self.hidden[0][start - self.hidden_start : end - self.hidden_start]
+
+    def drop_hidden_before(self, position: int) -> None:
+        if self.hidden and position > self.hidden_start:
+            self.hidden = [torch.cat(self.hidden)[position - self.hidden_start :]]
+            self.hidden_start = position
+
+
+@dataclass(frozen=True)
+class _Row:
+    seq: MTPSequence
+    token_ids: list[int]  # t_{p+1} for each position p of the chunk
+    hidden: torch.Tensor  # h_p, [len(token_ids), H]
+    start_pos: int
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+class MTPProposer:
+    """Proposes with the checkpoint's MTP layer from the target's hidden states."""
+
+    name = "mtp"
+
+    def __init__(
+        self,
+        layer: MTPLayer,
+        cache: LatentKVCache,
+        num_pages: int,
+        page_size: int,
+        backend: AttentionBackend,
+        device: torch.device,
+        max_model_len: int,
+    ) -> None:
+        self.layer, self.cache = layer, cache
+        self.page_size, self.backend, self.device = page_size, backend, device
+        self.max_model_len = max_model_len
+        self.pool = PagePool(num_pages)
+        self.sequences: dict[str, MTPSequence] = {}
+
+    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+        """The target's final hidden states ([n, H]) of the next n positions it put in its KV."""
+        seq = self.sequences.setdefault(request_id, MTPSequence())
+        seq.hidden.append(hidden.detach().to(self.device).clone())  # not a view of the step's
+        seq.num_hidden += hidden.shape[0]
+
+    def release(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None:
+            self.pool.free(seq.page_ids)
+
+    @torch.inference_mode()
+    def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
+        proposals: list[list[int]] = [[] for _ in inputs]
+        wanted = [min(s.num_tokens, self.max_model_len - len(s.token_ids) + 1) for s in inputs]
+        rows: dict[int, _Row] = {}
+        for idx, spec in enumerate(inputs):
+            row = self._catch_up_row(spec, wanted[idx]) if wanted[idx] > 0 else None
+            if row is not None:
+                rows[idx] = row
+        for step in range(max(wanted, default=0)):
+            if not rows:
+                break
+            order = list(rows)
+            next_ids, out_hidden = self._forward([rows[idx] for idx in order])
+            for i, idx in enumerate(order):
+                row = rows.pop(idx)
+                if step == 0:
+                    row.seq.num_exact = row.end_pos
+                    # the newest exact row is recomputed next call: keep its h
+                    row.seq.drop_hidden_before(row.end_pos - 1)
+                proposals[idx].append(next_ids[i])
+                if step + 1 < wanted[idx]:
+                    rows[idx] = _Row(row.seq, [next_ids[i]], out_hidden[i : i + 1], row.end_pos)
+        return proposals
+
+    def _catch_up_row(self, spec: SpecInput, num_tokens: int) -> _Row | None:
+        """Positions [num_exact, n - 1): t_{p+1} and the target's h_p; None if the target's
+        hidden states of the positions before the last token have not all been observed, or
+        the pool has no room."""
+        seq = self.sequences.get(spec.request_id)
+        n = len(spec.token_ids)
+        if seq is None or seq.num_hidden < n - 1 or n < 2:
+            return None
+        start = min(seq.num_exact, n - 2)  # at least the newest position: it proposes
+        end_pos = n - 1 + num_tokens - 1  # rows written: exact ones, then k - 1 self-fed
+        missing = -(-end_pos // self.page_size) - len(seq.page_ids)
+        if missing > 0:
+            page_ids = self.pool.allocate(missing)
+            if page_ids is None:
+                return None
+            seq.page_ids.extend(page_ids)
+        token_ids = [int(t) for t in spec.token_ids[start + 1 : n]]
+        return _Row(seq, token_ids, seq.hidden_rows(start, n - 1), start)
+
+    def _forward(self, rows: list[_Row]) -> tuple[list[int], torch.Tensor]:
+        """Argmax next token and output hidden state of each row's last position."""
+        positions = [p for row in rows for p in range(row.start_pos, row.end_pos)]
+        positions_t = torch.tensor(positions, dtype=torch.long)
+        group = build_group(
+            start=0,
+            page_tables=[row.seq.page_ids[: -(-row.end_pos // self.page_size)] for row in rows],
+            seq_lens=[row.end_pos for row in rows],
+            query_lens=[len(row.token_ids) for row in rows],
+            page_size=self.page_size,
+            device=self.device,
+        )
+        as_decode = all(len(row.token_ids) == 1 for row in rows)
+        slot_pages = [
+            row.seq.page_ids[p // self.page_size]
+            for row in rows
+            for p in range(row.start_pos, row.end_pos)
+        ]
+        meta = AttentionMetadata(
+            slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=self.device),
+            slot_offsets=(positions_t % self.page_size).to(self.device),
+            decode=group if as_decode else None,
+            prefill=None if as_decode else group,
+        )
+        out = self.layer(
+            torch.tensor([t for row in rows for t in row.token_ids], device=self.device),
+            positions_t.to(self.device),
+            torch.cat([row.hidden for row in rows]).to(self.layer.eh_proj.weight.dtype),
+            self.cache,
+            meta,
+            self.backend,
+        )  # [T, H]
+        ends = torch.tensor(_last_rows(rows), device=self.device)
+        last = out[ends]  # [B, H]
+        next_ids = self.layer.compute_logits(last).argmax(dim=-1).tolist()
+        return [int(t) for t in next_ids], last
+
+
+def _last_rows(rows: list[_Row]) -> list[int]:
+    ends, total = [], 0
+    for row in rows:
+        total += len(row.token_ids)
+        ends.append(total - 1)
+    return ends
+
+
+def load_mtp_proposer(
+    model_dir: Path,
+    arch: ArchConfig,
+    dtype: str,
+    num_pages: int,
+    page_size: int,
+    backend: AttentionBackend,
+    device: torch.device,
+    max_model_len: int,
+) -> MTPProposer:
+    """The checkpoint's first MTP layer, with as many latent KV pages (one layer) as given."""
+    if num_mtp_layers(model_dir) < 1:
+        raise ModelLoadError(
+            f"{model_dir.name} has no multi-token-prediction layer (num_nextn_predict_layers "
+            "is 0 or missing): use --speculative-method ngram or a draft model"
+        )
+    layer = MTPLayer(arch, max_model_len, device).to(device=device, dtype=DTYPES[dtype])
+    layer.load_checkpoint(model_dir, arch.num_layers)
+    one_layer = dataclasses.replace(arch, num_layers=1)
+    caches: list[LayerCache] = allocate_kv_caches(
+        one_layer, num_pages, page_size, "float32", device
+    )
+    cache = caches[0]
+    assert isinstance(cache, LatentKVCache)
+    return MTPProposer(layer.eval(), cache, num_pages, page_size, backend, device, max_model_len)

@@ -1,0 +1,44 @@
+"""The interface every proposer of speculative tokens implements.
+
+A proposer guesses the next tokens of a request; the target model then scores the last accepted
+token and the guesses in one forward and keeps the longest run it agrees with (worker/). Proposals
+are deterministic (point masses), so the target's rejection sampling stays exact for sampling too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SpecInput:
+    request_id: str
+    # prompt + every output token accepted so far (the last one not yet in the target's KV)
+    token_ids: Sequence[int]
+    num_tokens: int  # how many tokens to propose at most (k for this request, >= 1)
+
+
+class Proposer(Protocol):
+    """Keeps whatever per-request state it needs; `release` drops it.
+
+    A proposer with its own KV (a draft model) catches up from `token_ids` and truncates its own
+    KV when the target rejected tokens (it compares `token_ids` with what it cached).
+    """
+
+    name: str  # "ngram" | "draft" | "mtp"
+
+    def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
+        """0..num_tokens tokens per input, in the order of `inputs`."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request finished, was aborted or preempted: drop its state."""
+        ...
+
+    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+        """MTP only: the target's last hidden states of the accepted tokens; others ignore it."""
+        ...

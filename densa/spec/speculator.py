@@ -1,0 +1,157 @@
+"""Which requests speculate this step, with how many tokens, and what it has earned.
+
+The engine asks the speculator after every step (`propose`): each running request that is
+decoding gets up to k proposed tokens in `Request.spec_token_ids`, which the scheduler puts in
+its next decode chunk for the target to verify (docs/speculative.md). Then `observe` counts
+what the step accepted.
+
+k per request follows its recent acceptance. A request whose proposals are accepted with
+per-token probability p reaches its i-th proposal with probability about p**i; a proposal
+that is rarely reached costs a row of compute for nothing, so k is the largest i with
+p**i >= MIN_REACH (capped by --num-speculative-tokens). p is estimated as accepted / trials,
+where a step that accepted a of k proposals made a + 1 trials (a successes, then the rejection)
+or a trials if all were accepted: the maximum-likelihood estimate for a run that stops at the
+first rejection. Both counts decay, so k follows a request whose text changes character (a
+quoted file, then prose). When k falls to 0 the request stops speculating and, every
+PROBE_INTERVAL steps, proposes one token to measure again.
+
+Speculation pauses for the whole step when more than max_batch requests decode: see
+SpeculativeConfig.max_batch (densa/config.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from densa.config import SpeculativeConfig
+from densa.request import Request
+from densa.sched.output import SchedulerOutput
+from densa.spec.proposer import Proposer, SpecInput
+
+MIN_REACH = 0.2  # propose the i-th token only if it is reached at least this often
+DECAY = 0.8  # weight of the past in the acceptance counts, per verifying step
+PROBE_INTERVAL = 16  # steps a request with k = 0 waits before it proposes one token again
+# A fresh request starts as if its first few proposals had all been accepted: prompt lookup and
+# draft models earn their keep early in a request (a quoted file is repeated from its start).
+PRIOR_TRIALS = 2.0
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts of one request's verified proposals."""
+
+    accepted: float = PRIOR_TRIALS
+    trials: float = PRIOR_TRIALS
+    steps_since_probe: int = 0
+
+    @property
+    def rate(self) -> float:
+        """Estimated probability that a proposal is accepted, given the ones before it were."""
+        return self.accepted / self.trials if self.trials > 0 else 0.0
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        rejected = 1 if num_accepted < num_proposed else 0
+        self.accepted = DECAY * self.accepted + num_accepted
+        self.trials = DECAY * self.trials + num_accepted + rejected
+
+    def num_tokens(self, most: int) -> int:
+        """k for the next step: see the module docstring."""
+        rate = self.rate
+        if rate >= 1.0:
+            return most
+        if rate <= MIN_REACH:
+            return 0
+        return min(most, int(math.log(MIN_REACH) / math.log(rate)))
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer, config: SpeculativeConfig) -> None:
+        self.proposer = proposer
+        self.config = config
+        self._acceptance: dict[str, Acceptance] = {}
+        # Lifetime totals, for /metrics: tokens proposed to and accepted by the target.
+        self.num_proposed_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_paused_steps = 0  # steps on which the batch was too large to speculate
+
+    def propose(self, running: Sequence[Request], max_model_len: int) -> None:
+        """Set spec_token_ids for every decoding request that speculates next step."""
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        if len(decoding) > self.config.max_batch:
+            self.num_paused_steps += 1
+            return
+        inputs: list[SpecInput] = []
+        targets: list[Request] = []
+        for request in decoding:
+            num_tokens = self._num_tokens(request, max_model_len)
+            if num_tokens > 0:
+                inputs.append(SpecInput(request.request_id, request.all_token_ids, num_tokens))
+                targets.append(request)
+        if not inputs:
+            return
+        for request, item, proposed in zip(
+            targets, inputs, self.proposer.propose(inputs), strict=True
+        ):
+            request.spec_token_ids = list(proposed[: item.num_tokens])
+
+    def _num_tokens(self, request: Request, max_model_len: int) -> int:
+        """k for this request now: its acceptance, what it may still generate, the context."""
+        params = request.sampling_params
+        if not params.speculative or params.structured is not None:
+            return 0  # opted out; a grammar's matcher cannot take tokens back
+        acceptance = self._acceptance.setdefault(request.request_id, Acceptance())
+        k = acceptance.num_tokens(self.config.num_tokens)
+        if k == 0:
+            acceptance.steps_since_probe += 1
+            if acceptance.steps_since_probe < PROBE_INTERVAL:
+                return 0
+            acceptance.steps_since_probe = 0
+            k = 1
+        # Every verified step emits accepted + 1 tokens: never propose past max_tokens or the
+        # context (the stop rule would cut them, but their rows would be computed for nothing).
+        left = params.max_tokens - request.num_output_tokens - 1
+        return max(0, min(k, left, max_model_len - request.num_tokens))
+
+    def observe(self, step: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
+        """Count the step's verified proposals (requests that failed it count none)."""
+        for item in step.scheduled:
+            if not item.spec_token_ids or item.request_id not in accepted:
+                continue
+            num_accepted = len(accepted[item.request_id])
+            self.num_proposed_tokens += len(item.spec_token_ids)
+            self.num_accepted_tokens += num_accepted
+            acceptance = self._acceptance.get(item.request_id)
+            if acceptance is not None:
+                acceptance.record(len(item.spec_token_ids), num_accepted)
+
+    def observe_hidden(
+        self,
+        step: SchedulerOutput,
+        accepted: dict[str, list[int]],
+        hidden: dict[str, torch.Tensor],
+    ) -> None:
+        """Hand the proposer the target's hidden states of the positions the step put in its
+        KV for good: a chunk's own tokens and the proposals accepted (rejected rows dropped).
+        Requests it saw are tracked here, so `keep_only` releases them too."""
+        for item in step.scheduled:
+            rows = hidden.get(item.request_id)
+            if rows is None:
+                continue
+            num_kept = len(item.token_ids) + len(accepted.get(item.request_id, []))
+            self._acceptance.setdefault(item.request_id, Acceptance())
+            self.proposer.observe_hidden(item.request_id, rows[:num_kept])
+
+    def keep_only(self, live_request_ids: Iterable[str]) -> None:
+        """Release the state of every request not in live_request_ids (finished, aborted or
+        preempted: a preempted request recomputes its KV, and a draft model's with it)."""
+        live = set(live_request_ids)
+        for request_id in [r for r in self._acceptance if r not in live]:
+            self.release(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._acceptance.pop(request_id, None)
+        self.proposer.release(request_id)

@@ -1,0 +1,142 @@
+"""The draft-model proposer: its proposals are exactly the draft's own greedy continuation, through
+catch-up after acceptance, truncation after rejection and batching; its pages are freed; a draft of
+another tokenizer is refused."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from densa.engine.builder import select_backend
+from densa.engine.llm import LLM
+from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.loader import resolve_model_dir
+from densa.sampling_params import SamplingParams
+from densa.spec.draft import DraftModelProposer, DraftSpec, load_draft_proposer
+from densa.spec.proposer import SpecInput
+from densa.text.tokenizer import Tokenizer
+from densa.worker.kv_cache import allocate_kv_caches
+from tests.conftest import make_tiny_llama
+
+PAGE_SIZE = 4  # small pages: a proposal round crosses page boundaries
+MAX_LEN = 256
+CPU = torch.device("cpu")
+K = 4
+
+
+def _proposer(draft: str | Path, target: str | Path, num_pages: int = 64) -> DraftModelProposer:
+    target_dir = resolve_model_dir(str(target))
+    arch = ArchConfig.from_dir(target_dir)
+    spec = DraftSpec(str(draft), PAGE_SIZE, num_pages, MAX_LEN)
+    return load_draft_proposer(
+        spec, arch, Tokenizer.from_dir(target_dir), select_backend("auto", CPU), CPU
+    )
+
+
+def _greedy(llm: LLM, prompt: list[int], num_tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    return llm.generate([prompt], params)[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), smollm2_dir, seed=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_draft_dir: Path) -> LLM:
+    return LLM(str(tiny_draft_dir), num_kv_pages=256, page_size=PAGE_SIZE, max_model_len=MAX_LEN)
+
+
+PROMPTS = ([5, 17, 230, 1234, 9, 88, 4021], [301, 302, 7, 7, 7, 12, 4000, 51, 6, 9, 10])
+
+
+def test_proposals_are_the_drafts_greedy_continuation_across_rounds(
+    tiny_draft_dir: Path, tiny_model_dir: Path, tiny_llm: LLM
+) -> None:
+    """Two requests batched; round 2 after full acceptance (+ bonus), round 3 after a rejection."""
+    proposer = _proposer(tiny_draft_dir, tiny_model_dir)
+    refs = [_greedy(tiny_llm, prompt, 2 * K + 1) for prompt in PROMPTS]
+    inputs = [SpecInput(f"r{i}", prompt, K) for i, prompt in enumerate(PROMPTS)]
+    assert proposer.propose(inputs) == [ref[:K] for ref in refs]
+    # r0 accepted everything and the target added the draft's own next token as its bonus;
+    # r1 accepted one token, then the target chose another token than the draft's.
+    rejected = (refs[1][1] + 1) % 49152
+    histories = [list(PROMPTS[0]) + refs[0][: K + 1], [*PROMPTS[1], refs[1][0], rejected]]
+    got = proposer.propose([SpecInput(f"r{i}", h, K) for i, h in enumerate(histories)])
+    assert got[0] == refs[0][K + 1 : 2 * K + 1]
+    assert got[1] == _greedy(tiny_llm, histories[1], K)
+    for i, history in enumerate(histories):  # the pages hold the history and proposals[:-1]
+        seq = proposer.sequences[f"r{i}"]
+        assert seq.token_ids == history + got[i][:-1]
+        assert len(seq.page_ids) == -(-(len(history) + K - 1) // PAGE_SIZE)
+
+
+def test_truncation_frees_the_rejected_pages_and_release_frees_all(
+    tiny_draft_dir: Path, tiny_model_dir: Path, tiny_llm: LLM
+) -> None:
+    proposer = _proposer(tiny_draft_dir, tiny_model_dir, num_pages=16)
+    prompt = list(range(100, 109))  # 9 tokens: positions 0..11 cached after k = 4 -> 3 pages
+    first = proposer.propose([SpecInput("a", prompt, K)])[0]
+    pages = list(proposer.sequences["a"].page_ids)
+    assert pages == [0, 1, 2] and proposer.pool.num_free_pages == 13
+    # The target rejected the very first proposal: 10 tokens, k = 1 needs positions 0..9 only.
+    history = [*prompt, (first[0] + 1) % 49152]
+    assert proposer.propose([SpecInput("a", history, 1)]) == [_greedy(tiny_llm, history, 1)]
+    assert proposer.sequences["a"].page_ids == [0, 1, 2]
+    assert proposer.sequences["a"].token_ids == history
+    # A shorter history than the pages hold (the engine rolled back further): pages beyond it go.
+    proposer.propose([SpecInput("a", prompt[:3], 1)])
+    assert proposer.sequences["a"].page_ids == [0]
+    assert proposer.pool.is_free(1) and proposer.pool.is_free(2)
+    proposer.release("a")
+    assert "a" not in proposer.sequences
+    assert proposer.pool.num_free_pages == 16
+    proposer.pool.check_consistency({})
+    proposer.release("a")  # releasing twice (finished, then aborted) is harmless
+
+
+def test_a_full_pool_proposes_nothing_and_holds_no_pages(
+    tiny_draft_dir: Path, tiny_model_dir: Path
+) -> None:
+    proposer = _proposer(tiny_draft_dir, tiny_model_dir, num_pages=3)
+    fits, too_long = list(range(10, 18)), list(range(20, 40))
+    got = proposer.propose([SpecInput("fits", fits, K), SpecInput("long", too_long, K)])
+    assert len(got[0]) == K and got[1] == []
+    assert "long" not in proposer.sequences
+    proposer.pool.check_consistency({"fits": proposer.sequences["fits"].page_ids})
+
+
+def test_the_bundled_smollm2_as_draft_proposes_its_greedy_continuation(smollm2_dir: Path) -> None:
+    llm = LLM(str(smollm2_dir), num_kv_pages=128, page_size=PAGE_SIZE, max_model_len=MAX_LEN)
+    prompt = llm.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
+    ref = _greedy(llm, prompt, 2 * K + 1)
+    # The same weights drive the draft (loading the 135M twice would double the test's time);
+    # the draft runs them over pages of its own.
+    arch = llm.engine.arch
+    proposer = DraftModelProposer(
+        llm.engine.runner.model, allocate_kv_caches(arch, 32, PAGE_SIZE, "float32", CPU),
+        PAGE_SIZE, select_backend("auto", CPU), CPU, 32, MAX_LEN, arch.vocab_size,
+    )  # fmt: skip
+    assert proposer.propose([SpecInput("s", prompt, K)]) == [ref[:K]]
+    assert proposer.propose([SpecInput("s", prompt + ref[: K + 1], K)]) == [ref[K + 1 :]]
+
+
+def test_a_draft_of_another_tokenizer_is_refused(
+    tmp_path: Path, tiny_model_dir: Path, smollm2_dir: Path
+) -> None:
+    other = make_tiny_llama(tmp_path / "other", smollm2_dir, seed=4)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    by_id = {i: p for p, i in vocab.items()}
+    vocab[by_id[1000]], vocab[by_id[1001]] = 1001, 1000  # two ids swap their text
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    expected = f"token 1000 is {by_id[1001]!r} in the draft and {by_id[1000]!r} in the target"
+    with pytest.raises(ModelLoadError, match=re.escape(expected)):
+        _proposer(other, tiny_model_dir)
+    shutil.rmtree(other)

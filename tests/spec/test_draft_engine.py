@@ -1,0 +1,78 @@
+"""A draft model wired through the engine builder: greedy output is the target's own, a draft of
+the target itself is accepted (almost) always, and the draft's KV pages come out of the budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from densa.engine.args import EngineArgs
+from densa.engine.builder import _resolve_num_pages
+from densa.engine.llm import LLM
+from densa.model.arch import ArchConfig
+from densa.sampling_params import SamplingParams
+from densa.spec.draft import DraftModelProposer
+from densa.worker.kv_cache import page_bytes
+from tests.conftest import make_tiny_llama
+
+PAGE_SIZE = 8
+CPU = torch.device("cpu")
+ENGINE = dict(num_kv_pages=128, page_size=PAGE_SIZE, max_model_len=512)
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "1, 2, 3, 4, 5, 6,",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-other-draft"), smollm2_dir, seed=7)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_model_dir: Path) -> list[list[int]]:
+    llm = LLM(str(tiny_model_dir), **ENGINE)
+    return [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_a_draft_of_the_target_itself_is_accepted_and_changes_nothing(
+    tiny_model_dir: Path, plain_outputs: list[list[int]]
+) -> None:
+    llm = LLM(str(tiny_model_dir), speculative_model=str(tiny_model_dir), **ENGINE)
+    speculator = llm.engine.speculator
+    assert speculator is not None and isinstance(speculator.proposer, DraftModelProposer)
+    assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == plain_outputs
+    assert speculator.num_proposed_tokens >= 3 * 24 // 2  # it speculated most of the way
+    assert speculator.num_accepted_tokens >= 0.95 * speculator.num_proposed_tokens
+    # Every finished request's draft pages are back in the draft's pool.
+    assert speculator.proposer.sequences == {}
+    assert speculator.proposer.pool.num_free_pages == ENGINE["num_kv_pages"]
+
+
+def test_another_draft_keeps_greedy_output_exact(
+    tiny_model_dir: Path, other_draft_dir: Path, plain_outputs: list[list[int]]
+) -> None:
+    llm = LLM(str(tiny_model_dir), speculative_model=str(other_draft_dir), **ENGINE)
+    assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == plain_outputs
+    speculator = llm.engine.speculator
+    assert speculator is not None and speculator.num_proposed_tokens > 0
+
+
+def test_the_draft_kv_shares_the_budget(tiny_model_dir: Path, other_draft_dir: Path) -> None:
+    """A byte budget buys pages of (target + draft) bytes, as many for each; an exact page count
+    is the target's."""
+    arch = ArchConfig.from_dir(tiny_model_dir)
+    args = EngineArgs(
+        model=str(tiny_model_dir), speculative_model=str(other_draft_dir),
+        kv_cache_memory="1MiB", page_size=PAGE_SIZE,
+    )  # fmt: skip
+    per_page = page_bytes(arch, PAGE_SIZE, args.kv_format().name)
+    draft_per_page = page_bytes(ArchConfig.from_dir(other_draft_dir), PAGE_SIZE, "float32")
+    num_pages, _ = _resolve_num_pages(args, arch, args.kv_format(), 64, CPU)
+    assert num_pages == (1 << 20) // (per_page + draft_per_page)
+    plain = EngineArgs(model=str(tiny_model_dir), kv_cache_memory="1MiB", page_size=PAGE_SIZE)
+    assert _resolve_num_pages(plain, arch, plain.kv_format(), 64, CPU)[0] == ((1 << 20) // per_page)

@@ -1,0 +1,117 @@
+"""Who speculates, with how many tokens: adaptive k, probes, opt-outs, caps, the batch limit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from densa.config import SpeculativeConfig
+from densa.request import Request, RequestStatus
+from densa.sampling_params import SamplingParams, StructuredOutput
+from densa.sched.output import ScheduledChunk, SchedulerOutput
+from densa.spec.proposer import SpecInput
+from densa.spec.speculator import PROBE_INTERVAL, Speculator
+
+MAX_MODEL_LEN = 100
+
+
+class Fixed:
+    name = "fixed"
+
+    def __init__(self) -> None:
+        self.seen: list[SpecInput] = []
+        self.released: list[str] = []
+
+    def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
+        self.seen.extend(inputs)
+        return [[9] * item.num_tokens for item in inputs]
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+        return None
+
+
+def _decoding(request_id: str, num_output: int = 1, **params: object) -> Request:
+    request = Request(request_id, [1, 2, 3, 4], SamplingParams(**{"max_tokens": 50, **params}))  # type: ignore[arg-type]
+    request.output_token_ids = list(range(10, 10 + num_output))
+    request.num_computed_tokens = request.num_tokens - 1
+    request.status = RequestStatus.RUNNING
+    return request
+
+
+def _verified(
+    request: Request, accepted: list[int]
+) -> tuple[SchedulerOutput, dict[str, list[int]]]:
+    chunk = ScheduledChunk(request.request_id, [0], 0, [], True, list(request.spec_token_ids))
+    request.spec_token_ids = []
+    return SchedulerOutput([chunk], [], [], []), {request.request_id: accepted}
+
+
+def test_k_follows_acceptance_down_to_zero_then_probes() -> None:
+    speculator = Speculator(Fixed(), SpeculativeConfig(num_tokens=4))
+    request = _decoding("r")
+    ks = []
+    for _ in range(6):
+        speculator.propose([request], MAX_MODEL_LEN)
+        ks.append(len(request.spec_token_ids))
+        speculator.observe(*_verified(request, []))  # every proposal rejected
+    # Estimated acceptance 1.0, 0.62, 0.42, 0.30, 0.22, 0.16: k = largest i with rate**i >= 0.2.
+    assert ks == [4, 3, 1, 1, 1, 0]
+    for _ in range(PROBE_INTERVAL - 2):
+        speculator.propose([request], MAX_MODEL_LEN)
+        assert request.spec_token_ids == []
+    speculator.propose([request], MAX_MODEL_LEN)
+    assert request.spec_token_ids == [9]  # the probe
+    speculator.observe(*_verified(request, [9]))  # accepted: the estimate rises again
+    speculator.propose([request], MAX_MODEL_LEN)
+    assert len(request.spec_token_ids) == 1
+    assert (speculator.num_proposed_tokens, speculator.num_accepted_tokens) == (11, 1)
+
+
+def test_full_acceptance_keeps_k_at_its_most() -> None:
+    speculator = Speculator(Fixed(), SpeculativeConfig(num_tokens=5))
+    request = _decoding("r")
+    for _ in range(5):
+        speculator.propose([request], MAX_MODEL_LEN)
+        assert len(request.spec_token_ids) == 5
+        speculator.observe(*_verified(request, [9] * 5))
+
+
+def test_opt_outs_constraints_and_caps() -> None:
+    proposer = Fixed()
+    speculator = Speculator(proposer, SpeculativeConfig(num_tokens=4))
+    opted_out = _decoding("off", speculative=False)
+    constrained = _decoding("json", structured=StructuredOutput("json_object"))
+    near_max_tokens = _decoding("short", num_output=48)  # 2 left: the token, one proposal
+    near_context = _decoding(
+        "long", num_output=94, max_tokens=500
+    )  # 98 of 100 tokens: two positions left
+    prefilling = _decoding("prompt")
+    prefilling.num_computed_tokens = 2
+    requests = [opted_out, constrained, near_max_tokens, near_context, prefilling]
+    speculator.propose(requests, MAX_MODEL_LEN)
+    assert [len(r.spec_token_ids) for r in requests] == [0, 0, 1, 2, 0]
+    assert [item.request_id for item in proposer.seen] == ["short", "long"]
+    assert list(proposer.seen[0].token_ids) == near_max_tokens.all_token_ids
+
+
+def test_a_large_batch_pauses_speculation() -> None:
+    speculator = Speculator(Fixed(), SpeculativeConfig(num_tokens=2, max_batch=3))
+    requests = [_decoding(f"r{i}") for i in range(4)]
+    speculator.propose(requests, MAX_MODEL_LEN)
+    assert all(r.spec_token_ids == [] for r in requests) and speculator.num_paused_steps == 1
+    speculator.propose(requests[:3], MAX_MODEL_LEN)
+    assert all(r.spec_token_ids == [9, 9] for r in requests[:3])
+
+
+def test_requests_that_stop_running_are_released() -> None:
+    proposer = Fixed()
+    speculator = Speculator(proposer, SpeculativeConfig())
+    speculator.propose([_decoding("a"), _decoding("b")], MAX_MODEL_LEN)
+    speculator.keep_only(["b"])
+    assert proposer.released == ["a"]
+    speculator.keep_only([])
+    assert proposer.released == ["a", "b"]
