@@ -158,7 +158,8 @@ def build_draft_proposer(model: str, num_tokens: int, target: DraftTarget) -> Dr
     args, kv_format = target.args, target.kv_format
     spec = DraftSpec(
         model, args.page_size, target.num_pages, target.max_len + num_tokens, args.dtype,
-        args.weight_format if args.weight_format in PACKED_FORMATS else "auto", kv_format.name,
+        weight_format=args.weight_format if args.weight_format in PACKED_FORMATS else "auto",
+        kv_cache_dtype=kv_format.name,
     )  # fmt: skip
     device = torch.device(args.device)
     return load_draft_proposer(spec, target.arch, target.tokenizer, target.backend, device)

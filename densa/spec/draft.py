@@ -39,7 +39,7 @@ from densa.model.attention import (
 from densa.model.fused_decode import unsupported_reason
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
-from densa.model.loader import load_model, resolve_model_dir
+from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.spec.proposer import SpecInput
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
@@ -300,7 +300,8 @@ class DraftSpec:
     num_pages: int  # the draft's own pages (engine/builder.py: as many tokens as the target's)
     max_model_len: int
     dtype: str = "float32"
-    weight_format: str = "auto"
+    weight_format: str = "auto"  # resolved as the target's is: a GGUF draft runs from its blocks
+    head_format: str = "auto"
     kv_cache_dtype: str = "float32"  # FP8 pages take dynamic scales (no calibration for the draft)
 
 
@@ -319,16 +320,17 @@ def load_draft_proposer(
     except (TokenizerLoadError, OSError) as exc:
         raise ModelLoadError(f"cannot load the draft's tokenizer in {draft_dir}: {exc}") from exc
     check_same_tokenizer(target_tokenizer, draft_tokenizer, spec.model)
-    model = load_model(
-        draft_dir, draft_arch, spec.dtype, spec.max_model_len, device, spec.weight_format
-    )
+    # "auto" resolved here as the builder resolves the target's: passed on as it is, a GGUF
+    # draft would be dequantized to dense float weights (4x its file, and a slower pass).
+    weights, head = auto_formats(spec.model, draft_dir, spec.weight_format, spec.head_format)
+    model = load_model(draft_dir, draft_arch, spec.dtype, spec.max_model_len, device, weights, head)
     kv_caches = allocate_kv_caches(
         draft_arch, spec.num_pages, spec.page_size, spec.kv_cache_dtype, device
     )
     fused = enable_fused_decode(model, kv_caches) if backend.name == "cpu" else False
     logger.info(
-        "draft model %s: %d KV pages x %d tokens (%s), fused decode %s",
-        draft_dir.name, spec.num_pages, spec.page_size,
+        "draft model %s (%s weights, %s head): %d KV pages x %d tokens (%s), fused decode %s",
+        draft_dir.name, weights, head, spec.num_pages, spec.page_size,
         format_bytes(spec.num_pages * page_bytes(draft_arch, spec.page_size, spec.kv_cache_dtype)),
         "on" if fused else "off",
     )  # fmt: skip

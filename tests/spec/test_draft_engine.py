@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.args import EngineArgs
+from densa.engine.args import EngineArgs, default_model_path
 from densa.engine.builder import _resolve_num_pages
 from densa.engine.llm import LLM
 from densa.model.arch import ArchConfig
@@ -76,3 +76,16 @@ def test_the_draft_kv_shares_the_budget(tiny_model_dir: Path, other_draft_dir: P
     assert num_pages == (1 << 20) // (per_page + draft_per_page)
     plain = EngineArgs(model=str(tiny_model_dir), kv_cache_memory="1MiB", page_size=PAGE_SIZE)
     assert _resolve_num_pages(plain, arch, plain.kv_format(), 64, CPU)[0] == ((1 << 20) // per_page)
+
+
+def test_a_gguf_draft_runs_from_its_blocks_as_the_target_does() -> None:
+    """The draft's formats are resolved as the target's: a GGUF draft passed on with "auto"
+    was dequantized to dense float weights (4x the file, each draft pass ~3x slower)."""
+    gguf = default_model_path()
+    llm = LLM(gguf, speculative_model=gguf, num_kv_pages=16, page_size=PAGE_SIZE,
+              max_model_len=128)  # fmt: skip
+    speculator = llm.engine.speculator
+    assert speculator is not None and isinstance(speculator.proposer, DraftModelProposer)
+    draft_format = speculator.proposer.model.weight_format
+    assert draft_format == llm.engine.weight_format
+    assert "dense" not in draft_format
