@@ -22,7 +22,6 @@ second of wall time).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -31,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from densa.auth.secret import SECRET_ENV, ClusterSecret
+from densa.auth.secret import ClusterSecret
 from densa.cache.prefix_index import hash_block
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
@@ -229,7 +228,10 @@ def run_tiers(
     scratch = Path(tempfile.mkdtemp(prefix="densa-bench-tiers-"))
     samples, summary = [], []
     reference_outputs: dict[tuple[int, int], list[int]] = {}
-    os.environ.setdefault(SECRET_ENV, ClusterSecret.generate().value.decode())
+    # The shared tier seals its values with the cluster secret: a file of this run's own (never
+    # the process environment, which the caller and every process it starts would inherit).
+    secret_file = scratch / "cluster-secret"
+    ClusterSecret.generate().write(secret_file)
     try:
         with RedisServer(maxmemory="4gb") as store:
             for num_workers in settings.workers:
@@ -241,7 +243,7 @@ def run_tiers(
                         engine.kv_manager.reset_prefix_cache()
                         specs = _tier_specs(variant, scratch / f"{num_workers}-{idx}", store.url)
                         if specs:
-                            engine.attach_tiers(specs, None)
+                            engine.attach_tiers(specs, str(secret_file))
                     logger.info("tiers bench: %s, %d worker(s)", variant, num_workers)
                     turns = run_config(used, workload, variant)
                     identical = _check_outputs(turns, reference_outputs)

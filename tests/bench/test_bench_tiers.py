@@ -6,6 +6,7 @@ disks; the report has its table, plot and JSON."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,11 @@ def test_bench_tiers_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> No
     settings = TiersSettings(num_sessions=4, num_turns=3, system_tokens=96, user_tokens=16,
                              max_tokens=4)  # fmt: skip
     seen = []
+    environment = dict(os.environ)
     report = run_tiers(settings, EngineArgs(model=str(tiny_model_dir)), on_config=seen.append)
+    # Its cluster secret stays its own: set in this process's environment, every process the
+    # caller starts afterwards would inherit it (a test's `densa serve` then took the secret).
+    assert dict(os.environ) == environment
     assert len(seen) == 6
     rows = {(row["variant"], row["workers"]): row for row in report.summary}
     assert all(row["outputs_identical"] for row in rows.values())

@@ -68,13 +68,15 @@ def test_the_draft_kv_shares_the_budget(tiny_model_dir: Path, other_draft_dir: P
     arch = ArchConfig.from_dir(tiny_model_dir)
     args = EngineArgs(
         model=str(tiny_model_dir), speculative_model=str(other_draft_dir),
-        kv_cache_memory="1MiB", page_size=PAGE_SIZE,
+        kv_cache_memory="1MiB", page_size=PAGE_SIZE, dtype="float32",
     )  # fmt: skip
     per_page = page_bytes(arch, PAGE_SIZE, args.kv_format().name)
     draft_per_page = page_bytes(ArchConfig.from_dir(other_draft_dir), PAGE_SIZE, "float32")
     num_pages, _ = _resolve_num_pages(args, arch, args.kv_format(), 64, CPU)
     assert num_pages == (1 << 20) // (per_page + draft_per_page)
-    plain = EngineArgs(model=str(tiny_model_dir), kv_cache_memory="1MiB", page_size=PAGE_SIZE)
+    plain = EngineArgs(
+        model=str(tiny_model_dir), kv_cache_memory="1MiB", page_size=PAGE_SIZE, dtype="float32"
+    )
     assert _resolve_num_pages(plain, arch, plain.kv_format(), 64, CPU)[0] == ((1 << 20) // per_page)
 
 
