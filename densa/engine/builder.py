@@ -16,7 +16,7 @@ from densa.engine.memory_plan import check_memory
 from densa.kernels import native
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, LayerKVCache
-from densa.model.fused_decode import unsupported_reason
+from densa.model.fused_decode import enable_fused_decode as enable_fused
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.model.linear import resident_weight_bytes
@@ -167,15 +167,10 @@ def build_draft_proposer(model: str, num_tokens: int, target: DraftTarget) -> Dr
 
 def enable_fused_decode(model: CausalLM, kv_caches: list[LayerCache]) -> bool:
     """Decode-only steps of `model` run through the fused C++ step, if it can run them (True)."""
-    switch = getattr(model, "fused_decode", None)
-    if switch is None:
-        logger.info("fused decode: %s has none; eager steps", type(model).__name__)
-        return False
-    reason = unsupported_reason(model, kv_caches)
+    reason = enable_fused(model, kv_caches)
     if reason is not None:
         logger.info("fused decode off: %s; eager steps", reason)
         return False
-    switch.enable()
     logger.info("fused decode on (%s code path)", native.isa())
     return True
 

@@ -57,6 +57,18 @@ def projection_spec(module: nn.Module) -> ProjectionSpec:
     raise TypeError(f"{type(module).__name__} has no fused-decode form")
 
 
+def enable_fused_decode(model: Any, kv_caches: Sequence[object]) -> str | None:
+    """Run `model`'s decode-only steps through the fused C++ step if it can run them; returns
+    why not (None: enabled). The target's and a draft model's weights go through this one gate."""
+    switch = getattr(model, "fused_decode", None)
+    if switch is None:
+        return f"{type(model).__name__} has none"
+    reason = unsupported_reason(model, kv_caches)
+    if reason is None:
+        switch.enable()
+    return reason
+
+
 # The model is duck-typed (`Any`): any Llama-shaped decoder (embed_tokens, layers with
 # self_attn.qkv_proj / o_proj and mlp.gate_up_proj / down_proj, norm, rotary) can run fused.
 def unsupported_reason(model: Any, kv_caches: Sequence[object]) -> str | None:

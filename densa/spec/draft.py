@@ -36,7 +36,7 @@ from densa.model.attention import (
     AttentionMetadata,
     build_group,
 )
-from densa.model.fused_decode import unsupported_reason
+from densa.model.fused_decode import enable_fused_decode
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
@@ -277,15 +277,6 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, draft_name: str) -
             )
 
 
-def enable_fused_decode(model: CausalLM, kv_caches: list[LayerCache]) -> bool:
-    """The draft's decode-only steps through the fused C++ step when it can run them."""
-    switch = getattr(model, "fused_decode", None)
-    if switch is None or unsupported_reason(model, kv_caches) is not None:
-        return False
-    switch.enable()
-    return True
-
-
 def draft_vocab_size(target: ArchConfig, draft: ArchConfig) -> int:
     """Token ids both models' output heads cover."""
     return min(target.vocab_size, draft.vocab_size)
@@ -327,7 +318,7 @@ def load_draft_proposer(
     kv_caches = allocate_kv_caches(
         draft_arch, spec.num_pages, spec.page_size, spec.kv_cache_dtype, device
     )
-    fused = enable_fused_decode(model, kv_caches) if backend.name == "cpu" else False
+    fused = backend.name == "cpu" and enable_fused_decode(model, kv_caches) is None
     logger.info(
         "draft model %s (%s weights, %s head): %d KV pages x %d tokens (%s), fused decode %s",
         draft_dir.name, weights, head, spec.num_pages, spec.page_size,
