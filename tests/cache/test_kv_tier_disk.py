@@ -119,37 +119,56 @@ def test_a_full_disk_disables_the_tier(tmp_path: Path, monkeypatch: pytest.Monke
 
 WRITER = textwrap.dedent(
     """
-    import sys
+    import sys, time
+    from densa.cache.tiers import disk
     from densa.cache.tiers.block import BlockCodec, fingerprint_of
     from densa.cache.tiers.disk import DiskTier
-    tier = DiskTier(sys.argv[1], 1 << 40, BlockCodec(fingerprint_of("model-a", "fp32")))
-    payload = bytes(range(256)) * (128 * 1024)  # 32 MiB: each write takes a while
-    i = 0
-    while True:
+
+    class StallsMidWrite:  # the fourth block's file: half written, then the process hangs
+        def __init__(self, f):
+            self.f = f
+        def __enter__(self):
+            return self
+        def __exit__(self, *exc):
+            self.f.close()
+        def write(self, data):
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            print("mid-write", flush=True)
+            time.sleep(3600)
+
+    def open_stalling_on_the_fourth(path, mode, _calls=[0]):
+        _calls[0] += 1
+        f = open(path, mode)
+        return StallsMidWrite(f) if _calls[0] == 4 else f
+
+    disk.open = open_stalling_on_the_fourth  # the module's name lookup finds this before the builtin
+    tier = DiskTier(sys.argv[1], 1 << 30, BlockCodec(fingerprint_of("model-a", "fp32")))
+    payload = bytes(range(256)) * 4096  # 1 MiB
+    for i in range(4):
         tier.put(i.to_bytes(16, "big"), payload)
-        i += 1
     """
 )
 
 
 def test_a_writer_killed_mid_write_leaves_no_visible_block(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True
+    )
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # kill it while a temporary file is being written
-            if any(p.name.startswith(TMP_PREFIX) and p.stat().st_size > 0
-                   for p in tmp_path.iterdir()):  # fmt: skip
-                break
-            time.sleep(0.001)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "mid-write"  # blocks until the stall (or exit)
         proc.send_signal(signal.SIGKILL)
     finally:
+        proc.kill()
         proc.wait(timeout=30)
     leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(TMP_PREFIX)]
     assert leftovers, "the kill did not land mid-write"
-    payload = bytes(range(256)) * (128 * 1024)
-    tier = DiskTier(str(tmp_path), 1 << 40, BlockCodec(FP))
+    payload = bytes(range(256)) * 4096
+    tier = DiskTier(str(tmp_path), 1 << 30, BlockCodec(FP))
     blocks = list(tmp_path.glob("*.kvb"))
+    assert len(blocks) == 3  # the three whole writes before the stall
     for i in range(len(blocks)):  # every visible block is whole and verifies
         found = tier.get(i.to_bytes(16, "big"))
         assert found is not None and bytes(found) == payload
