@@ -36,11 +36,12 @@ from torch import nn
 from densa.cache.page_pool import PagePool
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, AttentionMetadata, build_group
+from densa.model.checkpoint_files import iter_checkpoint, safetensors_files
 from densa.model.deepseek_v3 import DeepseekV3DecoderLayer
 from densa.model.kv_layout import LatentKVCache, LayerCache
 from densa.model.layers import RMSNorm, RotaryEmbedding
 from densa.model.linear import Linear
-from densa.model.loader import DTYPES, iter_checkpoint, safetensors_files
+from densa.model.loader import DTYPES
 from densa.model.moe import stack_experts
 from densa.model.weight_loading import GATE_UP_FUSED, FusedWeightLoader
 from densa.spec.proposer import SpecInput
