@@ -12,7 +12,8 @@ import torch
 from densa.model.arch import ModelLoadError
 from densa.model.gguf import GGUFFile
 from densa.quant.checkpoint import read_format
-from densa.quant.shipped import UnsupportedCheckpoint, read_shipped_format
+from densa.quant.shipped import read_shipped_format
+from densa.quant.shipped_config import UnsupportedCheckpoint
 from densa.quant.weight_format import CheckpointFormat
 
 

@@ -33,13 +33,21 @@ from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import (
     AttentionBackend,
     AttentionGroup,
-    AttentionMetadata,
     build_group,
 )
 from densa.model.fused_decode import enable_fused_decode
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
+from densa.spec.paged_rows import (
+    ChunkRow,
+    chunk_metadata,
+    grow_pages,
+    last_rows,
+    page_table,
+    positions_of,
+    prefill_group,
+)
 from densa.spec.proposer import SpecInput
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
@@ -62,17 +70,7 @@ class DraftSequence:
     page_ids: list[int] = field(default_factory=list)  # page_ids[i // page_size] holds position i
 
 
-@dataclass(frozen=True)
-class _Row:
-    """One request's chunk in a draft forward: tokens at positions [start_pos, start_pos + n)."""
-
-    seq: DraftSequence
-    token_ids: list[int]
-    start_pos: int
-
-    @property
-    def end_pos(self) -> int:
-        return self.start_pos + len(self.token_ids)
+_Row = ChunkRow[DraftSequence]
 
 
 class DraftModelProposer:
@@ -151,7 +149,7 @@ class DraftModelProposer:
         del seq.token_ids[keep:]
         self._truncate_pages(seq, keep)
         # K/V is written for the chunk and for proposals 1..k-1.
-        if not self._grow_pages(seq, len(token_ids) + num_tokens - 1):
+        if not grow_pages(self.pool, seq, len(token_ids) + num_tokens - 1, self.page_size):
             self.release(spec.request_id)
             return None
         return _Row(seq, token_ids[keep:], keep)
@@ -161,16 +159,6 @@ class DraftModelProposer:
         if len(seq.page_ids) > num_pages:
             self.pool.free(seq.page_ids[num_pages:])
             del seq.page_ids[num_pages:]
-
-    def _grow_pages(self, seq: DraftSequence, num_tokens: int) -> bool:
-        missing = -(-num_tokens // self.page_size) - len(seq.page_ids)
-        if missing <= 0:
-            return True
-        page_ids = self.pool.allocate(missing)
-        if page_ids is None:
-            return False
-        seq.page_ids.extend(page_ids)
-        return True
 
     # ---- the forward pass ------------------------------------------------------------------------
     def _forward(self, rows: list[_Row]) -> list[int]:
@@ -190,20 +178,12 @@ class DraftModelProposer:
 
     def _forward_group(self, rows: list[_Row], as_decode: bool) -> list[int]:
         token_ids = [t for row in rows for t in row.token_ids]
-        positions = [p for row in rows for p in range(row.start_pos, row.end_pos)]
-        slot_pages = [
-            row.seq.page_ids[p // self.page_size]
-            for row in rows
-            for p in range(row.start_pos, row.end_pos)
-        ]
-        positions_t = torch.tensor(positions, dtype=torch.long)
-        group = self._decode_rows(rows) if as_decode else self._prefill_chunks(rows)
-        meta = AttentionMetadata(
-            slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=self.device),
-            slot_offsets=(positions_t % self.page_size).to(self.device),
-            decode=group if as_decode else None,
-            prefill=None if as_decode else group,
-        )
+        positions_t = positions_of(rows)
+        if as_decode:
+            group = self._decode_rows(rows)
+        else:
+            group = prefill_group(rows, self.page_size, self.device)
+        meta = chunk_metadata(rows, positions_t, group, as_decode, self.page_size, self.device)
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             positions_t.to(self.device),
@@ -211,11 +191,8 @@ class DraftModelProposer:
             meta,
             self.backend,
         )  # [T, hidden]
-        last_rows = torch.tensor(
-            [sum(len(r.token_ids) for r in rows[: i + 1]) - 1 for i in range(len(rows))],
-            device=self.device,
-        )
-        logits = self.model.compute_logits(hidden[last_rows])[:, : self.vocab_size]  # [B, V]
+        ends = torch.tensor(last_rows(rows), device=self.device)
+        logits = self.model.compute_logits(hidden[ends])[:, : self.vocab_size]  # [B, V]
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
     def _decode_rows(self, rows: list[_Row]) -> AttentionGroup:
@@ -224,22 +201,12 @@ class DraftModelProposer:
         exactly as if the tokens had been decoded one by one."""
         page_tables, seq_lens = [], []
         for row in rows:
-            pages = row.seq.page_ids[: -(-row.end_pos // self.page_size)]
+            pages = page_table(row, self.page_size)
             for position in range(row.start_pos, row.end_pos):
                 page_tables.append(pages)
                 seq_lens.append(position + 1)
         return build_group(0, page_tables, seq_lens, [1] * len(seq_lens), self.page_size,
                            self.device)  # fmt: skip
-
-    def _prefill_chunks(self, rows: list[_Row]) -> AttentionGroup:
-        return build_group(
-            start=0,
-            page_tables=[row.seq.page_ids[: -(-row.end_pos // self.page_size)] for row in rows],
-            seq_lens=[row.end_pos for row in rows],
-            query_lens=[len(row.token_ids) for row in rows],
-            page_size=self.page_size,
-            device=self.device,
-        )
 
 
 def _as_decode_rows(row: _Row) -> bool:
