@@ -5,7 +5,7 @@ connected at once; the oldest one no live transfer uses makes room for a new one
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from densa.auth.frames import FrameKey, LinkKeys, Session, new_nonce
 from densa.disagg import messages as m
@@ -30,25 +30,17 @@ class Peer:
     deadline: float = 0.0
 
 
+@dataclass
 class DecodePeers:
     """Connections and sends; which transfer a peer serves is the agent's business."""
 
-    def __init__(
-        self,
-        transport: KVTransport,
-        model: m.PeerModel,
-        keys: LinkKeys,
-        timeout_s: float,
-        clock: Callable[[], float],
-        stats: AgentStats,
-    ) -> None:
-        self.transport = transport
-        self.model = model
-        self.keys = keys
-        self.timeout_s = timeout_s
-        self.clock = clock
-        self.stats = stats
-        self._by_address: dict[str, Peer] = {}
+    transport: KVTransport
+    model: m.PeerModel
+    keys: LinkKeys
+    timeout_s: float
+    clock: Callable[[], float]
+    stats: AgentStats
+    _by_address: dict[str, Peer] = field(default_factory=dict)  # oldest first
 
     def __len__(self) -> int:
         return len(self._by_address)

@@ -41,9 +41,11 @@ from densa.model.kv_layout import LayerCache
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.spec.paged_rows import (
     ChunkRow,
+    catch_up_rows,
     chunk_metadata,
     grow_pages,
     last_rows,
+    num_to_propose,
     page_table,
     positions_of,
     prefill_group,
@@ -105,13 +107,8 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
         proposals: list[list[int]] = [[] for _ in inputs]
-        wanted = [self._num_to_propose(spec) for spec in inputs]
-        rows: dict[int, _Row] = {}
-        for idx, spec in enumerate(inputs):
-            if wanted[idx] > 0:
-                row = self._catch_up_row(spec, wanted[idx])
-                if row is not None:
-                    rows[idx] = row
+        wanted = [num_to_propose(spec, self.max_model_len) for spec in inputs]
+        rows = catch_up_rows(inputs, wanted, self._catch_up_row)
         for step in range(max(wanted, default=0)):
             if not rows:
                 break
@@ -134,10 +131,6 @@ class DraftModelProposer:
         """A draft model computes its own hidden states: the target's are not needed."""
 
     # ---- per-request KV --------------------------------------------------------------------------
-    def _num_to_propose(self, spec: SpecInput) -> int:
-        """k, less what would run past the draft's positions (proposal i is fed at n + i - 1)."""
-        return max(0, min(spec.num_tokens, self.max_model_len - len(spec.token_ids) + 1))
-
     def _catch_up_row(self, spec: SpecInput, num_tokens: int) -> _Row | None:
         """Truncate the request's pages to what the target accepted, make room for this call's
         tokens, and return the catch-up chunk (None: no room in the draft's pool this step, and

@@ -46,9 +46,11 @@ from densa.model.moe import stack_experts
 from densa.model.weight_loading import GATE_UP_FUSED, FusedWeightLoader
 from densa.spec.paged_rows import (
     ChunkRow,
+    catch_up_rows,
     chunk_metadata,
     grow_pages,
     last_rows,
+    num_to_propose,
     positions_of,
     prefill_group,
 )
@@ -201,12 +203,8 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
         proposals: list[list[int]] = [[] for _ in inputs]
-        wanted = [min(s.num_tokens, self.max_model_len - len(s.token_ids) + 1) for s in inputs]
-        rows: dict[int, _Row] = {}
-        for idx, spec in enumerate(inputs):
-            row = self._catch_up_row(spec, wanted[idx]) if wanted[idx] > 0 else None
-            if row is not None:
-                rows[idx] = row
+        wanted = [num_to_propose(spec, self.max_model_len) for spec in inputs]
+        rows = catch_up_rows(inputs, wanted, self._catch_up_row)
         for step in range(max(wanted, default=0)):
             if not rows:
                 break

@@ -9,7 +9,7 @@ metadata of a batch of such chunks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -17,6 +17,7 @@ import torch
 
 from densa.cache.page_pool import PagePool
 from densa.model.attention import AttentionGroup, AttentionMetadata, build_group
+from densa.spec.proposer import SpecInput
 
 
 class PagedSequence(Protocol):
@@ -24,6 +25,7 @@ class PagedSequence(Protocol):
 
 
 S = TypeVar("S", bound=PagedSequence)
+R = TypeVar("R", bound="ChunkRow[Any]")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,23 @@ class ChunkRow(Generic[S]):
     @property
     def end_pos(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+
+def num_to_propose(spec: SpecInput, max_model_len: int) -> int:
+    """k, less what would run past the proposer's positions (proposal i is fed at n + i - 1)."""
+    return max(0, min(spec.num_tokens, max_model_len - len(spec.token_ids) + 1))
+
+
+def catch_up_rows(
+    inputs: Sequence[SpecInput], wanted: list[int], catch_up: Callable[[SpecInput, int], R | None]
+) -> dict[int, R]:
+    """The first forward's row of every request that wants proposals and has room (by index)."""
+    rows: dict[int, R] = {}
+    for idx, spec in enumerate(inputs):
+        row = catch_up(spec, wanted[idx]) if wanted[idx] > 0 else None
+        if row is not None:
+            rows[idx] = row
+    return rows
 
 
 def num_pages_for(num_tokens: int, page_size: int) -> int:
