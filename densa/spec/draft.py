@@ -41,14 +41,13 @@ from densa.model.kv_layout import LayerCache
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.spec.paged_rows import (
     ChunkRow,
-    catch_up_rows,
     chunk_metadata,
     grow_pages,
     last_rows,
-    num_to_propose,
     page_table,
     positions_of,
     prefill_group,
+    propose_greedily,
 )
 from densa.spec.proposer import SpecInput
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
@@ -106,21 +105,14 @@ class DraftModelProposer:
     # ---- the Proposer interface ------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
-        proposals: list[list[int]] = [[] for _ in inputs]
-        wanted = [num_to_propose(spec, self.max_model_len) for spec in inputs]
-        rows = catch_up_rows(inputs, wanted, self._catch_up_row)
-        for step in range(max(wanted, default=0)):
-            if not rows:
-                break
-            order = list(rows)
-            next_ids = self._forward([rows[idx] for idx in order])
-            for idx, token_id in zip(order, next_ids, strict=True):
-                row = rows.pop(idx)
-                row.seq.token_ids.extend(row.token_ids)
-                proposals[idx].append(token_id)
-                if step + 1 < wanted[idx]:
-                    rows[idx] = _Row(row.seq, [token_id], row.end_pos)
-        return proposals
+        return propose_greedily(inputs, self.max_model_len, self._catch_up_row, self._step)
+
+    def _step(self, step: int, rows: list[_Row]) -> list[tuple[int, _Row]]:
+        """One forward; each row's tokens are in the pages now, its proposal feeds it on."""
+        next_ids = self._forward(rows)
+        for row in rows:
+            row.seq.token_ids.extend(row.token_ids)
+        return [(t, _Row(row.seq, [t], row.end_pos)) for row, t in zip(rows, next_ids, strict=True)]
 
     def release(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)

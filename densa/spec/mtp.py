@@ -46,13 +46,12 @@ from densa.model.moe import stack_experts
 from densa.model.weight_loading import GATE_UP_FUSED, FusedWeightLoader
 from densa.spec.paged_rows import (
     ChunkRow,
-    catch_up_rows,
     chunk_metadata,
     grow_pages,
     last_rows,
-    num_to_propose,
     positions_of,
     prefill_group,
+    propose_greedily,
 )
 from densa.spec.proposer import SpecInput
 from densa.worker.kv_cache import allocate_kv_caches
@@ -202,26 +201,19 @@ class MTPProposer:
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
-        proposals: list[list[int]] = [[] for _ in inputs]
-        wanted = [num_to_propose(spec, self.max_model_len) for spec in inputs]
-        rows = catch_up_rows(inputs, wanted, self._catch_up_row)
-        for step in range(max(wanted, default=0)):
-            if not rows:
-                break
-            order = list(rows)
-            next_ids, out_hidden = self._forward([rows[idx] for idx in order])
-            for i, idx in enumerate(order):
-                row = rows.pop(idx)
-                if step == 0:
-                    row.seq.num_exact = row.end_pos
-                    # the newest exact row is recomputed next call: keep its h
-                    row.seq.drop_hidden_before(row.end_pos - 1)
-                proposals[idx].append(next_ids[i])
-                if step + 1 < wanted[idx]:
-                    rows[idx] = _Row(
-                        row.seq, [next_ids[i]], row.end_pos, hidden=out_hidden[i : i + 1]
-                    )
-        return proposals
+        return propose_greedily(inputs, self.max_model_len, self._catch_up_row, self._step)
+
+    def _step(self, step: int, rows: list[_Row]) -> list[tuple[int, _Row]]:
+        """One forward; a row's next input is its proposal and its own output hidden state."""
+        next_ids, out_hidden = self._forward(rows)
+        fed = []
+        for i, row in enumerate(rows):
+            if step == 0:
+                row.seq.num_exact = row.end_pos
+                # the newest exact row is recomputed next call: keep its h
+                row.seq.drop_hidden_before(row.end_pos - 1)
+            fed.append(_Row(row.seq, [next_ids[i]], row.end_pos, hidden=out_hidden[i : i + 1]))
+        return list(zip(next_ids, fed, strict=True))
 
     def _catch_up_row(self, spec: SpecInput, num_tokens: int) -> _Row | None:
         """Positions [num_exact, n - 1): t_{p+1} and the target's h_p; None if the target's

@@ -46,16 +46,33 @@ def num_to_propose(spec: SpecInput, max_model_len: int) -> int:
     return max(0, min(spec.num_tokens, max_model_len - len(spec.token_ids) + 1))
 
 
-def catch_up_rows(
-    inputs: Sequence[SpecInput], wanted: list[int], catch_up: Callable[[SpecInput, int], R | None]
-) -> dict[int, R]:
-    """The first forward's row of every request that wants proposals and has room (by index)."""
+def propose_greedily(
+    inputs: Sequence[SpecInput],
+    max_model_len: int,
+    catch_up: Callable[[SpecInput, int], R | None],
+    forward: Callable[[int, list[R]], list[tuple[int, R]]],
+) -> list[list[int]]:
+    """Up to k proposals per request, one forward of every row per step: the first forward
+    catches each request up (`catch_up`: its row, None when there is no room), later ones feed
+    it its own last proposal. `forward(step, rows)` gives, per row, the argmax next token and
+    the row that feeds it on."""
+    proposals: list[list[int]] = [[] for _ in inputs]
+    wanted = [num_to_propose(spec, max_model_len) for spec in inputs]
     rows: dict[int, R] = {}
     for idx, spec in enumerate(inputs):
         row = catch_up(spec, wanted[idx]) if wanted[idx] > 0 else None
         if row is not None:
             rows[idx] = row
-    return rows
+    for step in range(max(wanted, default=0)):
+        if not rows:
+            break
+        order = list(rows)
+        results = forward(step, [rows.pop(idx) for idx in order])
+        for idx, (token_id, next_row) in zip(order, results, strict=True):
+            proposals[idx].append(token_id)
+            if step + 1 < wanted[idx]:
+                rows[idx] = next_row
+    return proposals
 
 
 def num_pages_for(num_tokens: int, page_size: int) -> int:
