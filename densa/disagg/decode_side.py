@@ -24,19 +24,18 @@ transfer alone. Any exception while handling one message is confined the same wa
 
 from __future__ import annotations
 
-import enum
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from densa.auth.frames import FrameKey, LinkKeys, Session, new_nonce
+from densa.auth.frames import LinkKeys
 from densa.disagg import messages as m
-from densa.disagg.handshake import mismatch
-from densa.disagg.ports import DecodeEngine, Landing, Reservation
+from densa.disagg.decode_peers import DecodePeers, Peer
+from densa.disagg.decode_transfer import TERMINAL, DecodeState, DecodeTransfer
+from densa.disagg.landing_checks import invalid_pages, peer_error
+from densa.disagg.ports import DecodeEngine, Landing
 from densa.disagg.stats import AgentStats
 from densa.disagg.transport import KVTransport, TransportError
-from densa.disagg.wire import WireError, check_frames
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -45,44 +44,6 @@ logger = get_logger(__name__)
 UNKNOWN_PEER = "kv_peer_unknown"
 MAX_RESENDS = 2  # damaged frames asked again before the transfer fails
 TOMBSTONE_S = 60.0  # how long a finished transfer is remembered (late and duplicate messages)
-MAX_PEERS = 64  # prefill workers connected at once; idle ones are disconnected beyond that
-_BAD_PEER = "kv_transfer_failed: the prefill worker sent"
-
-
-class DecodeState(enum.Enum):
-    WAITING_PEER = "waiting_peer"
-    WAITING_PAGES = "waiting_pages"
-    REQUESTED = "requested"
-    ABORTING = "aborting"
-    LANDED = "landed"
-    CLOSED = "closed"
-
-
-_TERMINAL = (DecodeState.LANDED, DecodeState.CLOSED)
-
-
-@dataclass
-class _Peer:
-    address: str
-    peer_id: str
-    nonce: bytes  # our half of the session key, sent in PeerHello
-    session: Session | None = None  # set by an authentic, accepting PeerWelcome
-    ready: bool = False
-    error: str | None = None
-    deadline: float = 0.0
-
-
-@dataclass
-class DecodeTransfer:
-    transfer_id: str
-    request_id: str
-    address: str
-    state: DecodeState
-    deadline: float
-    started_at: float = 0.0
-    num_resends: int = 0
-    reservation: Reservation | None = None
-    history: list[DecodeState] = field(default_factory=list)
 
 
 class DecodeAgent:
@@ -106,7 +67,7 @@ class DecodeAgent:
         self.stats = AgentStats()
         self.transfers: dict[str, DecodeTransfer] = {}
         self._by_request: dict[str, str] = {}
-        self._peers: dict[str, _Peer] = {}
+        self.peers = DecodePeers(transport, model, self.keys, timeout_s, clock, self.stats)
         self._ids = itertools.count()
 
     # ---- entry points ----------------------------------------------------------------------------
@@ -122,7 +83,7 @@ class DecodeAgent:
         self.transfers[transfer.transfer_id] = transfer
         self._by_request[request_id] = transfer.transfer_id
         try:
-            peer = self._peer(address)
+            peer = self.peers.connect(address, self._addresses_in_use)
         except TransportError as exc:
             self.stats.add("peer_unreachable")
             self._close_unreserved(transfer, f"kv_peer_unreachable: {exc}")
@@ -147,58 +108,28 @@ class DecodeAgent:
         return [(t.transfer_id, t.state) for t in self.transfers.values()]
 
     def is_busy(self) -> bool:
-        return any(t.state not in _TERMINAL for t in self.transfers.values())
+        return any(t.state not in TERMINAL for t in self.transfers.values())
 
     def gauges(self) -> dict[str, int]:
-        counts = {f"in_{state.value}": 0 for state in DecodeState if state not in _TERMINAL}
+        counts = {f"in_{state.value}": 0 for state in DecodeState if state not in TERMINAL}
         for transfer in self.transfers.values():
-            if transfer.state not in _TERMINAL:
+            if transfer.state not in TERMINAL:
                 counts[f"in_{transfer.state.value}"] += 1
         return counts
 
     # ---- peers -----------------------------------------------------------------------------------
-    def _peer(self, address: str) -> _Peer:
-        peer = self._peers.get(address)
-        # A refused or silent peer is asked again once its deadline passed (it may be replaced).
-        if peer is None or (not peer.ready and self.clock() > peer.deadline):
-            if peer is None:
-                self._make_room_for_a_peer()
-            peer = _Peer(address, self.transport.connect(address), new_nonce())
-            peer.deadline = self.clock() + self.timeout_s
-            self._peers[address] = peer
-            self._send(peer, m.PeerHello(self.model, peer.nonce), self.keys.hello())
-        return peer
+    def _addresses_in_use(self) -> set[str]:
+        return {t.address for t in self.transfers.values() if t.state not in TERMINAL}
 
-    def _make_room_for_a_peer(self) -> None:
-        """Disconnect the oldest peer no live transfer uses, once MAX_PEERS are connected."""
-        if len(self._peers) < MAX_PEERS:
-            return
-        in_use = {t.address for t in self.transfers.values() if t.state not in _TERMINAL}
-        idle = next((a for a in self._peers if a not in in_use), None)
-        if idle is None:
-            raise TransportError(f"all {MAX_PEERS} prefill worker connections are in use")
-        self.transport.disconnect(self._peers.pop(idle).peer_id)
-
-    def _peer_by_id(self, peer_id: str) -> _Peer | None:
-        return next((p for p in self._peers.values() if p.peer_id == peer_id), None)
-
-    def _on_welcome(self, peer: _Peer, welcome: m.PeerWelcome) -> None:
+    def _on_welcome(self, peer: Peer, welcome: m.PeerWelcome) -> None:
         if peer.ready:
             return
-        peer.error = mismatch(self.model, welcome.model) or welcome.error
-        peer.ready = peer.error is None
-        if peer.error:
-            self.stats.add("handshake_failures")
-            logger.error("prefill worker %r refused: %r", peer.address, peer.error)
-            peer.deadline = self.clock() + 1.0  # retried after a second (it may be replaced)
-        else:
-            peer.session = self.keys.session(peer.nonce, welcome.nonce)
-            logger.info("prefill worker %r: %r", peer.address, welcome.model.weight_format)
+        self.peers.welcome(peer, welcome)
         for transfer in list(self.transfers.values()):
             if transfer.address == peer.address and transfer.state == DecodeState.WAITING_PEER:
                 self._after_handshake(transfer, peer)
 
-    def _after_handshake(self, transfer: DecodeTransfer, peer: _Peer) -> None:
+    def _after_handshake(self, transfer: DecodeTransfer, peer: Peer) -> None:
         if not self.engine.is_receiving(transfer.request_id):  # ended meanwhile
             self._close_unreserved(transfer, None)
         elif peer.error:
@@ -210,7 +141,7 @@ class DecodeAgent:
     # ---- the state machine -----------------------------------------------------------------------
     def _advance(self, transfer: DecodeTransfer, now: float) -> None:
         state = transfer.state
-        if state in _TERMINAL:
+        if state in TERMINAL:
             if now > transfer.deadline:
                 del self.transfers[transfer.transfer_id]
             return
@@ -282,12 +213,12 @@ class DecodeAgent:
         transfer.history.append(transfer.state)
         transfer.state = state
         transfer.deadline = self.clock() + (TOMBSTONE_S if linger else self.timeout_s)
-        if state in _TERMINAL:
+        if state in TERMINAL:
             self._by_request.pop(transfer.request_id, None)
 
     # ---- messages --------------------------------------------------------------------------------
     def _receive(self, peer_id: str, frames: list[memoryview]) -> None:
-        peer = self._peer_by_id(peer_id)
+        peer = self.peers.by_id(peer_id)
         if peer is None:  # nobody this agent reached: nothing it says can concern a transfer
             self.stats.add("unauthenticated_messages")
             return
@@ -301,27 +232,15 @@ class DecodeAgent:
             logger.exception("handling a %s from %r failed", type(message).__name__, peer_id)
             self._fail_after_fault(getattr(message, "transfer_id", None))
 
-    def _authentic(self, peer: _Peer, frames: list[memoryview]) -> m.PeerMessage | None:
+    def _authentic(self, peer: Peer, frames: list[memoryview]) -> m.PeerMessage | None:
         """The message, if its MAC verifies under this peer's session (or, before the session,
         under the welcome key of our hello); None (counted) otherwise."""
-        key = peer.session.to_decode if peer.session else self.keys.welcome(peer.nonce)
-        started = self.clock()
-        authentic = key.verify(frames)
-        self.stats.add("mac_ms", 1000 * (self.clock() - started))
-        if not authentic:
+        if not self.peers.verify(peer, frames):
             self._on_unauthentic(peer, frames)
             return None
-        message = m.decode_or_none(frames)
-        if message is None:
-            self.stats.add("undecodable_messages")
-            logger.warning("dropped an undecodable message from %r", peer.address)
-            return None
-        if isinstance(message, m.PeerWelcome) != (peer.session is None):
-            self.stats.add("duplicate_messages_dropped")  # a second welcome, or none yet
-            return None
-        return message
+        return self.peers.decode(peer, frames)
 
-    def _on_unauthentic(self, peer: _Peer, frames: list[memoryview]) -> None:
+    def _on_unauthentic(self, peer: Peer, frames: list[memoryview]) -> None:
         """A MAC that does not verify: damage in flight, a restarted peer, or a forgery. Only
         what the session's peer would be asked anyway follows: a resend of damaged pages (for a
         transfer that waits on this very peer), or a fresh handshake if P forgot us."""
@@ -343,7 +262,7 @@ class DecodeAgent:
             return
         logger.warning("dropped a message from %r that fails its MAC", peer.address)
 
-    def _on_forgotten(self, peer: _Peer, message: m.PeerMessage | None) -> None:
+    def _on_forgotten(self, peer: Peer, message: m.PeerMessage | None) -> None:
         """P answered that it has no session with us (it restarted): shake hands again."""
         if not isinstance(message, m.PrefillFailed) or not message.error.startswith(UNKNOWN_PEER):
             return
@@ -351,7 +270,7 @@ class DecodeAgent:
         if transfer is not None and transfer.address == peer.address:
             self._on_prefill_failed(peer, transfer, message)
 
-    def _dispatch(self, peer: _Peer, message: m.PeerMessage, frames: list[memoryview]) -> None:
+    def _dispatch(self, peer: Peer, message: m.PeerMessage, frames: list[memoryview]) -> None:
         if isinstance(message, m.PeerWelcome):
             self._on_welcome(peer, message)
             return
@@ -374,7 +293,7 @@ class DecodeAgent:
 
     def _fail_after_fault(self, transfer_id: str | None) -> None:
         transfer = self.transfers.get(transfer_id) if transfer_id else None
-        if transfer is None or transfer.state in _TERMINAL:
+        if transfer is None or transfer.state in TERMINAL:
             return
         error = "kv_transfer_failed: the prefill worker's answer could not be handled"
         if transfer.state == DecodeState.REQUESTED:
@@ -386,7 +305,7 @@ class DecodeAgent:
 
     def _on_pages(
         self,
-        peer: _Peer,
+        peer: Peer,
         transfer: DecodeTransfer | None,
         message: m.KVPages,
         frames: list[memoryview],
@@ -400,9 +319,10 @@ class DecodeAgent:
         if transfer is None or transfer.state != DecodeState.REQUESTED:
             self._drop_late_pages(peer, transfer, message)
             return
-        invalid = self._invalid_pages(transfer, message, frames)
+        assert transfer.reservation is not None
+        invalid = invalid_pages(self.model, self.vocab_size, transfer.reservation, message, frames)
         if invalid is not None:
-            self._send(peer, m.KVAck(message.transfer_id))  # P may free its pages
+            self.peers.send(peer, m.KVAck(message.transfer_id))  # P may free its pages
             self.stats.add("invalid_pages")
             self.stats.add("transfers_failed")
             logger.error("transfer %r: %s", transfer.transfer_id, invalid)
@@ -415,7 +335,7 @@ class DecodeAgent:
         )  # fmt: skip
         started = self.clock()
         refused = self.engine.land_remote(transfer.request_id, landing)
-        self._send(peer, m.KVAck(message.transfer_id))  # either way P may free its pages
+        self.peers.send(peer, m.KVAck(message.transfer_id))  # either way P may free its pages
         if refused is not None:
             self.stats.add("stale_writes_dropped")
             logger.error("transfer %r refused at landing: %s", transfer.transfer_id, refused)
@@ -430,42 +350,6 @@ class DecodeAgent:
         self.stats.add("prefill_ms", message.prefill_ms)
         self._enter(transfer, DecodeState.LANDED, linger=True)
 
-    def _invalid_pages(
-        self, transfer: DecodeTransfer, message: m.KVPages, frames: list[memoryview]
-    ) -> str | None:
-        """Why authentic pages still cannot land (the peer is faulty or hostile), or None."""
-        r = transfer.reservation
-        assert r is not None
-        try:
-            if message.dest_page_ids != r.dest_page_ids or message.dest_tags != r.dest_tags:
-                raise WireError("the pages name other destinations than this transfer reserved")
-            self._check_layout(message.layout)
-            check_frames(message.layout, frames, len(message.dest_page_ids))
-        except WireError as exc:
-            return f"{_BAD_PEER}: unusable pages ({exc})"
-        if not 0 <= message.first_token_id < self.vocab_size:
-            return f"{_BAD_PEER}: a first token outside the vocabulary"
-        if not 0 <= message.num_cached_tokens <= len(r.prompt_token_ids):
-            return f"{_BAD_PEER}: more cached tokens than the prompt has"
-        logprobs = message.first_logprobs
-        if logprobs is not None and not self._logprobs_fit(logprobs, r):
-            return f"{_BAD_PEER}: logprobs this request cannot have"
-        return None
-
-    def _check_layout(self, layout: m.WireLayout) -> None:
-        """The pages' shape must be this model's: [layers, 2, pages, kv heads, page, head dim]."""
-        arch, shape = self.model.architecture, list(layout.shape)
-        expected = [arch.get("num_layers"), 2, arch.get("num_kv_heads"),
-                    self.model.page.page_size, arch.get("head_dim")]  # fmt: skip
-        if len(shape) != 6 or shape[:2] + shape[3:] != expected:
-            raise WireError(f"a layout of shape {shape[:8]} for this model's {expected}")
-
-    def _logprobs_fit(self, logprobs: m.TokenLogprobs, r: Reservation) -> bool:
-        ids = [logprobs.token_id, *(token_id for token_id, _ in logprobs.top)]
-        return len(logprobs.top) <= max(r.params.logprobs or 0, 0) and all(
-            0 <= token_id < self.vocab_size for token_id in ids
-        )
-
     def _on_damaged(self, transfer: DecodeTransfer, why: str) -> None:
         self.stats.add("damaged_transfers")
         logger.warning("transfer %r arrived damaged (%s)", transfer.transfer_id, why)
@@ -479,10 +363,10 @@ class DecodeAgent:
         self._abort(transfer)
 
     def _drop_late_pages(
-        self, peer: _Peer, transfer: DecodeTransfer | None, message: m.KVPages
+        self, peer: Peer, transfer: DecodeTransfer | None, message: m.KVPages
     ) -> None:
         """Pages for a transfer that no longer waits for them: never written; P may free."""
-        self._send(peer, m.KVAck(message.transfer_id))
+        self.peers.send(peer, m.KVAck(message.transfer_id))
         if transfer is not None and transfer.state == DecodeState.LANDED:
             self.stats.add("duplicate_messages_dropped")
             return
@@ -496,32 +380,17 @@ class DecodeAgent:
             self._close(transfer)  # P's writer is done: the pages can go
 
     def _on_prefill_failed(
-        self, peer: _Peer, transfer: DecodeTransfer | None, message: m.PrefillFailed
+        self, peer: Peer, transfer: DecodeTransfer | None, message: m.PrefillFailed
     ) -> None:
-        if transfer is None or transfer.state in _TERMINAL:
+        if transfer is None or transfer.state in TERMINAL:
             self.stats.add("duplicate_messages_dropped")
             return
         if message.error.startswith(UNKNOWN_PEER):  # P restarted: handshake again next time
             peer.ready, peer.session, peer.deadline = False, None, 0.0
         if transfer.state == DecodeState.REQUESTED:
             self.stats.add("transfers_failed")
-            self.engine.fail_remote(transfer.request_id, _peer_error(message.error))
+            self.engine.fail_remote(transfer.request_id, peer_error(message.error))
         self._close(transfer)  # P stopped: nothing is writing into the pages
 
     def _send_to(self, transfer: DecodeTransfer, message: m.PeerMessage) -> None:
-        self._send(self._peers[transfer.address], message)
-
-    def _send(self, peer: _Peer, message: m.PeerMessage, key: FrameKey | None = None) -> None:
-        if key is None:
-            if peer.session is None:  # the session is gone (P restarted): the timeouts decide
-                return
-            key = peer.session.to_prefill
-        frames = [m.encode(message)]
-        self.transport.send(peer.peer_id, [*frames, key.seal(frames)])
-
-
-def _peer_error(error: str) -> str:
-    """A prefill worker's error as the client may see it: one line, printable, bounded."""
-    text = "".join(c if c.isprintable() else " " for c in error)[:300]
-    known = text.startswith(("kv_", "invalid_", "engine_"))
-    return text if known else f"kv_transfer_failed: {text}"
+        self.peers.send(self.peers[transfer.address], message)

@@ -33,26 +33,27 @@ import torch
 from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs
 from densa.kernels import native, qgemm
 from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.checkpoint_files import read_stored_format, safetensors_files
 from densa.model.gguf import GGUFFile
 from densa.model.gguf_loading import swap_kept_embedding, swap_kept_linears
 from densa.model.interface import CausalLM
 from densa.model.loader import (  # the loader's own planning steps: the plan cannot drift
     DTYPES,
     HEAD_FROM_BLOCKS,
-    _kept_embedding,
-    _kept_linears,
-    _quantized_modules,
-    _read_stored_format,
-    _runtime_request,
-    _swap_quantized,
-    quantizable_linears,
+    kept_embedding,
+    kept_linears,
     resolve_model_dir,
-    runtime_format,
-    safetensors_files,
 )
 from densa.model.packed_linear import PACKED_FORMATS, packed_bytes
 from densa.model.quant_targets import OUTPUT_HEAD
 from densa.model.registry import meta_skeleton, model_factory
+from densa.model.runtime_weights import (
+    quantizable_linears,
+    quantized_modules,
+    runtime_format,
+    runtime_request,
+    swap_quantized,
+)
 from densa.quant.kv_format import KVFormat
 from densa.utils.sizes import format_bytes
 from densa.worker.kv_cache import page_bytes
@@ -122,17 +123,17 @@ def plan_weights(
     """The bytes `load_model(model_dir, ...)` will hold, from headers only (a meta model)."""
     source = GGUFFile.of_converted(model_dir)
     files = [] if source is not None else safetensors_files(model_dir)
-    stored = _read_stored_format(files) if files else None
+    stored = read_stored_format(files) if files else None
     packed = weight_format if weight_format in PACKED_FORMATS else None
-    runtime = runtime_format(stored, _runtime_request(weight_format))
+    runtime = runtime_format(stored, runtime_request(weight_format))
     with meta_skeleton():
         model = model_factory(arch.architecture)(arch, max_len, device).to(dtype=DTYPES[dtype])
-        kept = _kept_linears(model, source, weight_format, head_format, device)
-        targets = _quantized_modules(model, stored, runtime)
+        kept = kept_linears(model, source, weight_format, head_format, device)
+        targets = quantized_modules(model, stored, runtime)
         if runtime is not None:
-            _swap_quantized(model, targets, runtime)
+            swap_quantized(model, targets, runtime)
         swap_kept_linears(model, kept)
-        swap_kept_embedding(model, _kept_embedding(model, source, arch, device))
+        swap_kept_embedding(model, kept_embedding(model, source, arch, device))
         model.tie_weights()
     tensors = _unique_tensors(model)
     resident = sum(_nbytes(t) for t in tensors)

@@ -17,8 +17,8 @@ import torch
 from densa.engine.llm_engine import LLMEngine
 from densa.request import Request
 from densa.sampling_params import SamplingParams
+from densa.sched.chunks import chunk_of, new_request_of
 from densa.sched.output import SchedulerOutput, empty_step
-from densa.sched.scheduler import chunk_of, new_request_of
 
 _ids = itertools.count()
 

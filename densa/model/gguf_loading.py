@@ -36,7 +36,8 @@ from torch import nn
 from densa.config import WEIGHTS_FROM_BLOCKS
 from densa.kernels import qgemm
 from densa.model.arch import ModelLoadError
-from densa.model.gguf import GGUFFile, GGUFTensor
+from densa.model.gguf import GGUFFile
+from densa.model.gguf_tensors import GGUFTensor
 from densa.model.interface import CausalLM
 from densa.model.packed_linear import PackedLinear, ShardedPackedLinear, packed_bytes
 from densa.model.quantized_embedding import GGUFEmbedding

@@ -10,7 +10,6 @@ stored dense -- `densa quantize` writes the calibrated ones).
 from __future__ import annotations
 
 import json
-import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ from densa.config import HEAD_FROM_BLOCKS, WEIGHTS_FROM_BLOCKS
 from densa.kernels import native
 from densa.memory import rehome_on_huge_pages
 from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.checkpoint_files import iter_checkpoint, read_stored_format, safetensors_files
 from densa.model.gguf import GGUFFile, ensure_converted, stored_quantization
 from densa.model.gguf_loading import (
     BlockSink,
@@ -36,25 +36,26 @@ from densa.model.gguf_loading import (
     swap_kept_linears,
 )
 from densa.model.interface import CausalLM
-from densa.model.linear import (
-    prepare_quantized,
-    quantize_linears,
-    resident_weight_bytes,
-)
+from densa.model.linear import prepare_quantized, resident_weight_bytes
 from densa.model.packed_linear import (
     PACKED_FORMATS,
     PackedFormatUnavailable,
     pack_linears,
 )
-from densa.model.quant_targets import OUTPUT_HEAD, QuantScope, quantization_targets
+from densa.model.quant_targets import OUTPUT_HEAD
 from densa.model.quantized_embedding import GGUFEmbedding
 from densa.model.registry import meta_skeleton, model_factory
-from densa.model.stacked_linear import StackedLinear, prepare_stacked, quantize_stacked
+from densa.model.runtime_weights import (
+    quantizable_linears,
+    quantized_modules,
+    runtime_format,
+    runtime_request,
+    runtime_tensors,
+    swap_quantized,
+)
+from densa.model.stacked_linear import prepare_stacked
 from densa.quant import gguf_blocks
-from densa.quant.checkpoint import Converted, Quantized, group_parts, read_format
-from densa.quant.quantizer import make_quantizer
-from densa.quant.shipped import UnsupportedCheckpoint, convert_shipped, read_shipped_format
-from densa.quant.weight_format import CheckpointFormat, WeightFormat
+from densa.quant.weight_format import WeightFormat
 from densa.utils.heap import keep_large_allocations_unmappable, return_free_heap
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
@@ -76,56 +77,6 @@ def resolve_model_dir(model: str) -> Path:
             )
         return ensure_converted(path)
     return path
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / name for name in weight_map.values()})
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(
-            f"{model_dir} holds no *.safetensors weights (convert .bin checkpoints first)"
-        )
-    for path in files:
-        if not path.is_file():
-            raise ModelLoadError(f"weight file {path} listed in the index is missing")
-    return files
-
-
-def dense_checkpoint(model_dir: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
-    """A checkpoint's tensors as stored, and how many there are; a converted GGUF directory's
-    come from its file, dequantized to float32 one at a time (it holds no weights of its own)."""
-    source = GGUFFile.of_converted(model_dir)
-    if source is not None:
-        return ((name, tensor.dequantize()) for name, tensor in source.tensors()), source.count()
-    files = safetensors_files(model_dir)
-    return iter_checkpoint(files), checkpoint_size(files)
-
-
-def checkpoint_size(files: list[Path]) -> int:
-    """The number of tensors in safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    count = 0
-    for path in files:
-        with safe_open(str(path), framework="pt") as handle:
-            count += len(list(handle.keys()))
-    return count
-
-
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
-
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, handle.get_tensor(name)
-        except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(f"cannot read {path} (truncated or corrupt?): {exc}") from exc
 
 
 def num_parameters(model: torch.nn.Module) -> int:
@@ -151,13 +102,6 @@ def check_fits(
     return needed
 
 
-# What `--weight-format int4|fp8` applies to a dense checkpoint at load time.
-ON_THE_FLY_FORMATS = {
-    "int4": WeightFormat("int4", group_size=128, symmetric=True),
-    "fp8": WeightFormat("fp8", block_size=128),
-}
-
-
 def load_model(
     model_dir: Path,
     arch: ArchConfig,
@@ -176,21 +120,21 @@ def load_model(
     keep_large_allocations_unmappable()  # the load's temporaries must not stay in the heap
     source = GGUFFile.of_converted(model_dir)
     files = [] if source is not None else safetensors_files(model_dir)
-    stored = _read_stored_format(files) if files else None
+    stored = read_stored_format(files) if files else None
     packed = weight_format if weight_format in PACKED_FORMATS else None
-    runtime = runtime_format(stored, _runtime_request(weight_format))
+    runtime = runtime_format(stored, runtime_request(weight_format))
     factory = model_factory(arch.architecture)
     # Build without initializing (meta device), then allocate and fill from the checkpoint.
     with meta_skeleton():
         model = factory(arch, max_position, device).to(dtype=torch_dtype)
         num_params = num_parameters(model)
-        kept = _kept_linears(model, source, weight_format, head_format, device)
-        table = _kept_embedding(model, source, arch, device)
+        kept = kept_linears(model, source, weight_format, head_format, device)
+        table = kept_embedding(model, source, arch, device)
         savings = _packed_savings(model, kept, table, torch_dtype)
         check_fits(num_params, torch_dtype, device, savings)
-        targets = _quantized_modules(model, stored, runtime)
+        targets = quantized_modules(model, stored, runtime)
         if runtime is not None:
-            _swap_quantized(model, targets, runtime)
+            swap_quantized(model, targets, runtime)
         swap_kept_linears(model, kept)
         swap_kept_embedding(model, table)
     model = model.to_empty(device=device)
@@ -200,12 +144,7 @@ def load_model(
         if source is not None
         else iter_checkpoint(files)
     )
-    tensors = runtime_tensors(raw, model, stored, runtime, targets)
-    try:
-        with torch.no_grad():
-            model.load_weights(tensors)
-    except (KeyError, ValueError) as exc:
-        raise ModelLoadError(f"checkpoint in {model_dir} does not match its config: {exc}") from exc
+    _load_weights(model, model_dir, runtime_tensors(raw, model, stored, runtime, targets))
     prepare_quantized(model)
     _pack(model, packed, head_format)
     prepare_stacked(model)
@@ -221,7 +160,17 @@ def load_model(
     return model.eval()
 
 
-def _kept_linears(
+def _load_weights(
+    model: CausalLM, model_dir: Path, tensors: Iterator[tuple[str, torch.Tensor]]
+) -> None:
+    try:
+        with torch.no_grad():
+            model.load_weights(tensors)
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"checkpoint in {model_dir} does not match its config: {exc}") from exc
+
+
+def kept_linears(
     model: CausalLM,
     source: GGUFFile | None,
     weight_format: str,
@@ -246,7 +195,7 @@ def _kept_linears(
     return kept
 
 
-def _kept_embedding(
+def kept_embedding(
     model: CausalLM, source: GGUFFile | None, arch: ArchConfig, device: torch.device
 ) -> KeptEmbedding | None:
     """The token embedding kept in its GGUF blocks (CPU only: lookups decode on the host)."""
@@ -353,152 +302,3 @@ def _auto_head(model_dir: Path, stored: dict[str, str | None]) -> str:
     if not tied and gguf_blocks.common_family([head]) is not None:
         return HEAD_FROM_BLOCKS
     return AUTO_HEAD.get(head, "dense")
-
-
-def _runtime_request(weight_format: str) -> str:
-    """What runtime_format is asked: packed formats and a GGUF's own blocks load the rest of
-    the checkpoint dense (packed afterwards, or kept dense)."""
-    if weight_format in PACKED_FORMATS or weight_format == WEIGHTS_FROM_BLOCKS:
-        return "dense"
-    return weight_format
-
-
-def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> WeightFormat | None:
-    """The format the linear layers run from (None = dense), given what the checkpoint stores."""
-    if weight_format == "dense":
-        return None
-    if weight_format == "auto":
-        return stored.format if stored is not None else None
-    if stored is None:
-        return ON_THE_FLY_FORMATS[weight_format]
-    if stored.format.kind != weight_format:
-        raise ModelLoadError(
-            f"the checkpoint stores {stored.format.describe()} weights, not {weight_format}; "
-            "use --weight-format auto (or dense), or re-quantize it with densa quantize"
-        )
-    return stored.format
-
-
-def quantizable_linears(model: CausalLM, include_head: bool = False) -> set[str]:
-    """Names of the modules a quantized format replaces by default (densa.model.quant_targets):
-    linear and stacked expert layers, but not the output head (unless asked), routers, or
-    weights tied to an embedding."""
-    return quantization_targets(model, QuantScope(include_head=include_head))
-
-
-def _swap_quantized(model: CausalLM, targets: set[str], fmt: WeightFormat) -> None:
-    stacked = {n for n in targets if isinstance(model.get_submodule(n), StackedLinear)}
-    quantize_linears(model, targets - stacked, fmt)
-    quantize_stacked(model, stacked, fmt)
-
-
-def linear_module_of(model: CausalLM, hf_name: str) -> str | None:
-    """The module a checkpoint weight loads into, if it is the `.weight` of a linear layer."""
-    module, _, param = model.checkpoint_target(hf_name).rpartition(".")
-    return module if param == "weight" else None
-
-
-def runtime_tensors(
-    raw: Iterator[tuple[str, torch.Tensor]],
-    model: CausalLM,
-    stored: CheckpointFormat | None,
-    runtime: WeightFormat | None,
-    targets: set[str],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Checkpoint tensors -> the tensors the model's parameters take, in HF naming: quantized
-    weights become their runtime parts ('<module>.<part>'), or dense weights when dequantizing,
-    and dense weights of quantized layers are quantized on the way (round-to-nearest). A shipped
-    checkpoint's weights are converted one at a time as they are read (densa.quant.shipped)."""
-    grouped = group_parts(raw, stored)
-    shipped = stored is not None and stored.producer != "densa"
-    if shipped:
-        assert stored is not None
-        dense = shipped_dense_names(model, stored, targets)
-        grouped = convert_shipped(grouped, stored, runtime, dense)
-    stored_quantizer = make_quantizer(stored.format) if stored is not None and not shipped else None
-    runtime_quantizer = make_quantizer(runtime) if runtime is not None else None
-    for name, value in model.normalize_checkpoint(grouped):
-        if isinstance(value, Converted):
-            yield from _parts_of(name, value.parts)
-        elif isinstance(value, Quantized):
-            assert stored_quantizer is not None  # group_parts only makes these from metadata
-            if runtime_quantizer is None:
-                yield name, stored_quantizer.dequantize(value.parts, value.shape[-1])
-            else:
-                yield from _parts_of(name, runtime_quantizer.to_runtime(value.parts))
-        elif runtime_quantizer is not None and linear_module_of(model, name) in targets:
-            parts = runtime_quantizer.to_runtime(runtime_quantizer.quantize(value))
-            yield from _parts_of(name, parts)
-        else:
-            yield name, value
-
-
-def _parts_of(
-    weight_name: str, parts: dict[str, torch.Tensor]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """'x.q_proj.weight', {qweight, scales} -> ('x.q_proj.qweight', ..), ('x.q_proj.scales', ..)."""
-    module = weight_name.rpartition(".")[0]
-    for part, tensor in parts.items():
-        yield f"{module}.{part}", tensor
-
-
-def _quantized_modules(
-    model: CausalLM, stored: CheckpointFormat | None, runtime: WeightFormat | None
-) -> set[str]:
-    if runtime is None:
-        return set()
-    if stored is None:  # quantizing a dense checkpoint at load time
-        return quantizable_linears(model)
-    if stored.producer != "densa":
-        return _shipped_modules(model, stored, runtime)
-    modules = {linear_module_of(model, name) for name in stored.tensors}
-    if None in modules:
-        raise ModelLoadError("the checkpoint lists a quantized tensor that is not a linear weight")
-    return {m for m in modules if m is not None}
-
-
-def _shipped_modules(model: CausalLM, stored: CheckpointFormat, runtime: WeightFormat) -> set[str]:
-    """The layers that run quantized from a shipped checkpoint (`runtime` is its format:
-    runtime_format refuses another): those it stores quantized that densa quantizes too (not
-    MLA's kv_b_proj, routers, ...) and holds exactly."""
-    modules = {shipped_module(model, name) for name in stored.tensors}
-    # A fused layer (q|k|v) with one act-order shard loads dense as a whole.
-    reordered = {shipped_module(model, name) for name in stored.dense}
-    return {m for m in modules - reordered if m is not None} & quantizable_linears(model)
-
-
-_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
-
-
-def shipped_module(model: CausalLM, name: str) -> str | None:
-    """The module a shipped per-tensor name loads into ('...experts.3.w1.weight' ->
-    '...experts.gate_up_proj'): the family's renames, then the expert index dropped as
-    stacking does."""
-    renamed = next(iter(model.normalize_checkpoint(iter([(name, None)]))), None)
-    if renamed is None:
-        return None  # dropped by the family (DeepSeek's multi-token-prediction layers)
-    return linear_module_of(model, _EXPERT_INDEX.sub(".experts.", renamed[0]))
-
-
-def shipped_dense_names(model: CausalLM, stored: CheckpointFormat, targets: set[str]) -> set[str]:
-    """Shipped quantized weights that load dense: act-order layers, and layers densa keeps in
-    high precision (their values are the producer's dequantization, exact in float32)."""
-    return {name for name in stored.tensors if shipped_module(model, name) not in targets}
-
-
-def _read_stored_format(files: list[Path]) -> CheckpointFormat | None:
-    """densa's own format (safetensors metadata), else a shipped producer's
-    (config.json's quantization_config), else None (dense)."""
-    from safetensors import SafetensorError
-
-    try:
-        return read_format(files) or read_shipped_format(files[0].parent, files)
-    except UnsupportedCheckpoint as exc:
-        raise ModelLoadError(f"cannot load {files[0].parent}: {exc}") from exc
-    except (SafetensorError, OSError) as exc:
-        where = files[0].parent
-        raise ModelLoadError(
-            f"cannot read the weights in {where} (truncated or corrupt?): {exc}"
-        ) from exc
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"the checkpoint's weight format metadata is invalid: {exc}") from exc

@@ -23,22 +23,15 @@ from densa.measure.data import calibration_passages
 from densa.model import gguf
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
+from densa.model.checkpoint_files import dense_checkpoint, read_stored_format, safetensors_files
 from densa.model.gguf import GGUFFile
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import scratch_caches
 from densa.model.lineage import lineage_metadata
-from densa.model.loader import (
-    DTYPES,
-    _read_stored_format,
-    dense_checkpoint,
-    linear_module_of,
-    load_model,
-    resolve_model_dir,
-    runtime_tensors,
-    safetensors_files,
-)
+from densa.model.loader import DTYPES, load_model, resolve_model_dir
 from densa.model.quant_targets import QuantScope, quantization_targets
 from densa.model.registry import kv_layout, meta_skeleton, model_factory
+from densa.model.runtime_weights import linear_module_of, runtime_tensors
 from densa.quant.calibration import HessianCollector
 from densa.quant.checkpoint import Value, quantize_tensors, write_checkpoint
 from densa.quant.quantizer import make_quantizer
@@ -162,7 +155,7 @@ def _output_tensors(
     gguf_source = GGUFFile.of_converted(src_dir) is not None
     # densa's own format or a shipped one (FP8 blocks, INT4 packs): each weight dequantized as
     # it is read, then quantized, so no dense copy of the model is ever held.
-    stored = None if gguf_source else _read_stored_format(safetensors_files(src_dir))
+    stored = None if gguf_source else read_stored_format(safetensors_files(src_dir))
     dense = runtime_tensors(checkpoint, skeleton, stored, None, set())
     if settings.fmt is None:
         keep = DTYPES[settings.keep_dtype]

@@ -33,13 +33,22 @@ from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import (
     AttentionBackend,
     AttentionGroup,
-    AttentionMetadata,
     build_group,
 )
 from densa.model.fused_decode import enable_fused_decode
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
+from densa.spec.paged_rows import (
+    ChunkRow,
+    chunk_metadata,
+    grow_pages,
+    last_rows,
+    page_table,
+    positions_of,
+    prefill_group,
+    propose_greedily,
+)
 from densa.spec.proposer import SpecInput
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
@@ -62,17 +71,7 @@ class DraftSequence:
     page_ids: list[int] = field(default_factory=list)  # page_ids[i // page_size] holds position i
 
 
-@dataclass(frozen=True)
-class _Row:
-    """One request's chunk in a draft forward: tokens at positions [start_pos, start_pos + n)."""
-
-    seq: DraftSequence
-    token_ids: list[int]
-    start_pos: int
-
-    @property
-    def end_pos(self) -> int:
-        return self.start_pos + len(self.token_ids)
+_Row = ChunkRow[DraftSequence]
 
 
 class DraftModelProposer:
@@ -106,26 +105,14 @@ class DraftModelProposer:
     # ---- the Proposer interface ------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
-        proposals: list[list[int]] = [[] for _ in inputs]
-        wanted = [self._num_to_propose(spec) for spec in inputs]
-        rows: dict[int, _Row] = {}
-        for idx, spec in enumerate(inputs):
-            if wanted[idx] > 0:
-                row = self._catch_up_row(spec, wanted[idx])
-                if row is not None:
-                    rows[idx] = row
-        for step in range(max(wanted, default=0)):
-            if not rows:
-                break
-            order = list(rows)
-            next_ids = self._forward([rows[idx] for idx in order])
-            for idx, token_id in zip(order, next_ids, strict=True):
-                row = rows.pop(idx)
-                row.seq.token_ids.extend(row.token_ids)
-                proposals[idx].append(token_id)
-                if step + 1 < wanted[idx]:
-                    rows[idx] = _Row(row.seq, [token_id], row.end_pos)
-        return proposals
+        return propose_greedily(inputs, self.max_model_len, self._catch_up_row, self._step)
+
+    def _step(self, step: int, rows: list[_Row]) -> list[tuple[int, _Row]]:
+        """One forward; each row's tokens are in the pages now, its proposal feeds it on."""
+        next_ids = self._forward(rows)
+        for row in rows:
+            row.seq.token_ids.extend(row.token_ids)
+        return [(t, _Row(row.seq, [t], row.end_pos)) for row, t in zip(rows, next_ids, strict=True)]
 
     def release(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
@@ -136,10 +123,6 @@ class DraftModelProposer:
         """A draft model computes its own hidden states: the target's are not needed."""
 
     # ---- per-request KV --------------------------------------------------------------------------
-    def _num_to_propose(self, spec: SpecInput) -> int:
-        """k, less what would run past the draft's positions (proposal i is fed at n + i - 1)."""
-        return max(0, min(spec.num_tokens, self.max_model_len - len(spec.token_ids) + 1))
-
     def _catch_up_row(self, spec: SpecInput, num_tokens: int) -> _Row | None:
         """Truncate the request's pages to what the target accepted, make room for this call's
         tokens, and return the catch-up chunk (None: no room in the draft's pool this step, and
@@ -151,7 +134,7 @@ class DraftModelProposer:
         del seq.token_ids[keep:]
         self._truncate_pages(seq, keep)
         # K/V is written for the chunk and for proposals 1..k-1.
-        if not self._grow_pages(seq, len(token_ids) + num_tokens - 1):
+        if not grow_pages(self.pool, seq, len(token_ids) + num_tokens - 1, self.page_size):
             self.release(spec.request_id)
             return None
         return _Row(seq, token_ids[keep:], keep)
@@ -161,16 +144,6 @@ class DraftModelProposer:
         if len(seq.page_ids) > num_pages:
             self.pool.free(seq.page_ids[num_pages:])
             del seq.page_ids[num_pages:]
-
-    def _grow_pages(self, seq: DraftSequence, num_tokens: int) -> bool:
-        missing = -(-num_tokens // self.page_size) - len(seq.page_ids)
-        if missing <= 0:
-            return True
-        page_ids = self.pool.allocate(missing)
-        if page_ids is None:
-            return False
-        seq.page_ids.extend(page_ids)
-        return True
 
     # ---- the forward pass ------------------------------------------------------------------------
     def _forward(self, rows: list[_Row]) -> list[int]:
@@ -190,20 +163,12 @@ class DraftModelProposer:
 
     def _forward_group(self, rows: list[_Row], as_decode: bool) -> list[int]:
         token_ids = [t for row in rows for t in row.token_ids]
-        positions = [p for row in rows for p in range(row.start_pos, row.end_pos)]
-        slot_pages = [
-            row.seq.page_ids[p // self.page_size]
-            for row in rows
-            for p in range(row.start_pos, row.end_pos)
-        ]
-        positions_t = torch.tensor(positions, dtype=torch.long)
-        group = self._decode_rows(rows) if as_decode else self._prefill_chunks(rows)
-        meta = AttentionMetadata(
-            slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=self.device),
-            slot_offsets=(positions_t % self.page_size).to(self.device),
-            decode=group if as_decode else None,
-            prefill=None if as_decode else group,
-        )
+        positions_t = positions_of(rows)
+        if as_decode:
+            group = self._decode_rows(rows)
+        else:
+            group = prefill_group(rows, self.page_size, self.device)
+        meta = chunk_metadata(rows, positions_t, group, as_decode, self.page_size, self.device)
         hidden = self.model(
             torch.tensor(token_ids, dtype=torch.long, device=self.device),
             positions_t.to(self.device),
@@ -211,11 +176,8 @@ class DraftModelProposer:
             meta,
             self.backend,
         )  # [T, hidden]
-        last_rows = torch.tensor(
-            [sum(len(r.token_ids) for r in rows[: i + 1]) - 1 for i in range(len(rows))],
-            device=self.device,
-        )
-        logits = self.model.compute_logits(hidden[last_rows])[:, : self.vocab_size]  # [B, V]
+        ends = torch.tensor(last_rows(rows), device=self.device)
+        logits = self.model.compute_logits(hidden[ends])[:, : self.vocab_size]  # [B, V]
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
     def _decode_rows(self, rows: list[_Row]) -> AttentionGroup:
@@ -224,22 +186,12 @@ class DraftModelProposer:
         exactly as if the tokens had been decoded one by one."""
         page_tables, seq_lens = [], []
         for row in rows:
-            pages = row.seq.page_ids[: -(-row.end_pos // self.page_size)]
+            pages = page_table(row, self.page_size)
             for position in range(row.start_pos, row.end_pos):
                 page_tables.append(pages)
                 seq_lens.append(position + 1)
         return build_group(0, page_tables, seq_lens, [1] * len(seq_lens), self.page_size,
                            self.device)  # fmt: skip
-
-    def _prefill_chunks(self, rows: list[_Row]) -> AttentionGroup:
-        return build_group(
-            start=0,
-            page_tables=[row.seq.page_ids[: -(-row.end_pos // self.page_size)] for row in rows],
-            seq_lens=[row.end_pos for row in rows],
-            query_lens=[len(row.token_ids) for row in rows],
-            page_size=self.page_size,
-            device=self.device,
-        )
 
 
 def _as_decode_rows(row: _Row) -> bool:

@@ -35,14 +35,24 @@ from torch import nn
 
 from densa.cache.page_pool import PagePool
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.attention import AttentionBackend, AttentionMetadata, build_group
+from densa.model.attention import AttentionBackend, AttentionMetadata
+from densa.model.checkpoint_files import iter_checkpoint, safetensors_files
 from densa.model.deepseek_v3 import DeepseekV3DecoderLayer
 from densa.model.kv_layout import LatentKVCache, LayerCache
 from densa.model.layers import RMSNorm, RotaryEmbedding
 from densa.model.linear import Linear
-from densa.model.loader import DTYPES, iter_checkpoint, safetensors_files
+from densa.model.loader import DTYPES
 from densa.model.moe import stack_experts
 from densa.model.weight_loading import GATE_UP_FUSED, FusedWeightLoader
+from densa.spec.paged_rows import (
+    ChunkRow,
+    chunk_metadata,
+    grow_pages,
+    last_rows,
+    positions_of,
+    prefill_group,
+    propose_greedily,
+)
 from densa.spec.proposer import SpecInput
 from densa.worker.kv_cache import allocate_kv_caches
 
@@ -151,15 +161,10 @@ class MTPSequence:
 
 
 @dataclass(frozen=True)
-class _Row:
-    seq: MTPSequence
-    token_ids: list[int]  # t_{p+1} for each position p of the chunk
-    hidden: torch.Tensor  # h_p, [len(token_ids), H]
-    start_pos: int
+class _Row(ChunkRow[MTPSequence]):
+    """token_ids: t_{p+1} for each position p of the chunk."""
 
-    @property
-    def end_pos(self) -> int:
-        return self.start_pos + len(self.token_ids)
+    hidden: torch.Tensor = field(kw_only=True)  # h_p, [len(token_ids), H]
 
 
 class MTPProposer:
@@ -196,28 +201,19 @@ class MTPProposer:
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
-        proposals: list[list[int]] = [[] for _ in inputs]
-        wanted = [min(s.num_tokens, self.max_model_len - len(s.token_ids) + 1) for s in inputs]
-        rows: dict[int, _Row] = {}
-        for idx, spec in enumerate(inputs):
-            row = self._catch_up_row(spec, wanted[idx]) if wanted[idx] > 0 else None
-            if row is not None:
-                rows[idx] = row
-        for step in range(max(wanted, default=0)):
-            if not rows:
-                break
-            order = list(rows)
-            next_ids, out_hidden = self._forward([rows[idx] for idx in order])
-            for i, idx in enumerate(order):
-                row = rows.pop(idx)
-                if step == 0:
-                    row.seq.num_exact = row.end_pos
-                    # the newest exact row is recomputed next call: keep its h
-                    row.seq.drop_hidden_before(row.end_pos - 1)
-                proposals[idx].append(next_ids[i])
-                if step + 1 < wanted[idx]:
-                    rows[idx] = _Row(row.seq, [next_ids[i]], out_hidden[i : i + 1], row.end_pos)
-        return proposals
+        return propose_greedily(inputs, self.max_model_len, self._catch_up_row, self._step)
+
+    def _step(self, step: int, rows: list[_Row]) -> list[tuple[int, _Row]]:
+        """One forward; a row's next input is its proposal and its own output hidden state."""
+        next_ids, out_hidden = self._forward(rows)
+        fed = []
+        for i, row in enumerate(rows):
+            if step == 0:
+                row.seq.num_exact = row.end_pos
+                # the newest exact row is recomputed next call: keep its h
+                row.seq.drop_hidden_before(row.end_pos - 1)
+            fed.append(_Row(row.seq, [next_ids[i]], row.end_pos, hidden=out_hidden[i : i + 1]))
+        return list(zip(next_ids, fed, strict=True))
 
     def _catch_up_row(self, spec: SpecInput, num_tokens: int) -> _Row | None:
         """Positions [num_exact, n - 1): t_{p+1} and the target's h_p; None if the target's
@@ -229,39 +225,17 @@ class MTPProposer:
             return None
         start = min(seq.num_exact, n - 2)  # at least the newest position: it proposes
         end_pos = n - 1 + num_tokens - 1  # rows written: exact ones, then k - 1 self-fed
-        missing = -(-end_pos // self.page_size) - len(seq.page_ids)
-        if missing > 0:
-            page_ids = self.pool.allocate(missing)
-            if page_ids is None:
-                return None
-            seq.page_ids.extend(page_ids)
+        if not grow_pages(self.pool, seq, end_pos, self.page_size):
+            return None
         token_ids = [int(t) for t in spec.token_ids[start + 1 : n]]
-        return _Row(seq, token_ids, seq.hidden_rows(start, n - 1), start)
+        return _Row(seq, token_ids, start, hidden=seq.hidden_rows(start, n - 1))
 
     def _forward(self, rows: list[_Row]) -> tuple[list[int], torch.Tensor]:
         """Argmax next token and output hidden state of each row's last position."""
-        positions = [p for row in rows for p in range(row.start_pos, row.end_pos)]
-        positions_t = torch.tensor(positions, dtype=torch.long)
-        group = build_group(
-            start=0,
-            page_tables=[row.seq.page_ids[: -(-row.end_pos // self.page_size)] for row in rows],
-            seq_lens=[row.end_pos for row in rows],
-            query_lens=[len(row.token_ids) for row in rows],
-            page_size=self.page_size,
-            device=self.device,
-        )
+        positions_t = positions_of(rows)
+        group = prefill_group(rows, self.page_size, self.device)
         as_decode = all(len(row.token_ids) == 1 for row in rows)
-        slot_pages = [
-            row.seq.page_ids[p // self.page_size]
-            for row in rows
-            for p in range(row.start_pos, row.end_pos)
-        ]
-        meta = AttentionMetadata(
-            slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=self.device),
-            slot_offsets=(positions_t % self.page_size).to(self.device),
-            decode=group if as_decode else None,
-            prefill=None if as_decode else group,
-        )
+        meta = chunk_metadata(rows, positions_t, group, as_decode, self.page_size, self.device)
         out = self.layer(
             torch.tensor([t for row in rows for t in row.token_ids], device=self.device),
             positions_t.to(self.device),
@@ -270,18 +244,10 @@ class MTPProposer:
             meta,
             self.backend,
         )  # [T, H]
-        ends = torch.tensor(_last_rows(rows), device=self.device)
+        ends = torch.tensor(last_rows(rows), device=self.device)
         last = out[ends]  # [B, H]
         next_ids = self.layer.compute_logits(last).argmax(dim=-1).tolist()
         return [int(t) for t in next_ids], last
-
-
-def _last_rows(rows: list[_Row]) -> list[int]:
-    ends, total = [], 0
-    for row in rows:
-        total += len(row.token_ids)
-        ends.append(total - 1)
-    return ends
 
 
 def load_mtp_proposer(

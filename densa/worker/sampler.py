@@ -22,6 +22,13 @@ import torch
 
 from densa.ipc.messages import TokenLogprobs
 from densa.sampling_params import SamplingParams
+from densa.worker.logit_processing import (
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+    non_finite_rows,
+    sampling_probs,
+)
 from densa.worker.structured import StructuredRow, StructuredSampler, apply_bitmask
 
 
@@ -108,7 +115,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         if any(r.draft_token_ids for r in rows):
             return self._sample_verifying(logits, rows)
-        failed = _non_finite_rows(logits, "the model's logits are not finite")
+        failed = non_finite_rows(logits, "the model's logits are not finite")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
         logits = self._processed(logits, rows)
         token_ids = torch.argmax(logits, dim=-1)
@@ -117,7 +124,7 @@ class Sampler:
             token_ids[random_rows] = self._sample_random(
                 logits[random_rows], [rows[i] for i in random_rows]
             )
-        no_choice = _non_finite_rows(logits, "no token is left to sample after penalties")
+        no_choice = non_finite_rows(logits, "no token is left to sample after penalties")
         chosen = token_ids.tolist()
         constrained = _constrained_rows(rows)
         errors = self._structured().accept(constrained, chosen) if constrained else {}
@@ -126,11 +133,11 @@ class Sampler:
 
     def _processed(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
         """Penalties, logit bias, the grammar's mask and min_tokens, row by row."""
-        logits = _apply_logit_bias(_apply_penalties(logits, rows), rows)
+        logits = apply_logit_bias(apply_penalties(logits, rows), rows)
         constrained = _constrained_rows(rows)
         if constrained:
             logits = self._apply_grammar(logits, constrained)
-        return _apply_min_tokens(logits, rows)
+        return apply_min_tokens(logits, rows)
 
     def _sample_verifying(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
         """A step in which some requests verify proposals: logits has num_rows rows per request.
@@ -146,17 +153,19 @@ class Sampler:
         # The plain requests' rows (their last is their only one), sampled as in any step.
         result = self._sample(logits[last_rows[plain]], [rows[i] for i in plain]) if plain else None
         expanded = [one for row in rows for one in _rows_of(row)]
-        failed_rows = _non_finite_rows(logits, "the model's logits are not finite")
+        failed_rows = non_finite_rows(logits, "the model's logits are not finite")
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
         processed = self._processed(logits, expanded)
-        no_choice_rows = _non_finite_rows(processed, "no token is left to sample after penalties")
+        no_choice_rows = non_finite_rows(processed, "no token is left to sample after penalties")
         # What the random verifying rows draw from, in one pass (one softmax for the step).
         random_rows = [
             r for r, one in enumerate(expanded) if not one.params.is_greedy and r not in last_plain
         ]
         probs = torch.zeros_like(processed)
         if random_rows:
-            probs[random_rows] = _probs(processed[random_rows], [expanded[r] for r in random_rows])
+            probs[random_rows] = sampling_probs(
+                processed[random_rows], [expanded[r] for r in random_rows]
+            )
         token_ids = [0] * len(rows)
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         failed: dict[int, str] = {}
@@ -256,7 +265,7 @@ class Sampler:
         return self.structured
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-        probs = _probs(logits, rows)
+        probs = sampling_probs(logits, rows)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; each row uses its own RNG.
         noise = torch.empty_like(probs)
         for i, row in enumerate(rows):
@@ -276,16 +285,6 @@ class Sampler:
         return generator
 
 
-def _probs(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-    """Temperature, top-k, top-p, softmax, min-p: what a random row draws from (min-p zeroes
-    tokens without renormalising; the exponential race does not need it)."""
-    temperatures = torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)
-    logits = _filter_top_k(logits / temperatures, rows)
-    logits = _filter_top_p(logits, rows)
-    probs = torch.softmax(logits, dim=-1)
-    return _filter_min_p(probs, rows)
-
-
 def _race(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One draw from probs ([V], any scale) by the exponential race, from `generator`."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
@@ -302,16 +301,6 @@ def _rows_of(row: SampleRequest) -> list[SampleRequest]:
     ]
 
 
-def _non_finite_rows(logits: torch.Tensor, reason: str) -> dict[int, str]:
-    """Rows with a NaN or +inf (softmax turns either into NaN), or with no finite logit at all
-    (nothing to choose from). -inf alone is normal: it is how tokens are masked."""
-    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)
-    bad |= ~torch.isfinite(logits).any(dim=-1)
-    if not bool(bad.any()):  # the common case: one reduction, one check
-        return {}
-    return {int(i): reason for i in bad.nonzero().flatten().tolist()}
-
-
 def _constrained_rows(rows: list[SampleRequest]) -> list[StructuredRow]:
     return [
         StructuredRow(i, r.request_id, r.params.structured, r.output_token_ids)
@@ -322,93 +311,6 @@ def _constrained_rows(rows: list[SampleRequest]) -> list[StructuredRow]:
 
 def _wants_logprobs(rows: list[SampleRequest]) -> bool:
     return any(r.params.logprobs is not None for r in rows)
-
-
-def _apply_penalties(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-    penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
-    if not penalized:
-        return logits
-    logits = logits.clone()
-    vocab = logits.shape[1]
-    for i in penalized:
-        params = rows[i].params
-        output_counts = torch.bincount(
-            torch.tensor(rows[i].output_token_ids, dtype=torch.long), minlength=vocab
-        )
-        row = logits[i]
-        if params.repetition_penalty != 1.0:
-            seen = output_counts > 0
-            seen[torch.tensor(rows[i].prompt_token_ids, dtype=torch.long)] = True
-            # CTRL-style: shrink positive logits, grow negative ones, for every token already seen.
-            penalized_row = torch.where(
-                row > 0, row / params.repetition_penalty, row * params.repetition_penalty
-            )
-            row = torch.where(seen[:vocab], penalized_row, row)
-        row = row - params.frequency_penalty * output_counts[:vocab].to(row.dtype)
-        row = row - params.presence_penalty * (output_counts[:vocab] > 0).to(row.dtype)
-        logits[i] = row
-    return logits
-
-
-def _apply_logit_bias(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
-    if not biased:
-        return logits
-    logits = logits.clone()
-    for i in biased:
-        pairs = [(t, b) for t, b in rows[i].params.logit_bias if t < logits.shape[1]]
-        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=logits.device)
-        bias = torch.tensor([b for _, b in pairs], dtype=logits.dtype, device=logits.device)
-        logits[i] = logits[i].index_add(0, ids, bias)
-    return logits
-
-
-def _apply_min_tokens(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-    blocked = [(i, r) for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
-    if not blocked:
-        return logits
-    logits = logits.clone()
-    for i, r in blocked:
-        ids = [t for t in r.ending_token_ids if t < logits.shape[1]]
-        if not ids:
-            continue
-        blocked_row = logits[i].index_fill(0, torch.tensor(ids), float("-inf"))
-        # A grammar that allows only EOS wins over min_tokens: a row of -inf has no token.
-        if not bool(torch.isneginf(blocked_row).all()):
-            logits[i] = blocked_row
-    return logits
-
-
-def _filter_top_k(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-    vocab = logits.shape[1]
-    ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-    if all(k == vocab for k in ks):
-        return logits
-    kth = torch.topk(logits, max(ks), dim=-1).values  # [N, max_k], descending
-    threshold = kth.gather(1, torch.tensor(ks).unsqueeze(1) - 1)  # [N, 1]: the k-th largest
-    return logits.masked_fill(logits < threshold, float("-inf"))
-
-
-def _filter_top_p(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-    top_p = torch.tensor([r.params.top_p for r in rows]).unsqueeze(1)
-    if bool((top_p >= 1.0).all()):
-        return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Drop a token when the tokens before it already reach top_p. The most likely token is always
-    # kept, even when top_p underflows float32 (1e-300 is 0 here, and 0 >= 0 would drop it).
-    drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def _filter_min_p(probs: torch.Tensor, rows: list[SampleRequest]) -> torch.Tensor:
-    min_p = torch.tensor([r.params.min_p for r in rows]).unsqueeze(1)
-    if bool((min_p <= 0.0).all()):
-        return probs
-    threshold = min_p * probs.max(dim=-1, keepdim=True).values
-    return probs.masked_fill(probs < threshold, 0.0)
 
 
 def _logprobs(

@@ -11,7 +11,7 @@ import torch
 
 from densa.cache.integrity import ViolationKind
 from densa.disagg import wire
-from densa.disagg.decode_side import DecodeState
+from densa.disagg.decode_transfer import DecodeState
 from densa.disagg.faults import Fault, FaultyTransport
 from densa.disagg.ports import Landing
 from densa.disagg.prefill_side import PrefillState

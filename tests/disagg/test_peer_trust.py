@@ -12,7 +12,9 @@ import pytest
 import zmq
 
 from densa.disagg import messages as m
-from densa.disagg.decode_side import MAX_PEERS, MAX_RESENDS, DecodeState
+from densa.disagg.decode_peers import MAX_PEERS
+from densa.disagg.decode_side import MAX_RESENDS
+from densa.disagg.decode_transfer import DecodeState
 from densa.disagg.transport import TransportError, ZmqTransport
 from densa.ipc.messages import RequestDelta
 from tests.disagg.peers import (
@@ -273,7 +275,7 @@ def test_connections_are_bounded_idle_ones_are_closed_to_make_room() -> None:
     side.agent.poll()
     side.start("later", "inproc-kv://silent-later")
     assert "later" not in side.engine.failed
-    assert len(side.agent._peers) == MAX_PEERS
+    assert len(side.agent.peers) == MAX_PEERS
 
 
 def test_zeromq_sockets_are_bounded_and_closed_on_eviction() -> None:

@@ -12,11 +12,8 @@ import torch
 
 from densa.kernels.fp8_linear import dequantize_fp8
 from densa.kernels.int4_linear import dequantize_int4, pack_for_cpu
-from densa.quant.shipped import (
-    ShippedQuantizer,
-    UnsupportedCheckpoint,
-    parse_quantization_config,
-)
+from densa.quant.shipped import ShippedQuantizer
+from densa.quant.shipped_config import UnsupportedCheckpoint, parse_quantization_config
 from tests.quant.shipped_producers import FP8_CONFIG, producer
 
 # [out, in]: partial 128-blocks in both dimensions for FP8, whole groups of 128 for INT4.

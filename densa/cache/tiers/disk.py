@@ -18,8 +18,8 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from densa.cache.tiers.block import BlockCodec, BlockRejected
-from densa.cache.tiers.tier import TierCounters, logger
+from densa.cache.tiers.block import BlockCodec
+from densa.cache.tiers.tier import TierCounters, logger, verified_payload
 
 SUFFIX = ".kvb"
 TMP_PREFIX = ".tmp-"
@@ -59,22 +59,14 @@ class DiskTier:
         with self._lock:
             present = name in self._sizes and not self.counters.disabled
         data = self._read(name) if present else None
-        if data is None:
-            self._count_miss()
-            return None
-        try:
-            payload = self._codec.decode(key, data)
-        except BlockRejected as error:
-            self.counters.record_rejected(self.name, error)
-            self._remove(name)
-            self._count_miss()
+        payload = verified_payload(self._codec, self.counters, self.name, key, data)
+        if payload is None:
+            if data is not None:  # present but failing a check: never read again
+                self._remove(name)
             return None
         with self._lock:
             if name in self._sizes:
                 self._sizes.move_to_end(name)
-        with self.counters._lock:
-            self.counters.hits += 1
-            self.counters.bytes_read += len(data)
         return payload
 
     def put(self, key: bytes, payload: bytes | memoryview) -> None:
@@ -168,10 +160,6 @@ class DiskTier:
             self._total_bytes -= size
             victims.append(name)
         return victims
-
-    def _count_miss(self) -> None:
-        with self.counters._lock:
-            self.counters.misses += 1
 
     def _disable(self, message: str) -> None:
         self.counters.disabled = True

@@ -20,8 +20,8 @@ import time
 
 import redis
 
-from densa.cache.tiers.block import BlockCodec, BlockRejected
-from densa.cache.tiers.tier import TierCounters
+from densa.cache.tiers.block import BlockCodec
+from densa.cache.tiers.tier import TierCounters, verified_payload
 
 KEY_PREFIX = b"densa:kv:"
 SOCKET_TIMEOUT_S = 0.25  # a GET of one page takes well under a millisecond on a LAN
@@ -54,20 +54,7 @@ class SharedTier:
             return False
 
     def get(self, key: bytes) -> memoryview | None:
-        data = self._fetch(key)
-        if data is None:
-            self._count_miss()
-            return None
-        try:
-            payload = self._codec.decode(key, data)
-        except BlockRejected as error:
-            self.counters.record_rejected(self.name, error)
-            self._count_miss()
-            return None
-        with self.counters._lock:
-            self.counters.hits += 1
-            self.counters.bytes_read += len(data)
-        return payload
+        return verified_payload(self._codec, self.counters, self.name, key, self._fetch(key))
 
     def put(self, key: bytes, payload: bytes | memoryview) -> None:
         if self.is_down:
@@ -106,7 +93,3 @@ class SharedTier:
             f"unreachable ({exc}); skipped for {RETRY_AFTER_S:.0f} s at a "
             "time until it answers (further outages are counted in write_errors, not logged)",
         )
-
-    def _count_miss(self) -> None:
-        with self.counters._lock:
-            self.counters.misses += 1

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from densa.cache.tiers.block import BlockRejected
+from densa.cache.tiers.block import BlockCodec, BlockRejected
 from densa.utils.sizes import parse_memory
 
 logger = logging.getLogger("densa.kv_tiers")
@@ -64,12 +64,40 @@ class TierCounters:
                            "(further %r failures are counted, not logged)", tier, error,
                            error.reason)  # fmt: skip
 
+    def count_miss(self) -> None:
+        with self._lock:
+            self.misses += 1
+
+    def count_hit(self, num_bytes: int) -> None:
+        with self._lock:
+            self.hits += 1
+            self.bytes_read += num_bytes
+
     def warn_once(self, tier: str, what: str, message: str) -> None:
         with self._lock:
             first = what not in self._logged
             self._logged.add(what)
         if first:
             logger.warning("KV tier %s: %s", tier, message)
+
+
+def verified_payload(
+    codec: BlockCodec, counters: TierCounters, tier: str, key: bytes, data: bytes | None
+) -> memoryview | None:
+    """What every tier's `get` does with the bytes it found under `key` (None: nothing): the
+    payload once every check passed (a hit), else None (a miss; a block failing a check is
+    counted as rejected too)."""
+    if data is None:
+        counters.count_miss()
+        return None
+    try:
+        payload = codec.decode(key, data)
+    except BlockRejected as error:
+        counters.record_rejected(tier, error)
+        counters.count_miss()
+        return None
+    counters.count_hit(len(data))
+    return payload
 
 
 class KVTier(Protocol):

@@ -1,0 +1,146 @@
+"""What the proposers that keep their own paged KV (a draft model, an MTP layer) share: one
+request's chunk of positions in a forward pass, the pages it writes into, and the attention
+metadata of a batch of such chunks.
+
+    row:       token_ids at positions [start_pos, end_pos) of `seq`
+    pages:     seq.page_ids[p // page_size] holds position p's K/V
+    last row:  the chunk's final position, whose output proposes the next token
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+
+from densa.cache.page_pool import PagePool
+from densa.model.attention import AttentionGroup, AttentionMetadata, build_group
+from densa.spec.proposer import SpecInput
+
+
+class PagedSequence(Protocol):
+    page_ids: list[int]
+
+
+S = TypeVar("S", bound=PagedSequence)
+R = TypeVar("R", bound="ChunkRow[Any]")
+
+
+@dataclass(frozen=True)
+class ChunkRow(Generic[S]):
+    """One request's chunk in a proposer's forward: tokens at positions [start_pos, end_pos)."""
+
+    seq: S
+    token_ids: list[int]
+    start_pos: int
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+def num_to_propose(spec: SpecInput, max_model_len: int) -> int:
+    """k, less what would run past the proposer's positions (proposal i is fed at n + i - 1)."""
+    return max(0, min(spec.num_tokens, max_model_len - len(spec.token_ids) + 1))
+
+
+def propose_greedily(
+    inputs: Sequence[SpecInput],
+    max_model_len: int,
+    catch_up: Callable[[SpecInput, int], R | None],
+    forward: Callable[[int, list[R]], list[tuple[int, R]]],
+) -> list[list[int]]:
+    """Up to k proposals per request, one forward of every row per step: the first forward
+    catches each request up (`catch_up`: its row, None when there is no room), later ones feed
+    it its own last proposal. `forward(step, rows)` gives, per row, the argmax next token and
+    the row that feeds it on."""
+    proposals: list[list[int]] = [[] for _ in inputs]
+    wanted = [num_to_propose(spec, max_model_len) for spec in inputs]
+    rows: dict[int, R] = {}
+    for idx, spec in enumerate(inputs):
+        row = catch_up(spec, wanted[idx]) if wanted[idx] > 0 else None
+        if row is not None:
+            rows[idx] = row
+    for step in range(max(wanted, default=0)):
+        if not rows:
+            break
+        order = list(rows)
+        results = forward(step, [rows.pop(idx) for idx in order])
+        for idx, (token_id, next_row) in zip(order, results, strict=True):
+            proposals[idx].append(token_id)
+            if step + 1 < wanted[idx]:
+                rows[idx] = next_row
+    return proposals
+
+
+def num_pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def page_table(row: ChunkRow[Any], page_size: int) -> list[int]:
+    """The pages positions [0, end_pos) of the row's sequence live in."""
+    return row.seq.page_ids[: num_pages_for(row.end_pos, page_size)]
+
+
+def grow_pages(pool: PagePool, seq: PagedSequence, num_tokens: int, page_size: int) -> bool:
+    """Allocate the pages `seq` lacks for positions [0, num_tokens); False (nothing allocated)
+    when the pool has too few free."""
+    missing = num_pages_for(num_tokens, page_size) - len(seq.page_ids)
+    if missing <= 0:
+        return True
+    page_ids = pool.allocate(missing)
+    if page_ids is None:
+        return False
+    seq.page_ids.extend(page_ids)
+    return True
+
+
+def positions_of(rows: Sequence[ChunkRow[Any]]) -> torch.Tensor:
+    """[T] int64: every row's positions, row after row (on the host)."""
+    positions = [p for row in rows for p in range(row.start_pos, row.end_pos)]
+    return torch.tensor(positions, dtype=torch.long)
+
+
+def prefill_group(
+    rows: Sequence[ChunkRow[Any]], page_size: int, device: torch.device
+) -> AttentionGroup:
+    """Each row as one chunk attending to its sequence's positions [0, end_pos)."""
+    return build_group(
+        start=0,
+        page_tables=[page_table(row, page_size) for row in rows],
+        seq_lens=[row.end_pos for row in rows],
+        query_lens=[len(row.token_ids) for row in rows],
+        page_size=page_size,
+        device=device,
+    )
+
+
+def chunk_metadata(
+    rows: Sequence[ChunkRow[Any]],
+    positions: torch.Tensor,
+    group: AttentionGroup,
+    as_decode: bool,
+    page_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Where each row's new K/V goes (its positions' slots), and the one attention group."""
+    slot_pages = [
+        row.seq.page_ids[p // page_size] for row in rows for p in range(row.start_pos, row.end_pos)
+    ]
+    return AttentionMetadata(
+        slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=device),
+        slot_offsets=(positions % page_size).to(device),
+        decode=group if as_decode else None,
+        prefill=None if as_decode else group,
+    )
+
+
+def last_rows(rows: Sequence[ChunkRow[Any]]) -> list[int]:
+    """Index, in the flattened batch, of each row's final position."""
+    ends, total = [], 0
+    for row in rows:
+        total += len(row.token_ids)
+        ends.append(total - 1)
+    return ends
