@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
-    from densa.engine.args import EngineArgs
+    from densa.setup.args import EngineArgs
 
     parser = commands.add_parser(
         "serve", help="serve the OpenAI-compatible HTTP API", description="Serve a model over HTTP."
@@ -182,7 +182,7 @@ def _seconds(text: str) -> float:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from densa.engine.args import EngineArgs
+    from densa.setup.args import EngineArgs
     from densa.utils.net import bind_listener
 
     # Checked before importing the server (torch, transformers: seconds) and loading the model.
@@ -225,7 +225,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:
-    from densa.engine.args import EngineArgs
+    from densa.setup.args import EngineArgs
 
     parser = commands.add_parser(
         "generate", help="generate text for prompts (offline)", description="Generate offline."
@@ -241,9 +241,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    from densa.engine.args import EngineArgs
     from densa.engine.llm import LLM
     from densa.sampling_params import SamplingParams
+    from densa.setup.args import EngineArgs
 
     prompts = ns.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:

@@ -17,8 +17,6 @@ import torch
 from densa.cache.integrity import IntegrityStats
 from densa.cache.kv_manager import KVCacheManager
 from densa.config import EngineConfig
-from densa.engine.args import EngineArgs
-from densa.engine.builder import build_engine_parts
 from densa.engine.confinement import execute_confined
 from densa.engine.grammar_gate import GrammarGate
 from densa.engine.kv_tiers import KVTiers, build_tiers, engine_fingerprint
@@ -29,6 +27,8 @@ from densa.sampling_params import SamplingParams
 from densa.sched.events import ReleaseViolation
 from densa.sched.output import SchedulerOutput
 from densa.sched.scheduler import Scheduler
+from densa.setup.args import EngineArgs
+from densa.setup.builder import build_engine_parts
 from densa.spec.proposer import Proposer
 from densa.spec.speculator import Speculator
 from densa.text.tokenizer import Tokenizer
@@ -100,14 +100,16 @@ class LLMEngine:
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
-        """Load the model and tokenizer, size and allocate the KV cache, and wire the runner."""
+        """The engine densa/setup/ builds from these options (model, tokenizer, KV cache, runner),
+        with the KV tiers its config names attached."""
         parts = build_engine_parts(args)
         engine = cls(
             parts.config, parts.tokenizer, parts.runner, parts.arch,
             parts.kv_format, parts.weight_format, parts.proposer,
         )  # fmt: skip
-        if args.kv_tiers:
-            engine.attach_tiers(args.kv_tiers, args.cluster_secret_file)
+        tiers = parts.config.tiers
+        if tiers.specs:
+            engine.attach_tiers(tiers.specs, tiers.cluster_secret_file)
         return engine
 
     def attach_tiers(self, specs: tuple[str, ...] | list[str], secret_file: str | None) -> None:

@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 
 from densa.config import ATTENTION_BACKENDS, DTYPE_CHOICES, KV_CACHE_DTYPES, WEIGHT_FORMATS
-from densa.engine.args import EngineArgs
+from densa.setup.args import EngineArgs
 
 
 def _parser() -> argparse.ArgumentParser:
