@@ -17,6 +17,7 @@ import torch
 from densa.cache.integrity import IntegrityStats
 from densa.cache.kv_manager import KVCacheManager
 from densa.config import EngineConfig
+from densa.engine.admission import check_request
 from densa.engine.confinement import execute_confined
 from densa.engine.grammar_gate import GrammarGate
 from densa.engine.kv_tiers import KVTiers, build_tiers, engine_fingerprint
@@ -36,10 +37,6 @@ from densa.utils.logging import get_logger
 from densa.worker.model_runner import ModelRunner
 
 logger = get_logger(__name__)
-
-
-class PromptTooLong(ValueError):
-    """The prompt leaves no room for output in the model's context (context_length_exceeded)."""
 
 
 @dataclass
@@ -100,8 +97,7 @@ class LLMEngine:
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
-        """The engine densa/setup/ builds from these options (model, tokenizer, KV cache, runner),
-        with the KV tiers its config names attached."""
+        """The engine densa/setup/ builds from these options, with its config's KV tiers."""
         parts = build_engine_parts(args)
         engine = cls(
             parts.config, parts.tokenizer, parts.runner, parts.arch,
@@ -267,26 +263,10 @@ class LLMEngine:
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run. Pure: safe to call from any thread."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if params.structured is not None and self.runner.grammars is None:
-            raise ValueError("this engine was built without a grammar compiler")
-        vocab = self.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
-        max_len = self.config.scheduler.max_model_len
-        if len(prompt_token_ids) >= max_len:
-            raise PromptTooLong(
-                f"the prompt has {len(prompt_token_ids)} tokens but this model's context is "
-                f"{max_len} tokens (prompt + at least one output token); shorten the prompt"
-            )
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}")
-        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad_bias:
-            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad_bias[:5]}")
+        check_request(
+            prompt_token_ids, params, self.arch.vocab_size, self.config.scheduler.max_model_len,
+            has_grammars=self.runner.grammars is not None,
+        )  # fmt: skip
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
