@@ -155,12 +155,11 @@ def make_engine_client(engine_args: EngineArgs, options: ServerOptions) -> Engin
         step_timeout_s=options.engine_step_timeout, max_restarts=options.engine_restarts
     )
     if options.engine_placement == "thread":
-        from densa.engine.core import CoreOptions
         from densa.engine.inproc import ThreadLauncher  # imports torch: only in this placement
         from densa.engine.llm_engine import LLMEngine
 
         engine = LLMEngine.from_args(engine_args)  # its config.disagg: role and KV link
-        return EngineClient(ThreadLauncher(engine, CoreOptions()), client_options)
+        return EngineClient(ThreadLauncher(engine), client_options)
     launcher = ProcessLauncher(dataclasses.asdict(engine_args), log_level=options.log_level)
     return EngineClient(launcher, client_options)
 
