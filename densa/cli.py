@@ -73,11 +73,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:
-    from densa.engine.args import EngineArgs
+    from densa.setup.args import EngineArgs
 
     parser = commands.add_parser(
         "serve", help="serve the OpenAI-compatible HTTP API", description="Serve a model over HTTP."
     )
+    _add_http_options(parser)
+    _add_engine_process_options(parser)
+    parser.add_argument(
+        "--tool-call-format",
+        default="auto",
+        help="how the model writes tool calls: auto (default: from the chat template), hermes, "
+        "llama3_json, kimi_k2, deepseek_v3, deepseek_v31, glm, qwen3_coder, mistral, "
+        "mistral_json (docs/serving.md, 'Tool calls')",
+    )
+    _add_api_options(parser)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(handler=_serve)
+
+
+def _add_http_options(parser: argparse.ArgumentParser) -> None:
+    """The HTTP front: where it listens, what it accepts, how long clients may take."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=_port, default=8000)
     parser.add_argument(
@@ -115,6 +131,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "--body-timeout", type=_seconds, default=30.0,
         help="seconds a client may take to send its request body (then 408)",
     )  # fmt: skip
+
+
+def _add_engine_process_options(parser: argparse.ArgumentParser) -> None:
+    """Where the engine core runs, and when the front gives up on it."""
     g = parser.add_argument_group("engine process")
     g.add_argument(
         "--engine-placement", choices=["process", "thread"], default="process",
@@ -129,16 +149,6 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         help="engines that die within 10 minutes of starting, in a row, before the server gives "
         "up and exits 1 (for a supervisor to restart it)",
     )  # fmt: skip
-    parser.add_argument(
-        "--tool-call-format",
-        default="auto",
-        help="how the model writes tool calls: auto (default: from the chat template), hermes, "
-        "llama3_json, kimi_k2, deepseek_v3, deepseek_v31, glm, qwen3_coder, mistral, "
-        "mistral_json (docs/serving.md, 'Tool calls')",
-    )
-    _add_api_options(parser)
-    EngineArgs.add_cli_args(parser)
-    parser.set_defaults(handler=_serve)
 
 
 def _add_api_options(parser: argparse.ArgumentParser) -> None:
@@ -182,7 +192,7 @@ def _seconds(text: str) -> float:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from densa.engine.args import EngineArgs
+    from densa.setup.args import EngineArgs
     from densa.utils.net import bind_listener
 
     # Checked before importing the server (torch, transformers: seconds) and loading the model.
@@ -225,7 +235,7 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _add_generate(commands: argparse._SubParsersAction) -> None:
-    from densa.engine.args import EngineArgs
+    from densa.setup.args import EngineArgs
 
     parser = commands.add_parser(
         "generate", help="generate text for prompts (offline)", description="Generate offline."
@@ -241,9 +251,9 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    from densa.engine.args import EngineArgs
     from densa.engine.llm import LLM
     from densa.sampling_params import SamplingParams
+    from densa.setup.args import EngineArgs
 
     prompts = ns.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:

@@ -1,12 +1,15 @@
 """L1: frozen, typed configuration, built and validated once (EngineArgs.resolve), never mutated.
 
 Each component receives only its own sub-config: the scheduler gets `SchedulerConfig`, the KV
-manager `CacheConfig`, the model runner `ModelConfig` + `CacheConfig`.
+manager `CacheConfig`, the model runner `ModelConfig` + `CacheConfig` + `DeviceConfig`, the
+engine core's KV agents `DisaggConfig`, the KV tiers `TiersConfig`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from densa.utils.sizes import parse_memory
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # "auto" resolves per checkpoint: bfloat16 for one stored in bfloat16, else float32.
@@ -30,6 +33,13 @@ HEAD_FORMATS = ("auto", "dense", "w8a8", "w8")
 # What `auto` resolves a GGUF file's linear layers and untied head to where the C++ kernels run
 # its block types: the file's own blocks (densa.model.gguf_loading). Not a user-facing choice.
 WEIGHTS_FROM_BLOCKS = HEAD_FROM_BLOCKS = "blocks"
+# The default KV budget (densa/setup/kv_sizing.py): pages for max_num_seqs requests at the full
+# max_model_len (so the scheduler never has to preempt at the default settings), but never more
+# than AUTO_KV_MAX_FRACTION of the memory free once the weights are loaded.
+AUTO_KV_MEMORY = "auto"
+AUTO_KV_MAX_FRACTION = 0.5
+# Prefill/decode disaggregation (docs/disaggregation.md).
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,14 @@ class CacheConfig:
     kv_scales_file: str | None = None  # static per-layer scales (JSON); None = 1.0 everywhere
     enable_prefix_caching: bool = True
     kv_integrity: bool = True  # page generation tags checked before every read and write
+    # What num_pages is sized from (densa/setup/kv_sizing.py): "auto", bytes ("2GiB") or a share
+    # of free memory ("0.3", "30%"); or an exact page count, which overrides it.
+    memory: str = AUTO_KV_MEMORY
+    exact_num_pages: int | None = None
+
+    def budget(self) -> float | int | None:
+        """Bytes (int), a share of free memory (float), or None for the automatic size."""
+        return None if self.memory == AUTO_KV_MEMORY else parse_memory(self.memory)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -145,8 +163,62 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class DeviceConfig:
+    """Where the engine runs, and how its steps execute there."""
+
+    device: str = "cpu"  # where weights, KV pages and the tag table live: cpu, cuda or cuda:N
+    attention_backend: str = "auto"  # see ATTENTION_BACKENDS
+    # On a GPU, replay all-decode steps of up to 64 requests from CUDA graphs (Triton backend).
+    cuda_graphs: bool = True
+    # Decode-only steps through the fused C++ step (densa/model/fused_decode.py) where it runs.
+    fused_decode: bool = True
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (docs/disaggregation.md): both = one server does all;
+    prefill = also serves remote prefills to decode workers on kv_listen; decode = runs requests
+    that name a prefill worker (header x-densa-prefill) with K/V copied from it."""
+
+    role: str = "both"
+    kv_listen: str = "tcp://127.0.0.1:0"  # where a prefill worker accepts decode workers
+    kv_transfer_timeout: float = 30.0  # seconds any KV transfer state may last
+    # The internal plane's credential (docs/security.md): a file holding the cluster secret
+    # (else DENSA_CLUSTER_SECRET). It authenticates the KV link and the router's placements.
+    cluster_secret_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.kv_transfer_timeout > 0:
+            raise ValueError("--kv-transfer-timeout must be > 0 seconds")
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    """KV tiers below the device pool, in order (docs/kv-cache.md): "disk:PATH:SIZE",
+    "shared:redis://HOST:PORT[/DB]" (needs the cluster secret). Empty: the device pool only."""
+
+    specs: tuple[str, ...] = ()
+    cluster_secret_file: str | None = None  # else DENSA_CLUSTER_SECRET
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    # Start without checking that weights + KV + activations fit (densa/setup/memory_plan.py).
+    skip_memory_check: bool = False
+
+    def sized(self, num_pages: int, eos_token_ids: tuple[int, ...]) -> EngineConfig:
+        """This config once the KV cache is sized and the tokenizer loaded (a new object)."""
+        return replace(
+            self,
+            cache=replace(self.cache, num_pages=num_pages),
+            scheduler=replace(self.scheduler, eos_token_ids=eos_token_ids),
+        )

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from densa.bench.structured_schemas import SCHEMA_CASES
-from densa.engine.args import default_model_path
+from densa.setup.args import default_model_path
 from densa.model.loader import resolve_model_dir
 
 STEPS = 48

@@ -19,9 +19,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from densa.engine.args import default_model_path
 from densa.model.catalog import SETUP_COMMAND, find_model, missing_packages, resolve_model
 from densa.model.loader import resolve_model_dir
+from densa.setup.args import default_model_path
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -81,7 +81,7 @@ def test_debug_shows_the_traceback() -> None:
 
 
 def test_a_model_that_cannot_fit_fails_in_one_line_before_loading(tiny_model_dir: Path) -> None:
-    """The memory check (densa/engine/memory_plan.py): a page count no machine holds."""
+    """The memory check (densa/setup/memory_plan.py): a page count no machine holds."""
     model = ["--model", str(tiny_model_dir), "--max-model-len", "512"]
     line = assert_one_line_error(serve("serve", *model, "--num-kv-pages", "1000000000"))
     assert "not enough memory" in line and "is available (MemAvailable" in line
@@ -90,7 +90,7 @@ def test_a_model_that_cannot_fit_fails_in_one_line_before_loading(tiny_model_dir
 
 def test_served_model_names_are_the_engines_name_then_aliases() -> None:
     from densa.cli import build_parser
-    from densa.engine.args import EngineArgs
+    from densa.setup.args import EngineArgs
 
     ns = build_parser().parse_args(["serve", "--served-model-name", "main", "alias"])
     assert ns.served_model_name == ["main", "alias"]  # the front serves both

@@ -28,6 +28,9 @@ LAYERS = {
     "disagg": 5,
     # Speculative proposers: a draft model (model/) with its own KV, sampling; engine/ drives them.
     "spec": 5,
+    # Construction apart from the loop: options -> frozen config -> parts; engine/ (the same
+    # layer) builds itself through it (LLMEngine.from_args).
+    "setup": 6,
     "engine": 6,
     "ipc": 1,
     "serve": 7,

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from densa.bench.peers_cli import add_peers_parser
 from densa.bench.speculative_cli import add_speculative_parser
-from densa.engine.args import EngineArgs
+from densa.setup.args import EngineArgs
 
 T = TypeVar("T")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from densa.engine.args import EngineArgs
 from densa.measure.report import BenchReport, LinePlot, Series, Table
 from densa.measure.stats import spread
+from densa.setup.args import EngineArgs
 
 _PERCENTILES = (("median", 50), ("p95", 95), ("p99", 99))
 

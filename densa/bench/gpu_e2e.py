@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine, StepRecord
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from typing import Any
 import httpx
 import psutil
 
-from densa.engine.args import EngineArgs
 from densa.measure.report import BenchReport, Table
 from densa.measure.stats import latency_stats
+from densa.setup.args import EngineArgs
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ import torch
 
 from densa.bench.serving import DensaEngine, ServingSettings, make_prompts, timed_wave
 from densa.bench.timing import Wave
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.measure.progress import progress
 from densa.measure.report import BenchReport, LinePlot, Series, Table
 from densa.measure.stats import format_spread, interleave, latency_stats, median, spread
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.utils.logging import get_logger
 from densa.worker.integrity import TagTableChecker
 from densa.worker.request_states import ScheduledRequest

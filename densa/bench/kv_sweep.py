@@ -21,7 +21,6 @@ from typing import Any
 from densa.bench.kv_sweep_report import build_report
 from densa.bench.serving import DensaEngine, ServingSettings, make_prompts, timed_wave
 from densa.bench.timing import RequestTiming, Wave
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.measure.progress import progress
 from densa.measure.report import BenchReport
@@ -29,6 +28,7 @@ from densa.measure.stats import interleave
 from densa.model.arch import ArchConfig
 from densa.model.loader import resolve_model_dir
 from densa.sched.output import SchedulerOutput
+from densa.setup.args import EngineArgs
 from densa.utils.logging import get_logger
 from densa.worker.kv_cache import kv_capacity, page_bytes
 
@@ -207,6 +207,6 @@ def _report_settings(
 
 
 def _default_model() -> str:
-    from densa.engine.args import default_model_path
+    from densa.setup.args import default_model_path
 
     return default_model_path()

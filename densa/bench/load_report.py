@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 
 from densa.bench.load import ClientResult, LoadRun, LoadSettings, find_problems, run_load
-from densa.engine.args import EngineArgs
 from densa.measure.report import BenchReport, LinePlot, Series, Table
 from densa.measure.stats import latency_stats, spread
 from densa.serve.process import serve_engine_in_thread
+from densa.setup.args import EngineArgs
 
 
 def run_load_bench(

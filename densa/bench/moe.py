@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from densa.bench.weights import WeightsSettings, run_weights
-from densa.engine.args import EngineArgs, default_model_path
 from densa.measure.report import BenchReport, Table
 from densa.model.loader import resolve_model_dir
+from densa.setup.args import EngineArgs, default_model_path
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -50,10 +50,10 @@ def _peers(ns: argparse.Namespace) -> int:
     from densa.bench.peer_specs import PeerContext, build_specs
     from densa.bench.peers import PeersSettings, PromptMaker, report_settings, run_peers
     from densa.bench.peers_report import build_report
-    from densa.engine.args import default_model_path
     from densa.measure.data import lambada_passages
     from densa.model.catalog import resolve_model_arg
     from densa.model.loader import resolve_model_dir
+    from densa.setup.args import default_model_path
     from densa.text.tokenizer import Tokenizer
     from densa.utils.cpu import usable_cpus
 

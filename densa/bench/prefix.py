@@ -23,12 +23,12 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.measure.progress import progress
 from densa.measure.report import BenchReport, LinePlot, Series, Table
 from densa.measure.stats import format_spread, interleave, spread
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -18,7 +18,6 @@ from typing import Any, Protocol
 
 from densa.bench.serving_report import build_report
 from densa.bench.timing import RequestTiming, ServingEngine, Wave
-from densa.engine.args import EngineArgs, default_model_path
 from densa.engine.llm_engine import LLMEngine
 from densa.ipc.messages import RequestDelta
 from densa.measure.hardware import PeakRSS
@@ -27,6 +26,7 @@ from densa.measure.report import BenchReport
 from densa.measure.stats import interleave
 from densa.model.loader import resolve_model_dir
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs, default_model_path
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)

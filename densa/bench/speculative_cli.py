@@ -56,10 +56,10 @@ def _speculative(ns: argparse.Namespace) -> int:
         run_speculative,
     )
     from densa.bench.speculative_report import build_report
-    from densa.engine.args import default_model_path
     from densa.measure.data import lambada_passages
     from densa.model.catalog import resolve_model_arg
     from densa.model.loader import resolve_model_dir
+    from densa.setup.args import default_model_path
     from densa.text.tokenizer import Tokenizer
     from densa.utils.cpu import usable_cpus
 

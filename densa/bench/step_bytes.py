@@ -15,11 +15,11 @@ from typing import Any
 
 import msgspec
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine, StepRecord
 from densa.measure.report import BenchReport, LinePlot, Series, Table
 from densa.measure.stats import percentile
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.worker.request_states import RequestStates
 
 

@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from densa.bench.structured_schemas import SCHEMA_CASES
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.measure.progress import progress
 from densa.measure.report import BenchReport, Table
 from densa.measure.stats import interleave, median, percentile
 from densa.sampling_params import SamplingParams, StructuredOutput
+from densa.setup.args import EngineArgs
 from densa.utils.logging import get_logger
 from densa.worker.grammar import GrammarCompiler
 

@@ -32,11 +32,11 @@ from typing import Any
 
 from densa.auth.secret import ClusterSecret
 from densa.cache.prefix_index import hash_block
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.measure.report import BenchReport, LinePlot, Series, Table
 from densa.measure.stats import percentile
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from densa.bench.serving import ServingSettings, make_prompts
-from densa.engine.args import EngineArgs, default_model_path
 from densa.engine.llm_engine import LLMEngine
 from densa.measure.progress import progress
 from densa.measure.report import BenchReport, LinePlot, Series, Table
@@ -32,6 +31,7 @@ from densa.model.linear import resident_weight_bytes
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
 from densa.quant.weight_format import WeightFormat
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs, default_model_path
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
 

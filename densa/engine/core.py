@@ -56,10 +56,6 @@ class CoreOptions:
     allow_debug_controls: bool = False  # honour SetStepDelay (tests only)
     watch_parent_pid: int | None = None  # exit if this process (the front) goes away
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
-    role: str = "both"  # disaggregation role (engine/disagg_port.py): both | prefill | decode
-    kv_listen: str = "tcp://127.0.0.1:0"  # prefill role: where decode workers connect
-    kv_transfer_timeout_s: float = 30.0
-    cluster_secret_file: str | None = None  # else DENSA_CLUSTER_SECRET (densa/auth/secret.py)
 
 
 def served_model(engine: LLMEngine, role: str = "both", kv_address: str = "") -> ServedModel:
@@ -100,9 +96,10 @@ class EngineCore:
         self._step_delay = SetStepDelay(0.0)
         self._step_started: float | None = None  # monotonic time the running step began
         self.num_steps = 0
+        disagg = engine.config.disagg  # the role (engine/disagg_port.py) and its KV link
         self.kv_agents = KVAgents.for_role(
-            engine, options.role, context, options.kv_listen, options.kv_transfer_timeout_s,
-            load_secret(options.cluster_secret_file) if options.role != "both" else None,
+            engine, disagg.role, context, disagg.kv_listen, disagg.kv_transfer_timeout,
+            load_secret(disagg.cluster_secret_file) if disagg.role != "both" else None,
         )  # fmt: skip
         self.stats: EngineStats = self._snapshot()  # replaced, never mutated: safe to share
 

@@ -44,14 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from densa.engine.core import CoreOptions, EngineCore
 
-        options = CoreOptions(
-            ns.debug_controls,
-            ns.parent_pid,
-            role=engine_args.get("role", "both"),
-            kv_listen=engine_args.get("kv_listen", "tcp://127.0.0.1:0"),
-            kv_transfer_timeout_s=engine_args.get("kv_transfer_timeout", 30.0),
-            cluster_secret_file=engine_args.get("cluster_secret_file"),
-        )
+        options = CoreOptions(ns.debug_controls, ns.parent_pid)
         EngineCore(engine, addresses, context, options).run()
         return 0
     finally:
@@ -62,8 +55,8 @@ def _load(
     engine_args: dict[str, Any], addresses: transport.Addresses, context: zmq.Context
 ) -> LLMEngine | None:
     """The engine, or None after telling the front why it could not be built."""
-    from densa.engine.args import EngineArgs
     from densa.engine.llm_engine import LLMEngine
+    from densa.setup.args import EngineArgs
 
     try:
         return LLMEngine.from_args(EngineArgs(**engine_args))

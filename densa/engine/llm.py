@@ -9,10 +9,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.ipc.messages import TokenLogprobs
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.text.output import RequestOutput, TextStream
 
 Prompt = str | list[int]

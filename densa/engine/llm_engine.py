@@ -17,8 +17,7 @@ import torch
 from densa.cache.integrity import IntegrityStats
 from densa.cache.kv_manager import KVCacheManager
 from densa.config import EngineConfig
-from densa.engine.args import EngineArgs
-from densa.engine.builder import build_engine_parts
+from densa.engine.admission import check_request
 from densa.engine.confinement import execute_confined
 from densa.engine.grammar_gate import GrammarGate
 from densa.engine.kv_tiers import KVTiers, build_tiers, engine_fingerprint
@@ -29,6 +28,8 @@ from densa.sampling_params import SamplingParams
 from densa.sched.events import ReleaseViolation
 from densa.sched.output import SchedulerOutput
 from densa.sched.scheduler import Scheduler
+from densa.setup.args import EngineArgs
+from densa.setup.builder import build_engine_parts
 from densa.spec.proposer import Proposer
 from densa.spec.speculator import Speculator
 from densa.text.tokenizer import Tokenizer
@@ -36,10 +37,6 @@ from densa.utils.logging import get_logger
 from densa.worker.model_runner import ModelRunner
 
 logger = get_logger(__name__)
-
-
-class PromptTooLong(ValueError):
-    """The prompt leaves no room for output in the model's context (context_length_exceeded)."""
 
 
 @dataclass
@@ -100,14 +97,15 @@ class LLMEngine:
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
-        """Load the model and tokenizer, size and allocate the KV cache, and wire the runner."""
+        """The engine densa/setup/ builds from these options, with its config's KV tiers."""
         parts = build_engine_parts(args)
         engine = cls(
             parts.config, parts.tokenizer, parts.runner, parts.arch,
             parts.kv_format, parts.weight_format, parts.proposer,
         )  # fmt: skip
-        if args.kv_tiers:
-            engine.attach_tiers(args.kv_tiers, args.cluster_secret_file)
+        tiers = parts.config.tiers
+        if tiers.specs:
+            engine.attach_tiers(tiers.specs, tiers.cluster_secret_file)
         return engine
 
     def attach_tiers(self, specs: tuple[str, ...] | list[str], secret_file: str | None) -> None:
@@ -265,26 +263,10 @@ class LLMEngine:
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if the request can never run. Pure: safe to call from any thread."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if params.structured is not None and self.runner.grammars is None:
-            raise ValueError("this engine was built without a grammar compiler")
-        vocab = self.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
-        max_len = self.config.scheduler.max_model_len
-        if len(prompt_token_ids) >= max_len:
-            raise PromptTooLong(
-                f"the prompt has {len(prompt_token_ids)} tokens but this model's context is "
-                f"{max_len} tokens (prompt + at least one output token); shorten the prompt"
-            )
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise ValueError(f"stop_token_ids out of range [0, {vocab}): {bad_stop[:5]}")
-        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad_bias:
-            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad_bias[:5]}")
+        check_request(
+            prompt_token_ids, params, self.arch.vocab_size, self.config.scheduler.max_model_len,
+            has_grammars=self.runner.grammars is not None,
+        )  # fmt: skip
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:

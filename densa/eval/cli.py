@@ -16,9 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from densa.engine.args import EngineArgs
 from densa.eval.formats import Format, parse_format
 from densa.measure.data import TASKS, data_root
+from densa.setup.args import EngineArgs
 
 # A fixed KV budget, not a fraction of free memory: every format's engine loads into one process,
 # and a fraction would leave the later ones less. 512 MiB holds ~11k fp32 SmolLM2-135M tokens.

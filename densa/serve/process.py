@@ -21,7 +21,6 @@ import uvicorn
 from fastapi import FastAPI
 
 from densa.auth.secret import load_secret
-from densa.engine.args import EngineArgs
 from densa.serve.api_server import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
@@ -34,6 +33,7 @@ from densa.serve.disagg import PlacementPolicy, peer_base_url
 from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
 from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
 from densa.serve.reasoning import reasoning_format
+from densa.setup.args import EngineArgs
 from densa.utils.logging import configure_logging, get_logger
 from densa.utils.net import bind_listener, check_kv_listen, tcp_socket
 
@@ -155,18 +155,11 @@ def make_engine_client(engine_args: EngineArgs, options: ServerOptions) -> Engin
         step_timeout_s=options.engine_step_timeout, max_restarts=options.engine_restarts
     )
     if options.engine_placement == "thread":
-        from densa.engine.core import CoreOptions
         from densa.engine.inproc import ThreadLauncher  # imports torch: only in this placement
         from densa.engine.llm_engine import LLMEngine
 
-        core = CoreOptions(
-            role=engine_args.role,
-            kv_listen=engine_args.kv_listen,
-            kv_transfer_timeout_s=engine_args.kv_transfer_timeout,
-            cluster_secret_file=engine_args.cluster_secret_file,
-        )
-        engine = LLMEngine.from_args(engine_args)
-        return EngineClient(ThreadLauncher(engine, core), client_options)
+        engine = LLMEngine.from_args(engine_args)  # its config.disagg: role and KV link
+        return EngineClient(ThreadLauncher(engine), client_options)
     launcher = ProcessLauncher(dataclasses.asdict(engine_args), log_level=options.log_level)
     return EngineClient(launcher, client_options)
 

@@ -240,7 +240,7 @@ class DraftSpec:
 
     model: str  # a path densa's loader takes (catalog names are resolved before)
     page_size: int
-    num_pages: int  # the draft's own pages (engine/builder.py: as many tokens as the target's)
+    num_pages: int  # the draft's own pages (setup/builder.py: as many tokens as the target's)
     max_model_len: int
     dtype: str = "float32"
     weight_format: str = "auto"  # resolved as the target's is: a GGUF draft runs from its blocks

@@ -65,9 +65,9 @@ def _add_capacity(commands: argparse._SubParsersAction) -> None:
 
 
 def _capacity(ns: argparse.Namespace) -> int:
-    from densa.engine.args import default_model_path
     from densa.model.arch import ArchConfig
     from densa.model.loader import resolve_model_dir
+    from densa.setup.args import default_model_path
     from densa.utils.sizes import parse_memory
     from densa.worker.kv_cache import kv_capacity
 
@@ -174,10 +174,10 @@ def _add_calibrate(commands: argparse._SubParsersAction) -> None:
 
 
 def _calibrate(ns: argparse.Namespace) -> int:
-    from densa.engine.args import EngineArgs
     from densa.engine.kv_calibration import calibrate_kv_scales
     from densa.engine.llm_engine import LLMEngine
     from densa.measure.progress import progress
+    from densa.setup.args import EngineArgs
 
     if ns.num_tokens < 2 or ns.segment_len < 2:
         print("densa calibrate-kv: --num-tokens and --segment-len must be >= 2", file=sys.stderr)

@@ -10,7 +10,7 @@ import pytest
 from densa.bench.disagg import DisaggSettings, RequestResult, Variant, _sample
 from densa.bench.disagg_report import build_report
 from densa.cli import build_parser, main
-from densa.engine.args import EngineArgs
+from densa.setup.args import EngineArgs
 
 
 def test_bench_parser_routes_to_disagg() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from densa.bench.hostile import HostileSettings, run_hostile_bench
-from densa.engine.args import EngineArgs
+from densa.setup.args import EngineArgs
 
 
 def test_hostile_bench_reports_refusals_and_latency(tiny_model_dir: Path, tmp_path: Path) -> None:

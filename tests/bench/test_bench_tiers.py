@@ -13,7 +13,7 @@ import pytest
 
 from densa.bench.redis_server import INSTALL_HINT, redis_server_binary
 from densa.bench.tiers import TiersSettings, run_tiers
-from densa.engine.args import EngineArgs
+from densa.setup.args import EngineArgs
 
 
 def test_bench_tiers_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -22,8 +22,8 @@ from densa.bench.speculative import (
     run_speculative,
 )
 from densa.bench.speculative_report import build_report
-from densa.engine.args import default_model_path
 from densa.model.loader import resolve_model_dir
+from densa.setup.args import default_model_path
 
 FAKE = str(Path(__file__).with_name("fake_openai_server.py"))
 PASSAGES = ["the cat sat on the mat and looked at the door", "a storm came over the hills"]

@@ -396,8 +396,8 @@ CONVERSIONS = [
 
 
 def test_the_handoff_formats_are_every_format_densa_serves() -> None:
-    from densa.engine.args import EngineArgs
     from densa.quant.kv_format import KVFormat
+    from densa.setup.args import EngineArgs
 
     served = {(f.name, f.scales) for f in KVFormat.served()}
     args: list[Any] = list(FORMAT_ARGS.values())

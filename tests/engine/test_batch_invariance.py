@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine, StepRecord
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from tests.conftest import make_tiny_llama
 
 TARGET_LEN = 500  # + 24 generated: the context crosses both kernels' split thresholds

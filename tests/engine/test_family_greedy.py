@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.text.tokenizer import Tokenizer
 from tests.tiny_families import CONFIGS, save_tiny
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams, StructuredOutput
+from densa.setup.args import EngineArgs
 from densa.worker.grammar import CompiledGrammar, GrammarError
 
 PROMPT = [1, 520, 9531, 198, 27, 1256]

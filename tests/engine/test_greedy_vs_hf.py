@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.text.tokenizer import Tokenizer
 
 from .reference import ReferenceGeneration, first_divergence, hf_greedy, run_with_invariants

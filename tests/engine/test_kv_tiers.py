@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine, StepRecord
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 
 from ..outputs import Collector, Final
 

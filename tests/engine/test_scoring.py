@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.engine.scoring import iter_logits, token_logprobs
+from densa.setup.args import EngineArgs
 
 from ..model.helpers import hf_logits
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.model.linear import Fp8Linear, Int4Linear, Linear
 from densa.model.stacked_linear import StackedFp8Linear, StackedInt4Linear
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.text.tokenizer import Tokenizer
 from tests.conftest import make_tiny_llama
 from tests.quant.shipped_producers import write_shipped

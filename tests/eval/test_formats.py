@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from densa.engine.args import EngineArgs
 from densa.eval.formats import parse_format, split_options
+from densa.setup.args import EngineArgs
 
 BASE = EngineArgs(kv_cache_memory="512MiB")
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.builder import select_backend
 from densa.engine.llm import LLM
 from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
 from densa.model.triton_attention import TritonAttentionBackend
 from densa.sampling_params import SamplingParams
+from densa.setup.builder import select_backend
 from densa.worker.cuda_graphs import DecodeGraphs, EagerCapturer
 from densa.worker.request_states import ScheduledRequest
 from densa.worker.triton_integrity import TritonTagTableChecker

@@ -11,10 +11,10 @@ import pytest
 from densa.cache.integrity import ViolationKind
 from densa.disagg import wire
 from densa.disagg.ports import Landing
-from densa.engine.args import EngineArgs
 from densa.engine.disagg_port import DecodePort
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 
 from ..outputs import Collector, Final
 from .faults import corrupt_next_page_table, release_behind_owner

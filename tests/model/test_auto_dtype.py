@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.model.loader import auto_dtype
+from densa.setup.args import EngineArgs
 from tests.conftest import make_tiny_llama
 
 

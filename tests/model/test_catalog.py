@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from densa.engine.args import EngineArgs
 from densa.model import catalog
 from densa.model.arch import ModelLoadError
 from densa.model.catalog import (
@@ -21,6 +20,7 @@ from densa.model.catalog import (
     numbered_chunks,
     resolve_model_arg,
 )
+from densa.setup.args import EngineArgs
 
 # Twelve parts: in file order part10 comes after part9, though it sorts before part2 as a name.
 PARTS = [bytes([65 + i]) * (5 + 3 * i) for i in range(12)]

@@ -13,11 +13,11 @@ from pathlib import Path
 import openai
 import pytest
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.model.arch import ArchConfig
 from densa.model.loader import resolve_model_dir
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.text.tokenizer import Tokenizer
 from tests.engine.reference import first_divergence, hf_greedy, run_with_invariants
 from tests.serve.test_lifecycle import free_port, wait_healthy

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from densa.engine.args import default_model_path
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.checkpoint_files import safetensors_files
 from densa.model.gguf import convert_gguf, ensure_dense_copy
 from densa.model.loader import resolve_model_dir
+from densa.setup.args import default_model_path
 
 from .helpers import densa_logits, hf_logits
 

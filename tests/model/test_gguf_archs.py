@@ -23,13 +23,13 @@ import torch
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file, save_file
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.gguf import convert_gguf
 from densa.model.gguf_archs import GGUF_ARCHS, FileLayout, gguf_dialect
 from densa.model.gguf_tensors import gguf_tensors
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from tests.engine.reference import first_divergence, hf_greedy, run_with_invariants
 from tests.tiny_families import CONFIGS, save_tiny
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-from densa.engine.args import default_model_path
 from densa.kernels import native, qgemm
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
@@ -24,6 +23,7 @@ from densa.model.linear import resident_weight_bytes
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.model.packed_linear import PackedLinear, ShardedPackedLinear, dequantized_weight
 from densa.quant import gguf_blocks
+from densa.setup.args import default_model_path
 from densa.utils.sizes import format_bytes
 from densa.worker.kv_cache import allocate_kv_caches
 

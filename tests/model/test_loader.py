@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.loader import check_fits, load_model
+from densa.setup.args import EngineArgs
 
 
 def test_truncated_safetensors_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The memory check before loading (densa/engine/memory_plan.py): the weights it plans are the
+"""The memory check before loading (densa/setup/memory_plan.py): the weights it plans are the
 bytes the loader then holds, exactly, in every format; it passes with room, and refuses in one
 line naming what would fit when the (injected) available memory is too small."""
 
@@ -10,18 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.args import EngineArgs
-from densa.engine.memory_plan import (
+from densa.kernels import native
+from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.linear import resident_weight_bytes
+from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
+from densa.setup.args import EngineArgs
+from densa.setup.memory_plan import (
     SKIP_ENV,
     Available,
     available_memory,
     check_memory,
     plan_weights,
 )
-from densa.kernels import native
-from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.linear import resident_weight_bytes
-from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
 
 from .test_gguf_quants import MIXES, write_tiny_gguf
 
@@ -84,8 +84,9 @@ def _check(path: Path, free: int, **options: object) -> object:
     args = EngineArgs(model=str(path), max_model_len=512, weight_format=weights, head_format=head,
                       dtype=dtype)  # fmt: skip
     args = dataclasses.replace(args, **options)  # type: ignore[arg-type]
+    config = args.resolve(arch, str(path))
     return check_memory(
-        args, model_dir, arch, args.kv_format(), 512, available=lambda: Available(free, "test")
+        config, model_dir, arch, args.kv_format(), available=lambda: Available(free, "test")
     )
 
 

@@ -27,7 +27,7 @@ def test_the_skeleton_is_meta_and_init_comes_back_even_after_an_error() -> None:
 
 _BUILD = """
 import sys
-from densa.engine.args import EngineArgs
+from densa.setup.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 LLMEngine.from_args(EngineArgs(model=sys.argv[1], num_kv_pages=8, max_model_len=32))
 print(sorted(m for m in ("torch._dynamo", "triton") if m in sys.modules))

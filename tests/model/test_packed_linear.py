@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from densa.engine.args import default_model_path
 from densa.kernels import native, qgemm
 from densa.model.packed_linear import PackedLinear, quantize_q4_1, reference_linear
+from densa.setup.args import default_model_path
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.memory_plan import plan_weights
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.linear import Fp8Linear, Int4Linear, Linear, resident_weight_bytes
 from densa.model.loader import load_model
+from densa.setup.memory_plan import plan_weights
 from tests.conftest import make_tiny_llama
 from tests.quant.shipped_producers import write_shipped
 

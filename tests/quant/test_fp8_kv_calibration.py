@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from densa.cli import main
-from densa.engine.args import EngineArgs
 from densa.engine.kv_calibration import calibrate_kv_scales
 from densa.engine.llm_engine import LLMEngine
 from densa.quant.fp8_kv import FP8_MAX
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 
 TEXT = (
     "It was the best of times, it was the worst of times, it was the age of wisdom, it was the "

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from densa.cli import main
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.worker.kv_cache import (
     allocate_kv_caches,
     bytes_per_token,

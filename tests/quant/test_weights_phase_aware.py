@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm import LLM
 from densa.engine.llm_engine import LLMEngine
 from densa.engine.scoring import iter_logits
@@ -17,6 +16,7 @@ from densa.model.linear import Int4Linear, resident_weight_bytes
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
 from densa.quant.weight_format import WeightFormat
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from tests.conftest import make_tiny_llama
 
 TOKENS = [1, 520, 9531, 198, 27, 1256, 42, 8000, 3, 77, 10, 11, 12, 13, 14]

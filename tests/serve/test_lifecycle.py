@@ -94,7 +94,7 @@ def start_server(model_dir: Path, port: int, slow: bool = True) -> subprocess.Po
     )
     script = (
         "import time\n"
-        "from densa.engine.args import EngineArgs\n"
+        "from densa.setup.args import EngineArgs\n"
         "from densa.engine.llm_engine import LLMEngine\n"
         "from densa.serve import run_server\n"
         "step = LLMEngine.step\n"

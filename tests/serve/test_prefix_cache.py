@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from densa.cli import build_parser
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 
 from ..outputs import Collector, Final
 from .support import MODEL_NAME, RunningServer, make_engine

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.args import EngineArgs, default_model_path
-from densa.engine.builder import _resolve_num_pages
 from densa.engine.llm import LLM
 from densa.model.arch import ArchConfig
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs, default_model_path
+from densa.setup.kv_sizing import draft_kv_page_bytes, resolve_num_pages
 from densa.spec.draft import DraftModelProposer
 from densa.worker.kv_cache import page_bytes
 from tests.conftest import make_tiny_llama
@@ -68,16 +68,19 @@ def test_the_draft_kv_shares_the_budget(tiny_model_dir: Path, other_draft_dir: P
     arch = ArchConfig.from_dir(tiny_model_dir)
     args = EngineArgs(
         model=str(tiny_model_dir), speculative_model=str(other_draft_dir),
-        kv_cache_memory="1MiB", page_size=PAGE_SIZE, dtype="float32",
+        kv_cache_memory="1MiB", page_size=PAGE_SIZE, dtype="float32", max_model_len=64,
     )  # fmt: skip
     per_page = page_bytes(arch, PAGE_SIZE, args.kv_format().name)
     draft_per_page = page_bytes(ArchConfig.from_dir(other_draft_dir), PAGE_SIZE, "float32")
-    num_pages, _ = _resolve_num_pages(args, arch, args.kv_format(), 64, CPU)
-    assert num_pages == (1 << 20) // (per_page + draft_per_page)
-    plain = EngineArgs(
-        model=str(tiny_model_dir), kv_cache_memory="1MiB", page_size=PAGE_SIZE, dtype="float32"
+    config, kv_format = args.resolve(arch, str(tiny_model_dir)), args.kv_format()
+    draft_page = draft_kv_page_bytes(config.speculative, PAGE_SIZE, kv_format)
+    assert draft_page == draft_per_page
+    num_pages, _ = resolve_num_pages(
+        config.cache, config.scheduler, arch, kv_format, CPU, draft_page
     )
-    assert _resolve_num_pages(plain, arch, plain.kv_format(), 64, CPU)[0] == ((1 << 20) // per_page)
+    assert num_pages == (1 << 20) // (per_page + draft_per_page)
+    plain, _ = resolve_num_pages(config.cache, config.scheduler, arch, kv_format, CPU)
+    assert plain == (1 << 20) // per_page
 
 
 def test_a_gguf_draft_runs_from_its_blocks_as_the_target_does() -> None:

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from densa.config import SpeculativeConfig
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.spec.proposer import SpecInput
 from densa.spec.speculator import Speculator
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from densa.config import SpeculativeConfig
-from densa.engine.args import EngineArgs
 from densa.engine.inproc_pair import InProcessPair
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 from densa.spec.speculator import Speculator
 from tests.spec.test_exact_greedy import ScriptedProposer
 

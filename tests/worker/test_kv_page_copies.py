@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.kernels.paged_attention_ref import dequantize_pages
 from densa.model.kv_layout import cache_parts
 from densa.quant import fp8_kv, int8_kv
 from densa.sampling_params import SamplingParams
 from densa.sched.output import KVLanding, PackedPages
+from densa.setup.args import EngineArgs
 from densa.worker import kv_io
 
 PROMPT = list(range(100, 124))  # 24 tokens = 6 full pages of 4

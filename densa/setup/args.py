@@ -9,34 +9,25 @@ from typing import TYPE_CHECKING
 
 from densa.cache.tiers.tier import parse_tier_spec
 from densa.config import (
-    ATTENTION_BACKENDS,
+    AUTO_KV_MEMORY,
     DEFAULT_KV_SCALES,
     DEFAULT_SPECULATIVE_MAX_BATCH,
-    DTYPE_CHOICES,
-    HEAD_FORMATS,
-    KV_CACHE_DTYPES,
-    KV_SCALE_POLICIES,
-    SPECULATIVE_METHODS,
-    WEIGHT_FORMATS,
     CacheConfig,
+    DeviceConfig,
+    DisaggConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    TiersConfig,
 )
 from densa.model.arch import ArchConfig
-from densa.model.catalog import CATALOG, resolve_model_arg
+from densa.model.catalog import resolve_model_arg
+from densa.setup.options import add_engine_options
 from densa.utils.sizes import parse_memory
 
 if TYPE_CHECKING:  # the front builds its command line from here: no torch at import
     from densa.quant.kv_format import KVFormat
-
-# The default KV budget: pages for max_num_seqs requests at the full max_model_len (so the
-# scheduler never has to preempt at the default settings), but never more than this share of
-# the memory free once the weights are loaded.
-AUTO_KV_MEMORY = "auto"
-ROLES = ("both", "prefill", "decode")
-AUTO_KV_MAX_FRACTION = 0.5
 
 
 def default_model_path() -> str:
@@ -109,7 +100,7 @@ class EngineArgs:
     # "shared:redis://HOST:PORT[/DB]" (needs the cluster secret). Empty: the device pool only.
     kv_tiers: tuple[str, ...] = ()
     # Start without checking that weights + KV + activations fit in available memory
-    # (densa/engine/memory_plan.py), for operators who know better (also DENSA_SKIP_MEMORY_CHECK=1).
+    # (densa/setup/memory_plan.py), for operators who know better (also DENSA_SKIP_MEMORY_CHECK=1).
     skip_memory_check: bool = False
     # Speculative decoding (docs/speculative.md): off unless a method or a draft model is given.
     speculative_method: str | None = None  # ngram | draft | mtp
@@ -134,14 +125,35 @@ class EngineArgs:
         self,
         arch: ArchConfig,
         model_path: str,
-        num_pages: int,
+        num_pages: int = 0,
         eos_token_ids: tuple[int, ...] = (),
         kv_format: KVFormat | None = None,
     ) -> EngineConfig:
-        """Freeze the options once the model (arch) and the page count are known."""
+        """Freeze the options once the model (arch) is known. The builder resolves them before
+        the KV cache is sized and the tokenizer loaded (num_pages 0, no eos tokens), then fills
+        those in with `EngineConfig.sized`."""
         max_len = self.resolved_max_model_len(arch)
-        kv = kv_format or self.kv_format()
-        model = ModelConfig(
+        return EngineConfig(
+            model=self.model_config(model_path, max_len),
+            cache=self.cache_config(kv_format or self.kv_format(), num_pages),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=max_len,
+                max_waiting_requests=self.max_waiting_requests,
+                eos_token_ids=eos_token_ids,
+            ),
+            speculative=self.speculative_config(),
+            device=DeviceConfig(
+                self.device, self.attention_backend, self.cuda_graphs, self.fused_decode
+            ),
+            disagg=self.disagg_config(),
+            tiers=TiersConfig(self.kv_tiers, self.cluster_secret_file),
+            skip_memory_check=self.skip_memory_check,
+        )
+
+    def model_config(self, model_path: str, max_len: int) -> ModelConfig:
+        return ModelConfig(
             model=model_path,
             served_model_name=self.served_model_name or _default_name(model_path),
             dtype=self.dtype,
@@ -152,7 +164,9 @@ class EngineArgs:
             decode_weight_format=self.decode_weight_format,
             seed=self.seed,
         )
-        cache = CacheConfig(
+
+    def cache_config(self, kv: KVFormat, num_pages: int) -> CacheConfig:
+        return CacheConfig(
             page_size=self.page_size,
             num_pages=num_pages,
             kv_cache_dtype=kv.name,
@@ -160,16 +174,14 @@ class EngineArgs:
             kv_scales_file=self.kv_scales_file,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_integrity=self.kv_integrity,
+            memory=self.kv_cache_memory,
+            exact_num_pages=self.num_kv_pages,
         )
-        scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=max_len,
-            max_waiting_requests=self.max_waiting_requests,
-            eos_token_ids=eos_token_ids,
-        )
-        return EngineConfig(
-            model=model, cache=cache, scheduler=scheduler, speculative=self.speculative_config()
+
+    def disagg_config(self) -> DisaggConfig:
+        """Raises ValueError naming the option (--role, --kv-transfer-timeout)."""
+        return DisaggConfig(
+            self.role, self.kv_listen, self.kv_transfer_timeout, self.cluster_secret_file
         )
 
     def speculative_config(self) -> SpeculativeConfig | None:
@@ -210,17 +222,12 @@ class EngineArgs:
             return self.kv_scales
         return "static" if self.kv_scales_file else DEFAULT_KV_SCALES
 
-    def kv_budget(self) -> float | int | None:
-        """Bytes (int), a share of free memory (float), or None for the automatic size."""
-        if self.kv_cache_memory == AUTO_KV_MEMORY:
-            return None
-        return parse_memory(self.kv_cache_memory)
-
     def check(self) -> None:
         """Raise ValueError for options that are wrong whatever the model: called before anything
         slow (loading the model, binding nothing yet), so a typo costs no waiting."""
         try:
-            self.kv_budget()
+            if self.kv_cache_memory != AUTO_KV_MEMORY:
+                parse_memory(self.kv_cache_memory)
         except ValueError as exc:
             raise ValueError(f"--kv-cache-memory: {exc}") from exc
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
@@ -232,10 +239,7 @@ class EngineArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_waiting_requests < 0:
             raise ValueError("--max-waiting-requests must be >= 0")
-        if self.role not in ROLES:
-            raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if not self.kv_transfer_timeout > 0:
-            raise ValueError("--kv-transfer-timeout must be > 0 seconds")
+        self.disagg_config()  # raises ValueError naming the option
         for spec in self.kv_tiers:
             parse_tier_spec(spec)  # raises ValueError naming the option
         if self.model is not None and not Path(self.model).expanduser().exists():
@@ -249,187 +253,7 @@ class EngineArgs:
     # ---- command line --------------------------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        g = parser.add_argument_group("engine")
-        d = EngineArgs()  # the defaults live in the dataclass; the command line shows them
-        g.add_argument(
-            "--model",
-            default=None,
-            help="HF directory, .gguf file or a named model ("
-            + ", ".join(model.name for model in CATALOG)
-            + "; scripts/setup.sh models) (default: bundled SmolLM2-135M)",
-        )
-        g.add_argument(
-            "--served-model-name", default=None, nargs="+", metavar="NAME",
-            help="model id clients use (default: file name); `densa serve` also accepts the "
-            "names after the first as aliases",
-        )  # fmt: skip
-        g.add_argument("--dtype", default=d.dtype, choices=list(DTYPE_CHOICES))
-        g.add_argument(
-            "--max-model-len", type=int, default=None, help="tokens per request (prompt + output)"
-        )
-        g.add_argument(
-            "--kv-cache-memory",
-            default=d.kv_cache_memory,
-            help="KV cache size: bytes like '2GiB', a share of the memory free after loading "
-            "like '0.3' or '30%%', or auto (default): room for --max-num-seqs requests of "
-            f"--max-model-len tokens, at most {AUTO_KV_MAX_FRACTION * 100:.0f}%% of free memory",
-        )
-        g.add_argument(
-            "--kv-cache-dtype",
-            default=d.kv_cache_dtype,
-            choices=list(KV_CACHE_DTYPES),
-        )
-        g.add_argument(
-            "--kv-scales",
-            default=d.kv_scales,
-            choices=list(KV_SCALE_POLICIES),
-            help="FP8 KV scales: per token and head (dynamic) or per layer from --kv-scales-file "
-            f"(static; 1.0 without a file). auto: static if a file is given, else "
-            f"{DEFAULT_KV_SCALES}",
-        )
-        g.add_argument(
-            "--kv-scales-file",
-            default=None,
-            help="JSON file of static per-layer FP8 KV scales, made by `densa calibrate-kv`",
-        )
-        g.add_argument(
-            "--num-kv-pages",
-            type=int,
-            default=None,
-            help="exact number of KV pages (overrides --kv-cache-memory)",
-        )
-        g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-        g.add_argument(
-            "--enable-prefix-caching",
-            action=argparse.BooleanOptionalAction,
-            default=d.enable_prefix_caching,
-        )
-        g.add_argument(
-            "--kv-integrity",
-            choices=["on", "off"],
-            default="on" if d.kv_integrity else "off",
-            help="check KV page generation tags before every read and write",
-        )
-        g.add_argument(
-            "--max-num-seqs", type=int, default=d.max_num_seqs, help="requests in flight per step"
-        )
-        g.add_argument(
-            "--max-num-batched-tokens",
-            type=int,
-            default=d.max_num_batched_tokens,
-            help="tokens per step",
-        )
-        g.add_argument(
-            "--max-waiting-requests",
-            type=int,
-            default=d.max_waiting_requests,
-            help="queue bound (then 429)",
-        )
-        g.add_argument(
-            "--weight-format",
-            default=d.weight_format,
-            choices=list(WEIGHT_FORMATS),
-            help="linear weights: as stored (auto: a GGUF's Q4_1 layers as w4a8, a densa "
-            "checkpoint's own format, else dense), dequantized (dense), or quantized at load "
-            "time by round-to-nearest (int4 g128 symmetric, fp8 128x128 blocks; w4a8 / w8a8 / "
-            "w8: 4-/8-bit groups of 32 on densa's CPU kernels, see docs/weights.md)",
-        )
-        g.add_argument(
-            "--head-format",
-            default=d.head_format,
-            choices=list(HEAD_FORMATS),
-            help="the output head (also when tied to the embedding): dense, w8a8 (int8 "
-            "activations), w8 (float activations), or auto: a GGUF's Q8_0 head as w8",
-        )
-        g.add_argument(
-            "--decode-weight-format",
-            default=None,
-            choices=list(WEIGHT_FORMATS),
-            help="phase-aware from one checkpoint: decode steps run through a second copy of "
-            "--model in this format (e.g. w4a8), prefill through --weight-format",
-        )
-        g.add_argument(
-            "--decode-model",
-            default=None,
-            help="a checkpoint of the same model (e.g. INT4 from densa quantize) that decode "
-            "steps run through; prefill keeps --model's weights; one shared KV cache",
-        )
-        g.add_argument(
-            "--attention-backend",
-            default=d.attention_backend,
-            choices=list(ATTENTION_BACKENDS),
-            help="auto: Numba kernels on the CPU, Triton kernels on a GPU",
-        )
-        g.add_argument(
-            "--device",
-            default=d.device,
-            help="where weights, KV pages and the tag table live: cpu, cuda or cuda:N",
-        )
-        g.add_argument(
-            "--cuda-graphs",
-            action=argparse.BooleanOptionalAction,
-            default=d.cuda_graphs,
-            help="on a GPU, replay decode steps from CUDA graphs (batch sizes up to 64)",
-        )
-        g.add_argument(
-            "--fused-decode",
-            action=argparse.BooleanOptionalAction,
-            default=d.fused_decode,
-            help="run decode-only steps through the fused C++ step where it runs (float32 "
-            "compute, dense / w4a8 / w8a8 weights, CPU; otherwise the eager model)",
-        )
-        g.add_argument("--seed", type=int, default=d.seed)
-        g.add_argument(
-            "--role", default=d.role, choices=list(ROLES),
-            help="both: prefill and decode here (default); prefill: also run prompts for decode "
-            "workers and hand them the KV pages; decode: take requests whose x-densa-prefill "
-            "header names a prefill worker, and decode them with its pages",
-        )  # fmt: skip
-        g.add_argument(
-            "--kv-listen", default=d.kv_listen,
-            help="prefill role: the ZeroMQ address decode workers connect to (port 0: any free)",
-        )  # fmt: skip
-        g.add_argument(
-            "--kv-transfer-timeout", type=float, default=d.kv_transfer_timeout,
-            help="seconds a KV transfer may stay in any one state (then it fails, pages freed)",
-        )  # fmt: skip
-        g.add_argument(
-            "--cluster-secret-file", default=d.cluster_secret_file, metavar="FILE",
-            help="the cluster secret shared by the router and the workers (else the environment "
-            "variable DENSA_CLUSTER_SECRET): authenticates the KV link and the router's signed "
-            "placements; without it a prefill worker's --kv-listen must be loopback",
-        )  # fmt: skip
-        g.add_argument(
-            "--kv-tier", dest="kv_tiers", action="append", default=None, metavar="TIER",
-            help="keep full prefix pages below the device too, repeatable, in tier order: "
-            "disk:PATH:SIZE (files under PATH, at most SIZE, e.g. disk:/var/densa-kv:20GiB) or "
-            "shared:redis://HOST:PORT[/DB] (a Redis server all workers reach; needs the cluster "
-            "secret). Every block read back is verified; a failing one is a miss",
-        )  # fmt: skip
-        g.add_argument(
-            "--skip-memory-check", action="store_true", default=d.skip_memory_check,
-            help="start even if the weights, KV cache and activations look larger than the "
-            "available memory (also DENSA_SKIP_MEMORY_CHECK=1)",
-        )  # fmt: skip
-
-        g.add_argument(
-            "--speculative-method", default=None, choices=list(SPECULATIVE_METHODS),
-            help="speculative decoding (docs/speculative.md): ngram = prompt lookup, draft = a "
-            "small model of the same tokenizer (--speculative-model), mtp = the checkpoint's "
-            "multi-token-prediction layer; greedy and sampled outputs keep their distribution",
-        )  # fmt: skip
-        g.add_argument(
-            "--speculative-model", default=None, metavar="PATH_OR_NAME",
-            help="the draft model for speculative decoding (implies --speculative-method draft)",
-        )  # fmt: skip
-        g.add_argument(
-            "--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
-            help="most tokens proposed per request and step (each request adapts below it)",
-        )  # fmt: skip
-        g.add_argument(
-            "--speculative-max-batch", type=int, default=d.speculative_max_batch,
-            help="speculation pauses while more requests than this decode in a step",
-        )  # fmt: skip
+        add_engine_options(parser, EngineArgs())  # the defaults live in the dataclass
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:

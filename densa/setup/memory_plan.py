@@ -16,7 +16,7 @@ huge-page copy `rehome_on_huge_pages` makes of every weight at once (CPU). The K
 budget the builder will allocate, resolved the same way; KV pages and activations only exist
 after the load, so they compete with the transient, not add to it.
 
-Lives in engine/ (not model/) because it needs the KV sizing (worker/) and the options (here).
+Lives in setup/ (not model/) because it needs the KV sizing (worker/) and the whole config.
 Skipped with --skip-memory-check or DENSA_SKIP_MEMORY_CHECK=1, and off the CPU (a GPU's weights
 are checked against its own free memory by the loader).
 """
@@ -30,7 +30,13 @@ from pathlib import Path
 
 import torch
 
-from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs
+from densa.config import (
+    AUTO_KV_MAX_FRACTION,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from densa.kernels import native, qgemm
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.checkpoint_files import read_stored_format, safetensors_files
@@ -55,6 +61,7 @@ from densa.model.runtime_weights import (
     swap_quantized,
 )
 from densa.quant.kv_format import KVFormat
+from densa.setup.kv_sizing import is_relative
 from densa.utils.sizes import format_bytes
 from densa.worker.kv_cache import page_bytes
 
@@ -200,64 +207,68 @@ def _head_bytes(model: CausalLM, head_format: str) -> int:
 
 # ---- KV cache, activations, the whole plan -----------------------------------------------------
 def planned_kv_bytes(
-    args: EngineArgs, arch: ArchConfig, kv_format: KVFormat, max_len: int, free_after: int
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    arch: ArchConfig,
+    kv_format: KVFormat,
+    free_after: int,
 ) -> int:
-    """The KV budget the builder will allocate (builder.kv_budget, whole pages), where a share
+    """The KV budget the builder will allocate (kv_sizing.kv_budget, whole pages), where a share
     of free memory is a share of what the weights leave (`free_after`)."""
-    page = page_bytes(arch, args.page_size, kv_format.name, kv_format.fp8_policy)
-    if args.num_kv_pages is not None:
-        return args.num_kv_pages * page
-    budget = args.kv_budget()
+    page = page_bytes(arch, cache.page_size, kv_format.name, kv_format.fp8_policy)
+    if cache.exact_num_pages is not None:
+        return cache.exact_num_pages * page
+    budget = cache.budget()
     if isinstance(budget, int):
         return budget // page * page
     share = budget if isinstance(budget, float) else AUTO_KV_MAX_FRACTION
-    wanted = args.max_num_seqs * -(-max_len // args.page_size) * page
+    max_len = scheduler.max_model_len
+    wanted = scheduler.max_num_seqs * -(-max_len // cache.page_size) * page
     cap = int(max(free_after, 0) * share)
     return (cap if isinstance(budget, float) else min(wanted, cap)) // page * page
 
 
-def activation_bytes(args: EngineArgs, arch: ArchConfig, max_len: int) -> int:
+def activation_bytes(scheduler: SchedulerConfig, arch: ArchConfig) -> int:
     """An allowance for one step's float32 activations: per batched token the residual stream,
     its norm, attention output and projections (8 x hidden), q|k|v, the gate|up product and
     its activation (3 x intermediate); prefill attention scores if materialized (heads x
     tokens x max_len); logits, their softmax and the sampler's sorted copy per request."""
-    tokens = args.max_num_batched_tokens
+    tokens, max_len = scheduler.max_num_batched_tokens, scheduler.max_model_len
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     per_token = 8 * arch.hidden_size + 3 * arch.intermediate_size + qkv
     scores = arch.num_heads * tokens * max_len
-    logits = 3 * args.max_num_seqs * arch.vocab_size
+    logits = 3 * scheduler.max_num_seqs * arch.vocab_size
     return _FLOAT32 * (tokens * per_token + scores + logits)
 
 
 def plan_memory(
-    args: EngineArgs,
-    model_dir: Path,
-    arch: ArchConfig,
-    kv_format: KVFormat,
-    max_len: int,
-    available: int,
+    config: EngineConfig, model_dir: Path, arch: ArchConfig, kv_format: KVFormat, available: int
 ) -> MemoryPlan:
-    """What serving `model_dir` with these options needs at its peak."""
-    device = torch.device(args.device)
-    weights = plan_weights(
-        model_dir, arch, args.dtype, max_len, device, args.weight_format, args.head_format
-    )
-    if args.decode_weight_format is not None:
-        weights += plan_weights(
-            model_dir, arch, args.dtype, max_len, device, args.decode_weight_format,
-            args.head_format,
-        )  # fmt: skip
-    elif args.decode_model is not None:
-        decode_dir = resolve_model_dir(args.decode_model)
-        weights += plan_weights(
-            decode_dir, ArchConfig.from_dir(decode_dir), args.dtype, max_len, device, "auto",
-            args.head_format,
-        )  # fmt: skip
+    """What serving `model_dir` with this config needs at its peak."""
+    weights = plan_all_weights(config.model, model_dir, arch, torch.device(config.device.device))
     free_after = available - weights.resident_bytes - RUNTIME_ALLOWANCE
-    kv = planned_kv_bytes(args, arch, kv_format, max_len, free_after)
-    page = page_bytes(arch, args.page_size, kv_format.name, kv_format.fp8_policy)
-    kv = max(kv, _one_request_bytes(args, page, max_len))  # less fails after the load
-    return MemoryPlan(weights, kv, activation_bytes(args, arch, max_len))
+    kv = planned_kv_bytes(config.cache, config.scheduler, arch, kv_format, free_after)
+    page = page_bytes(arch, config.cache.page_size, kv_format.name, kv_format.fp8_policy)
+    kv = max(kv, _one_request_bytes(config, page))  # less fails after the load
+    return MemoryPlan(weights, kv, activation_bytes(config.scheduler, arch))
+
+
+def plan_all_weights(
+    model: ModelConfig, model_dir: Path, arch: ArchConfig, device: torch.device
+) -> WeightPlan:
+    """The prefill weights, plus the decode-phase set where the formats are phase-aware."""
+    dtype, max_len, head = model.dtype, model.max_model_len, model.head_format
+    weights = plan_weights(model_dir, arch, dtype, max_len, device, model.weight_format, head)
+    if model.decode_weight_format is not None:
+        weights += plan_weights(
+            model_dir, arch, dtype, max_len, device, model.decode_weight_format, head
+        )
+    elif model.decode_model is not None:
+        decode_dir = resolve_model_dir(model.decode_model)
+        weights += plan_weights(
+            decode_dir, ArchConfig.from_dir(decode_dir), dtype, max_len, device, "auto", head
+        )
+    return weights
 
 
 # ---- what is available -------------------------------------------------------------------------
@@ -292,21 +303,21 @@ def _meminfo_available(meminfo: Path) -> int:
 
 # ---- the check ---------------------------------------------------------------------------------
 def check_memory(
-    args: EngineArgs,
+    config: EngineConfig,
     model_dir: Path,
     arch: ArchConfig,
     kv_format: KVFormat,
-    max_len: int,
     available: Callable[[], Available] = available_memory,
 ) -> MemoryPlan | None:
     """Refuse (ModelLoadError, one line) before loading when the plan cannot fit; the plan
     otherwise (None when skipped: --skip-memory-check, DENSA_SKIP_MEMORY_CHECK=1, not a CPU)."""
-    if args.skip_memory_check or os.environ.get(SKIP_ENV) == "1" or args.device != "cpu":
+    skip = config.skip_memory_check or os.environ.get(SKIP_ENV) == "1"
+    if skip or config.device.device != "cpu":
         return None
     free = available()
-    plan = plan_memory(args, model_dir, arch, kv_format, max_len, free.num_bytes)
+    plan = plan_memory(config, model_dir, arch, kv_format, free.num_bytes)
     if plan.needed_bytes > free.num_bytes:
-        fits = "; ".join(would_fit(args, model_dir, arch, kv_format, max_len, plan, free))
+        fits = "; ".join(would_fit(config, model_dir, arch, kv_format, plan, free))
         raise ModelLoadError(
             f"not enough memory: serving this model needs ~{format_bytes(plan.needed_bytes)} "
             f"({plan.describe()}) but {format_bytes(free.num_bytes)} is available "
@@ -316,11 +327,10 @@ def check_memory(
 
 
 def would_fit(
-    args: EngineArgs,
+    config: EngineConfig,
     model_dir: Path,
     arch: ArchConfig,
     kv_format: KVFormat,
-    max_len: int,
     plan: MemoryPlan,
     free: Available,
 ) -> list[str]:
@@ -328,29 +338,25 @@ def would_fit(
     shorter --max-model-len (what one request needs is the floor of any KV cache), 4-bit
     weights."""
     fits = []
-    page = page_bytes(arch, args.page_size, kv_format.name, kv_format.fp8_policy)
+    cache, model, max_len = config.cache, config.model, config.model.max_model_len
+    page = page_bytes(arch, cache.page_size, kv_format.name, kv_format.fp8_policy)
     w = plan.weights
     left = free.num_bytes - w.resident_bytes - plan.runtime_bytes  # for KV + activations
     kv_room = (left - plan.activation_bytes) // _MiB * _MiB
     if left >= w.transient_bytes:
-        if _fixed_kv(args) and kv_room >= _one_request_bytes(args, page, max_len):
+        if not is_relative(cache) and kv_room >= _one_request_bytes(config, page):
             fits.append(f"--kv-cache-memory {kv_room // _MiB}MiB")
-        tokens = max(kv_room, 0) // page * args.page_size
-        if args.page_size <= tokens < max_len:
+        tokens = max(kv_room, 0) // page * cache.page_size
+        if cache.page_size <= tokens < max_len:
             fits.append(f"--max-model-len {tokens} (with a KV cache of that many tokens)")
-    if args.weight_format != "w4a8" and native.is_available():
-        device = torch.device(args.device)
-        w4 = plan_weights(model_dir, arch, args.dtype, max_len, device, "w4a8", args.head_format)
-        kv = plan.kv_bytes if _fixed_kv(args) else _one_request_bytes(args, page, max_len)
+    if model.weight_format != "w4a8" and native.is_available():
+        device = torch.device(config.device.device)
+        w4 = plan_weights(model_dir, arch, model.dtype, max_len, device, "w4a8", model.head_format)
+        kv = _one_request_bytes(config, page) if is_relative(cache) else plan.kv_bytes
         if MemoryPlan(w4, kv, plan.activation_bytes).needed_bytes <= free.num_bytes:
             fits.append(f"--weight-format w4a8 (weights {format_bytes(w4.resident_bytes)})")
     return fits
 
 
-def _fixed_kv(args: EngineArgs) -> bool:
-    """Whether the KV budget is a size (not a share of what the weights leave)."""
-    return args.num_kv_pages is not None or isinstance(args.kv_budget(), int)
-
-
-def _one_request_bytes(args: EngineArgs, page: int, max_len: int) -> int:
-    return -(-max_len // args.page_size) * page
+def _one_request_bytes(config: EngineConfig, page: int) -> int:
+    return -(-config.model.max_model_len // config.cache.page_size) * page

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
-from densa.config import ATTENTION_BACKENDS, DTYPE_CHOICES, KV_CACHE_DTYPES, WEIGHT_FORMATS
-from densa.engine.args import EngineArgs
+from densa.config import (
+    ATTENTION_BACKENDS,
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPES,
+    WEIGHT_FORMATS,
+    DeviceConfig,
+    DisaggConfig,
+    TiersConfig,
+)
+from densa.model.arch import ArchConfig
+from densa.setup.args import EngineArgs
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,3 +57,23 @@ def test_kv_tiers_are_repeatable_in_order_and_checked() -> None:
     for bad in ("disk:/var/kv", "shared:10.0.0.5:6379", "ram:1GiB"):
         with pytest.raises(ValueError, match="--kv-tier"):
             EngineArgs(kv_tiers=(bad,)).check()
+
+
+def test_the_frozen_config_carries_every_part_its_own_options(tiny_model_dir: Path) -> None:
+    """Disaggregation, tiers and the device reach the engine through EngineConfig (they once
+    bypassed it); the KV size is resolved later (EngineConfig.sized), nothing else changes."""
+    args = EngineArgs(
+        model=str(tiny_model_dir), dtype="float32", role="prefill", kv_transfer_timeout=5.0,
+        cluster_secret_file="/etc/densa/secret", kv_tiers=("disk:/var/kv:2GiB",),
+        num_kv_pages=64, cuda_graphs=False,
+    )  # fmt: skip
+    config = args.resolve(ArchConfig.from_dir(tiny_model_dir), str(tiny_model_dir))
+    assert config.disagg == DisaggConfig("prefill", args.kv_listen, 5.0, "/etc/densa/secret")
+    assert config.tiers == TiersConfig(("disk:/var/kv:2GiB",), "/etc/densa/secret")
+    assert config.device == DeviceConfig("cpu", "auto", cuda_graphs=False)
+    assert (config.cache.num_pages, config.cache.exact_num_pages) == (0, 64)
+    sized = config.sized(64, (2,))
+    assert (sized.cache.num_pages, sized.scheduler.eos_token_ids) == (64, (2,))
+    assert sized.model == config.model and sized.disagg == config.disagg
+    with pytest.raises(ValueError, match="--role must be one of"):
+        EngineArgs(role="router").check()

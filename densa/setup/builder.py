@@ -1,0 +1,262 @@
+"""Building an engine from its options: options -> frozen config -> parts. Load the model(s) and
+tokenizer, check the formats can run here, size the KV cache from its memory budget, and wire
+the model runner; each helper gets only its own sub-config."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from densa.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from densa.kernels import native
+from densa.model.arch import ArchConfig
+from densa.model.attention import AttentionBackend, LayerKVCache
+from densa.model.fused_decode import enable_fused_decode as enable_fused
+from densa.model.interface import CausalLM
+from densa.model.kv_layout import LayerCache
+from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
+from densa.quant.kv_format import KVFormat
+from densa.sched.stop import StopRule
+from densa.setup.args import EngineArgs, default_model_path
+from densa.setup.kv_sizing import KVBudget, draft_kv_page_bytes, is_relative, resolve_num_pages
+from densa.setup.loading import load_decode_model, load_static_kv_scales, load_tokenizer
+from densa.setup.memory_plan import check_memory
+from densa.setup.proposers import DraftTarget, build_proposer
+from densa.spec.mtp import MTPProposer
+from densa.spec.proposer import Proposer
+from densa.text.tokenizer import Tokenizer
+from densa.utils.logging import get_logger
+from densa.utils.sizes import format_bytes
+from densa.worker.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
+from densa.worker.grammar import GrammarCompiler
+from densa.worker.integrity import IntegrityChecker, NoopIntegrityChecker, TagTableChecker
+from densa.worker.kv_cache import allocate_kv_caches, page_bytes
+from densa.worker.model_runner import ModelRunner
+
+logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    config: EngineConfig
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    arch: ArchConfig
+    kv_format: str  # e.g. "fp8_e4m3, dynamic scales"
+    weight_format: str  # e.g. "dense", "int4 g128 symmetric"
+    proposer: Proposer | None = None  # speculative decoding's (None: off)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The checkpoint an engine serves, and its options frozen against it (KV not sized yet)."""
+
+    config: EngineConfig  # cache.num_pages 0 and no eos tokens until `EngineConfig.sized`
+    model_dir: Path
+    arch: ArchConfig
+    kv_format: KVFormat  # resolved once: sizing, allocation and the config use it
+
+
+def build_engine_parts(args: EngineArgs) -> EngineParts:
+    args.check()
+    source = locate_model(_without_prefix_caching_for_mtp(args))
+    config, arch, kv_format = source.config, source.arch, source.kv_format
+    device = torch.device(config.device.device)
+    static_scales = load_static_kv_scales(config.cache, kv_format, arch, device)  # fails fast
+    # A fixed size is checked before the slow load; a share of free memory only after it.
+    sized = None if is_relative(config.cache) else _num_pages(config, arch, kv_format, device)
+    check_memory(config, source.model_dir, arch, kv_format)  # refuses what cannot fit
+    logger.info("loading the model %s", config.model.model)
+    tokenizer = load_tokenizer(source.model_dir, arch.eos_token_ids)
+    model_config = config.model
+    model = load_model(
+        source.model_dir, arch, model_config.dtype, model_config.max_model_len, device,
+        model_config.weight_format, model_config.head_format,
+    )  # fmt: skip
+    decode_model = load_decode_model(model_config, arch, source.model_dir, device)
+    num_pages, budget = sized or _num_pages(config, arch, kv_format, device)
+    config = config.sized(num_pages, tokenizer.eos_token_ids)
+    kv_caches = allocate_kv_caches(
+        arch, num_pages, config.cache.page_size, kv_format.name, device, kv_format.fp8_policy,
+        static_scales,
+    )  # fmt: skip
+    backend = select_backend(config.device.attention_backend, device)
+    runner = build_runner(config, model, decode_model, kv_caches, backend, tokenizer, arch)
+    _log_kv_cache(config, arch, kv_format, budget, backend)
+    target = DraftTarget(config.model, config.cache, device, arch, tokenizer, backend, kv_format)
+    proposer = build_proposer(config.speculative, target)
+    # The MTP layer reads the target's final hidden state of every position it caches.
+    runner.keeps_hidden = isinstance(proposer, MTPProposer)
+    described = kv_format.describe()
+    return EngineParts(config, tokenizer, runner, arch, described, model.weight_format, proposer)
+
+
+def locate_model(args: EngineArgs) -> ModelSource:
+    """The checkpoint, its architecture, and the options resolved against it ("auto" formats
+    and dtype as the checkpoint stores them, the context length within the model's)."""
+    model_path = args.model or default_model_path()
+    model_dir = resolve_model_dir(model_path)
+    weights, head = auto_formats(model_path, model_dir, args.weight_format, args.head_format)
+    dtype = auto_dtype(model_path, model_dir, args.dtype)
+    args = dataclasses.replace(args, weight_format=weights, head_format=head, dtype=dtype)
+    arch = ArchConfig.from_dir(model_dir)
+    kv_format = args.kv_format()
+    return ModelSource(
+        args.resolve(arch, model_path, kv_format=kv_format), model_dir, arch, kv_format
+    )
+
+
+def _num_pages(
+    config: EngineConfig, arch: ArchConfig, kv_format: KVFormat, device: torch.device
+) -> tuple[int, KVBudget]:
+    draft_page = draft_kv_page_bytes(config.speculative, config.cache.page_size, kv_format)
+    return resolve_num_pages(config.cache, config.scheduler, arch, kv_format, device, draft_page)
+
+
+def build_runner(
+    config: EngineConfig,
+    model: CausalLM,
+    decode_model: CausalLM | None,
+    kv_caches: list[LayerCache],
+    backend: AttentionBackend,
+    tokenizer: Tokenizer,
+    arch: ArchConfig,
+) -> ModelRunner:
+    """The model runner over the allocated KV pages, with its integrity checker and graphs."""
+    device = torch.device(config.device.device)
+    # The fused step attends in C++ for decodes: with another backend asked for by name (torch,
+    # triton), that backend is what runs.
+    fused: list[bool] = []  # per weight set: whether its decode-only steps run fused
+    if config.device.fused_decode and backend.name == "cpu":
+        fused = [enable_fused_decode(w, kv_caches) for w in (model, decode_model) if w is not None]
+    graphs = build_decode_graphs(
+        config.device, config.cache, config.scheduler, decode_model or model, kv_caches, backend
+    )
+    return ModelRunner(
+        model,
+        kv_caches,
+        config.cache.page_size,
+        backend,
+        StopRule.of(config.scheduler),
+        device,
+        make_integrity_checker(config.cache, device, backend),
+        config.model.seed,
+        decode_model=decode_model,
+        decode_graphs=graphs,
+        grammars=GrammarCompiler(tokenizer, arch.vocab_size),
+        decodes_apart=any(fused),
+    )
+
+
+def _log_kv_cache(
+    config: EngineConfig,
+    arch: ArchConfig,
+    kv_format: KVFormat,
+    budget: KVBudget,
+    backend: AttentionBackend,
+) -> None:
+    cache = config.cache
+    kv_bytes = cache.num_pages * page_bytes(
+        arch, cache.page_size, kv_format.name, kv_format.fp8_policy
+    )
+    logger.info(
+        "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "
+        "max_num_seqs %d, attention backend %s",
+        cache.num_pages, cache.page_size, cache.num_pages * cache.page_size,
+        kv_format.describe(), format_bytes(kv_bytes), budget.reason,
+        config.scheduler.max_model_len, config.scheduler.max_num_seqs, backend.name,
+    )  # fmt: skip
+
+
+def enable_fused_decode(model: CausalLM, kv_caches: list[LayerCache]) -> bool:
+    """Decode-only steps of `model` run through the fused C++ step, if it can run them (True)."""
+    reason = enable_fused(model, kv_caches)
+    if reason is not None:
+        logger.info("fused decode off: %s; eager steps", reason)
+        return False
+    logger.info("fused decode on (%s code path)", native.isa())
+    return True
+
+
+def make_integrity_checker(
+    cache: CacheConfig, device: torch.device, backend: AttentionBackend | None = None
+) -> IntegrityChecker:
+    """The tag table lives next to the KV pages; the Triton backend brings its one-kernel check."""
+    if not cache.kv_integrity:
+        return NoopIntegrityChecker()
+    # A fresh pool's tags are page ids (generation 0); the pool reports every change after that.
+    initial_tags = list(range(cache.num_pages))
+    if backend is not None and backend.name == "triton":
+        from densa.worker.triton_integrity import TritonTagTableChecker
+
+        return TritonTagTableChecker(initial_tags, cache.page_size, device)
+    return TagTableChecker(initial_tags, cache.page_size, device)
+
+
+def build_decode_graphs(
+    device: DeviceConfig,
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    model: CausalLM,
+    kv_caches: list[LayerCache],
+    backend: AttentionBackend,
+) -> DecodeGraphs | None:
+    """CUDA graphs of decode steps, on a GPU with a graph-safe backend (else None: eager).
+    Latent (MLA) pages have no graph-safe kernel yet, so those models decode eagerly."""
+    if (
+        device.device == "cpu"
+        or not device.cuda_graphs
+        or not getattr(backend, "graph_safe", False)
+    ):
+        return None
+    layer_caches = [c for c in kv_caches if isinstance(c, LayerKVCache)]
+    if len(layer_caches) != len(kv_caches):
+        logger.info("CUDA graphs off: latent KV pages decode eagerly")
+        return None
+    max_num_seqs, page_size = scheduler.max_num_seqs, cache.page_size
+    sizes = [s for s in DEFAULT_BATCH_SIZES if s <= max_num_seqs] or [max_num_seqs]
+    graphs = DecodeGraphs(
+        model, layer_caches, backend, page_size, -(-scheduler.max_model_len // page_size),
+        torch.device(device.device), sizes,
+    )  # fmt: skip
+    logger.info("CUDA graphs captured for decode batch sizes %s", sizes)
+    return graphs
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """auto: the Triton kernels on a GPU (torch's if Triton is missing), Numba's on the CPU.
+    'triton' also runs on the CPU, in Triton's interpreter (TRITON_INTERPRET=1): tests use it."""
+    from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
+
+    if name == "auto":
+        name = "cpu" if device.type == "cpu" else "triton" if _has_triton() else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from densa.model.triton_attention import TritonAttentionBackend  # imports Triton
+
+        return TritonAttentionBackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'triton'")
+        return CpuAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}")
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _without_prefix_caching_for_mtp(args: EngineArgs) -> EngineArgs:
+    """The MTP layer needs the target's hidden state of every position, and a prefix hit skips
+    computing them: with MTP, prompts are computed whole (prefix caching off)."""
+    config = args.speculative_config()
+    if config is None or config.method != "mtp" or not args.enable_prefix_caching:
+        return args
+    logger.info("prefix caching off: the MTP proposer reads every position's hidden state")
+    return dataclasses.replace(args, enable_prefix_caching=False)

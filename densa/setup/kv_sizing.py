@@ -1,0 +1,107 @@
+"""How many KV pages an engine gets: its byte budget (an exact page count, bytes, a share of free
+memory, or auto), turned into whole pages of the target's (and a draft model's) KV format."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from densa.config import AUTO_KV_MAX_FRACTION, CacheConfig, SchedulerConfig, SpeculativeConfig
+from densa.model.arch import ArchConfig, ModelLoadError
+from densa.quant.kv_format import KVFormat
+from densa.spec.draft import draft_page_bytes
+from densa.utils.sizes import format_bytes
+from densa.worker.kv_cache import page_bytes
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    num_bytes: int
+    reason: str  # how it was chosen, for the start-up log
+
+
+def kv_budget(
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    arch: ArchConfig,
+    kv_format: KVFormat,
+    device: torch.device,
+) -> KVBudget:
+    """The KV cache's byte budget, and why (an explicit size, a share of free memory, or auto)."""
+    page = page_bytes(arch, cache.page_size, kv_format.name, kv_format.fp8_policy)
+    if cache.exact_num_pages is not None:
+        return KVBudget(cache.exact_num_pages * page, f"--num-kv-pages {cache.exact_num_pages}")
+    free = _free_memory(device)
+    budget = cache.budget()
+    if isinstance(budget, int):
+        if budget > free:
+            raise ModelLoadError(
+                f"--kv-cache-memory {cache.memory} is more than the "
+                f"{format_bytes(free)} of memory free; lower it"
+            )
+        return KVBudget(budget, f"--kv-cache-memory {cache.memory}")
+    if isinstance(budget, float):
+        return KVBudget(int(free * budget), f"{budget:.0%} of {format_bytes(free)} free")
+    max_len, max_num_seqs = scheduler.max_model_len, scheduler.max_num_seqs
+    wanted = max_num_seqs * -(-max_len // cache.page_size) * page
+    cap = int(free * AUTO_KV_MAX_FRACTION)
+    reason = f"room for {max_num_seqs} requests x {max_len} tokens"
+    if wanted > cap:
+        reason += f", capped at {AUTO_KV_MAX_FRACTION:.0%} of {format_bytes(free)} free"
+    return KVBudget(min(wanted, cap), reason)
+
+
+def is_relative(cache: CacheConfig) -> bool:
+    """Whether the KV budget depends on the memory left once the weights are loaded."""
+    return cache.exact_num_pages is None and not isinstance(cache.budget(), int)
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cpu":
+        return int(psutil.virtual_memory().available)
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def resolve_num_pages(
+    cache: CacheConfig,
+    scheduler: SchedulerConfig,
+    arch: ArchConfig,
+    kv_format: KVFormat,
+    device: torch.device,
+    draft_page: int = 0,
+) -> tuple[int, KVBudget]:
+    """The target's KV pages. A draft model (`draft_page` bytes a page, see
+    `draft_kv_page_bytes`) gets as many pages of its own, out of the same budget: a share of
+    memory buys pages of (target + draft) bytes; an exact --num-kv-pages is the target's, the
+    draft's pages coming on top."""
+    budget = kv_budget(cache, scheduler, arch, kv_format, device)
+    target_page = page_bytes(arch, cache.page_size, kv_format.name, kv_format.fp8_policy)
+    if cache.exact_num_pages is not None:
+        num_pages = cache.exact_num_pages
+    else:
+        num_pages = budget.num_bytes // (target_page + draft_page)
+    if draft_page:
+        budget = dataclasses.replace(
+            budget, reason=f"{budget.reason}; a draft model takes {format_bytes(draft_page)}/page"
+        )
+    max_len = scheduler.max_model_len
+    needed = -(-max_len // cache.page_size)
+    if num_pages < needed:
+        raise ModelLoadError(
+            f"the KV cache budget ({format_bytes(budget.num_bytes)}, {budget.reason}) holds "
+            f"{num_pages} pages but one {max_len}-token request needs {needed}; "
+            "raise --kv-cache-memory or lower --max-model-len"
+        )
+    return num_pages, budget
+
+
+def draft_kv_page_bytes(
+    speculative: SpeculativeConfig | None, page_size: int, kv_format: KVFormat
+) -> int:
+    """Bytes of one page of the draft model's KV (0 without a draft model)."""
+    if speculative is None or speculative.method != "draft" or speculative.model is None:
+        return 0
+    return draft_page_bytes(speculative.model, page_size, kv_format.name)
