@@ -10,7 +10,7 @@ from densa.bench import add_bench_parser
 from densa.cluster.cli import add_cluster_parser
 from densa.eval import add_eval_parser
 from densa.router.cli import add_router_parser
-from densa.tools import add_tool_parsers
+from densa.offline import add_tool_parsers
 from densa.utils.logging import configure_logging
 
 Command = Callable[[argparse.Namespace], int]

@@ -35,7 +35,7 @@ LAYERS = {
     "cluster": 7,  # runs routers and workers as processes; imports router.membership only
     "bench": 7,
     "eval": 7,
-    "tools": 7,
+    "offline": 7,  # quantize, capacity, KV calibration, scoring: drives engine/ from outside
     "cli": 7,
     "__init__": 7,
 }

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from densa.engine.llm import LLM
-from densa.engine.scoring import iter_logits
+from densa.offline.scoring import iter_logits
 from densa.eval.common import load_formats
 from densa.eval.formats import Format
 from densa.eval.report import IntervalPlot, QualityReport, interval_series, new_report

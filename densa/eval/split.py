@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from densa.engine.inproc_pair import InProcessPair
+from densa.offline.inproc_pair import InProcessPair
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.scoring import cached_scoring_request, score_positions, scoring_request
+from densa.offline.scoring import cached_scoring_request, score_positions, scoring_request
 from densa.eval.common import load_formats
 from densa.eval.distribution import (
     DistributionResult,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from densa.engine.llm import LLM
-from densa.engine.scoring import token_logprobs
+from densa.offline.scoring import token_logprobs
 from densa.eval.choice import ALL_TASKS, ItemScores, compare_choices
 from densa.eval.prefix_scoring import score_continuations
 from densa.measure.data import load_task

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from densa.cli import main
-from densa.engine.inproc_pair import InProcessPair
+from densa.offline.inproc_pair import InProcessPair
 from densa.engine.llm_engine import LLMEngine
 from densa.eval.distribution import text_segments
 from densa.eval.split import HandoffTally, SplitResult, compare_split, split_logits

@@ -11,7 +11,7 @@ import torch
 from densa.engine.args import EngineArgs
 from densa.engine.llm import LLM
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.scoring import iter_logits
+from densa.offline.scoring import iter_logits
 from densa.model.arch import ModelLoadError
 from densa.model.linear import Int4Linear, resident_weight_bytes
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from densa.config import SpeculativeConfig
 from densa.engine.args import EngineArgs
-from densa.engine.inproc_pair import InProcessPair
+from densa.offline.inproc_pair import InProcessPair
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
 from densa.spec.speculator import Speculator

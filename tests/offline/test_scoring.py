@@ -8,7 +8,7 @@ import torch
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.scoring import iter_logits, token_logprobs
+from densa.offline.scoring import iter_logits, token_logprobs
 
 from ..model.helpers import hf_logits
 

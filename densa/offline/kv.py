@@ -23,7 +23,7 @@ CAPACITY_FORMATS = [
     ("int8", None),
 ]
 DEFAULT_SCALES_FILE = "kv_scales.json"
-GPUS_BY_NAME = ("h100", "h200")  # densa.tools.deployment.GPUS (no torch import here)
+GPUS_BY_NAME = ("h100", "h200")  # densa.offline.deployment.GPUS (no torch import here)
 
 
 def add_kv_parsers(commands: argparse._SubParsersAction) -> None:
@@ -47,7 +47,7 @@ def _add_capacity(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     deployment = parser.add_argument_group(
         "a deployment (--gpu): weights per GPU in bf16 / fp8 / int4 and the KV tokens the rest "
-        "holds per KV dtype, from a config.json alone (densa.tools.deployment)"
+        "holds per KV dtype, from a config.json alone (densa.offline.deployment)"
     )
     deployment.add_argument(
         "--config", default=None, help="a config.json (or its directory); no weights needed"
@@ -90,7 +90,7 @@ def _deployment(ns: argparse.Namespace) -> int:
     import json
 
     from densa.model.arch import ArchConfig
-    from densa.tools import deployment
+    from densa.offline import deployment
     from densa.utils.sizes import parse_memory
 
     if ns.config is None:
@@ -175,7 +175,7 @@ def _add_calibrate(commands: argparse._SubParsersAction) -> None:
 
 def _calibrate(ns: argparse.Namespace) -> int:
     from densa.engine.args import EngineArgs
-    from densa.engine.kv_calibration import calibrate_kv_scales
+    from densa.offline.kv_calibration import calibrate_kv_scales
     from densa.engine.llm_engine import LLMEngine
     from densa.measure.progress import progress
 

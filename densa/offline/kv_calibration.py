@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.scoring import iter_logits
+from densa.offline.scoring import iter_logits
 from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, LayerKVCache
 from densa.quant.fp8_kv import KVScales
 

@@ -11,7 +11,7 @@ import pytest
 
 from densa.cli import main
 from densa.model.arch import ArchConfig
-from densa.tools import deployment
+from densa.offline import deployment
 
 CONFIGS = Path(__file__).parent.parent / "fixtures" / "configs"
 H200 = deployment.GPUS["h200"]
