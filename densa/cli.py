@@ -47,7 +47,7 @@ def _is_expected(exc: BaseException) -> bool:
     """Errors of the user's setup (options, files, ports, a model that cannot load), as opposed
     to bugs in densa."""
     from densa.model.arch import ModelLoadError
-    from densa.serve.engine_client import EngineStartError
+    from densa.engine.client import EngineStartError
 
     return isinstance(exc, ModelLoadError | ValueError | OSError | EngineStartError)
 

@@ -38,7 +38,7 @@ from densa.engine.args import EngineArgs
 from densa.measure.report import BenchReport
 from densa.measure.stats import interleave, latency_stats
 from densa.serve.disagg import PREFILL_HEADER, PlacementPolicy
-from densa.serve.engine_client import EngineClient
+from densa.engine.client import EngineClient
 from densa.serve.process import serve_engine_in_thread
 
 

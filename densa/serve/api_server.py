@@ -43,7 +43,7 @@ from densa.serve.anthropic_api.models import (
 from densa.serve.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
 from densa.serve.auth import ApiKeys
 from densa.serve.disagg import PlacementPolicy, PrefillPeers, disagg_router, prefill_address
-from densa.serve.engine_client import EngineClient
+from densa.engine.client import EngineClient
 from densa.serve.errors import (
     APIError,
     ErrorResponse,

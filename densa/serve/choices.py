@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from densa.sampling_params import SamplingParams
 from densa.serve import generation
-from densa.serve.engine_client import EngineClient
+from densa.engine.client import EngineClient
 from densa.serve.errors import ErrorResponse, from_engine_output, timed_out
 from densa.serve.generation import EngineCall, Outputs, SSEResponse, StreamFormatter
 from densa.serve.protocol import PromptTokensDetails, Usage

@@ -30,7 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from densa.ipc.messages import AddRequest
 from densa.sampling_params import SamplingParams
-from densa.serve.engine_client import (
+from densa.engine.client import (
     EngineClient,
     EngineOverloaded,
     EngineShuttingDown,

@@ -22,6 +22,8 @@ from fastapi import FastAPI
 
 from densa.auth.secret import load_secret
 from densa.engine.args import EngineArgs
+from densa.engine.client import ClientOptions, EngineClient
+from densa.engine.launch import ProcessLauncher
 from densa.serve.api_server import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_MAX_BODY_BYTES,
@@ -31,7 +33,6 @@ from densa.serve.api_server import (
 )
 from densa.serve.auth import load_api_keys
 from densa.serve.disagg import PlacementPolicy, peer_base_url
-from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
 from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
 from densa.serve.reasoning import reasoning_format
 from densa.utils.logging import configure_logging, get_logger

@@ -15,9 +15,10 @@ import openai
 from fastapi import FastAPI
 
 from densa.engine.args import EngineArgs
+from densa.engine.client import ClientOptions, EngineClient
+from densa.engine.launch import ProcessLauncher
 from densa.ipc.messages import AddRequest, EngineStats, RequestDelta
 from densa.serve import build_app, serve_in_thread
-from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
 from densa.text.tokenizer import Tokenizer
 
 MODEL_NAME = "tiny"
