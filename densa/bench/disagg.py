@@ -35,10 +35,10 @@ from densa.auth.placement import PLACEMENT_HEADER, sign_placement
 from densa.auth.secret import ClusterSecret
 from densa.bench.disagg_report import build_report
 from densa.engine.args import EngineArgs
+from densa.engine.client import EngineClient
 from densa.measure.report import BenchReport
 from densa.measure.stats import interleave, latency_stats
 from densa.serve.disagg import PREFILL_HEADER, PlacementPolicy
-from densa.engine.client import EngineClient
 from densa.serve.process import serve_engine_in_thread
 
 

@@ -175,9 +175,9 @@ def _add_calibrate(commands: argparse._SubParsersAction) -> None:
 
 def _calibrate(ns: argparse.Namespace) -> int:
     from densa.engine.args import EngineArgs
-    from densa.offline.kv_calibration import calibrate_kv_scales
     from densa.engine.llm_engine import LLMEngine
     from densa.measure.progress import progress
+    from densa.offline.kv_calibration import calibrate_kv_scales
 
     if ns.num_tokens < 2 or ns.segment_len < 2:
         print("densa calibrate-kv: --num-tokens and --segment-len must be >= 2", file=sys.stderr)

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from densa.engine.llm_engine import LLMEngine
-from densa.offline.scoring import iter_logits
 from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, LayerKVCache
+from densa.offline.scoring import iter_logits
 from densa.quant.fp8_kv import KVScales
 
 

@@ -108,8 +108,8 @@ def config_from(ns: argparse.Namespace) -> RouterConfig:
 
 
 def run_router_command(ns: argparse.Namespace) -> int:
+    from densa.openai.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
     from densa.router.app import build_router_app
-    from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
     from densa.utils.net import bind_listener
 
     config = config_from(ns)  # a bad flag: one line, before binding anything

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app: its state, its routes and its published OpenAPI schema.
 
 Anthropic Messages (/v1/messages) and OpenAI Responses (/v1/responses) are translations onto the
-chat route's pipeline (serve/anthropic_api/, serve/responses_api/): the request becomes a chat
+chat route's pipeline (openai/anthropic_api/, openai/responses_api/): the request becomes a chat
 request, the engine outputs become that API's answer or events.
 
     build_app(engine_client)       -> a FastAPI app over an EngineClient (started by the app's
@@ -29,22 +29,19 @@ from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBea
 from pydantic import BaseModel
 
 from densa.cache.scope import tenant_of
+from densa.engine.client import EngineClient
 from densa.ipc.messages import ServedModel
-from densa.serve import choices, generation, prepare, templates
-from densa.serve import tokenize as tokenization
-from densa.serve.anthropic_api import formatter as anthropic
-from densa.serve.anthropic_api.models import (
+from densa.openai import prepare, templates
+from densa.openai.anthropic_api import formatter as anthropic
+from densa.openai.anthropic_api.models import (
     CountTokensRequest,
     CountTokensResponse,
     ErrorBody,
     Message,
     MessagesRequest,
 )
-from densa.serve.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
-from densa.serve.auth import ApiKeys
-from densa.serve.disagg import PlacementPolicy, PrefillPeers, disagg_router, prefill_address
-from densa.engine.client import EngineClient
-from densa.serve.errors import (
+from densa.openai.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
+from densa.openai.errors import (
     APIError,
     ErrorResponse,
     bad_request,
@@ -52,10 +49,10 @@ from densa.serve.errors import (
     model_not_found,
     shutting_down,
 )
-from densa.serve.generation import OPENAI_FRAMING, EngineCall, Framing, SSEResponse, StreamFormatter
-from densa.serve.metrics import CONTENT_TYPE, ServerMetrics
-from densa.serve.peer import peer_router
-from densa.serve.protocol import (
+from densa.openai.framing import OPENAI_FRAMING, Framing, StreamFormatter
+from densa.openai.headers import SESSION_HEADER
+from densa.openai.prepare import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES
+from densa.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -64,30 +61,34 @@ from densa.serve.protocol import (
     ModelList,
     SamplingFields,
 )
-from densa.serve.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format
-from densa.serve.responses import ChatFormatter, CompletionFormatter, Generation, TokenTexts
-from densa.serve.responses_api.formatter import ResponseFormatter, skeleton_of
-from densa.serve.responses_api.models import ResponseObject, ResponsesRequest
-from densa.serve.responses_api.to_chat import to_chat_request as responses_to_chat
-from densa.serve.tools.formats import (
+from densa.openai.reasoning import ReasoningFormat, ReasoningSplitter, reasoning_format
+from densa.openai.responses import ChatFormatter, CompletionFormatter, Generation, TokenTexts
+from densa.openai.responses_api.formatter import ResponseFormatter, skeleton_of
+from densa.openai.responses_api.models import ResponseObject, ResponsesRequest
+from densa.openai.responses_api.to_chat import to_chat_request as responses_to_chat
+from densa.openai.tools.formats import (
     DEFAULT_TOOL_FORMAT,
     FALLBACK_FORMAT,
     ToolCallFormat,
     resolve_format,
     tool_format,
 )
-from densa.serve.tools.plan import NO_TOOLS, ToolPlan
-from densa.serve.tracking import SESSION_HEADER, RequestRecord, RequestTracking, record_of
-from densa.serve.unknown_fields import IgnoredFieldLog
+from densa.openai.tools.plan import NO_TOOLS, ToolPlan
+from densa.openai.unknown_fields import IgnoredFieldLog
+from densa.serve import choices, generation
+from densa.serve import tokenize as tokenization
+from densa.serve.auth import ApiKeys
+from densa.serve.disagg import PlacementPolicy, PrefillPeers, disagg_router, prefill_address
+from densa.serve.generation import EngineCall, SSEResponse
+from densa.serve.metrics import CONTENT_TYPE, ServerMetrics
+from densa.serve.peer import peer_router
+from densa.serve.tracking import RequestRecord, RequestTracking, note_error, record_of
 from densa.text.tokenizer import Tokenizer
 from densa.utils.heap import return_free_heap
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
 request_log = get_logger("densa.requests")
-
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may take to send its whole body (then 408)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class ApiOptions:
     strict_api: bool = False  # unknown request fields are a 400 (else dropped, with a warning)
     served_model_names: tuple[str, ...] = ()  # ids clients may send as "model" (): the engine's
     accept_any_model_name: bool = False  # any "model" is served (responses echo it)
-    reasoning_parser: str | None = None  # serve/reasoning.py: REASONING_FORMATS
+    reasoning_parser: str | None = None  # openai/reasoning.py: REASONING_FORMATS
     chat_template: str | None = None  # replaces the model's chat template (its text)
 
 
@@ -233,7 +234,7 @@ def build_app(
         api=api or ApiOptions(),
     )
     app.state.densa = state
-    install_error_handlers(app, render_error)
+    install_error_handlers(app, render_error, note_error)
     app.include_router(open_router)
     app.include_router(disagg_router)  # /disagg/peer, for decode workers
     app.include_router(peer_router)  # /densa/info and /densa/load, for routers

@@ -22,13 +22,14 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from densa.engine.client import EngineClient
+from densa.openai.errors import ErrorResponse, from_engine_output, timed_out
+from densa.openai.framing import StreamFormatter
+from densa.openai.protocol import PromptTokensDetails, Usage
+from densa.openai.responses import Generation
 from densa.sampling_params import SamplingParams
 from densa.serve import generation
-from densa.engine.client import EngineClient
-from densa.serve.errors import ErrorResponse, from_engine_output, timed_out
-from densa.serve.generation import EngineCall, Outputs, SSEResponse, StreamFormatter
-from densa.serve.protocol import PromptTokensDetails, Usage
-from densa.serve.responses import Generation
+from densa.serve.generation import EngineCall, Outputs, SSEResponse
 from densa.serve.tracking import RequestRecord
 from densa.text.output import RequestOutput
 from densa.text.tokenizer import Tokenizer

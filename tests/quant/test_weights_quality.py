@@ -16,10 +16,10 @@ import torch
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
-from densa.offline.scoring import iter_logits
 from densa.eval.stats import kl_divergence, top1_agreement
 from densa.measure.data import lambada_passages
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
+from densa.offline.scoring import iter_logits
 from densa.quant.weight_format import WeightFormat
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from densa.serve.prepare import LARGE_BODY_BYTES, LargeBodyGate, first_unencodable_field, read_json
+from densa.openai.prepare import LARGE_BODY_BYTES, LargeBodyGate, first_unencodable_field, read_json
 
 
 class FakeRequest:

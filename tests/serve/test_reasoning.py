@@ -1,4 +1,4 @@
-"""The reasoning split (serve/reasoning.py): every format, every place the answer may start, and
+"""The reasoning split (openai/reasoning.py): every format, every place the answer may start, and
 every way the text may be cut into outputs -- no piece of a marker ever reaches either field."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from densa.serve.reasoning import (
+from densa.openai.reasoning import (
     REASONING_FORMATS,
     ReasoningFormat,
     ReasoningSplitter,

@@ -12,10 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from densa.serve.tools.deltas import to_deltas
-from densa.serve.tools.formats import HERMES, LLAMA3_JSON, ToolCallFormat
-from densa.serve.tools.parser import CallArguments, CallStart, Content, ToolCallParser, parse_output
-from densa.serve.tools.schema_check import UnsupportedSchema, check_schema
+from densa.openai.tools.deltas import to_deltas
+from densa.openai.tools.formats import HERMES, LLAMA3_JSON, ToolCallFormat
+from densa.openai.tools.parser import (
+    CallArguments,
+    CallStart,
+    Content,
+    ToolCallParser,
+    parse_output,
+)
+from densa.openai.tools.schema_check import UnsupportedSchema, check_schema
 
 CASES: list[tuple[ToolCallFormat, str, str, list[tuple[str, str]]]] = [
     (
@@ -165,8 +171,8 @@ sys.meta_path.insert(0, Block())
 serve = types.ModuleType("densa.serve")
 serve.__path__ = [{str(root / "densa" / "serve")!r}]
 sys.modules["densa.serve"] = serve
-import densa.serve.tools.plan, densa.serve.tools.parser, densa.serve.tools.deltas
-import densa.serve.tools.render, densa.serve.tools.models, densa.serve.tools.schema_check
+import densa.openai.tools.plan, densa.openai.tools.parser, densa.openai.tools.deltas
+import densa.openai.tools.render, densa.openai.tools.models, densa.openai.tools.schema_check
 print("ok")
 """
     result = subprocess.run(
@@ -177,7 +183,7 @@ print("ok")
 
 
 def test_tool_definitions_render_for_templates_without_tool_support() -> None:
-    from densa.serve.tools.render import render_messages
+    from densa.openai.tools.render import render_messages
 
     call = {
         "id": "call_1",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from densa.config import SpeculativeConfig
 from densa.engine.args import EngineArgs
-from densa.offline.inproc_pair import InProcessPair
 from densa.engine.llm_engine import LLMEngine
+from densa.offline.inproc_pair import InProcessPair
 from densa.sampling_params import SamplingParams
 from densa.spec.speculator import Speculator
 from tests.spec.test_exact_greedy import ScriptedProposer

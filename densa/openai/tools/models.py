@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from densa.serve.body import RequestBody as _Body
+from densa.openai.body import RequestBody as _Body
 
 # OpenAI's rule for function names.
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"

@@ -8,7 +8,7 @@ A stream is
         block's input JSON)
     message_delta (stop_reason, stop_sequence, final usage) - message_stop
 
-and its blocks are exactly the non-streamed answer's (serve/blocks.py). A tool_use block's `input`
+and its blocks are exactly the non-streamed answer's (openai/blocks.py). A tool_use block's `input`
 is the arguments object the model wrote; in a non-streamed answer, arguments that are not a JSON
 object (a call cut short by max_tokens) give `{}`.
 """
@@ -22,7 +22,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from densa.serve.anthropic_api.models import (
+from densa.openai.anthropic_api.models import (
     ContentBlock,
     ContentBlockDelta,
     ContentBlockStart,
@@ -43,12 +43,12 @@ from densa.serve.anthropic_api.models import (
     ThinkingDelta,
     ToolUseContent,
 )
-from densa.serve.blocks import Block, BlockDelta, BlockEvent, BlockStart, BlockStream, whole_blocks
-from densa.serve.errors import APIError
-from densa.serve.generation import Framing
-from densa.serve.reasoning import ReasoningSplitter
-from densa.serve.responses import Generation
-from densa.serve.tools.formats import ToolCallFormat
+from densa.openai.blocks import Block, BlockDelta, BlockEvent, BlockStart, BlockStream, whole_blocks
+from densa.openai.errors import APIError
+from densa.openai.framing import Framing
+from densa.openai.reasoning import ReasoningSplitter
+from densa.openai.responses import Generation
+from densa.openai.tools.formats import ToolCallFormat
 from densa.text.output import RequestOutput
 
 
@@ -80,7 +80,7 @@ class MessagesFormatter:
             usage=usage_of(generation.final),
         )
 
-    # ---- streaming (generation.StreamFormatter) ------------------------------------------------
+    # ---- streaming (framing.StreamFormatter) -----------------------------------------------------
     def stream_start(self) -> list[BaseModel]:
         return []  # message_start carries the prompt's usage: it waits for the first output
 

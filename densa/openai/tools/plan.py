@@ -15,16 +15,16 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from densa.sampling_params import StructuredOutput
-from densa.serve.tools.formats import ToolCallFormat
-from densa.serve.tools.models import (
+from densa.openai.tools.formats import ToolCallFormat
+from densa.openai.tools.models import (
     NamedToolChoice,
     ResponseFormat,
     StructuredOutputs,
     ToolChoice,
     ToolDefinition,
 )
-from densa.serve.tools.schema_check import check_schema
+from densa.openai.tools.schema_check import check_schema
+from densa.sampling_params import StructuredOutput
 
 
 class ToolRequestError(ValueError):

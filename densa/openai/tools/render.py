@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from densa.serve.tools.formats import ToolCallFormat
+from densa.openai.tools.formats import ToolCallFormat
 
 
 def render_messages(

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from densa.serve.prepare import parse
-from densa.serve.protocol import ChatCompletionRequest
-from densa.serve.responses_api.models import (
+from densa.openai.prepare import parse
+from densa.openai.protocol import ChatCompletionRequest
+from densa.openai.responses_api.models import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from densa.serve.protocol import ChatCompletionRequest
+from densa.openai.protocol import ChatCompletionRequest
 from densa.text.tokenizer import Tokenizer
 
 EFFORT = "reasoning_effort"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from densa.serve.anthropic_api.models import (
+from densa.openai.anthropic_api.models import (
     CountTokensRequest,
     InputMessage,
     MessagesRequest,
@@ -32,8 +32,8 @@ from densa.serve.anthropic_api.models import (
     ToolSpec,
     ToolUseBlock,
 )
-from densa.serve.prepare import parse
-from densa.serve.protocol import ChatCompletionRequest
+from densa.openai.prepare import parse
+from densa.openai.protocol import ChatCompletionRequest
 
 
 def to_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:

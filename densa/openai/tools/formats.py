@@ -13,7 +13,7 @@ chosen from the model's chat template when none is named.
 
 For a chat template that cannot render tools (the bundled SmolLM2's), densa writes the tool
 definitions into the system message itself and renders earlier calls and tool results as the
-dialect writes them (serve/tools/render.py).
+dialect writes them (openai/tools/render.py).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from densa.serve.tools.base import MAX_PARALLEL_CALLS, ToolCallFormat
-from densa.serve.tools.deepseek import DeepSeekFormat
-from densa.serve.tools.json_calls import HERMES, LLAMA3_JSON, JsonCallFormat
-from densa.serve.tools.kimi_k2 import KimiK2Format
-from densa.serve.tools.mistral import MistralFormat, MistralJsonFormat
-from densa.serve.tools.xml_args import GLM, QWEN3_CODER
+from densa.openai.tools.base import MAX_PARALLEL_CALLS, ToolCallFormat
+from densa.openai.tools.deepseek import DeepSeekFormat
+from densa.openai.tools.json_calls import HERMES, LLAMA3_JSON, JsonCallFormat
+from densa.openai.tools.kimi_k2 import KimiK2Format
+from densa.openai.tools.mistral import MistralFormat, MistralJsonFormat
+from densa.openai.tools.xml_args import GLM, QWEN3_CODER
 
 if TYPE_CHECKING:
     from densa.text.tokenizer import Tokenizer

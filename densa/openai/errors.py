@@ -15,7 +15,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from densa.serve.tracking import note_error
 from densa.text.output import RequestOutput
 from densa.utils.logging import get_logger
 
@@ -183,7 +182,17 @@ def openai_shape(_: Request, error: APIError) -> Response:
     return error.to_response()
 
 
-def install_error_handlers(app: FastAPI, render: ErrorRenderer = openai_shape) -> None:
+# Remembers why a request failed (the server's request records); the router keeps no records.
+ErrorNoter = Callable[[Request, str | None], None]
+
+
+def _note_nothing(_: Request, __: str | None) -> None:
+    pass
+
+
+def install_error_handlers(
+    app: FastAPI, render: ErrorRenderer = openai_shape, note_error: ErrorNoter = _note_nothing
+) -> None:
     async def on_api_error(request: Request, exc: APIError) -> Response:
         note_error(request, exc.info.code)
         return render(request, exc)

@@ -1,6 +1,6 @@
 """Anthropic Messages bodies (pydantic v2): the request, the Message answer, its stream events.
 
-Requests are validated like the OpenAI ones (serve/body.py: strict types, null means unset,
+Requests are validated like the OpenAI ones (openai/body.py: strict types, null means unset,
 unknown fields refused); a field Anthropic defines that densa cannot honour is a 400 naming it
 (`Unsupported`), never silently ignored.
 """
@@ -11,10 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from densa.openai.body import RequestBody as _Body
+from densa.openai.fields import INTEGRAL, StopStrings, Unsupported
+from densa.openai.tools.models import FUNCTION_NAME
 from densa.sampling_params import MAX_COUNT
-from densa.serve.body import RequestBody as _Body
-from densa.serve.fields import INTEGRAL, StopStrings, Unsupported
-from densa.serve.tools.models import FUNCTION_NAME
 
 # "cache_control" marks where Anthropic should cache a prefix; densa caches every prompt prefix
 # by itself (docs/kv-cache.md), so the marker is accepted and changes nothing.

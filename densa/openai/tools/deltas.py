@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from densa.serve.tools.models import FunctionCallDelta, ToolCallDelta
-from densa.serve.tools.parser import CallArguments, CallStart, Content, Event
+from densa.openai.tools.models import FunctionCallDelta, ToolCallDelta
+from densa.openai.tools.parser import CallArguments, CallStart, Content, Event
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 Anthropic Messages answers with content blocks (`thinking`, `text`, `tool_use`) and OpenAI
 Responses with output items (`reasoning`, `message`, `function_call`); both are this one sequence,
 formatted differently. `BlockStream` turns a request's text deltas into block events as the
-reasoning split (serve/reasoning.py, with `--reasoning-parser`) and the tool-call parser
-(serve/tools/parser.py) find them:
+reasoning split (openai/reasoning.py, with `--reasoning-parser`) and the tool-call parser
+(openai/tools/parser.py) find them:
 
     BlockStart(index, kind, call_id, name)   a block begins ("reasoning" -- always the first,
                                              "text", or "call" with its name)
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from densa.serve.reasoning import ReasoningSplitter
-from densa.serve.tools.formats import ToolCallFormat
-from densa.serve.tools.parser import CallArguments, CallStart, Content, Event, ToolCallParser
+from densa.openai.reasoning import ReasoningSplitter
+from densa.openai.tools.formats import ToolCallFormat
+from densa.openai.tools.parser import CallArguments, CallStart, Content, Event, ToolCallParser
 
 BlockKind = Literal["reasoning", "text", "call"]
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from densa.ipc.messages import TokenLogprobs
-from densa.serve.protocol import (
+from densa.openai.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -29,11 +29,11 @@ from densa.serve.protocol import (
     TopLogprob,
     Usage,
 )
-from densa.serve.reasoning import ReasoningSplitter
-from densa.serve.tools.deltas import to_deltas
-from densa.serve.tools.formats import ToolCallFormat
-from densa.serve.tools.models import ResponseFunctionCall, ResponseToolCall
-from densa.serve.tools.parser import ParsedOutput, ToolCallParser, parse_output
+from densa.openai.reasoning import ReasoningSplitter
+from densa.openai.tools.deltas import to_deltas
+from densa.openai.tools.formats import ToolCallFormat
+from densa.openai.tools.models import ResponseFunctionCall, ResponseToolCall
+from densa.openai.tools.parser import ParsedOutput, ToolCallParser, parse_output
 from densa.text.output import RequestOutput
 from densa.text.tokenizer import Tokenizer
 

@@ -1,7 +1,7 @@
 """OpenAI Responses bodies (pydantic v2), the stateless subset: the request, the response object,
 its output items and its stream events.
 
-Requests are validated like the chat ones (serve/body.py). What needs server-side state --
+Requests are validated like the chat ones (openai/body.py). What needs server-side state --
 `previous_response_id`, `store: true`, `conversation`, `background` -- is a 400 that says this
 server is stateless; other Responses fields densa cannot honour are a 400 naming them.
 """
@@ -12,9 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator
 
-from densa.serve.body import RequestBody as _Body
-from densa.serve.fields import INTEGRAL, Unsupported
-from densa.serve.tools.models import FUNCTION_NAME
+from densa.openai.body import RequestBody as _Body
+from densa.openai.fields import INTEGRAL, Unsupported
+from densa.openai.tools.models import FUNCTION_NAME
 
 # Said by every refusal of a field that needs stored responses.
 STATELESS = (

@@ -5,7 +5,7 @@ back (`new_parser`), and constrains them (`call_grammar`, a Lark grammar whose e
 one or more calls of the offered tools). Two bindings make it concrete for one server:
 
 - `with_vocabulary`: the markers that are added tokens of the model's vocabulary, so grammars
-  match them as tokens (serve/tools/lark.py);
+  match them as tokens (openai/tools/lark.py);
 - `with_tools`: the request's tool schemas, for dialects that write argument values as text
   (GLM, Qwen3-Coder) and must know which values are strings.
 """
@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from densa.openai.tools.events import CallParser
+from densa.openai.tools.lark import literal, marker_tokens
 from densa.sampling_params import JSON_STYLE, StructuredOutput
-from densa.serve.tools.events import CallParser
-from densa.serve.tools.lark import literal, marker_tokens
 
 # A constrained answer holds at most this many calls: a model that never chooses to stop must
 # still end (OpenAI sets no limit; agents rarely need more in one turn).

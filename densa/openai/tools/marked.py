@@ -14,8 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from densa.serve.tools.events import CallArguments, CallStart, Content, Event, ToolCall, new_call_id
-from densa.serve.tools.json_calls import partial_suffix
+from densa.openai.tools.events import (
+    CallArguments,
+    CallStart,
+    Content,
+    Event,
+    ToolCall,
+    new_call_id,
+)
+from densa.openai.tools.json_calls import partial_suffix
 
 
 @dataclass(frozen=True)

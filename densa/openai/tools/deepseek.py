@@ -23,11 +23,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from densa.openai.tools.base import Schemas, ToolCallFormat, json_rule, parameters, repeat
+from densa.openai.tools.events import CallParser
+from densa.openai.tools.json_calls import partial_suffix
+from densa.openai.tools.marked import CallRead, MarkedCallParser, Markers
 from densa.sampling_params import StructuredOutput
-from densa.serve.tools.base import Schemas, ToolCallFormat, json_rule, parameters, repeat
-from densa.serve.tools.events import CallParser
-from densa.serve.tools.json_calls import partial_suffix
-from densa.serve.tools.marked import CallRead, MarkedCallParser, Markers
 
 SECTION_OPEN, SECTION_CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_OPEN, CALL_CLOSE = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"

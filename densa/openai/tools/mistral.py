@@ -20,8 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from densa.sampling_params import StructuredOutput
-from densa.serve.tools.base import (
+from densa.openai.tools.base import (
     MAX_PARALLEL_CALLS,
     Schemas,
     ToolCallFormat,
@@ -29,8 +28,9 @@ from densa.serve.tools.base import (
     parameters,
     repeat,
 )
-from densa.serve.tools.events import CallParser
-from densa.serve.tools.marked import CallRead, MarkedCallParser, Markers
+from densa.openai.tools.events import CallParser
+from densa.openai.tools.marked import CallRead, MarkedCallParser, Markers
+from densa.sampling_params import StructuredOutput
 
 CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 RESULT_OPEN, RESULT_CLOSE = "[TOOL_RESULTS]", "[/TOOL_RESULTS]"

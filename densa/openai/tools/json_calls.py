@@ -23,9 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from densa.sampling_params import StructuredOutput
-from densa.serve.tools.base import Schemas, ToolCallFormat, json_rule, parameters, repeat
-from densa.serve.tools.events import (
+from densa.openai.tools.base import Schemas, ToolCallFormat, json_rule, parameters, repeat
+from densa.openai.tools.events import (
     CallArguments,
     CallParser,
     CallStart,
@@ -34,7 +33,8 @@ from densa.serve.tools.events import (
     ToolCall,
     new_call_id,
 )
-from densa.serve.tools.lark import seq
+from densa.openai.tools.lark import seq
+from densa.sampling_params import StructuredOutput
 
 
 @dataclass(frozen=True)

@@ -20,20 +20,20 @@ from starlette.requests import ClientDisconnect
 
 from densa.cache.scope import CacheScope
 from densa.ipc.messages import ServedModel
-from densa.sampling_params import SamplingParams
-from densa.serve.errors import APIError, ClientDisconnected, bad_request, from_validation_error
-from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
-from densa.serve.templates import template_variables
-from densa.serve.tools.formats import HERMES, ToolCallFormat
-from densa.serve.tools.plan import (
+from densa.openai.errors import APIError, ClientDisconnected, bad_request, from_validation_error
+from densa.openai.protocol import ChatCompletionRequest, CompletionRequest
+from densa.openai.templates import template_variables
+from densa.openai.tools.formats import HERMES, ToolCallFormat
+from densa.openai.tools.plan import (
     NO_TOOLS,
     ToolPlan,
     ToolRequestError,
     output_constraint,
     plan_tools,
 )
-from densa.serve.tools.render import render_messages
-from densa.serve.unknown_fields import drop_fields, unknown_field_locs
+from densa.openai.tools.render import render_messages
+from densa.openai.unknown_fields import drop_fields, unknown_field_locs
+from densa.sampling_params import SamplingParams
 from densa.text.tokenizer import ChatTemplateError, Tokenizer
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
@@ -44,6 +44,8 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 # ---- the body -----------------------------------------------------------------------------------
 # Bodies this large go through the LargeBodyGate. A normal chat request is a few kilobytes and
 # never waits there.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may take to send its whole body (then 408)
 LARGE_BODY_BYTES = 1024 * 1024
 LARGE_BODY_DUTY = 0.05  # the most of the front's CPU time large bodies may take, sustained
 MAX_LARGE_BODY_PAUSE_S = 1.0
@@ -255,7 +257,7 @@ async def chat_prompt(
     fmt: ToolCallFormat = HERMES,
     offload: bool = True,
 ) -> list[int]:
-    """The conversation as prompt tokens, with the plan's tools rendered (serve/tools/render.py).
+    """The conversation as prompt tokens, with the plan's tools rendered (openai/tools/render.py).
     A final assistant message is continued, not answered: the prompt ends inside that message,
     so the model writes on from its last word (one that made tool calls is answered instead)."""
     if len(body.messages) > max_model_len:

@@ -1,7 +1,7 @@
 """Engine outputs as an OpenAI Responses response object, or as its stream of events.
 
 Reasoning (with `--reasoning-parser`) becomes a first `reasoning` item, text a `message` output
-item, each tool call a `function_call` item, in the order the model wrote them (serve/blocks.py).
+item, each tool call a `function_call` item, in the order the model wrote them (openai/blocks.py).
 A stream is
 
     response.created - response.in_progress
@@ -24,12 +24,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from densa.serve.blocks import Block, BlockDelta, BlockEvent, BlockStart, BlockStream, whole_blocks
-from densa.serve.errors import APIError
-from densa.serve.generation import Framing
-from densa.serve.reasoning import ReasoningSplitter
-from densa.serve.responses import Generation
-from densa.serve.responses_api.models import (
+from densa.openai.blocks import Block, BlockDelta, BlockEvent, BlockStart, BlockStream, whole_blocks
+from densa.openai.errors import APIError
+from densa.openai.framing import Framing
+from densa.openai.reasoning import ReasoningSplitter
+from densa.openai.responses import Generation
+from densa.openai.responses_api.models import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     ContentPartEvent,
@@ -54,7 +54,7 @@ from densa.serve.responses_api.models import (
     TextDoneEvent,
     TextOut,
 )
-from densa.serve.tools.formats import ToolCallFormat
+from densa.openai.tools.formats import ToolCallFormat
 from densa.text.output import RequestOutput
 
 
@@ -86,7 +86,7 @@ class ResponseFormatter:
         items = [_Item(block, _item_id(block)) for block in blocks]
         return self._finished(generation.final, _final_outputs(items, generation.final))
 
-    # ---- streaming (generation.StreamFormatter) ------------------------------------------------
+    # ---- streaming (framing.StreamFormatter) -----------------------------------------------------
     def stream_start(self) -> list[BaseModel]:
         return [
             self._event(ResponseEvent, type=f"response.{kind}", response=self.skeleton)
@@ -107,7 +107,7 @@ class ResponseFormatter:
         return self._event(ResponseEvent, type=f"response.{response.status}", response=response)
 
     def failed(self, error: APIError) -> BaseModel:
-        """The event that ends a stream the engine failed (generation.Framing.error_body)."""
+        """The event that ends a stream the engine failed (framing.Framing.error_body)."""
         failure = ResponseError(code=error.info.code or "server_error", message=error.info.message)
         response = self.skeleton.model_copy(update={"status": "failed", "error": failure})
         return self._event(ResponseEvent, type="response.failed", response=response)

@@ -35,10 +35,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from densa.openai.tools.base import Schemas, ToolCallFormat, json_rule, parameters, repeat
+from densa.openai.tools.events import CallParser
+from densa.openai.tools.marked import CallRead, MarkedCallParser, Markers
 from densa.sampling_params import StructuredOutput
-from densa.serve.tools.base import Schemas, ToolCallFormat, json_rule, parameters, repeat
-from densa.serve.tools.events import CallParser
-from densa.serve.tools.marked import CallRead, MarkedCallParser, Markers
 
 
 @dataclass(frozen=True)

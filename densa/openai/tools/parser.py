@@ -6,8 +6,8 @@ one over a whole text, which is what a non-streamed response returns. Events: ev
 
 from __future__ import annotations
 
-from densa.serve.tools.base import ToolCallFormat
-from densa.serve.tools.events import (
+from densa.openai.tools.base import ToolCallFormat
+from densa.openai.tools.events import (
     CallArguments,
     CallStart,
     Content,

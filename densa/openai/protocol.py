@@ -4,7 +4,7 @@ Requests follow the OpenAI API on its edges: `null` means "the default" for ever
 (clients send explicit nulls), an unknown field is a 400 naming it (as OpenAI answers
 "unrecognized request argument"), and every OpenAI parameter densa does not implement is a 400
 naming it unless its value asks for nothing (`store: false`), never silently ignored.
-Tool and response-format models live in serve/tools/models.py.
+Tool and response-format models live in openai/tools/models.py.
 """
 
 from __future__ import annotations
@@ -13,16 +13,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from densa.sampling_params import (
-    MAX_COUNT,
-    MAX_LOGPROBS,
-    REPETITION_PENALTY_RANGE,
-    SamplingParams,
-    StructuredOutput,
-)
-from densa.serve.body import RequestBody as _RequestBody
-from densa.serve.body import publish_nullable as _publish_nullable
-from densa.serve.fields import (
+from densa.openai.body import RequestBody as _RequestBody
+from densa.openai.body import publish_nullable as _publish_nullable
+from densa.openai.fields import (
     INTEGRAL,
     LogitBias,
     NoEcho,
@@ -36,7 +29,7 @@ from densa.serve.fields import (
     TextContent,
     Unsupported,
 )
-from densa.serve.tools.models import (
+from densa.openai.tools.models import (
     AssistantToolCall,
     ResponseFormat,
     ResponseToolCall,
@@ -44,6 +37,13 @@ from densa.serve.tools.models import (
     ToolCallDelta,
     ToolChoice,
     ToolDefinition,
+)
+from densa.sampling_params import (
+    MAX_COUNT,
+    MAX_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+    StructuredOutput,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -211,7 +211,7 @@ class ChatCompletionRequest(SamplingFields):
     audio: Annotated[Any, Unsupported("audio output")] = None
     prediction: Annotated[Any, Unsupported("prediction (predicted outputs)")] = None
     web_search_options: Annotated[Any, Unsupported("web_search_options (web search)")] = None
-    # Given to the chat template where it reads it (serve/templates.py), else ignored.
+    # Given to the chat template where it reads it (openai/templates.py), else ignored.
     reasoning_effort: ReasoningEffort | None = None
     # Extra variables for the chat template (vLLM's name), e.g. {"enable_thinking": false}.
     chat_template_kwargs: TemplateKwargs | None = None
