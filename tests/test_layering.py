@@ -122,6 +122,7 @@ def test_the_router_does_not_import_serve() -> None:
 FRONT_MODULES = [
     "densa.serve",
     "densa.serve.api_server",
+    "densa.serve.routes.openai",
     "densa.serve.process",
     "densa.engine.client",
     "densa.engine.launch",

@@ -8,10 +8,10 @@ unknown_fields  request fields the server does not know: dropped, warned about, 
 headers         the headers densa adds to the API (session affinity, ignored fields)
 errors          OpenAI-style error bodies and the exception handlers
 prepare         HTTP request -> engine call: body, prompt tokens, context length, cache scope
-templates       what a chat request adds to the chat template (chat_template_kwargs, reasoning_effort)
+templates       what a chat request adds to the chat template (chat_template_kwargs, effort)
 responses       engine outputs -> response bodies, stream chunks and logprobs
 framing         how a stream is shaped per API: formatter protocol, event framing
-blocks          a generation as content blocks (text, reasoning, tool calls) for Messages and Responses
+blocks          a generation as content blocks (text, reasoning, tool calls): Messages, Responses
 reasoning       a reasoning model's answer -> reasoning_content and content (--reasoning-parser)
 http_protocol   uvicorn's HTTP/1.1 protocol with a deadline on request headers (both fronts)
 tools/          tool calls and structured output: models, formats, parser, prompts, schema checks

@@ -27,9 +27,10 @@ from densa.engine.launch import ProcessLauncher
 from densa.openai.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
 from densa.openai.prepare import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES
 from densa.openai.reasoning import reasoning_format
-from densa.serve.api_server import ApiOptions, build_app, start_draining
+from densa.serve.api_server import build_app, start_draining
 from densa.serve.auth import load_api_keys
 from densa.serve.disagg import PlacementPolicy, peer_base_url
+from densa.serve.state import ApiOptions
 from densa.utils.logging import configure_logging, get_logger
 from densa.utils.net import bind_listener, check_kv_listen, tcp_socket
 

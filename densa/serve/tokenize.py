@@ -30,7 +30,7 @@ from densa.openai.unknown_fields import header_value
 from densa.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from densa.serve.api_server import ServerState
+    from densa.serve.state import ServerState
 
 
 class TokenizeCompletionRequest(RequestBody):
