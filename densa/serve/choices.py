@@ -73,7 +73,7 @@ async def respond(
     try:
         async with asyncio.timeout_at(calls[0].deadline):
             wholes = await generation.until_disconnected(
-                request, asyncio.gather(*(_whole(record, *start) for start in starts))
+                request, asyncio.gather(*(generation.gather_outputs(record, *s) for s in starts))
             )
     except TimeoutError as exc:
         raise timed_out(calls[0].timeout) from exc
@@ -114,18 +114,6 @@ async def _start(
 async def _close(starts: Sequence[tuple[RequestOutput, Outputs]]) -> None:
     for _, outputs in starts:
         await outputs.aclose()  # a finished one: nothing happens; else it is aborted
-
-
-async def _whole(record: RequestRecord, first: RequestOutput, outputs: Outputs) -> Generation:
-    texts, logprobs, final = [first.new_text], list(first.new_logprobs), first
-    async for output in outputs:
-        record.observe(output)  # times; the counts are summed over the choices at the end
-        texts.append(output.new_text)
-        logprobs.extend(output.new_logprobs)
-        final = output
-    if final.finish_reason == "error":
-        raise from_engine_output(final)
-    return Generation("".join(texts), logprobs, final)
 
 
 def _count(record: RequestRecord, finals: Sequence[RequestOutput]) -> None:

@@ -147,13 +147,21 @@ async def collect(
 
 
 async def _gather(record: RequestRecord, first: RequestOutput, outputs: Outputs) -> Generation:
-    texts, logprobs, final = [first.new_text], list(first.new_logprobs), first
     async with contextlib.aclosing(outputs):
-        async for output in outputs:
-            record.observe(output)
-            texts.append(output.new_text)
-            logprobs.extend(output.new_logprobs)
-            final = output
+        return await gather_outputs(record, first, outputs)
+
+
+async def gather_outputs(
+    record: RequestRecord, first: RequestOutput, outputs: Outputs
+) -> Generation:
+    """One request's outputs as one Generation (the caller closes `outputs`); raise APIError if
+    the engine failed the request."""
+    texts, logprobs, final = [first.new_text], list(first.new_logprobs), first
+    async for output in outputs:
+        record.observe(output)  # n > 1: the counts are summed over the choices at the end
+        texts.append(output.new_text)
+        logprobs.extend(output.new_logprobs)
+        final = output
     if final.finish_reason == "error":
         raise from_engine_output(final)
     return Generation("".join(texts), logprobs, final)

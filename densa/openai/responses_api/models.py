@@ -323,59 +323,53 @@ class OutputItemEvent(Event):
     item: OutputItem
 
 
-class ContentPartEvent(Event):
-    """response.content_part.added / done"""
+class ItemEvent(Event):
+    """An event about one output item (its id and place in `output`)."""
 
     item_id: str
     output_index: int
+
+
+class PartEvent(ItemEvent):
+    """An event about a content part of an output item (densa writes one part per item)."""
+
     content_index: int = 0
+
+
+class ContentPartEvent(PartEvent):
+    """response.content_part.added / done"""
+
     part: TextOut
 
 
-class TextDeltaEvent(Event):
+class TextDeltaEvent(PartEvent):
     type: str = "response.output_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class TextDoneEvent(Event):
+class TextDoneEvent(PartEvent):
     type: str = "response.output_text.done"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class ReasoningDeltaEvent(Event):
+class ReasoningDeltaEvent(PartEvent):
     type: str = "response.reasoning_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     delta: str
 
 
-class ReasoningDoneEvent(Event):
+class ReasoningDoneEvent(PartEvent):
     type: str = "response.reasoning_text.done"
-    item_id: str
-    output_index: int
-    content_index: int = 0
     text: str
 
 
-class ArgumentsDeltaEvent(Event):
+class ArgumentsDeltaEvent(ItemEvent):
     type: str = "response.function_call_arguments.delta"
-    item_id: str
-    output_index: int
     delta: str
 
 
-class ArgumentsDoneEvent(Event):
+class ArgumentsDoneEvent(ItemEvent):
     type: str = "response.function_call_arguments.done"
-    item_id: str
-    output_index: int
     name: str
     arguments: str
