@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 from densa.bench import add_bench_parser
 from densa.cluster.cli import add_cluster_parser
 from densa.eval import add_eval_parser
+from densa.offline import add_tool_parsers
 from densa.router.cli import add_router_parser
-from densa.tools import add_tool_parsers
 from densa.utils.logging import configure_logging
 
 Command = Callable[[argparse.Namespace], int]
@@ -46,8 +46,8 @@ def _describe(exc: BaseException) -> str:
 def _is_expected(exc: BaseException) -> bool:
     """Errors of the user's setup (options, files, ports, a model that cannot load), as opposed
     to bugs in densa."""
+    from densa.engine.client import EngineStartError
     from densa.model.arch import ModelLoadError
-    from densa.serve.engine_client import EngineStartError
 
     return isinstance(exc, ModelLoadError | ValueError | OSError | EngineStartError)
 
@@ -199,13 +199,13 @@ def _serve(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli(ns)
     args.check()
     bind_listener(ns.host, ns.port).close()
+    from densa.openai.tools.formats import AUTO, tool_format
     from densa.serve import run_server
-    from densa.serve.tools.formats import AUTO, tool_format
 
     if ns.tool_call_format != AUTO:
         tool_format(ns.tool_call_format)  # an unknown format: one line, before the model loads
     if ns.reasoning_parser is not None:
-        from densa.serve.reasoning import reasoning_format
+        from densa.openai.reasoning import reasoning_format
 
         reasoning_format(ns.reasoning_parser)
 

@@ -23,6 +23,9 @@ LAYERS = {
     # (GPTQ reads its text through it), so it sits with the lowest of them.
     "measure": 3,
     "memory": 3,  # huge-page allocation for weights (model/) and KV pages (worker/)
+    # The public API's shapes (OpenAI, Anthropic Messages, Responses; tool calls, reasoning),
+    # shared by serve, router and eval: pydantic and text, no engine, no torch (FRONT_MODULES).
+    "openai": 3,
     "model": 4,
     "worker": 5,
     "disagg": 5,
@@ -38,7 +41,7 @@ LAYERS = {
     "cluster": 7,  # runs routers and workers as processes; imports router.membership only
     "bench": 7,
     "eval": 7,
-    "tools": 7,
+    "offline": 7,  # quantize, capacity, KV calibration, scoring: drives engine/ from outside
     "cli": 7,
     "__init__": 7,
 }
@@ -107,18 +110,36 @@ def test_bench_and_eval_share_measure_not_each_other() -> None:
     assert not crossings, "\n".join(crossings)
 
 
+def test_the_router_does_not_import_serve() -> None:
+    """The router and the server are peers: what both need of the API is in densa.openai."""
+    crossings = [
+        f"densa.{_module_key(path)} imports {name}"
+        for path in sorted((PACKAGE / "router").rglob("*.py"))
+        for name in _imports(path)
+        if name == "densa.serve" or name.startswith("densa.serve.")
+    ]
+    assert not crossings, "\n".join(crossings)
+
+
 # ---- the HTTP front (and the router) never import torch, even indirectly --------------------------
 FRONT_MODULES = [
     "densa.serve",
     "densa.serve.api_server",
+    "densa.serve.routes.openai",
     "densa.serve.process",
-    "densa.serve.engine_client",
+    "densa.engine.client",
+    "densa.engine.launch",
     "densa.serve.generation",
-    "densa.serve.prepare",
-    "densa.serve.responses",
+    "densa.openai.prepare",
+    "densa.openai.responses",
     "densa.serve.metrics",
     "densa.serve.tracking",
-    "densa.serve.http_protocol",
+    "densa.openai",
+    "densa.openai.http_protocol",
+    "densa.openai.framing",
+    "densa.openai.anthropic_api.formatter",
+    "densa.openai.responses_api.formatter",
+    "densa.openai.tools.formats",
     "densa.ipc.messages",
     "densa.ipc.codec",
     "densa.ipc.transport",

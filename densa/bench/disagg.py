@@ -34,10 +34,10 @@ import httpx
 from densa.auth.placement import PLACEMENT_HEADER, sign_placement
 from densa.auth.secret import ClusterSecret
 from densa.bench.disagg_report import build_report
+from densa.engine.client import EngineClient
 from densa.measure.report import BenchReport
 from densa.measure.stats import interleave, latency_stats
 from densa.serve.disagg import PREFILL_HEADER, PlacementPolicy
-from densa.serve.engine_client import EngineClient
 from densa.serve.process import serve_engine_in_thread
 from densa.setup.args import EngineArgs
 

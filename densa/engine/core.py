@@ -6,7 +6,7 @@ each step's RequestDeltas with the engine's counters. A heartbeat thread sends t
 HEARTBEAT_INTERVAL_S, with how long the current step has been running, so the front can tell a
 stuck step (one that never ends) from a long one. It beats mid-step only while the step lets it
 run (the kernels release the GIL); the front reads death from the process, not from silence
-(serve/engine_client.py says why).
+(engine/client.py says why).
 
 The same class runs in its own process (engine/core_process.py, what `densa serve` does) or on a
 thread of the front's process (engine/inproc.py, for the offline API, tests and benchmarks).

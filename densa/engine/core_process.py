@@ -1,6 +1,6 @@
 """The engine core's own process: `python -m densa.engine.core_process --engine-args JSON ...`.
 
-Started by the front (serve/engine_client.py ProcessLauncher), or by hand on another host with tcp://
+Started by the front (engine/launch.py ProcessLauncher), or by hand on another host with tcp://
 addresses. It loads the model, says Hello, and serves until Shutdown. If loading fails it sends
 EngineFailed with a one-line reason (the front shows it and exits) and exits 2.
 

@@ -1,7 +1,7 @@
 """The engine core on a thread of the caller's process, over inproc:// sockets.
 
 Everything but the placement is as in `densa serve`: the same EngineCore, messages and codec
-(serve/engine_client.py speaks to it unchanged). Used where one process is the point: the
+(engine/client.py speaks to it unchanged). Used where one process is the point: the
 offline tools, benchmarks comparing against the split, and `densa serve --engine-placement
 thread`. It cannot be restarted: a dead engine thread means a dead server.
 """

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from densa.engine.llm import LLM
-from densa.engine.scoring import iter_logits
 from densa.eval.common import load_formats
 from densa.eval.formats import Format
 from densa.eval.report import IntervalPlot, QualityReport, interval_series, new_report
@@ -40,6 +39,7 @@ from densa.eval.stats import (
 from densa.measure.data import TEXT_SOURCE, lambada_passages
 from densa.measure.progress import progress
 from densa.measure.report import Table
+from densa.offline.scoring import iter_logits
 from densa.text.tokenizer import Tokenizer
 
 PASSAGE_SEPARATOR = "\n\n"

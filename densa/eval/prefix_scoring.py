@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.scoring import score_positions, scoring_request
+from densa.offline.scoring import score_positions, scoring_request
 from densa.request import Request
 
 

@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from densa.engine.inproc_pair import InProcessPair
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.scoring import cached_scoring_request, score_positions, scoring_request
 from densa.eval.common import load_formats
 from densa.eval.distribution import (
     DistributionResult,
@@ -44,6 +42,8 @@ from densa.eval.report import QualityReport
 from densa.eval.stats import Bootstrap, Estimate, block_bootstrap
 from densa.measure.progress import progress
 from densa.measure.report import Table
+from densa.offline.inproc_pair import InProcessPair
+from densa.offline.scoring import cached_scoring_request, score_positions, scoring_request
 
 PROMPT_CHUNK = 512  # tokens per forward pass over a prompt (the scheduler's default budget)
 

@@ -7,7 +7,7 @@ none, and then densa renders the tool definitions itself):
 - unconstrained: `tool_choice: auto` -- the model writes whatever it writes, and densa's
   parser for the dialect reads calls out of it;
 - constrained: `tool_choice: required` -- the grammar allows only calls of the offered tools
-  with schema-valid arguments (serve/tools/formats.py), so validity is guaranteed by
+  with schema-valid arguments (openai/tools/formats.py), so validity is guaranteed by
   construction and what remains to measure is whether the call is the right one (AST match).
 
 Reported per format and mode: valid-call rate and AST-match rate with question-bootstrap 95%
@@ -27,12 +27,12 @@ from densa.eval.formats import Format
 from densa.eval.report import QualityReport, new_report
 from densa.eval.stats import DEFAULT_BOOTSTRAP, Bootstrap, mean_ci, paired_difference_ci
 from densa.measure.report import Table
+from densa.openai.tools.formats import AUTO, ToolCallFormat, resolve_format
+from densa.openai.tools.models import ToolDefinition
+from densa.openai.tools.parser import parse_output
+from densa.openai.tools.plan import ToolPlan, plan_tools
+from densa.openai.tools.render import render_messages
 from densa.sampling_params import SamplingParams
-from densa.serve.tools.formats import AUTO, ToolCallFormat, resolve_format
-from densa.serve.tools.models import ToolDefinition
-from densa.serve.tools.parser import parse_output
-from densa.serve.tools.plan import ToolPlan, plan_tools
-from densa.serve.tools.render import render_messages
 from densa.text.tokenizer import Tokenizer
 
 MODES = ("unconstrained", "constrained")
@@ -77,7 +77,7 @@ def load_tool_cases(settings: ToolEvalSettings) -> list[ToolCase]:
 def case_prompt(
     tokenizer: Tokenizer, case: ToolCase, plan: ToolPlan, calls_format: ToolCallFormat
 ) -> list[int]:
-    """The case's prompt as the server renders it (serve/prepare.py chat_prompt): a template
+    """The case's prompt as the server renders it (openai/prepare.py chat_prompt): a template
     that renders tools gets them; otherwise render_messages writes them into the system
     message."""
     renders_tools = tokenizer.template_renders_tools

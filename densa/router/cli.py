@@ -41,6 +41,13 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
+    _add_worker_options(parser)
+    _add_policy_options(parser)
+    _add_health_options(parser)
+    parser.set_defaults(handler=run_router_command)
+
+
+def _add_worker_options(parser: argparse.ArgumentParser) -> None:
     pools = parser.add_argument_group("workers (base URLs, e.g. http://10.0.0.5:8000)")
     pools.add_argument("--worker", action="append", default=[], metavar="URL",
                        help="a co-located worker (prefill and decode); repeat")  # fmt: skip
@@ -63,6 +70,9 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
         help="add x-densa-worker, x-densa-prefill and x-densa-router-ms to answers (off: they "
         "tell any client the workers' addresses and time the router's own work)",
     )  # fmt: skip
+
+
+def _add_policy_options(parser: argparse.ArgumentParser) -> None:
     policy = parser.add_argument_group("policy")
     policy.add_argument("--policy", default="densa", choices=list(POLICIES),
                         help="densa (the weighted score) or a single-signal baseline")  # fmt: skip
@@ -77,6 +87,9 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     policy.add_argument("--expected-tokens", type=int, default=256,
                         help="expected output length before any request has finished")  # fmt: skip
+
+
+def _add_health_options(parser: argparse.ArgumentParser) -> None:
     health = parser.add_argument_group("health")
     health.add_argument("--poll-interval", type=float, default=0.5,
                         help="seconds between load polls of each worker")  # fmt: skip
@@ -90,7 +103,6 @@ def add_router_parser(commands: argparse._SubParsersAction) -> None:
         "--upstream-timeout", type=float, default=600.0,
         help="seconds without a byte from a worker before the attempt fails",
     )  # fmt: skip
-    parser.set_defaults(handler=run_router_command)
 
 
 def config_from(ns: argparse.Namespace) -> RouterConfig:
@@ -108,8 +120,8 @@ def config_from(ns: argparse.Namespace) -> RouterConfig:
 
 
 def run_router_command(ns: argparse.Namespace) -> int:
+    from densa.openai.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
     from densa.router.app import build_router_app
-    from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
     from densa.utils.net import bind_listener
 
     config = config_from(ns)  # a bad flag: one line, before binding anything

@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from densa.auth.secret import ClusterSecret
+from densa.openai.prepare import DEFAULT_MAX_BODY_BYTES
 from densa.router.lengths import DEFAULT_EXPECTED_TOKENS
 from densa.router.membership import check_pools
 from densa.router.policy import POLICIES, Weights
 from densa.router.ring import DEFAULT_VNODES
 from densa.router.sessions import DEFAULT_TTL_S
 from densa.router.workers import HealthOptions
-from densa.serve.api_server import DEFAULT_MAX_BODY_BYTES
 
 
 @dataclass(frozen=True)

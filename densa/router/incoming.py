@@ -4,7 +4,7 @@
 The prompt is tokenized under its cache scope (`PieceCachingTokenizer.scoped`): text another
 tenant sent before is no faster to read, so the router's timing tells nothing about it.
 
-The prompt is rendered and tokenized by the workers' own code (densa/serve/prepare.py, with the
+The prompt is rendered and tokenized by the workers' own code (densa/openai/prepare.py, with the
 tokenizer and tool-call format the workers reported), and the scope is the workers' own digest:
 the tenant is the identity of the key (Bearer, else x-api-key, as the workers read it), and
 `user` / `cache_salt` narrow it. Anthropic Messages and OpenAI Responses bodies are read as the
@@ -26,16 +26,16 @@ from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
 
 from densa.cache.scope import tenant_of
+from densa.openai import prepare
+from densa.openai.anthropic_api.models import MessagesRequest
+from densa.openai.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
+from densa.openai.errors import APIError
+from densa.openai.headers import SESSION_HEADER
+from densa.openai.protocol import ChatCompletionRequest, CompletionRequest
+from densa.openai.responses_api.models import ResponsesRequest
+from densa.openai.responses_api.to_chat import to_chat_request as responses_to_chat
+from densa.openai.tools.formats import ToolCallFormat
 from densa.router.tokens import PieceCachingTokenizer
-from densa.serve import prepare
-from densa.serve.anthropic_api.models import MessagesRequest
-from densa.serve.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
-from densa.serve.errors import APIError
-from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
-from densa.serve.responses_api.models import ResponsesRequest
-from densa.serve.responses_api.to_chat import to_chat_request as responses_to_chat
-from densa.serve.tools.formats import ToolCallFormat
-from densa.serve.tracking import SESSION_HEADER
 
 # Bodies up to this size are tokenized on the event loop: with the piece cache that takes well
 # under a millisecond, less than handing the work to a thread on a busy machine; larger ones

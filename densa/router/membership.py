@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from densa.auth.secret import SECRET_ENV
+from densa.openai.errors import APIError
 from densa.router.prefix import WorkerPrefixIndex
 from densa.router.routing import Router
 from densa.router.workers import Worker
-from densa.serve.errors import APIError
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)

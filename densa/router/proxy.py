@@ -32,10 +32,10 @@ from starlette.types import Receive, Scope, Send
 
 from densa.auth.placement import PLACEMENT_HEADER, sign_placement
 from densa.auth.secret import ClusterSecret
+from densa.openai.errors import APIError
 from densa.router.incoming import Incoming
 from densa.router.metrics import RouterMetrics
 from densa.router.routing import Placement, Router
-from densa.serve.errors import APIError
 from densa.utils.logging import get_logger
 
 request_log = get_logger("densa.router.requests")

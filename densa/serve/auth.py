@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fastapi.security import HTTPAuthorizationCredentials
 
-from densa.serve.errors import unauthorized
+from densa.openai.errors import unauthorized
 
 
 class ApiKeys:

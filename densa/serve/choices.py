@@ -22,13 +22,14 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from densa.engine.client import EngineClient
+from densa.openai.errors import ErrorResponse, from_engine_output, timed_out
+from densa.openai.framing import StreamFormatter
+from densa.openai.protocol import PromptTokensDetails, Usage
+from densa.openai.responses import Generation
 from densa.sampling_params import SamplingParams
 from densa.serve import generation
-from densa.serve.engine_client import EngineClient
-from densa.serve.errors import ErrorResponse, from_engine_output, timed_out
-from densa.serve.generation import EngineCall, Outputs, SSEResponse, StreamFormatter
-from densa.serve.protocol import PromptTokensDetails, Usage
-from densa.serve.responses import Generation
+from densa.serve.generation import EngineCall, Outputs, SSEResponse
 from densa.serve.tracking import RequestRecord
 from densa.text.output import RequestOutput
 from densa.text.tokenizer import Tokenizer
@@ -72,7 +73,7 @@ async def respond(
     try:
         async with asyncio.timeout_at(calls[0].deadline):
             wholes = await generation.until_disconnected(
-                request, asyncio.gather(*(_whole(record, *start) for start in starts))
+                request, asyncio.gather(*(generation.gather_outputs(record, *s) for s in starts))
             )
     except TimeoutError as exc:
         raise timed_out(calls[0].timeout) from exc
@@ -113,18 +114,6 @@ async def _start(
 async def _close(starts: Sequence[tuple[RequestOutput, Outputs]]) -> None:
     for _, outputs in starts:
         await outputs.aclose()  # a finished one: nothing happens; else it is aborted
-
-
-async def _whole(record: RequestRecord, first: RequestOutput, outputs: Outputs) -> Generation:
-    texts, logprobs, final = [first.new_text], list(first.new_logprobs), first
-    async for output in outputs:
-        record.observe(output)  # times; the counts are summed over the choices at the end
-        texts.append(output.new_text)
-        logprobs.extend(output.new_logprobs)
-        final = output
-    if final.finish_reason == "error":
-        raise from_engine_output(final)
-    return Generation("".join(texts), logprobs, final)
 
 
 def _count(record: RequestRecord, finals: Sequence[RequestOutput]) -> None:

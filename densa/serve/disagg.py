@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 
 from densa.auth.placement import PLACEMENT_HEADER, PlacementError, PlacementVerifier
 from densa.auth.secret import ClusterSecret
-from densa.serve.errors import APIError, bad_request
+from densa.openai.errors import APIError, bad_request
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -19,27 +19,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from densa.ipc.messages import AddRequest
-from densa.sampling_params import SamplingParams
-from densa.serve.engine_client import (
+from densa.engine.client import (
     EngineClient,
     EngineOverloaded,
     EngineShuttingDown,
     EngineUnavailable,
 )
-from densa.serve.errors import (
+from densa.ipc.messages import AddRequest
+from densa.openai.errors import (
     APIError,
     ClientDisconnected,
-    ErrorResponse,
     bad_request,
     engine_unavailable,
     from_engine_output,
@@ -47,7 +45,9 @@ from densa.serve.errors import (
     shutting_down,
     timed_out,
 )
-from densa.serve.responses import Generation
+from densa.openai.framing import OPENAI_FRAMING, Framing, StreamFormatter
+from densa.openai.responses import Generation
+from densa.sampling_params import SamplingParams
 from densa.serve.tracking import RequestRecord
 from densa.text.output import RequestOutput, TextStream, error_output
 from densa.text.tokenizer import Tokenizer
@@ -73,35 +73,6 @@ class EngineCall:
     timeout: float | None = None  # seconds the whole request may take (None: no limit)
     deadline: float | None = None  # the same as an event-loop time (asyncio.timeout_at)
     prefill_address: str = ""  # a decode worker: the prefill worker's KV address ("" = here)
-
-
-class StreamFormatter(Protocol):
-    """Turns engine outputs into stream chunks (see responses.ChatFormatter)."""
-
-    def stream_start(self) -> list[BaseModel]: ...
-
-    def stream_chunks(self, output: RequestOutput) -> list[BaseModel]: ...
-
-    def usage_chunk(self, final: RequestOutput) -> BaseModel: ...
-
-
-def openai_error(error: APIError) -> BaseModel:
-    return ErrorResponse(error=error.info)
-
-
-@dataclass(frozen=True)
-class Framing:
-    """How a stream writes its events. OpenAI's chat and completions streams send bare `data:`
-    chunks, a failure as `{"error": ...}`, and `[DONE]` last; Anthropic Messages and OpenAI
-    Responses name every event after its body's `type` and need no terminator (their formatters
-    write the last event)."""
-
-    named: bool = False
-    error_body: Callable[[APIError], BaseModel] = openai_error
-    done: str = "data: [DONE]\n\n"
-
-
-OPENAI_FRAMING = Framing()
 
 
 async def text_outputs(
@@ -176,13 +147,21 @@ async def collect(
 
 
 async def _gather(record: RequestRecord, first: RequestOutput, outputs: Outputs) -> Generation:
-    texts, logprobs, final = [first.new_text], list(first.new_logprobs), first
     async with contextlib.aclosing(outputs):
-        async for output in outputs:
-            record.observe(output)
-            texts.append(output.new_text)
-            logprobs.extend(output.new_logprobs)
-            final = output
+        return await gather_outputs(record, first, outputs)
+
+
+async def gather_outputs(
+    record: RequestRecord, first: RequestOutput, outputs: Outputs
+) -> Generation:
+    """One request's outputs as one Generation (the caller closes `outputs`); raise APIError if
+    the engine failed the request."""
+    texts, logprobs, final = [first.new_text], list(first.new_logprobs), first
+    async for output in outputs:
+        record.observe(output)  # n > 1: the counts are summed over the choices at the end
+        texts.append(output.new_text)
+        logprobs.extend(output.new_logprobs)
+        final = output
     if final.finish_reason == "error":
         raise from_engine_output(final)
     return Generation("".join(texts), logprobs, final)

@@ -97,91 +97,106 @@ class _EngineCollector(Collector):
         self._engine_stats = engine_stats
 
     def collect(self) -> Iterator[Metric]:
-        s = self._engine_stats()
-        yield _gauge("densa_requests_running", "Requests being computed", s.num_running)
-        yield _gauge("densa_requests_waiting", "Requests queued or preempted", s.num_waiting)
-        yield _gauge(
-            "densa_session_requests_in_flight",
-            "Running and waiting requests with x-session-affinity",
-            s.num_session_requests,
+        stats = self._engine_stats()
+        yield from _load_metrics(stats)
+        yield from _work_metrics(stats)
+        yield from _labelled_metrics(stats)
+
+
+def _load_metrics(s: EngineStats) -> Iterator[Metric]:
+    """What the engine holds now: requests, KV pages, the prefix cache."""
+    yield _gauge("densa_requests_running", "Requests being computed", s.num_running)
+    yield _gauge("densa_requests_waiting", "Requests queued or preempted", s.num_waiting)
+    yield _gauge(
+        "densa_session_requests_in_flight",
+        "Running and waiting requests with x-session-affinity",
+        s.num_session_requests,
+    )
+    yield _gauge("densa_kv_pages_total", "KV pages in the pool", s.num_kv_pages)
+    yield _gauge("densa_kv_pages_free", "KV pages no request holds", s.num_free_kv_pages)
+    yield _gauge("densa_kv_pages_used", "KV pages held by requests", s.num_used_kv_pages)
+    yield _gauge(
+        "densa_kv_pages_cached", "KV pages indexed by the prefix cache", s.num_cached_kv_pages
+    )
+    yield _gauge("densa_kv_page_size_tokens", "Tokens per KV page", s.page_size)
+    yield _gauge(
+        "densa_kv_resident_tokens",
+        "Tokens whose K/V running requests hold (a shared prefix counts once per request)",
+        s.num_resident_tokens,
+    )
+    yield _gauge(
+        "densa_prefix_cache_hit_rate",
+        "Share of looked-up prompt tokens found in the prefix cache, since start",
+        s.prefix_hit_rate,
+    )
+    yield _counter(
+        "densa_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache",
+        s.num_prefix_queried_tokens,
+    )
+    yield _counter(
+        "densa_prefix_cache_hit_tokens",
+        "Prompt tokens found in the prefix cache",
+        s.num_prefix_hit_tokens,
+    )
+
+
+def _work_metrics(s: EngineStats) -> Iterator[Metric]:
+    """What the engine has done since start: steps, tokens, preemptions, speculation."""
+    yield _counter("densa_preemptions", "Requests preempted for KV pages", s.num_preemptions)
+    yield _counter("densa_engine_steps", "Engine steps run", s.num_steps)
+    yield _counter(
+        "densa_engine_generated_tokens",
+        "Tokens the engine sampled, including any whose client had gone (compare with "
+        "densa_generation_tokens: the difference is work done for nobody)",
+        s.num_generated_tokens,
+    )
+    yield _counter(
+        "densa_spec_proposed_tokens",
+        "Speculative tokens proposed to the target model for verification",
+        s.num_spec_proposed_tokens,
+    )
+    yield _counter(
+        "densa_spec_accepted_tokens",
+        "Speculative tokens the target accepted (acceptance rate: accepted / proposed)",
+        s.num_spec_accepted_tokens,
+    )
+    yield _counter(
+        "densa_spec_paused_steps",
+        "Steps on which speculation paused: more requests decoded than --speculative-max-batch",
+        s.num_spec_paused_steps,
+    )
+
+
+def _labelled_metrics(s: EngineStats) -> Iterator[Metric]:
+    """Families with labels: integrity violations by kind, KV transfers, KV tiers."""
+    violations = CounterMetricFamily(
+        "densa_kv_integrity_violations", "KV page tag mismatches by kind", labels=["kind"]
+    )
+    for kind, count in sorted(s.integrity_violations.items()):
+        violations.add_metric([kind], count)
+    yield violations
+    if s.disagg:  # a prefill or decode worker (docs/disaggregation.md)
+        kv = GaugeMetricFamily(
+            "densa_kv_transfer",
+            "KV handoff counters (totals) and gauges (transfers per state, held pages)",
+            labels=["name"],
         )
-        yield _gauge("densa_kv_pages_total", "KV pages in the pool", s.num_kv_pages)
-        yield _gauge("densa_kv_pages_free", "KV pages no request holds", s.num_free_kv_pages)
-        yield _gauge("densa_kv_pages_used", "KV pages held by requests", s.num_used_kv_pages)
-        yield _gauge(
-            "densa_kv_pages_cached", "KV pages indexed by the prefix cache", s.num_cached_kv_pages
+        for name, value in sorted(s.disagg.items()):
+            kv.add_metric([name], value)
+        yield kv
+    if s.kv_tiers:  # --kv-tier (docs/kv-cache.md)
+        tiers = GaugeMetricFamily(
+            "densa_kv_tier",
+            "KV tier counters since start: hits, misses, rejected (failed a check), bytes "
+            "read and written, blocks written, write errors, fetch seconds and fetches "
+            "(mean fetch latency = fetch_seconds / fetches), disabled (1 when off)",
+            labels=["tier", "counter"],
         )
-        yield _gauge("densa_kv_page_size_tokens", "Tokens per KV page", s.page_size)
-        yield _gauge(
-            "densa_kv_resident_tokens",
-            "Tokens whose K/V running requests hold (a shared prefix counts once per request)",
-            s.num_resident_tokens,
-        )
-        yield _gauge(
-            "densa_prefix_cache_hit_rate",
-            "Share of looked-up prompt tokens found in the prefix cache, since start",
-            s.prefix_hit_rate,
-        )
-        yield _counter(
-            "densa_prefix_cache_queried_tokens",
-            "Prompt tokens looked up in the prefix cache",
-            s.num_prefix_queried_tokens,
-        )
-        yield _counter(
-            "densa_prefix_cache_hit_tokens",
-            "Prompt tokens found in the prefix cache",
-            s.num_prefix_hit_tokens,
-        )
-        yield _counter("densa_preemptions", "Requests preempted for KV pages", s.num_preemptions)
-        yield _counter("densa_engine_steps", "Engine steps run", s.num_steps)
-        yield _counter(
-            "densa_engine_generated_tokens",
-            "Tokens the engine sampled, including any whose client had gone (compare with "
-            "densa_generation_tokens: the difference is work done for nobody)",
-            s.num_generated_tokens,
-        )
-        yield _counter(
-            "densa_spec_proposed_tokens",
-            "Speculative tokens proposed to the target model for verification",
-            s.num_spec_proposed_tokens,
-        )
-        yield _counter(
-            "densa_spec_accepted_tokens",
-            "Speculative tokens the target accepted (acceptance rate: accepted / proposed)",
-            s.num_spec_accepted_tokens,
-        )
-        yield _counter(
-            "densa_spec_paused_steps",
-            "Steps on which speculation paused: more requests decoded than --speculative-max-batch",
-            s.num_spec_paused_steps,
-        )
-        violations = CounterMetricFamily(
-            "densa_kv_integrity_violations", "KV page tag mismatches by kind", labels=["kind"]
-        )
-        for kind, count in sorted(s.integrity_violations.items()):
-            violations.add_metric([kind], count)
-        yield violations
-        if s.disagg:  # a prefill or decode worker (docs/disaggregation.md)
-            kv = GaugeMetricFamily(
-                "densa_kv_transfer",
-                "KV handoff counters (totals) and gauges (transfers per state, held pages)",
-                labels=["name"],
-            )
-            for name, value in sorted(s.disagg.items()):
-                kv.add_metric([name], value)
-            yield kv
-        if s.kv_tiers:  # --kv-tier (docs/kv-cache.md)
-            tiers = GaugeMetricFamily(
-                "densa_kv_tier",
-                "KV tier counters since start: hits, misses, rejected (failed a check), bytes "
-                "read and written, blocks written, write errors, fetch seconds and fetches "
-                "(mean fetch latency = fetch_seconds / fetches), disabled (1 when off)",
-                labels=["tier", "counter"],
-            )
-            for tier, counters in sorted(s.kv_tiers.items()):
-                for name, value in sorted(counters.items()):
-                    tiers.add_metric([tier, name], value)
-            yield tiers
+        for tier, counters in sorted(s.kv_tiers.items()):
+            for name, value in sorted(counters.items()):
+                tiers.add_metric([tier, name], value)
+        yield tiers
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 if TYPE_CHECKING:
-    from densa.serve.api_server import ServerState
+    from densa.serve.state import ServerState
 
 peer_router = APIRouter(include_in_schema=False)
 

@@ -21,18 +21,15 @@ import uvicorn
 from fastapi import FastAPI
 
 from densa.auth.secret import load_secret
-from densa.serve.api_server import (
-    DEFAULT_BODY_TIMEOUT,
-    DEFAULT_MAX_BODY_BYTES,
-    ApiOptions,
-    build_app,
-    start_draining,
-)
+from densa.engine.client import ClientOptions, EngineClient
+from densa.engine.launch import ProcessLauncher
+from densa.openai.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
+from densa.openai.prepare import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES
+from densa.openai.reasoning import reasoning_format
+from densa.serve.api_server import build_app, start_draining
 from densa.serve.auth import load_api_keys
 from densa.serve.disagg import PlacementPolicy, peer_base_url
-from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
-from densa.serve.http_protocol import DEFAULT_HEADER_TIMEOUT, with_header_timeout
-from densa.serve.reasoning import reasoning_format
+from densa.serve.state import ApiOptions
 from densa.setup.args import EngineArgs
 from densa.utils.logging import configure_logging, get_logger
 from densa.utils.net import bind_listener, check_kv_listen, tcp_socket
@@ -47,7 +44,7 @@ class ServerOptions:
     request_timeout: float | None = None  # seconds one request may take, then it is aborted (504)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: no key needed
     api_key_file: str | None = None  # more keys, one per line
-    tool_call_format: str = "auto"  # serve/tools/formats.py: TOOL_FORMATS, or the template's
+    tool_call_format: str = "auto"  # openai/tools/formats.py: TOOL_FORMATS, or the template's
     log_level: str = "info"
     header_timeout: float = DEFAULT_HEADER_TIMEOUT  # seconds to receive request headers (408)
     body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds to receive a request body (408)
@@ -59,7 +56,7 @@ class ServerOptions:
     strict_api: bool = False  # unknown request fields are a 400 (default: dropped, warned about)
     served_model_names: tuple[str, ...] = ()  # every id clients may send ((): the engine's own)
     accept_any_model_name: bool = False  # serve any "model" a request names
-    reasoning_parser: str | None = None  # serve/reasoning.py: REASONING_FORMATS
+    reasoning_parser: str | None = None  # openai/reasoning.py: REASONING_FORMATS
     chat_template: str | None = None  # a Jinja file replacing the model's chat template
 
 

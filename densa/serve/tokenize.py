@@ -19,19 +19,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, model_validator
 
-from densa.serve import prepare
-from densa.serve.body import RequestBody
-from densa.serve.errors import bad_request
-from densa.serve.fields import INTEGRAL, TemplateKwargs, Unsupported
-from densa.serve.protocol import ChatCompletionRequest, ChatMessage
-from densa.serve.tools.models import ToolDefinition
-from densa.serve.unknown_fields import header_value
+from densa.openai import prepare
+from densa.openai.body import RequestBody
+from densa.openai.errors import bad_request
+from densa.openai.fields import INTEGRAL, TemplateKwargs, Unsupported
+from densa.openai.headers import IGNORED_FIELDS_HEADER
+from densa.openai.protocol import ChatCompletionRequest, ChatMessage
+from densa.openai.tools.models import ToolDefinition
+from densa.openai.unknown_fields import header_value
 from densa.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from densa.serve.api_server import ServerState
-
-IGNORED_FIELDS_HEADER = "x-densa-ignored-fields"
+    from densa.serve.state import ServerState
 
 
 class TokenizeCompletionRequest(RequestBody):

@@ -17,15 +17,14 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from densa.serve.unknown_fields import header_value
+from densa.openai.headers import IGNORED_FIELDS_HEADER, SESSION_HEADER
+from densa.openai.unknown_fields import header_value
 from densa.text.output import RequestOutput
 from densa.utils.logging import get_logger
 
 logger = get_logger("densa.requests")
 
 REQUEST_ID_HEADER = "x-request-id"
-SESSION_HEADER = "x-session-affinity"
-IGNORED_FIELDS_HEADER = "x-densa-ignored-fields"  # set by the routes (serve/unknown_fields.py)
 # Generation endpoints -> the prefix of their request ids (OpenAI's spelling).
 TRACKED_ENDPOINTS = {
     "/v1/chat/completions": "chatcmpl",

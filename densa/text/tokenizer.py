@@ -150,7 +150,7 @@ class Tokenizer:
         """An upper bound on the bytes of text one token stands for (special tokens included).
 
         Byte-level pieces spell each byte as one character of at most 2 UTF-8 bytes, so measuring
-        the pieces can only overestimate, which keeps `serve.prepare.max_prompt_bytes` safe.
+        the pieces can only overestimate, which keeps `openai.prepare.max_prompt_bytes` safe.
         """
         pieces = (self._tok.id_to_token(i) for i in range(self.vocab_size))
         return max(len(piece.encode("utf-8")) for piece in pieces if piece is not None)

@@ -118,9 +118,9 @@ def test_a_template_that_renders_tools_gets_them_in_the_eval_prompt(
     does (without them the prompt offers no function, and the model answers in prose)."""
     from densa.eval.tool_calls import case_prompt
     from densa.model.loader import resolve_model_dir
-    from densa.serve.tools.formats import AUTO, resolve_format
-    from densa.serve.tools.models import ToolDefinition
-    from densa.serve.tools.plan import plan_tools
+    from densa.openai.tools.formats import AUTO, resolve_format
+    from densa.openai.tools.models import ToolDefinition
+    from densa.openai.tools.plan import plan_tools
     from densa.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(resolve_model_dir(str(real_model("qwen2.5-coder-0.5b"))))

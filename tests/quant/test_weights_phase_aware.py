@@ -10,10 +10,10 @@ import torch
 
 from densa.engine.llm import LLM
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.scoring import iter_logits
 from densa.model.arch import ModelLoadError
 from densa.model.linear import Int4Linear, resident_weight_bytes
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
+from densa.offline.scoring import iter_logits
 from densa.quant.weight_format import WeightFormat
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from densa.engine.llm_engine import LLMEngine
-from densa.engine.scoring import iter_logits
 from densa.eval.stats import kl_divergence, top1_agreement
 from densa.measure.data import lambada_passages
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
+from densa.offline.scoring import iter_logits
 from densa.quant.weight_format import WeightFormat
 from densa.setup.args import EngineArgs
 

@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 
 from densa.auth.secret import SECRET_ENV, ClusterSecret
 from densa.cli import main
+from densa.openai.tools.formats import tool_format
 from densa.router.app import model_path
 from densa.router.config import RouterConfig
 from densa.router.incoming import CHAT as CHAT_ENDPOINT
@@ -24,7 +25,6 @@ from densa.router.incoming import ModelInfo, read_incoming
 from densa.router.metrics import RouterMetrics
 from densa.router.tokens import PieceCachingTokenizer
 from densa.router.workers import HealthOptions
-from densa.serve.tools.formats import tool_format
 from densa.text.tokenizer import Tokenizer, TokenizerFiles
 
 from .test_proxy import CHAT, fakes, router

@@ -8,9 +8,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from densa.openai.errors import APIError
 from densa.router.membership import apply_membership, roles_from_body
 from densa.router.routing import Router
-from densa.serve.errors import APIError
 from densa.text.tokenizer import TokenizerFiles
 
 from .test_proxy import CHAT, dead_url, fakes, router

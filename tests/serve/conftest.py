@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from densa.serve.api_server import ApiOptions
 from densa.serve.auth import ApiKeys
+from densa.serve.state import ApiOptions
 
 from .support import RunningServer, ScriptedClient, engine_client, running_server
 

@@ -14,9 +14,10 @@ from typing import Any
 import openai
 from fastapi import FastAPI
 
+from densa.engine.client import ClientOptions, EngineClient
+from densa.engine.launch import ProcessLauncher
 from densa.ipc.messages import AddRequest, EngineStats, RequestDelta
 from densa.serve import build_app, serve_in_thread
-from densa.serve.engine_client import ClientOptions, EngineClient, ProcessLauncher
 from densa.setup.args import EngineArgs
 from densa.text.tokenizer import Tokenizer
 

@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from densa.serve.anthropic_api.formatter import stop_info
-from densa.serve.anthropic_api.models import MessagesRequest
-from densa.serve.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
-from densa.serve.blocks import Block, BlockDelta, BlockStart, BlockStop, BlockStream, whole_blocks
-from densa.serve.errors import APIError
-from densa.serve.prepare import parse
-from densa.serve.responses_api.models import ResponsesRequest
-from densa.serve.responses_api.to_chat import to_chat_request as responses_to_chat
-from densa.serve.tools.formats import HERMES
+from densa.openai.anthropic_api.formatter import stop_info
+from densa.openai.anthropic_api.models import MessagesRequest
+from densa.openai.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
+from densa.openai.blocks import Block, BlockDelta, BlockStart, BlockStop, BlockStream, whole_blocks
+from densa.openai.errors import APIError
+from densa.openai.prepare import parse
+from densa.openai.responses_api.models import ResponsesRequest
+from densa.openai.responses_api.to_chat import to_chat_request as responses_to_chat
+from densa.openai.tools.formats import HERMES
 from densa.text.output import RequestOutput
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

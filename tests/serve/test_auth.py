@@ -11,8 +11,8 @@ import pytest
 from fastapi.security import HTTPAuthorizationCredentials
 
 from densa.cli import main
+from densa.openai.errors import APIError
 from densa.serve.auth import load_api_keys
-from densa.serve.errors import APIError
 
 from .support import MODEL_NAME, RunningServer
 

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
+from densa.openai.unknown_fields import MAX_HEADER_FIELDS, IgnoredFieldLog, header_value
 from densa.serve.scrape import scrape
-from densa.serve.unknown_fields import MAX_HEADER_FIELDS, IgnoredFieldLog, header_value
 
 from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer
 
@@ -30,11 +30,11 @@ def still_serving(server: RunningServer) -> Iterator[None]:
 
 @pytest.fixture
 def warnings_logged() -> Iterator[list[str]]:
-    """The WARNING lines of densa.serve.unknown_fields while the test runs."""
+    """The WARNING lines of densa.openai.unknown_fields while the test runs."""
     lines: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    log = logging.getLogger("densa.serve.unknown_fields")
+    log = logging.getLogger("densa.openai.unknown_fields")
     log.addHandler(handler)
     yield lines
     log.removeHandler(handler)

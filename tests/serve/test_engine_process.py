@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from densa.serve.engine_client import ClientOptions
+from densa.engine.client import ClientOptions
 from tests.processes import pid_gone
 
 from .support import MODEL_NAME, RunningServer, engine_client, running_server

@@ -11,9 +11,9 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from densa.engine.client import EngineShuttingDown
 from densa.serve import build_app
 from densa.serve.api_server import start_draining
-from densa.serve.engine_client import EngineShuttingDown
 
 from .conftest import SlowDown
 from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer, ScriptedClient, engine_client

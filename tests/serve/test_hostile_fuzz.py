@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
+from densa.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 from .support import MODEL_NAME, RunningServer, engine_client, running_server
 

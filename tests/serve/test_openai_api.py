@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from densa.cache.scope import CacheScope, tenant_of
-from densa.serve.responses import TokenTexts
+from densa.openai.responses import TokenTexts
 
 from .support import MODEL_NAME, RunningServer
 

@@ -20,8 +20,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
+from densa.openai.protocol import ChatCompletionRequest, CompletionRequest
 from densa.serve.auth import ApiKeys
-from densa.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 from .support import RunningServer, engine_client, running_server
 

@@ -14,8 +14,8 @@ import pytest
 
 from densa.auth.placement import sign_placement
 from densa.auth.secret import ClusterSecret
+from densa.openai.errors import APIError
 from densa.serve.disagg import MAX_ANSWER_BYTES, PlacementPolicy, PrefillPeers, peer_base_url
-from densa.serve.errors import APIError
 
 SECRET = ClusterSecret(b"lookup-tests-cluster-secret-0123")
 GOOD = b'{"role": "prefill", "kv_address": "tcp://127.0.0.1:5555", "model": "tiny"}'

@@ -19,9 +19,9 @@ import httpx
 import pytest
 from pydantic import BaseModel
 
+from densa.engine.client import EngineClient
 from densa.ipc.messages import AddRequest, RequestDelta
-from densa.serve.api_server import ApiOptions
-from densa.serve.engine_client import EngineClient
+from densa.serve.state import ApiOptions
 from densa.text.tokenizer import Tokenizer
 
 from .support import MODEL_NAME, RunningServer, engine_client, running_server

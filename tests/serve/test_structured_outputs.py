@@ -11,9 +11,9 @@ from typing import Any
 import openai
 import pytest
 
-from densa.serve.tools.formats import HERMES
-from densa.serve.tools.models import StructuredOutputs, ToolDefinition
-from densa.serve.tools.plan import ToolRequestError, output_constraint, plan_tools
+from densa.openai.tools.formats import HERMES
+from densa.openai.tools.models import StructuredOutputs, ToolDefinition
+from densa.openai.tools.plan import ToolRequestError, output_constraint, plan_tools
 from densa.text.tokenizer import Tokenizer
 from densa.worker.grammar import GrammarCompiler
 

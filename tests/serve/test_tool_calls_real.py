@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from densa.model.loader import resolve_model_dir
-from densa.serve.tools.formats import AUTO, HERMES, resolve_format
+from densa.openai.tools.formats import AUTO, HERMES, resolve_format
 from densa.text.tokenizer import Tokenizer
 from densa.worker.grammar import GrammarCompiler
 

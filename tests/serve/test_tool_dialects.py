@@ -24,11 +24,17 @@ import numpy as np
 import pytest
 
 from densa.model.loader import resolve_model_dir
-from densa.serve.tools.formats import detect_format, format_for, tool_format
-from densa.serve.tools.models import ToolDefinition
-from densa.serve.tools.parser import CallArguments, CallStart, Content, ToolCallParser, parse_output
-from densa.serve.tools.plan import plan_tools
-from densa.serve.tools.render import render_messages
+from densa.openai.tools.formats import detect_format, format_for, tool_format
+from densa.openai.tools.models import ToolDefinition
+from densa.openai.tools.parser import (
+    CallArguments,
+    CallStart,
+    Content,
+    ToolCallParser,
+    parse_output,
+)
+from densa.openai.tools.plan import plan_tools
+from densa.openai.tools.render import render_messages
 from densa.text.detokenizer import Detokenizer
 from densa.text.tokenizer import Tokenizer, TokenizerFiles
 from densa.worker.grammar import GrammarCompiler

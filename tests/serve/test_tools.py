@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from densa.bench.structured_schemas import SCHEMA_CASES
-from densa.serve.tools.formats import HERMES, MAX_PARALLEL_CALLS
-from densa.serve.tools.render import render_messages
+from densa.openai.tools.formats import HERMES, MAX_PARALLEL_CALLS
+from densa.openai.tools.render import render_messages
 
 from .support import MODEL_NAME, RunningServer, engine_client, running_server
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import httpx
 
-from densa.serve.anthropic_api.models import MessagesRequest
-from densa.serve.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
-from densa.serve.prepare import parse
-from densa.serve.responses_api.models import ResponsesRequest
-from densa.serve.responses_api.to_chat import to_chat_request as responses_to_chat
+from densa.openai.anthropic_api.models import MessagesRequest
+from densa.openai.anthropic_api.to_chat import to_chat_request as anthropic_to_chat
+from densa.openai.prepare import parse
+from densa.openai.responses_api.models import ResponsesRequest
+from densa.openai.responses_api.to_chat import to_chat_request as responses_to_chat
 from tests.serve.support import MODEL_NAME, engine_client, running_server
 
 PROMPT = "one two three four five six one two three four five six one two three four"

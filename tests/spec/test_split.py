@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from densa.config import SpeculativeConfig
-from densa.engine.inproc_pair import InProcessPair
 from densa.engine.llm_engine import LLMEngine
+from densa.offline.inproc_pair import InProcessPair
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
 from densa.spec.speculator import Speculator

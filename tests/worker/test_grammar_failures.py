@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from densa.model.loader import resolve_model_dir
+from densa.openai.tools.formats import HERMES
 from densa.sampling_params import StructuredOutput
-from densa.serve.tools.formats import HERMES
 from densa.text.tokenizer import Tokenizer
 from densa.worker.grammar import GrammarCompiler
 from densa.worker.structured import StructuredRow, StructuredSampler

@@ -1,0 +1,82 @@
+"""`densa capacity --config --gpu --tp` on the published Kimi K2 and GLM-4.5/4.6 configs
+(tests/fixtures/configs): parameter counts match the published totals, FP8 KV holds ~2x BF16's
+tokens, INT4 weights are ~40% smaller than FP8, and MLA's latent is not split by TP."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from densa.cli import main
+from densa.model.arch import ArchConfig
+from densa.offline import deployment
+
+CONFIGS = Path(__file__).parent.parent / "fixtures" / "configs"
+H200 = deployment.GPUS["h200"]
+RESERVE = 4 * 2**30
+
+
+def _sized(name: str, tp: int = 8) -> tuple[ArchConfig, deployment.ParamCounts, dict, dict]:
+    cfg = json.loads((CONFIGS / name / "config.json").read_text())
+    arch = ArchConfig.from_hf_dict(cfg)
+    counts = deployment.count_parameters(cfg, arch)
+    sizes = {s.name: s for s in deployment.weight_sizes(counts, tp)}
+    rows = deployment.kv_rows(arch, list(sizes.values()), H200, 0.9, RESERVE, tp)
+    tokens = {(r.weights, r.kv_dtype): r.tokens for r in rows}
+    return arch, counts, sizes, tokens
+
+
+@pytest.mark.parametrize(
+    ("name", "published"), [("kimi-k2-instruct", 1.04e12), ("glm-4.5", 355e9), ("glm-4.6", 355e9)]
+)
+def test_parameter_counts_match_the_published_totals(name: str, published: float) -> None:
+    _, counts, _, _ = _sized(name)
+    assert abs(counts.served + counts.mtp - published) / published < 0.02
+
+
+@pytest.mark.parametrize("name", ["kimi-k2-instruct", "glm-4.5"])
+def test_fp8_kv_doubles_tokens_and_int4_weights_are_40_percent_smaller(name: str) -> None:
+    _, _, sizes, tokens = _sized(name)
+    for weights in ("int4 g32", "fp8 128x128"):
+        ratio = tokens[(weights, "fp8_e4m3")] / tokens[(weights, "bfloat16")]
+        assert 1.95 < ratio <= 2.0, (weights, ratio)
+    fp8 = sizes["fp8 128x128"].checkpoint_bytes
+    for int4 in ("int4 g32", "int4 g32 experts, rest fp8"):
+        saved = 1 - sizes[int4].checkpoint_bytes / fp8
+        assert 0.38 < saved < 0.46, (int4, saved)
+    # More room for KV is where INT4 pays: more resident tokens at the same KV dtype.
+    assert tokens[("int4 g32", "fp8_e4m3")] > tokens[("fp8 128x128", "fp8_e4m3")]
+
+
+def test_kv_bytes_per_token_per_gpu() -> None:
+    kimi, _, _, _ = _sized("kimi-k2-instruct")
+    glm, _, _, _ = _sized("glm-4.5")
+    per_gpu = deployment.kv_bytes_per_token_per_gpu
+    # MLA: 61 layers x (512 + 64) bf16 values on every rank, whatever the TP degree.
+    assert per_gpu(kimi, "bfloat16", None, 8) == per_gpu(kimi, "bfloat16", None, 1) == 61 * 576 * 2
+    # GQA: 92 layers x K and V x 8 heads / TP x 128 x 2 bytes; never less than one head a rank.
+    assert per_gpu(glm, "bfloat16", None, 4) == 92 * 2 * 2 * 128 * 2
+    assert per_gpu(glm, "bfloat16", None, 8) == per_gpu(glm, "bfloat16", None, 16) == 47104
+
+
+def test_fp8_weights_on_8_h200_are_a_tight_fit_for_kimi() -> None:
+    """FP8 Kimi K2 is ~1 TB: ~130 GB of each H200's 141 GB, leaving little for KV."""
+    _, _, sizes, tokens = _sized("kimi-k2-instruct")
+    assert 125e9 < sizes["fp8 128x128"].per_gpu_bytes < 135e9
+    assert tokens[("bf16", "bfloat16")] == 0  # BF16 weights do not fit at all
+    assert tokens[("int4 g32", "bfloat16")] > 20 * tokens[("fp8 128x128", "bfloat16")]
+
+
+def test_the_command_prints_the_tables_with_their_arithmetic(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = str(CONFIGS / "glm-4.5" / "config.json")
+    assert main(["capacity", "--config", config, "--gpu", "h200", "--tp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "352.8B parameters served (+4.0B multi-token prediction" in out
+    assert "| fp8 128x128 | 358.5 GB | 44.44 GB | (335.96B experts x 1 +" in out
+    assert "KV per token per GPU: 92 layers x 2 (K, V) x 1 of 8 KV heads x head_dim 128" in out
+    assert "| int4 g32 | fp8_e4m3 | 106.16 GB | 23736 | 4,472,399 | 1.984x |" in out
+    assert main(["capacity", "--gpu", "h200"]) == 2  # no config
