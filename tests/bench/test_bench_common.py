@@ -9,12 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from densa.bench.serving import FIRST_PROMPT_TOKEN_ID, ServingSettings, make_prompts
-from densa.bench.timing import RequestTiming
 from densa.cli import build_parser, main
-from densa.measure.hardware import PeakRSS
-from densa.measure.report import BenchReport, LinePlot, Series, Table
-from densa.measure.stats import format_spread, interleave, latency_stats, median, percentile, spread
+from densa_bench.common.hardware import PeakRSS
+from densa_bench.common.report import BenchReport, LinePlot, Series, Table
+from densa_bench.common.stats import (
+    format_spread,
+    interleave,
+    latency_stats,
+    median,
+    percentile,
+    spread,
+)
+from densa_bench.common.timing import RequestTiming
+from densa_bench.serving.runner import FIRST_PROMPT_TOKEN_ID, ServingSettings, make_prompts
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -163,7 +170,7 @@ def test_a_servers_peak_rss_includes_its_child_processes(tmp_path: Path) -> None
     import sys
     import time
 
-    from densa.bench.peer_servers import PeerServer, PeerSpec
+    from densa_bench.peers.servers import PeerServer, PeerSpec
 
     child = (
         "import time; b = bytearray(96 * 1024 * 1024); print('ready', flush=True); time.sleep(60)"

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from densa.bench.disagg import DisaggSettings, RequestResult, Variant, _sample
-from densa.bench.disagg_report import build_report
 from densa.cli import build_parser, main
 from densa.engine.args import EngineArgs
+from densa_bench.disagg.report import build_report
+from densa_bench.disagg.runner import DisaggSettings, RequestResult, Variant, _sample
 
 
 def test_bench_parser_routes_to_disagg() -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from densa.engine.args import EngineArgs
-from densa.eval.formats import parse_format, split_options
+from densa_bench.eval.formats import parse_format, split_options
 
 BASE = EngineArgs(kv_cache_memory="512MiB")
 

@@ -17,10 +17,10 @@ import torch
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
 from densa.engine.scoring import iter_logits
-from densa.eval.stats import kl_divergence, top1_agreement
-from densa.measure.data import lambada_passages
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
+from densa.quant.calibration_data import lambada_passages
 from densa.quant.weight_format import WeightFormat
+from densa_bench.eval.stats import kl_divergence, top1_agreement
 
 pytestmark = pytest.mark.slow
 NUM_TOKENS = 512

@@ -15,9 +15,9 @@ import jsonschema
 import openai
 import pytest
 
-from densa.bench.structured_schemas import SCHEMA_CASES
 from densa.serve.tools.formats import HERMES, MAX_PARALLEL_CALLS
 from densa.serve.tools.render import render_messages
+from densa_bench.structured.schemas import SCHEMA_CASES
 
 from .support import MODEL_NAME, RunningServer, engine_client, running_server
 
