@@ -25,6 +25,7 @@ from typing import Any
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine, StepRecord
+from densa.engine.metrics import snapshot
 from densa.sampling_params import SamplingParams
 
 
@@ -117,7 +118,7 @@ def run_wave(
 ) -> dict[str, Any]:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     recorder.steps.clear()
-    preempted_before = engine.scheduler.num_preemptions
+    preempted_before = snapshot(engine).num_preemptions
     start = time.perf_counter()
     first: dict[str, float] = {}
     finished: dict[str, float] = {}
@@ -145,7 +146,7 @@ def run_wave(
         "prefill_share": 1 - decode_s / sum(s for s, _, _ in recorder.steps),
         "ttft_ms_p50": 1e3 * statistics.median(first.values()),
         "tpot_ms_mean": 1e3 * statistics.fmean(tpots) if tpots else None,
-        "preemptions": engine.scheduler.num_preemptions - preempted_before,
+        "preemptions": snapshot(engine).num_preemptions - preempted_before,
     }
 
 

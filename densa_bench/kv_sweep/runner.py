@@ -20,6 +20,7 @@ from typing import Any
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
+from densa.engine.metrics import snapshot
 from densa.model.arch import ArchConfig
 from densa.model.loader import resolve_model_dir
 from densa.sched.output import SchedulerOutput
@@ -189,11 +190,12 @@ def _report_settings(
     for engine in engines:
         cache = engine.engine.config.cache
         row = kv_capacity(arch, budget, page_size, cache.kv_cache_dtype, cache.kv_scales)
+        num_pages = snapshot(engine.engine).num_kv_pages
         capacity[engine.name] = {
             "kv_scales": row.kv_scales or "-",
             "bytes_per_token": row.bytes_per_token,
-            "kv_pages": engine.engine.kv_manager.num_pages,
-            "resident_tokens": engine.engine.kv_manager.num_pages * page_size,
+            "kv_pages": num_pages,
+            "resident_tokens": num_pages * page_size,
             "requests_that_fit": row.max_requests(settings.request_len),
         }
     return {

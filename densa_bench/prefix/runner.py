@@ -25,6 +25,7 @@ from typing import Any
 
 from densa.engine.args import EngineArgs
 from densa.engine.llm_engine import LLMEngine
+from densa.engine.metrics import snapshot
 from densa.sampling_params import SamplingParams
 from densa.utils.logging import get_logger
 from densa.utils.progress import progress
@@ -204,7 +205,7 @@ def build_report(
         settings={
             **asdict(settings),
             "engine_args": asdict(engine_args),
-            "kv_pages": engine.kv_manager.num_pages,
+            "kv_pages": snapshot(engine).num_kv_pages,
             "page_size": engine.config.cache.page_size,
             "goal": f">= {GOAL_SPEEDUP:g}x lower TTFT with a cached 1024-token prefix",
         },

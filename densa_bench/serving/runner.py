@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from densa.engine.args import EngineArgs, default_model_path
 from densa.engine.llm_engine import LLMEngine
+from densa.engine.metrics import snapshot
 from densa.ipc.messages import RequestDelta
 from densa.model.loader import resolve_model_dir
 from densa.sampling_params import SamplingParams
@@ -95,22 +96,23 @@ class DensaEngine:
 
     def run_wave(self, prompts: list[list[int]], output_len: int) -> list[RequestTiming]:
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-        preemptions_before = self.engine.scheduler.num_preemptions
+        preemptions_before = snapshot(self.engine).num_preemptions
         timings: dict[str, RequestTiming] = {}
         for prompt in prompts:
             submit_s = time.perf_counter()
             timings[self.engine.add_request(prompt, params)] = RequestTiming(submit_s)
-        min_free_pages = self.engine.kv_manager.num_free_pages
+        min_free_pages = snapshot(self.engine).num_free_kv_pages
         while self.engine.has_unfinished_requests():
             outputs = self.engine.step()
             now = time.perf_counter()
             for out in outputs:
                 _absorb(timings[out.request_id], out, now)
-            min_free_pages = min(min_free_pages, self.engine.kv_manager.num_free_pages)
+            min_free_pages = min(min_free_pages, snapshot(self.engine).num_free_kv_pages)
+        stats = snapshot(self.engine)
         self._stats = {
-            "kv_pages_total": self.engine.kv_manager.num_pages,
-            "kv_pages_peak_used": self.engine.kv_manager.num_pages - min_free_pages,
-            "preemptions": self.engine.scheduler.num_preemptions - preemptions_before,
+            "kv_pages_total": stats.num_kv_pages,
+            "kv_pages_peak_used": stats.num_kv_pages - min_free_pages,
+            "preemptions": stats.num_preemptions - preemptions_before,
         }
         return list(timings.values())
 
@@ -241,7 +243,7 @@ def _report_settings(
         **asdict(settings),
         "model": str(Path(model)),
         "densa_engine_args": asdict(engine_args),
-        "densa_kv_pages": densa.engine.kv_manager.num_pages,
+        "densa_kv_pages": snapshot(densa.engine).num_kv_pages,
         "densa_page_size": densa.engine.config.cache.page_size,
         "hf_generate": "static batch, fp32, greedy, min_new_tokens = max_new_tokens = output_len",
         "prompts": "random token ids, distinct per request and wave (no shared prefix pages)",
