@@ -40,24 +40,7 @@ from densa.serve.process import serve_engine_in_thread
 from densa_bench.common.report import BenchReport
 from densa_bench.common.stats import interleave, latency_stats
 from densa_bench.disagg.report import build_report
-
-
-@dataclass(frozen=True)
-class DisaggSettings:
-    num_decoders: int = 16
-    decoder_prompt_len: int = 64
-    decoder_output_len: int = 96
-    num_long: int = 3
-    long_prompt_len: int = 2048
-    long_output_len: int = 8
-    long_interval_s: float = 1.5
-    repeats: int = 3
-    prompt_seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("num_decoders", "decoder_prompt_len", "decoder_output_len", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+from densa_bench.disagg.settings import DisaggSettings
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import httpx
@@ -21,20 +21,7 @@ import psutil
 from densa.engine.args import EngineArgs
 from densa_bench.common.report import BenchReport, Table
 from densa_bench.common.stats import latency_stats
-
-
-@dataclass(frozen=True)
-class HostileSettings:
-    num_hostile: int = 8  # concurrent oversized-prompt clients during a hostile phase
-    hostile_bytes: int = 4_000_000  # text per oversized prompt
-    requests_per_phase: int = 8  # normal requests per phase
-    repeats: int = 3  # quiet + hostile phase pairs
-    max_tokens: int = 16  # of each normal request
-
-    def __post_init__(self) -> None:
-        if min(self.num_hostile, self.hostile_bytes, self.requests_per_phase, self.repeats) < 1:
-            raise ValueError("every hostile-benchmark setting must be >= 1")
-
+from densa_bench.hostile.settings import HostileSettings
 
 NORMAL = [{"role": "user", "content": "What is the capital of France?"}]
 

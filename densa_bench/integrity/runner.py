@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from densa.worker.request_states import ScheduledRequest
 from densa_bench.common.report import BenchReport, LinePlot, Series, Table
 from densa_bench.common.stats import format_spread, interleave, latency_stats, median, spread
 from densa_bench.common.timing import Wave
+from densa_bench.integrity.settings import IntegritySettings
 from densa_bench.serving.runner import DensaEngine, ServingSettings, make_prompts, timed_wave
 
 logger = get_logger(__name__)
@@ -38,19 +39,6 @@ NOTES = [
     "decode steps (every request mapping prompt+output tokens of pages) and divides by the "
     "measured median inter-token latency of the 'off' runs at that concurrency.",
 ]
-
-
-@dataclass(frozen=True)
-class IntegritySettings:
-    concurrency: tuple[int, ...] = (1, 2, 4, 8)
-    prompt_len: int = 2048
-    output_len: int = 256
-    repeats: int = 3
-    warmup: int = 1
-    prompt_seed: int = 0
-
-    def serving(self) -> ServingSettings:
-        return ServingSettings.densa_only(self)
 
 
 def run_integrity(settings: IntegritySettings, engine_args: EngineArgs) -> BenchReport:

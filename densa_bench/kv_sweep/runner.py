@@ -31,37 +31,10 @@ from densa_bench.common.report import BenchReport
 from densa_bench.common.stats import interleave
 from densa_bench.common.timing import RequestTiming, Wave
 from densa_bench.kv_sweep.report import build_report
+from densa_bench.kv_sweep.settings import KVSweepSettings
 from densa_bench.serving.runner import DensaEngine, ServingSettings, make_prompts, timed_wave
 
 logger = get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class KVSweepSettings:
-    concurrency: tuple[int, ...] = (1, 8, 16, 32, 64)
-    prompt_len: int = 1024
-    output_len: int = 128
-    # The KV budget in BF16 requests of prompt_len + output_len tokens. 16.5 -> BF16 holds 16
-    # whole requests and FP8 with dynamic scales (1.97x the tokens) 32.
-    budget_requests: float = 16.5
-    kv_dtypes: tuple[str, ...] = ("bfloat16", "fp8_e4m3")
-    repeats: int = 2
-    warmup: int = 1
-    prompt_seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.budget_requests < 1:
-            raise ValueError("--budget-requests must be >= 1 (one request must fit)")
-        if len(set(self.kv_dtypes)) != len(self.kv_dtypes) or not self.kv_dtypes:
-            raise ValueError("--kv-dtypes must name distinct KV dtypes")
-        self.serving()  # validates the shared fields
-
-    @property
-    def request_len(self) -> int:
-        return self.prompt_len + self.output_len
-
-    def serving(self) -> ServingSettings:
-        return ServingSettings.densa_only(self)
 
 
 def kv_budget_bytes(arch: ArchConfig, settings: KVSweepSettings, page_size: int) -> int:

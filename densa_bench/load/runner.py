@@ -27,36 +27,13 @@ from dataclasses import dataclass
 import httpx
 
 from densa.serve.scrape import MetricSamples, scrape
+from densa_bench.load.settings import LoadSettings
 
 CLIENT_CLOSED = "client_closed"  # the server's outcome for a request whose client went away
 FIRST_PROMPT_TOKEN_ID = 256  # below: special and byte tokens in common BPE vocabularies
 # Valid in every vocabulary densa serves so far (SmolLM2: 49152); prompts are random ids below it.
 MAX_PROMPT_TOKEN_ID = 30_000
 BEHAVIOURS = ("complete", "disconnect", "cancel")
-
-
-@dataclass(frozen=True)
-class LoadSettings:
-    num_clients: int = 64
-    prompt_lens: tuple[int, ...] = (64, 128, 512, 1024)  # each client draws one
-    shared_prefix_len: int = 48  # half the clients start with the same prefix (cache hits)
-    max_tokens: int = 32  # for clients that read the whole answer
-    long_max_tokens: int = 256  # for clients that leave early: they are surely still running
-    disconnect_fraction: float = 0.15  # close the connection after a few events
-    cancel_fraction: float = 0.15  # the client task is cancelled mid-stream
-    time_limit_s: float = 600.0  # the whole run; a request still open then counts as hung
-    # Tokens the engine may still sample for a client after it left (the abort crosses from the
-    # event loop to the engine between steps): more than this per leaver means it kept running.
-    max_tokens_after_leaving: int = 32
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.num_clients < 1 or not self.prompt_lens or min(self.prompt_lens) < 1:
-            raise ValueError("--clients and --prompt-lens must be >= 1")
-        if self.shared_prefix_len >= min(self.prompt_lens) and self.shared_prefix_len:
-            raise ValueError("--shared-prefix-len must be shorter than every prompt length")
-        if not 0 <= self.disconnect_fraction + self.cancel_fraction <= 1:
-            raise ValueError("the disconnect and cancel fractions must add up to at most 1")
 
 
 @dataclass(frozen=True)

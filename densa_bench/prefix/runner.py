@@ -31,32 +31,12 @@ from densa.utils.logging import get_logger
 from densa.utils.progress import progress
 from densa_bench.common.report import BenchReport, LinePlot, Series, Table
 from densa_bench.common.stats import format_spread, interleave, spread
+from densa_bench.prefix.settings import PrefixSettings
 
 logger = get_logger(__name__)
 
 FIRST_PROMPT_TOKEN_ID = 256  # below: special and byte tokens in common BPE vocabularies
 GOAL_SPEEDUP = 5.0  # the goal: >= 5x lower TTFT with a cached 1024-token prefix
-
-
-@dataclass(frozen=True)
-class PrefixSettings:
-    prefix_lens: tuple[int, ...] = (256, 512, 1024)
-    suffix_len: int = 32  # new tokens after the shared prefix
-    repeats: int = 3
-    turns: int = 8
-    system_len: int = 256  # the conversation's opening (system prompt + first question)
-    user_len: int = 64  # tokens each later user message adds
-    answer_len: int = 32  # tokens each answer adds (generated greedily, EOS ignored)
-    warmup: int = 1
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.prefix_lens or min(self.prefix_lens) < 1 or self.suffix_len < 1:
-            raise ValueError("--prefix-lens and --suffix-len must be >= 1")
-        if self.repeats < 1 or self.turns < 1 or self.warmup < 0:
-            raise ValueError("--repeats and --turns must be >= 1, --warmup >= 0")
-        if min(self.system_len, self.user_len, self.answer_len) < 1:
-            raise ValueError("--system-len, --user-len and --answer-len must be >= 1")
 
 
 @dataclass(frozen=True)

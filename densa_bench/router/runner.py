@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from densa_bench.common.local_workers import (
 )
 from densa_bench.common.report import BenchReport, LinePlot, Series, Table
 from densa_bench.common.stats import interleave, latency_stats, median, spread
+from densa_bench.router.settings import RouterBenchSettings
 
 logger = get_logger(__name__)
 
@@ -49,27 +50,6 @@ SINGLE_SIGNAL = ("least-load", "prefix")
 GOAL_HIT_RATIO = 2.0  # densa's hit rate vs round-robin's
 GOAL_ROUTER_MS = 2.0  # p50 of the router's own time per request
 _TOPICS = ("billing", "rockets", "shipping", "returns", "warranty", "fuel", "orbits", "launch")
-
-
-@dataclass(frozen=True)
-class RouterBenchSettings:
-    tenant_sessions: tuple[int, ...] = (6, 2, 1)  # sessions per tenant (unequal on purpose)
-    turns: int = 6
-    system_words: int = 100  # words of each tenant's system prompt (~1.5 tokens per word)
-    user_words: int = 60  # words of the document each user message carries
-    max_tokens: int = 24  # output tokens per turn (EOS ignored)
-    stagger_s: float = 1.0  # between session starts
-    repeats: int = 2
-    latency_probes: int = 40  # tiny requests direct vs routed, for the router's added latency
-    kv_cache_memory: str = "512MiB"  # per worker
-    max_model_len: int = 2048
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-
-    def __post_init__(self) -> None:
-        if not self.tenant_sessions or min(self.tenant_sessions) < 1:
-            raise ValueError("--tenant-sessions must be >= 1 each")
-        if self.turns < 1 or self.repeats < 1 or self.max_tokens < 1:
-            raise ValueError("--turns, --repeats and --max-tokens must be >= 1")
 
 
 # ---- one policy run -----------------------------------------------------------------------------

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from densa.engine.args import EngineArgs, default_model_path
 from densa.engine.llm_engine import LLMEngine
@@ -29,60 +29,12 @@ from densa_bench.common.report import BenchReport
 from densa_bench.common.stats import interleave
 from densa_bench.common.timing import RequestTiming, ServingEngine, Wave
 from densa_bench.serving.report import build_report
+from densa_bench.serving.settings import ServingSettings
 
 logger = get_logger(__name__)
 
 # Ids below this are special and byte-level tokens in common BPE vocabularies; keep prompts plain.
 FIRST_PROMPT_TOKEN_ID = 256
-
-
-@dataclass(frozen=True)
-class ServingSettings:
-    concurrency: tuple[int, ...] = (1, 8, 32)
-    prompt_len: int = 256
-    output_len: int = 128
-    repeats: int = 3
-    warmup: int = 1  # untimed waves per engine at the highest concurrency before timing starts
-    prompt_seed: int = 0
-    include_hf: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.concurrency or min(self.concurrency) < 1:
-            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
-        if self.prompt_len < 1 or self.output_len < 1:
-            raise ValueError("--prompt-len and --output-len must be >= 1")
-        if self.repeats < 1 or self.warmup < 0:
-            raise ValueError("--repeats must be >= 1 and --warmup >= 0")
-
-    @classmethod
-    def densa_only(cls, waves: WaveShape) -> ServingSettings:
-        """The waves another benchmark runs (its own shape and defaults), densa alone."""
-        return cls(
-            concurrency=waves.concurrency,
-            prompt_len=waves.prompt_len,
-            output_len=waves.output_len,
-            repeats=waves.repeats,
-            warmup=waves.warmup,
-            prompt_seed=waves.prompt_seed,
-            include_hf=False,
-        )
-
-
-class WaveShape(Protocol):
-    """The wave fields a benchmark's settings share with ServingSettings."""
-
-    @property
-    def concurrency(self) -> tuple[int, ...]: ...
-    @property
-    def prompt_len(self) -> int: ...
-    @property
-    def output_len(self) -> int: ...
-    @property
-    def repeats(self) -> int: ...
-    @property
-    def warmup(self) -> int: ...
-    @property
-    def prompt_seed(self) -> int: ...
 
 
 class DensaEngine:

@@ -10,7 +10,7 @@ exactly as the runner rebuilds it). Both are measured on the same steps, side by
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import msgspec
@@ -21,18 +21,7 @@ from densa.sampling_params import SamplingParams
 from densa.worker.request_states import RequestStates
 from densa_bench.common.report import BenchReport, LinePlot, Series, Table
 from densa_bench.common.stats import percentile
-
-
-@dataclass(frozen=True)
-class StepBytesSettings:
-    concurrency: int = 32
-    prompt_len: int = 512
-    output_len: int = 64
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if min(self.concurrency, self.prompt_len, self.output_len) < 1:
-            raise ValueError("concurrency, prompt and output lengths must be >= 1")
+from densa_bench.step_bytes.settings import StepBytesSettings
 
 
 class StepBytesRecorder:

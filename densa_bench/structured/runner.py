@@ -28,22 +28,10 @@ from densa.worker.grammar import GrammarCompiler
 from densa_bench.common.report import BenchReport, Table
 from densa_bench.common.stats import interleave, median, percentile
 from densa_bench.structured.schemas import SCHEMA_CASES
+from densa_bench.structured.settings import StructuredSettings
 
 logger = get_logger(__name__)
 GOAL_PERCENT = 5.0
-
-
-@dataclass(frozen=True)
-class StructuredSettings:
-    concurrency: tuple[int, ...] = (1, 8)
-    max_tokens: int = 160  # a cap: every test schema's answer is shorter
-    repeats: int = 3
-
-    def __post_init__(self) -> None:
-        if not self.concurrency or min(self.concurrency) < 1:
-            raise ValueError("concurrency levels must be >= 1")
-        if self.repeats < 1 or self.max_tokens < 8:
-            raise ValueError("repeats must be >= 1 and max_tokens >= 8")
 
 
 @dataclass
@@ -164,84 +152,90 @@ def _report(
     samples: list[dict[str, Any]],
     compile_times: list[dict[str, Any]],
 ) -> BenchReport:
-    summary = []
-    rows = []
-    for concurrency in settings.concurrency:
-        mine = [s for s in samples if s["concurrency"] == concurrency]
-        on = [s for s in mine if s["constrained"] and s["num_masks"] > 0]
-        off = [s for s in mine if not s["constrained"]]
-        if not on or not off:
-            continue
-        step_on = median([s["step_s"] for s in on])
-        step_off = median([s["step_s"] for s in off])
-        fill = median([s["fill_s"] for s in on])
-        apply = median([s["apply_s"] for s in on])
-        share = sum(s["fill_s"] + s["apply_s"] for s in on) / sum(s["step_s"] for s in on)
-        p95_share = percentile([(s["fill_s"] + s["apply_s"]) / s["step_s"] for s in on], 95)
-        entry = {
-            "concurrency": concurrency,
-            "decode_steps": len(on),
-            "step_ms_constrained": step_on * 1e3,
-            "step_ms_unconstrained": step_off * 1e3,
-            "fill_ms_median": fill * 1e3,
-            "apply_ms_median": apply * 1e3,
-            "mask_percent_of_step": share * 100,
-            "mask_percent_p95": p95_share * 100,
-            "meets_goal": share * 100 <= GOAL_PERCENT,
-        }
-        summary.append(entry)
-        rows.append(
-            [
-                str(concurrency),
-                str(len(on)),
-                f"{step_on * 1e3:.1f}",
-                f"{step_off * 1e3:.1f}",
-                f"{fill * 1e3:.2f}",
-                f"{apply * 1e3:.3f}",
-                f"{share * 100:.2f}% (p95 {p95_share * 100:.2f}%)",
-                "yes" if entry["meets_goal"] else "NO",
-            ]
-        )
-    cold = [t["cold_ms"] for t in compile_times]
-    warm = [t["warm_ms"] for t in compile_times]
-    compile_row = [
-        str(len(cold)),
-        f"{median(cold):.2f}",
-        f"{max(cold):.2f}",
-        f"{median(warm) * 1e3:.1f}",
+    summary = [
+        entry
+        for concurrency in settings.concurrency
+        if (entry := _summarize_level(samples, concurrency)) is not None
     ]
     return BenchReport(
         name="structured",
         settings={**asdict(settings), "model": engine_args.model or "default"},
         samples=samples + [{"compile": t} for t in compile_times],
         summary=summary,
-        tables=[
-            Table(
-                "Decode steps under a JSON-schema constraint (medians)",
-                [
-                    "c",
-                    "steps",
-                    "step ms (constrained)",
-                    "step ms (unconstrained)",
-                    "mask fill ms",
-                    "mask apply ms",
-                    "fill + apply, share of step",
-                    f"<= {GOAL_PERCENT:g}%",
-                ],
-                rows,
-            ),
-            Table(
-                "Grammar compile (llguidance, per schema)",
-                ["schemas", "cold ms (median)", "cold ms (max)", "cache hit us (median)"],
-                [compile_row],
-            ),
-        ],
-        notes=[
-            "fill = llguidance computing the allowed-token bitmask of every constrained row "
-            "(rows filled in parallel by its executor); apply = densa's Numba kernel setting "
-            "disallowed logits to -inf. Share = total fill + apply time over total decode-step "
-            "time across all timed steps of that concurrency.",
-            "Unconstrained waves decode the same prompts for the same number of tokens with EOS "
-            "ignored; their step time is the comparison end to end (noisier than the share).",
-        ],
+        tables=[_steps_table(summary), _compile_table(compile_times)],
+        notes=NOTES,
     )
+
+
+def _summarize_level(samples: list[dict[str, Any]], concurrency: int) -> dict[str, Any] | None:
+    """Medians of one concurrency's constrained and unconstrained decode steps (None when
+    either is missing)."""
+    mine = [s for s in samples if s["concurrency"] == concurrency]
+    on = [s for s in mine if s["constrained"] and s["num_masks"] > 0]
+    off = [s for s in mine if not s["constrained"]]
+    if not on or not off:
+        return None
+    share = sum(s["fill_s"] + s["apply_s"] for s in on) / sum(s["step_s"] for s in on)
+    p95_share = percentile([(s["fill_s"] + s["apply_s"]) / s["step_s"] for s in on], 95)
+    return {
+        "concurrency": concurrency,
+        "decode_steps": len(on),
+        "step_ms_constrained": median([s["step_s"] for s in on]) * 1e3,
+        "step_ms_unconstrained": median([s["step_s"] for s in off]) * 1e3,
+        "fill_ms_median": median([s["fill_s"] for s in on]) * 1e3,
+        "apply_ms_median": median([s["apply_s"] for s in on]) * 1e3,
+        "mask_percent_of_step": share * 100,
+        "mask_percent_p95": p95_share * 100,
+        "meets_goal": share * 100 <= GOAL_PERCENT,
+    }
+
+
+def _steps_table(summary: list[dict[str, Any]]) -> Table:
+    rows = [
+        [
+            str(e["concurrency"]),
+            str(e["decode_steps"]),
+            f"{e['step_ms_constrained']:.1f}",
+            f"{e['step_ms_unconstrained']:.1f}",
+            f"{e['fill_ms_median']:.2f}",
+            f"{e['apply_ms_median']:.3f}",
+            f"{e['mask_percent_of_step']:.2f}% (p95 {e['mask_percent_p95']:.2f}%)",
+            "yes" if e["meets_goal"] else "NO",
+        ]
+        for e in summary
+    ]
+    return Table(
+        "Decode steps under a JSON-schema constraint (medians)",
+        [
+            "c",
+            "steps",
+            "step ms (constrained)",
+            "step ms (unconstrained)",
+            "mask fill ms",
+            "mask apply ms",
+            "fill + apply, share of step",
+            f"<= {GOAL_PERCENT:g}%",
+        ],
+        rows,
+    )
+
+
+def _compile_table(compile_times: list[dict[str, Any]]) -> Table:
+    cold = [t["cold_ms"] for t in compile_times]
+    warm = [t["warm_ms"] for t in compile_times]
+    row = [str(len(cold)), f"{median(cold):.2f}", f"{max(cold):.2f}", f"{median(warm) * 1e3:.1f}"]
+    return Table(
+        "Grammar compile (llguidance, per schema)",
+        ["schemas", "cold ms (median)", "cold ms (max)", "cache hit us (median)"],
+        [row],
+    )
+
+
+NOTES = [
+    "fill = llguidance computing the allowed-token bitmask of every constrained row "
+    "(rows filled in parallel by its executor); apply = densa's Numba kernel setting "
+    "disallowed logits to -inf. Share = total fill + apply time over total decode-step "
+    "time across all timed steps of that concurrency.",
+    "Unconstrained waves decode the same prompts for the same number of tokens with EOS "
+    "ignored; their step time is the comparison end to end (noisier than the share).",
+]

@@ -38,33 +38,9 @@ from densa.sampling_params import SamplingParams
 from densa.utils.logging import get_logger
 from densa_bench.common.report import BenchReport, LinePlot, Series, Table
 from densa_bench.common.stats import percentile
+from densa_bench.tiers.settings import TiersSettings
 
 logger = get_logger(__name__)
-VARIANTS = ("off", "disk", "shared")
-
-
-@dataclass(frozen=True)
-class TiersSettings:
-    num_sessions: int = 8
-    num_turns: int = 3
-    system_tokens: int = 2048  # per session: tool schemas, truncated to this many tokens
-    user_tokens: int = 48  # each later user message
-    max_tokens: int = 16  # each answer (greedy, EOS ignored)
-    pool_share: float = 0.25  # of the live sessions' final contexts the device pool holds
-    workers: tuple[int, ...] = (1, 2)
-    variants: tuple[str, ...] = VARIANTS
-
-    def __post_init__(self) -> None:
-        if self.num_sessions < 2 or self.num_turns < 2:
-            raise ValueError("--num-sessions and --num-turns must be >= 2")
-        if not 0 < self.pool_share <= 1:
-            raise ValueError("--pool-share must be in (0, 1]")
-        if set(self.variants) - set(VARIANTS) or set(self.workers) - {1, 2}:
-            raise ValueError(f"--variants from {VARIANTS}; --workers from 1, 2")
-
-    @property
-    def final_context(self) -> int:
-        return self.system_tokens + self.num_turns * (self.user_tokens + self.max_tokens)
 
 
 @dataclass

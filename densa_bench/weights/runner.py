@@ -34,10 +34,10 @@ from densa.utils.sizes import format_bytes
 from densa_bench.common.report import BenchReport, LinePlot, Series, Table
 from densa_bench.common.stats import format_spread, interleave, spread
 from densa_bench.serving.runner import ServingSettings, make_prompts
+from densa_bench.weights.settings import WeightsSettings
 
 logger = get_logger(__name__)
 
-FORMATS = ("bf16", "fp8", "int4", "bf16+int4")
 # How each format computes on CPU (fp32 is densa's CPU default: bf16 compute degrades this model).
 COMPUTE = {
     "bf16": "weights widened to the compute dtype at load; {dtype} matmuls",
@@ -45,30 +45,6 @@ COMPUTE = {
     "int4": "int4 weights; torch's packed int4 matmul with bf16 activations, {dtype} elsewhere",
     "bf16+int4": "prefill as bf16, decode as int4 (two weight sets, one KV cache)",
 }
-
-
-@dataclass(frozen=True)
-class WeightsSettings:
-    formats: tuple[str, ...] = FORMATS
-    concurrency: tuple[int, ...] = (1, 8, 16, 32, 64)
-    prefill_len: int = 1024
-    prompt_len: int = 64  # decode waves: short prompts, so the timed part is decode
-    output_len: int = 64
-    repeats: int = 3
-    int4_group_size: int = 128
-    int4_symmetric: bool = True
-    work_dir: Path = Path.home() / ".cache" / "densa" / "bench-weights"
-    profile: bool = True
-    prompt_seed: int = 0
-
-    def __post_init__(self) -> None:
-        unknown = set(self.formats) - set(FORMATS)
-        if unknown or not self.formats:
-            raise ValueError(f"formats must be among {FORMATS}, got {sorted(unknown)}")
-        if not self.concurrency or min(self.concurrency) < 1:
-            raise ValueError("concurrency levels must be >= 1")
-        if min(self.prefill_len, self.prompt_len, self.repeats) < 1 or self.output_len < 2:
-            raise ValueError("lengths and repeats must be >= 1, --output-len >= 2")
 
 
 @dataclass
