@@ -53,7 +53,22 @@ def _mac_share(sample: dict[str, Any]) -> float:
 
 def build_report(settings: Any, samples: list[dict[str, Any]], base: EngineArgs) -> BenchReport:
     summary = summarize(samples)
-    latency = Table(
+    settings_dict = dataclasses.asdict(settings)
+    settings_dict["model"] = base.model or "bundled SmolLM2-135M-Instruct"
+    settings_dict["kv_cache_memory"] = base.kv_cache_memory
+    return BenchReport(
+        name="disagg",
+        settings=settings_dict,
+        samples=samples,
+        summary=summary,
+        tables=[_latency_table(summary), _transfer_table(summary)],
+        plots=[_itl_plot(summary)],
+        notes=NOTES,
+    )
+
+
+def _latency_table(summary: list[dict[str, Any]]) -> Table:
+    return Table(
         "Latency and throughput (median of runs, min..max in brackets)",
         [
             "variant",
@@ -79,7 +94,10 @@ def build_report(settings: Any, samples: list[dict[str, Any]], base: EngineArgs)
             for r in summary
         ],
     )
-    transfer = Table(
+
+
+def _transfer_table(summary: list[dict[str, Any]]) -> Table:
+    return Table(
         "KV handoff per request (split variants; measured on the decode worker)",
         [
             "variant",
@@ -104,7 +122,10 @@ def build_report(settings: Any, samples: list[dict[str, Any]], base: EngineArgs)
             if r["variant"].startswith("split")
         ],
     )
-    plot = LinePlot(
+
+
+def _itl_plot(summary: list[dict[str, Any]]) -> LinePlot:
+    return LinePlot(
         "decode_itl",
         "Decode inter-token latency while long prompts arrive",
         "percentile",
@@ -119,18 +140,6 @@ def build_report(settings: Any, samples: list[dict[str, Any]], base: EngineArgs)
             )
             for r in summary
         ],
-    )
-    settings_dict = dataclasses.asdict(settings)
-    settings_dict["model"] = base.model or "bundled SmolLM2-135M-Instruct"
-    settings_dict["kv_cache_memory"] = base.kv_cache_memory
-    return BenchReport(
-        name="disagg",
-        settings=settings_dict,
-        samples=samples,
-        summary=summary,
-        tables=[latency, transfer],
-        plots=[plot],
-        notes=NOTES,
     )
 
 

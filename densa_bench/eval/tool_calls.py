@@ -138,52 +138,10 @@ def _report(
     results: dict[tuple[str, str], list[CaseResult]],
 ) -> QualityReport:
     report = new_report("tools", formats, asdict(settings) | {"num_cases": len(cases)})
-    boot = settings.bootstrap
-    ref = formats[0].label
-    rows, summary = [], []
+    rows: list[list[str]] = []
+    summary: list[dict[str, Any]] = []
     for fmt in formats:
-        for mode in MODES:
-            mine = results[(fmt.label, mode)]
-            valid = [float(r.valid) for r in mine]
-            ast = [float(r.ast) for r in mine]
-            entry: dict[str, Any] = {
-                "label": fmt.label,
-                "mode": mode,
-                "valid": mean_ci(valid, boot).to_json(),
-                "ast": mean_ci(ast, boot).to_json(),
-                "num_cut_off": sum(r.finish_reason == "length" for r in mine),
-            }
-            vs_ref = ""
-            if fmt.label != ref:
-                ref_ast = [float(r.ast) for r in results[(ref, mode)]]
-                delta = paired_difference_ci(ref_ast, ast, boot)
-                entry["ast_delta_vs_ref"] = delta.to_json()
-                vs_ref = delta.format(".1f", 100)
-            summary.append(entry)
-            rows.append(
-                [
-                    fmt.label,
-                    mode,
-                    mean_ci(valid, boot).format(".1f", 100),
-                    mean_ci(ast, boot).format(".1f", 100),
-                    vs_ref,
-                    f"{entry['num_cut_off']}/{len(mine)}",
-                ]
-            )
-        unconstrained = [float(r.ast) for r in results[(fmt.label, "unconstrained")]]
-        constrained = [float(r.ast) for r in results[(fmt.label, "constrained")]]
-        gain = paired_difference_ci(unconstrained, constrained, boot)
-        summary.append({"label": fmt.label, "ast_constrained_minus_unconstrained": gain.to_json()})
-        rows.append(
-            [
-                fmt.label,
-                "constrained - unconstrained (AST, paired)",
-                "",
-                gain.format(".1f", 100),
-                "",
-                "",
-            ]
-        )
+        _format_rows(fmt.label, formats[0].label, results, settings.bootstrap, rows, summary)
     report.summary = summary
     report.samples = [
         {"label": label, "mode": mode, "case": case.case_id, **asdict(r)}
@@ -198,16 +156,65 @@ def _report(
             rows,
         )
     )
-    report.notes += [
-        "valid call = at least one call, every call of an offered function with arguments that "
-        "validate against its schema; AST match = BFCL's simple/multiple rule (one call, right "
-        "function, accepted values). Constrained decoding makes every finished answer a valid "
-        "call by construction; a constrained answer cut off by max_tokens is not.",
-        "BFCL's parameter schemas do not set additionalProperties: false, so a constrained call "
-        "may add keys of its own (schema-valid, but an AST mismatch, as in BFCL) and run on "
-        "until max_tokens ('cut off'); strict schemas close that door.",
-        "A 135M model is near the floor of BFCL when unconstrained: it rarely writes a call in "
-        "the format at all, so unconstrained rates measure format-following more than function "
-        "choice. Constrained rates show what the model picks once the format is guaranteed.",
-    ]
+    report.notes += NOTES
     return report
+
+
+def _format_rows(
+    label: str,
+    ref: str,
+    results: dict[tuple[str, str], list[CaseResult]],
+    boot: Bootstrap,
+    rows: list[list[str]],
+    summary: list[dict[str, Any]],
+) -> None:
+    """One format's table rows and summary entries: each mode, then what constraining gains."""
+    for mode in MODES:
+        mine = results[(label, mode)]
+        valid = [float(r.valid) for r in mine]
+        ast = [float(r.ast) for r in mine]
+        entry: dict[str, Any] = {
+            "label": label,
+            "mode": mode,
+            "valid": mean_ci(valid, boot).to_json(),
+            "ast": mean_ci(ast, boot).to_json(),
+            "num_cut_off": sum(r.finish_reason == "length" for r in mine),
+        }
+        vs_ref = ""
+        if label != ref:
+            ref_ast = [float(r.ast) for r in results[(ref, mode)]]
+            delta = paired_difference_ci(ref_ast, ast, boot)
+            entry["ast_delta_vs_ref"] = delta.to_json()
+            vs_ref = delta.format(".1f", 100)
+        summary.append(entry)
+        rows.append(
+            [
+                label,
+                mode,
+                mean_ci(valid, boot).format(".1f", 100),
+                mean_ci(ast, boot).format(".1f", 100),
+                vs_ref,
+                f"{entry['num_cut_off']}/{len(mine)}",
+            ]
+        )
+    unconstrained = [float(r.ast) for r in results[(label, "unconstrained")]]
+    constrained = [float(r.ast) for r in results[(label, "constrained")]]
+    gain = paired_difference_ci(unconstrained, constrained, boot)
+    summary.append({"label": label, "ast_constrained_minus_unconstrained": gain.to_json()})
+    rows.append(
+        [label, "constrained - unconstrained (AST, paired)", "", gain.format(".1f", 100), "", ""]
+    )
+
+
+NOTES = [
+    "valid call = at least one call, every call of an offered function with arguments that "
+    "validate against its schema; AST match = BFCL's simple/multiple rule (one call, right "
+    "function, accepted values). Constrained decoding makes every finished answer a valid "
+    "call by construction; a constrained answer cut off by max_tokens is not.",
+    "BFCL's parameter schemas do not set additionalProperties: false, so a constrained call "
+    "may add keys of its own (schema-valid, but an AST mismatch, as in BFCL) and run on "
+    "until max_tokens ('cut off'); strict schemas close that door.",
+    "A 135M model is near the floor of BFCL when unconstrained: it rarely writes a call in "
+    "the format at all, so unconstrained rates measure format-following more than function "
+    "choice. Constrained rates show what the model picks once the format is guaranteed.",
+]

@@ -134,7 +134,7 @@ def _section(results: dict[str, Any], name: str, run: Callable[[], None]) -> Non
 
 
 def _bandwidth(results: dict[str, Any], device: Any, dry_run: bool) -> None:
-    from densa_bench.gpu.kernels import ROOFLINE_GBS, copy_bandwidth_gbs
+    from densa_bench.gpu.timing import ROOFLINE_GBS, copy_bandwidth_gbs
 
     nbytes = (1 << 20) if dry_run else (4 << 30)
     results["meta"]["copy_bandwidth_gbs"] = copy_bandwidth_gbs(device, nbytes)
@@ -143,7 +143,8 @@ def _bandwidth(results: dict[str, Any], device: Any, dry_run: bool) -> None:
 
 def _kernels(results: dict[str, Any], device: Any, dry_run: bool, time_left: Any) -> None:
     from densa.kernels.triton_tuning import chosen_configs
-    from densa_bench.gpu.kernels import Sizes, run_kernel_checks
+    from densa_bench.gpu.kernels import run_kernel_checks
+    from densa_bench.gpu.timing import Sizes
 
     sizes = Sizes.tiny() if dry_run else Sizes.h200()
     kernel_results = run_kernel_checks(sizes, device, time_left)

@@ -12,10 +12,9 @@ the suite keeps green); its times are not measurements.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,96 +22,16 @@ import torch
 from densa.kernels import paged_attention_ref as ref
 from densa.kernels.int4_linear import int4_linear_ref
 from densa.quant import int4
-
-ROOFLINE_GBS = 4300.0  # H200 device-to-device copy, measured on this workplace's machines
-GOALS = {"decode_attention_fp8": 0.70, "int4_gemv": 0.60}
-
-
-@dataclass(frozen=True)
-class Sizes:
-    heads: tuple[int, int, int]  # query heads, kv heads, head dim
-    page_size: int
-    decode_shapes: tuple[tuple[int, int], ...]  # (sequences, context tokens)
-    check_lens: tuple[int, ...]  # context lengths of the correctness cases
-    linear_shapes: tuple[tuple[int, int], ...]  # (out_features, in_features)
-    linear_rows: tuple[int, ...]
-    tag_pairs: int
-    min_stream_bytes: int  # weight copies per timing add up to at least this
-
-    @classmethod
-    def h200(cls) -> Sizes:
-        return cls(
-            heads=(32, 8, 128),
-            page_size=16,
-            decode_shapes=((64, 4096), (8, 16384), (1, 32768)),
-            check_lens=(1, 77, 600, 1500),
-            # Llama-3-8B's projections (q|k|v, o, gate|up, down) and TinyLlama's gate|up.
-            linear_shapes=((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (11264, 2048)),
-            linear_rows=(1, 16, 64),
-            tag_pairs=64 * 256,
-            min_stream_bytes=512 << 20,
-        )
-
-    @classmethod
-    def tiny(cls) -> Sizes:
-        return cls(
-            heads=(8, 2, 32),
-            page_size=4,
-            decode_shapes=((2, 40),),
-            check_lens=(1, 21),
-            linear_shapes=((64, 256),),
-            linear_rows=(1,),
-            tag_pairs=600,
-            min_stream_bytes=0,
-        )
-
-
-@dataclass
-class KernelResults:
-    correctness: list[dict[str, Any]] = field(default_factory=list)
-    timings: list[dict[str, Any]] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-
-
-TimeLeft = Callable[[], float]  # seconds left of the check's budget
-# Seconds kept back for the end-to-end sweep when the kernel timings decide whether to go on.
-TIMING_RESERVE_S = 240.0
-
-
-# ---- timing ------------------------------------------------------------------------------------
-def time_ms(run: Callable[[], object], device: torch.device, repeats: int = 10) -> float:
-    """Median milliseconds of run() (CUDA events on a GPU; wall clock elsewhere)."""
-    run()  # warm-up: compiles
-    times = []
-    if device.type != "cuda":
-        for _ in range(2):
-            began = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - began) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth_gbs(device: torch.device, nbytes: int) -> float:
-    """Device-to-device copy bandwidth, bytes read plus written per second (the roofline)."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device)
-    return 2 * src.numel() / (ms * 1e-3) / 1e9
-
-
-def _timing(kernel: str, shape: str, ms: float, nbytes: int, **extra: Any) -> dict[str, Any]:
-    gbs = nbytes / (ms * 1e-3) / 1e9
-    return {"kernel": kernel, "shape": shape, "ms": ms, "bytes": nbytes, "gbs": gbs,
-            "roofline_frac": gbs / ROOFLINE_GBS, **extra}  # fmt: skip
+from densa_bench.gpu.timing import (
+    GOALS,
+    TIMING_RESERVE_S,
+    KernelResults,
+    Sizes,
+    TimeLeft,
+    compare,
+    time_ms,
+    timing_row,
+)
 
 
 # ---- attention ---------------------------------------------------------------------------------
@@ -187,13 +106,6 @@ def _reference(case: PagedCase, sm_scale: float) -> torch.Tensor:
     )  # fmt: skip
 
 
-def _close(name: str, case: str, got: torch.Tensor, expected: torch.Tensor, tol: float) -> dict:
-    error = (got.float().cpu() - expected.float().cpu()).abs().max().item()
-    scale = expected.float().abs().max().item()
-    return {"kernel": name, "case": case, "max_abs_err": error, "max_abs_ref": scale,
-            "tolerance": tol, "ok": bool(error <= tol * max(1.0, scale))}  # fmt: skip
-
-
 def check_attention(
     sizes: Sizes, device: torch.device, results: KernelResults, time_left: TimeLeft
 ) -> None:
@@ -210,7 +122,7 @@ def check_attention(
             case.k_scale, case.v_scale,
         )  # fmt: skip
         results.correctness.append(
-            _close("decode_attention", f"{kv} lens={lens}", got, _reference(case, sm_scale), tol)
+            compare("decode_attention", f"{kv} lens={lens}", got, _reference(case, sm_scale), tol)
         )
         query_lens = [max(1, n // 3) for n in lens]
         case = paged_case(lens, query_lens, sizes, kv, device)
@@ -220,7 +132,7 @@ def check_attention(
         )  # fmt: skip
         expected = _reference(case, sm_scale)
         results.correctness.append(
-            _close("prefill_attention", f"{kv} q={query_lens}", got, expected, tol)
+            compare("prefill_attention", f"{kv} q={query_lens}", got, expected, tol)
         )
 
 
@@ -252,7 +164,7 @@ def time_attention(
             ms = time_ms(run, device)
             baseline = time_ms(torch_path, device) if num_seqs * context <= 64 * 4096 else None
             results.timings.append(
-                _timing(
+                timing_row(
                     f"decode_attention_{kv}",
                     f"B={num_seqs} ctx={context} heads={sizes.heads}",
                     ms,
@@ -289,14 +201,14 @@ def check_linears(
                 x.cpu(), cpu_parts["qweight"], cpu_parts["scales"], cpu_parts.get("zeros"), 128
             )
             name = "int4_linear_" + ("sym" if symmetric else "asym")
-            results.correctness.append(_close(name, f"{dtype} M={rows}", got, expected, 2e-2))
+            results.correctness.append(compare(name, f"{dtype} M={rows}", got, expected, 2e-2))
     fp8_parts = fp8_weights.to_runtime(fp8_weights.quantize_blocks(weight, 128), 128)
     fp8 = {k: t.to(device) for k, t in fp8_parts.items()}
     for rows in (1, 64):
         x = torch.randn(rows, in_features, device=device).to(dtype)
         got = fp8_linear_triton(x, fp8["weight"], fp8["weight_scale"], 128)
         expected = fp8_linear_ref(x.cpu(), fp8["weight"].cpu(), fp8["weight_scale"].cpu(), 128)
-        results.correctness.append(_close("fp8_linear", f"{dtype} M={rows}", got, expected, 2e-2))
+        results.correctness.append(compare("fp8_linear", f"{dtype} M={rows}", got, expected, 2e-2))
 
 
 def time_linears(
@@ -358,10 +270,10 @@ def _time_linear(
     fp8_bytes = out_features * in_features + fp8_scale[0].numel() * 4 + act_bytes
     shape = f"M={rows} N={out_features} K={in_features}"
     return [
-        _timing("dense_bf16_linear", shape, dense_ms, dense_bytes + act_bytes),
-        _timing("int4_linear", shape, int4_ms, int4_bytes, speedup_vs_dense=dense_ms / int4_ms,
+        timing_row("dense_bf16_linear", shape, dense_ms, dense_bytes + act_bytes),
+        timing_row("int4_linear", shape, int4_ms, int4_bytes, speedup_vs_dense=dense_ms / int4_ms,
                 goal=GOALS["int4_gemv"] if rows == 1 else None),
-        _timing("fp8_linear", shape, fp8_ms, fp8_bytes, speedup_vs_dense=dense_ms / fp8_ms),
+        timing_row("fp8_linear", shape, fp8_ms, fp8_bytes, speedup_vs_dense=dense_ms / fp8_ms),
     ]  # fmt: skip
 
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from densa_bench.common.benchmark import write_report
 from densa_bench.peers.cli import find_llama_server
 
 
@@ -47,41 +48,13 @@ def add_speculative_parser(benchmarks: argparse._SubParsersAction) -> None:
 
 
 def _speculative(ns: argparse.Namespace) -> int:
-    from densa.engine.args import default_model_path
-    from densa.model.catalog import resolve_model_arg
-    from densa.model.loader import resolve_model_dir
     from densa.quant.calibration_data import lambada_passages
     from densa.text.tokenizer import Tokenizer
-    from densa.utils.cpu import usable_cpus
-    from densa_bench.peers.specs import PeerContext
     from densa_bench.speculative.report import build_report
-    from densa_bench.speculative.runner import (
-        SpecBenchSettings,
-        SpecPrompts,
-        SpecWave,
-        build_variants,
-        run_speculative,
-    )
+    from densa_bench.speculative.runner import SpecPrompts, SpecWave, run_speculative
 
     try:
-        settings = SpecBenchSettings(
-            concurrency=tuple(ns.concurrency), workloads=tuple(ns.workloads),
-            methods=tuple(ns.methods), prompt_len=ns.prompt_len, output_len=ns.output_len,
-            num_speculative_tokens=ns.num_speculative_tokens, repeats=ns.repeats,
-            warmup=ns.warmup, prompt_seed=ns.prompt_seed, threads=ns.threads or usable_cpus(),
-            time_budget_s=ns.time_budget,
-        )  # fmt: skip
-        gguf = Path(resolve_model_arg(ns.model) if ns.model else default_model_path())
-        draft = Path(resolve_model_arg(ns.draft_model)) if ns.draft_model else gguf
-        hf_dir = resolve_model_dir(str(gguf))
-        ctx = PeerContext(
-            gguf=gguf, hf_dir=hf_dir, llama_server=find_llama_server(ns.llama_server),
-            threads=settings.threads, max_concurrency=max(settings.concurrency),
-            # the chat template and the ask add ~60 tokens; a code cut ends at a line
-            context_len=settings.prompt_len + settings.output_len + 256,
-            output_len=settings.output_len,
-        )  # fmt: skip
-        specs = build_variants(settings, ctx, draft)
+        settings, specs, (gguf, draft, hf_dir) = _plan(ns)
     except (ValueError, OSError) as exc:
         print(f"densa bench speculative: {exc}", file=sys.stderr)
         return 2
@@ -110,12 +83,37 @@ def _speculative(ns: argparse.Namespace) -> int:
     planned = settings.repeats * len(settings.concurrency) * len(settings.workloads) * len(specs)
     if len(waves) < planned and "partial" not in extra:
         extra["partial"] = f"time budget spent: {len(waves)} of {planned} waves ran"
-    report = build_report(waves, variants, {**_as_dict(settings), **extra})
-    paths = report.write(ns.out)
-    for table in report.tables:
-        print(table.to_markdown() + "\n")
-    print(f"wrote {', '.join(str(p) for p in paths)}")
-    return 0
+    return write_report(build_report(waves, variants, {**_as_dict(settings), **extra}), ns.out)
+
+
+def _plan(ns: argparse.Namespace) -> tuple[Any, list[Any], tuple[Path, Path, Path]]:
+    """The settings, the server variants and (model, draft, HF directory) from the options;
+    ValueError or OSError when they do not make a run."""
+    from densa.engine.args import default_model_path
+    from densa.model.catalog import resolve_model_arg
+    from densa.model.loader import resolve_model_dir
+    from densa.utils.cpu import usable_cpus
+    from densa_bench.peers.specs import PeerContext
+    from densa_bench.speculative.runner import SpecBenchSettings, build_variants
+
+    settings = SpecBenchSettings(
+        concurrency=tuple(ns.concurrency), workloads=tuple(ns.workloads),
+        methods=tuple(ns.methods), prompt_len=ns.prompt_len, output_len=ns.output_len,
+        num_speculative_tokens=ns.num_speculative_tokens, repeats=ns.repeats,
+        warmup=ns.warmup, prompt_seed=ns.prompt_seed, threads=ns.threads or usable_cpus(),
+        time_budget_s=ns.time_budget,
+    )  # fmt: skip
+    gguf = Path(resolve_model_arg(ns.model) if ns.model else default_model_path())
+    draft = Path(resolve_model_arg(ns.draft_model)) if ns.draft_model else gguf
+    hf_dir = resolve_model_dir(str(gguf))
+    ctx = PeerContext(
+        gguf=gguf, hf_dir=hf_dir, llama_server=find_llama_server(ns.llama_server),
+        threads=settings.threads, max_concurrency=max(settings.concurrency),
+        # the chat template and the ask add ~60 tokens; a code cut ends at a line
+        context_len=settings.prompt_len + settings.output_len + 256,
+        output_len=settings.output_len,
+    )  # fmt: skip
+    return settings, build_variants(settings, ctx, draft), (gguf, draft, hf_dir)
 
 
 def _as_dict(settings: object) -> dict[str, object]:
