@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from densa_bench.common.benchmark import Benchmark
 from densa_bench.disagg.settings import BENCHMARK as DISAGG
@@ -30,6 +31,15 @@ BENCHMARKS: tuple[Benchmark, ...] = (
 )  # fmt: skip
 
 
+# In the order `densa bench --help` lists them; moe, peers and speculative still write their own
+# options (moe combines two settings dataclasses, peers and speculative resolve models first).
+_SUB_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    SERVING.add_to, INTEGRITY.add_to, LOAD.add_to, PREFIX.add_to, TIERS.add_to, KV_SWEEP.add_to,
+    WEIGHTS.add_to, add_moe_parser, HOSTILE.add_to, add_peers_parser, add_speculative_parser,
+    STRUCTURED.add_to, ROUTER.add_to, STEP_BYTES.add_to, DISAGG.add_to,
+)  # fmt: skip
+
+
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     """Add `densa bench` with one sub-command per benchmark to the `densa` sub-commands."""
     parser = commands.add_parser(
@@ -38,14 +48,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         description="Benchmarks: results go to docs/benchmarks/<name>/ as JSON, Markdown and PNG.",
     )
     benchmarks = parser.add_subparsers(title="benchmarks", metavar="BENCHMARK")
-    for benchmark in (SERVING, INTEGRITY, LOAD, PREFIX, TIERS, KV_SWEEP, WEIGHTS):
-        benchmark.add_to(benchmarks)
-    add_moe_parser(benchmarks)
-    HOSTILE.add_to(benchmarks)
-    add_peers_parser(benchmarks)
-    add_speculative_parser(benchmarks)
-    for benchmark in (STRUCTURED, ROUTER, STEP_BYTES, DISAGG):
-        benchmark.add_to(benchmarks)
+    for add in _SUB_COMMANDS:
+        add(benchmarks)
     parser.set_defaults(handler=lambda ns: _print_help(parser))
 
 
