@@ -28,7 +28,7 @@ class WeightsSettings:
     repeats: int = option(3)
     int4_group_size: int = option(128, choices=(32, 64, 128))
     int4_symmetric: bool = option(True, toggle=True)
-    work_dir: Path = option(WORK_DIR, "where converted checkpoints go")  # noqa: RUF009 (a field)
+    work_dir: Path = option(WORK_DIR, "where converted checkpoints go")
     profile: bool = option(True, toggle=True)
     prompt_seed: int = option(0)
 
