@@ -6,9 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from densa.bench import add_bench_parser
 from densa.cluster.cli import add_cluster_parser
-from densa.eval import add_eval_parser
 from densa.offline import add_tool_parsers
 from densa.router.cli import add_router_parser
 from densa.utils.logging import configure_logging
@@ -67,9 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_cluster_parser(commands)
     _add_generate(commands)
     add_tool_parsers(commands)  # densa quantize, densa capacity, densa calibrate-kv
+    _add_measurement(commands)
+    return parser
+
+
+def _add_measurement(commands: argparse._SubParsersAction) -> None:
+    """`densa bench` and `densa eval`, from the measurement package beside densa (densa_bench):
+    the one place densa imports it, here when the parser is built, never at module level."""
+    from densa_bench.cli import add_bench_parser
+    from densa_bench.eval.cli import add_eval_parser
+
     add_bench_parser(commands)
     add_eval_parser(commands)
-    return parser
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:

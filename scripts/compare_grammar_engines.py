@@ -19,9 +19,9 @@ import time
 import numpy as np
 import torch
 
-from densa.bench.structured_schemas import SCHEMA_CASES
-from densa.setup.args import default_model_path
 from densa.model.loader import resolve_model_dir
+from densa.setup.args import default_model_path
+from densa_bench.structured.schemas import SCHEMA_CASES
 
 STEPS = 48
 

@@ -6,7 +6,7 @@
 # install step (densa runs from this source tree). About 7 minutes; results under $OUT.
 #
 #   OUT=/some/dir bash scripts/gpu_check.sh          # on the GPU machine
-#   python -m densa.bench.gpu_report $OUT/gpu_check.json   # tables + plots -> docs/benchmarks/gpu/
+#   python -m densa_bench.gpu.report $OUT/gpu_check.json   # tables + plots -> docs/benchmarks/gpu/
 #
 # docs/benchmarks/gpu/README.md says what is measured and how to read it.
 set -uo pipefail
@@ -25,10 +25,10 @@ fi
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader || true
-# Preflight: every module the check imports (densa.bench.gpu_check.CHECK_MACHINE_MODULES).
+# Preflight: every module the check imports (densa_bench.gpu.check.CHECK_MACHINE_MODULES).
 if ! "$python" - <<'PY'
 import importlib, sys
-from densa.bench.gpu_check import CHECK_MACHINE_MODULES
+from densa_bench.gpu.check import CHECK_MACHINE_MODULES
 missing = []
 for name in sorted(CHECK_MACHINE_MODULES - {"matplotlib"}):
     try:
@@ -44,11 +44,11 @@ then
 fi
 
 timeout --signal=INT --kill-after=10 "$((budget + 70))" \
-  "$python" -m densa.bench.gpu_check --out "$out" --time-budget "$budget" "$@" 2>&1 \
+  "$python" -m densa_bench.gpu.check --out "$out" --time-budget "$budget" "$@" 2>&1 \
   | tee "$out/gpu_check.log"
 status=${PIPESTATUS[0]}
 # Tables and plots next to the JSON, so one run brings everything back.
 if [ -f "$out/gpu_check.json" ]; then
-  "$python" -m densa.bench.gpu_report "$out/gpu_check.json" --out "$out/report" || true
+  "$python" -m densa_bench.gpu.report "$out/gpu_check.json" --out "$out/report" || true
 fi
 exit "$status"

@@ -7,6 +7,9 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "densa"
+# Measurement (benchmarks, evaluations) beside densa: above every layer, it may import any densa
+# module; densa imports it only in the entry points of densa/cli.py, inside a function.
+BENCH_PACKAGE = PACKAGE.parent / "densa_bench"
 
 LAYERS = {
     "utils": 0,
@@ -19,9 +22,6 @@ LAYERS = {
     "sched": 2,
     "kernels": 3,
     "quant": 3,
-    # Statistics, reports, plots and offline data: shared by bench, eval and by calibration
-    # (GPTQ reads its text through it), so it sits with the lowest of them.
-    "measure": 3,
     "memory": 3,  # huge-page allocation for weights (model/) and KV pages (worker/)
     # The public API's shapes (OpenAI, Anthropic Messages, Responses; tool calls, reasoning),
     # shared by serve, router and eval: pydantic and text, no engine, no torch (FRONT_MODULES).
@@ -39,8 +39,6 @@ LAYERS = {
     "serve": 7,
     "router": 7,
     "cluster": 7,  # runs routers and workers as processes; imports router.membership only
-    "bench": 7,
-    "eval": 7,
     "offline": 7,  # quantize, capacity, KV calibration, scoring: drives engine/ from outside
     "cli": 7,
     "__init__": 7,
@@ -97,16 +95,31 @@ def test_the_table_knows_every_top_level_module() -> None:
     assert tops <= set(LAYERS), sorted(tops - set(LAYERS))
 
 
-def test_bench_and_eval_share_measure_not_each_other() -> None:
-    """Benchmarks and quality evaluations are siblings: what both need lives in densa.measure."""
+def test_densa_imports_densa_bench_only_in_the_cli_entry_points() -> None:
+    """densa knows nothing of its measurement package: no module imports densa_bench, except
+    densa/cli.py inside a function (the lazy `densa bench` / `densa eval` entry points)."""
+    offenders = [
+        f"densa.{_module_key(path)} imports {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name in _imports(path)
+        if name.split(".")[0] == "densa_bench"
+        and not (_module_key(path) == "cli" and name not in _module_level_imports(path))
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_benchmarks_and_evaluations_share_common_not_each_other() -> None:
+    """Benchmarks and quality evaluations are siblings: what both need lives in
+    densa_bench.common, and no benchmark imports an evaluation or the other way round."""
     crossings = []
-    for a, b in (("bench", "eval"), ("eval", "bench")):
-        for path in sorted((PACKAGE / a).rglob("*.py")):
-            crossings += [
-                f"densa.{_module_key(path)} imports {name}"
-                for name in _imports(path)
-                if name == f"densa.{b}" or name.startswith(f"densa.{b}.")
-            ]
+    for path in sorted(BENCH_PACKAGE.rglob("*.py")):
+        room = path.relative_to(BENCH_PACKAGE).parts[0]
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] != "densa_bench" or len(parts) < 2 or parts[1] in ("common", "cli"):
+                continue
+            if (room == "eval") != (parts[1] == "eval"):
+                crossings.append(f"densa_bench/{path.relative_to(BENCH_PACKAGE)} imports {name}")
     assert not crossings, "\n".join(crossings)
 
 

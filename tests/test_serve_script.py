@@ -7,8 +7,8 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from densa.bench.peer_specs import SERVE_SH_ARGS
 from densa.cli import build_parser
+from densa_bench.peers.specs import SERVE_SH_ARGS
 
 SERVE_SH = Path(__file__).resolve().parents[1] / "scripts" / "serve.sh"
 

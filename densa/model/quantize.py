@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from densa.measure.data import calibration_passages
 from densa.model import gguf
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
@@ -33,6 +32,7 @@ from densa.model.quant_targets import QuantScope, quantization_targets
 from densa.model.registry import kv_layout, meta_skeleton, model_factory
 from densa.model.runtime_weights import linear_module_of, runtime_tensors
 from densa.quant.calibration import HessianCollector
+from densa.quant.calibration_data import calibration_passages
 from densa.quant.checkpoint import Value, quantize_tensors, write_checkpoint
 from densa.quant.quantizer import make_quantizer
 from densa.quant.weight_format import CheckpointFormat, WeightFormat

@@ -175,9 +175,9 @@ def _add_calibrate(commands: argparse._SubParsersAction) -> None:
 
 def _calibrate(ns: argparse.Namespace) -> int:
     from densa.engine.llm_engine import LLMEngine
-    from densa.measure.progress import progress
     from densa.offline.kv_calibration import calibrate_kv_scales
     from densa.setup.args import EngineArgs
+    from densa.utils.progress import progress
 
     if ns.num_tokens < 2 or ns.segment_len < 2:
         print("densa calibrate-kv: --num-tokens and --segment-len must be >= 2", file=sys.stderr)
@@ -214,7 +214,7 @@ def _calibration_texts(tokenizer: Tokenizer, ns: argparse.Namespace) -> tuple[li
         stream = tokenizer.encode(ns.text.read_text(), add_special_tokens=False)
         description = str(ns.text)
     else:
-        from densa.measure.data import TEXT_SOURCE, lambada_passages
+        from densa.quant.calibration_data import TEXT_SOURCE, lambada_passages
 
         stream = []
         for passage in reversed(lambada_passages()):

@@ -1,6 +1,6 @@
 """Calibration for GPTQ: the Hessians of each linear layer's inputs (H = 2/n * X^T X over n
 calibration tokens), collected with forward hooks while real text runs through the model (the
-text: densa.measure.data.calibration_passages).
+text: densa.quant.calibration_data.calibration_passages).
 
 Stacked expert layers (called with rows sorted by expert and their ExpertSegments) get one
 Hessian per expert, over the tokens routed to it: [experts, in, in]; an expert no token reached

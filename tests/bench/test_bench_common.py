@@ -4,17 +4,28 @@ of `densa bench serving` (densa and transformers) on the tiny model."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from densa.bench.serving import FIRST_PROMPT_TOKEN_ID, ServingSettings, make_prompts
-from densa.bench.timing import RequestTiming
 from densa.cli import build_parser, main
-from densa.measure.hardware import PeakRSS
-from densa.measure.report import BenchReport, LinePlot, Series, Table
-from densa.measure.stats import format_spread, interleave, latency_stats, median, percentile, spread
+from densa_bench.cli import BENCHMARKS
+from densa_bench.common.benchmark import settings_from
+from densa_bench.common.hardware import PeakRSS
+from densa_bench.common.report import BenchReport, LinePlot, Series, Table
+from densa_bench.common.stats import (
+    format_spread,
+    interleave,
+    latency_stats,
+    median,
+    percentile,
+    spread,
+)
+from densa_bench.common.timing import RequestTiming
+from densa_bench.serving.runner import FIRST_PROMPT_TOKEN_ID, make_prompts
+from densa_bench.serving.settings import ServingSettings
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -116,7 +127,7 @@ def test_bench_parser_routes_to_serving() -> None:
     ns = build_parser().parse_args(["bench", "serving", "--concurrency", "2", "4", "--skip-hf"])
     assert ns.concurrency == [2, 4] and ns.skip_hf
     assert ns.kv_cache_memory == "2GiB"  # a fixed budget, not a fraction of free memory
-    assert ns.handler.__name__ == "_serving"
+    assert ns.benchmark == "serving"
 
 
 def test_bench_without_a_benchmark_prints_help() -> None:
@@ -163,7 +174,7 @@ def test_a_servers_peak_rss_includes_its_child_processes(tmp_path: Path) -> None
     import sys
     import time
 
-    from densa.bench.peer_servers import PeerServer, PeerSpec
+    from densa_bench.peers.servers import PeerServer, PeerSpec
 
     child = (
         "import time; b = bytearray(96 * 1024 * 1024); print('ready', flush=True); time.sleep(60)"
@@ -186,3 +197,26 @@ def test_a_servers_peak_rss_includes_its_child_processes(tmp_path: Path) -> None
         assert server.reset_peak_rss() >= 96 * 1024 * 1024
     finally:
         server.stop(grace_s=5)
+
+
+def test_every_benchmark_s_default_options_give_its_default_settings() -> None:
+    """The options are generated from the settings dataclass: parsing no option at all gives
+    the dataclass's own defaults, and a flag reaches its field (even a negated one)."""
+    parser = build_parser()
+    for benchmark in BENCHMARKS:
+        ns = parser.parse_args(["bench", benchmark.name])
+        assert settings_from(ns, benchmark.settings) == benchmark.settings(), benchmark.name
+    ns = parser.parse_args(["bench", "serving", "--skip-hf", "--prompt-len", "7"])
+    settings = settings_from(ns, ServingSettings)
+    assert not settings.include_hf and settings.prompt_len == 7
+
+
+def test_building_the_bench_parser_imports_no_torch() -> None:
+    """Every benchmark's options come from its settings.py, which imports no torch: `densa
+    --help` and the parser stay fast; a runner loads only when its benchmark runs."""
+    script = (
+        "import sys\nfrom densa.cli import build_parser\nbuild_parser()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr[-2000:]

@@ -7,16 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from densa.bench.disagg import DisaggSettings, RequestResult, Variant, _sample
-from densa.bench.disagg_report import build_report
 from densa.cli import build_parser, main
 from densa.setup.args import EngineArgs
+from densa_bench.disagg.report import build_report
+from densa_bench.disagg.runner import RequestResult, Variant, _sample
+from densa_bench.disagg.settings import DisaggSettings
 
 
 def test_bench_parser_routes_to_disagg() -> None:
     ns = build_parser().parse_args(["bench", "disagg", "--num-long", "2", "--repeats", "1"])
     assert ns.num_long == 2 and ns.repeats == 1 and ns.kv_cache_memory == "1GiB"
-    assert ns.handler.__name__ == "_disagg"
+    assert ns.benchmark == "disagg"
 
 
 def test_bad_settings_get_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:

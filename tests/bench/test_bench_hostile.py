@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from densa.bench.hostile import HostileSettings, run_hostile_bench
 from densa.setup.args import EngineArgs
+from densa_bench.hostile.runner import run_hostile_bench
+from densa_bench.hostile.settings import HostileSettings
 
 
 def test_hostile_bench_reports_refusals_and_latency(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from densa.bench.load import (
+from densa.cli import main
+from densa.serve.scrape import MetricSamples
+from densa_bench.load.runner import (
     ClientPlan,
     ClientResult,
     LoadRun,
@@ -16,8 +18,6 @@ from densa.bench.load import (
     find_problems,
     plan_clients,
 )
-from densa.cli import main
-from densa.serve.scrape import MetricSamples
 
 
 def test_load_smoke_run(

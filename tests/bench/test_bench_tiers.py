@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from densa.bench.redis_server import INSTALL_HINT, redis_server_binary
-from densa.bench.tiers import TiersSettings, run_tiers
 from densa.setup.args import EngineArgs
+from densa_bench.common.redis_server import INSTALL_HINT, redis_server_binary
+from densa_bench.tiers.runner import run_tiers
+from densa_bench.tiers.settings import TiersSettings
 
 
 def test_bench_tiers_on_a_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:

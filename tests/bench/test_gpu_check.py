@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from densa.bench.gpu_report import write_report
+from densa_bench.gpu.report import write_report
 
 # Not importorskip: importing Triton here, before tests/gpu sets TRITON_INTERPRET, would fix its
 # mode for the whole session.
@@ -24,7 +24,7 @@ if importlib.util.find_spec("triton") is None:
 ABSENT_THERE = ("fastapi", "uvicorn", "pydantic", "starlette", "gguf", "openai", "llguidance")
 
 # Refuses those imports when densa's own code asks for them (libraries probing for optional
-# packages are left alone), then runs the driver like `python -m densa.bench.gpu_check`.
+# packages are left alone), then runs the driver like `python -m densa_bench.gpu.check`.
 RUNNER = """
 import importlib.abc, sys, runpy
 ABSENT = set(sys.argv[1].split(","))
@@ -45,7 +45,7 @@ class Absent(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Absent())
 sys.argv = ["gpu_check", *sys.argv[2:]]
-runpy.run_module("densa.bench.gpu_check", run_name="__main__")
+runpy.run_module("densa_bench.gpu.check", run_name="__main__")
 """
 
 

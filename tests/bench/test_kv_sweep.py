@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from densa.bench.kv_sweep import KVSweepSettings, kv_budget_bytes
 from densa.cli import main
 from densa.model.arch import ArchConfig
 from densa.worker.kv_cache import page_bytes
+from densa_bench.kv_sweep.runner import kv_budget_bytes
+from densa_bench.kv_sweep.settings import KVSweepSettings
 
 
 def test_budget_holds_the_asked_bf16_requests(tiny_model_dir: Path) -> None:

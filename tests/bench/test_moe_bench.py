@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from densa.bench.moe import MoeShape, make_random_moe
 from densa.cli import main
 from densa.model.arch import ArchConfig
 from densa.model.loader import load_model, num_parameters
+from densa_bench.moe.runner import MoeShape, make_random_moe
 
 
 def test_random_moe_has_the_parameters_it_claims(tmp_path: Path, smollm2_dir: Path) -> None:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from densa.bench.openai_load import StreamedRequest
-from densa.bench.peer_servers import PeerSpec
-from densa.bench.peer_specs import AVX2_ENV, PeerContext, build_specs
-from densa.bench.peers import PeersSettings, PromptMaker, run_peers
-from densa.bench.peers_report import build_report
+from densa_bench.common.openai_load import StreamedRequest
+from densa_bench.peers.report import build_report
+from densa_bench.peers.runner import PeersSettings, PromptMaker, run_peers
+from densa_bench.peers.servers import PeerSpec
+from densa_bench.peers.specs import AVX2_ENV, PeerContext, build_specs
 
 FAKE = str(Path(__file__).with_name("fake_openai_server.py"))
 WORDS = [
@@ -164,7 +164,7 @@ def test_avx2_peers_run_no_avx512_code_and_the_others_run_native(tmp_path: Path)
 def test_the_memory_goal_is_met_below_its_ratio_at_the_largest_concurrency() -> None:
     """Speed goals are met at >= their ratio; peak RSS at <= 1.2x llama.cpp's, taken at the
     largest concurrency both ran (where the KV pages and activations are the largest)."""
-    from densa.bench.peers_report import _goals
+    from densa_bench.peers.report import _goals
 
     def row(peer: str, c: int, rss: int, prefill: float) -> dict[str, object]:
         speed = {"decode_tok_s": 1.0, "output_tok_s": 1.0, "prefill_tok_s": prefill}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from densa.bench.router import (
+from densa_bench.router.runner import (
     POLICIES,
     RouterBenchSettings,
     build_report,

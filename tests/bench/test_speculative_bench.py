@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from densa.bench.peer_servers import PeerSpec
-from densa.bench.peer_specs import PeerContext
-from densa.bench.speculative import (
+from densa.model.loader import resolve_model_dir
+from densa.setup.args import default_model_path
+from densa_bench.peers.servers import PeerSpec
+from densa_bench.peers.specs import PeerContext
+from densa_bench.speculative.report import build_report
+from densa_bench.speculative.runner import (
     CHAT_ASK,
     CODE_EDIT_ASK,
     SOURCE_ROOT,
@@ -21,9 +24,6 @@ from densa.bench.speculative import (
     build_variants,
     run_speculative,
 )
-from densa.bench.speculative_report import build_report
-from densa.model.loader import resolve_model_dir
-from densa.setup.args import default_model_path
 
 FAKE = str(Path(__file__).with_name("fake_openai_server.py"))
 PASSAGES = ["the cat sat on the mat and looked at the door", "a storm came over the hills"]
@@ -135,8 +135,8 @@ def test_no_wave_starts_once_the_time_budget_is_spent(tmp_path: Path) -> None:
 def test_densa_serve_speculates_through_the_bench(tmp_path: Path) -> None:
     """The bundled SmolLM2 drafting for itself: every proposal is accepted, so each streamed
     event carries several tokens."""
-    from densa.bench.peer_specs import PeerContext as Context
     from densa.text.tokenizer import Tokenizer
+    from densa_bench.peers.specs import PeerContext as Context
 
     gguf = Path(default_model_path())
     hf_dir = resolve_model_dir(str(gguf))

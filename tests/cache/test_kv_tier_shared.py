@@ -11,10 +11,10 @@ import pytest
 import redis
 
 from densa.auth.secret import ClusterSecret
-from densa.bench.redis_server import INSTALL_HINT, RedisServer, redis_server_binary
 from densa.cache.tiers import shared
 from densa.cache.tiers.block import BlockCodec, fingerprint_of
 from densa.cache.tiers.shared import SharedTier
+from densa_bench.common.redis_server import INSTALL_HINT, RedisServer, redis_server_binary
 
 FP = fingerprint_of("model-a", "fp32")
 KEY = bytes(range(16))

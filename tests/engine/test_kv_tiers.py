@@ -189,8 +189,8 @@ def test_the_shared_tier_serves_each_tenant_its_own_and_survives_the_store_dying
     tmp_path: Path, reference, make_engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from densa.auth.secret import SECRET_ENV, ClusterSecret
-    from densa.bench.redis_server import INSTALL_HINT, RedisServer, redis_server_binary
     from densa.cache.tiers import shared
+    from densa_bench.common.redis_server import INSTALL_HINT, RedisServer, redis_server_binary
 
     if redis_server_binary() is None:
         pytest.skip(INSTALL_HINT)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from densa.engine.llm import LLM
-from densa.eval.formats import Format, parse_format
 from densa.setup.args import EngineArgs
+from densa_bench.eval.formats import Format, parse_format
 
 TINY_PAGES = 96  # x 16 tokens: room for a 1024-token context plus a few short requests
 

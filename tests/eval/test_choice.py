@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from densa.engine.llm import LLM
-from densa.eval.choice import ALL_TASKS, ItemScores, compare_choices
-from densa.eval.prefix_scoring import score_continuations
-from densa.measure.data import load_task
 from densa.offline.scoring import token_logprobs
+from densa_bench.common.data import load_task
+from densa_bench.eval.choice import ALL_TASKS, ItemScores, compare_choices
+from densa_bench.eval.prefix_scoring import score_continuations
 
 CONTINUATIONS = [[7], [8, 9, 10], list(range(400, 425))]
 

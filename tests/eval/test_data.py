@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from densa.measure.data import TASKS, chance_accuracy, lambada_passages, load_task
+from densa.quant.calibration_data import lambada_passages
+from densa_bench.common.data import TASKS, chance_accuracy, load_task
 
 FULL_SIZES = {"arc_easy": 570, "arc_challenge": 299, "hellaswag": 10042, "mmlu": 14042}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from densa.engine.llm import LLM
-from densa.eval.distribution import compare_distributions, text_segments
+from densa_bench.eval.distribution import compare_distributions, text_segments
 
 NUM_SEGMENTS, SEGMENT_LEN = 3, 128
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from densa.eval.formats import parse_format, split_options
 from densa.setup.args import EngineArgs
+from densa_bench.eval.formats import parse_format, split_options
 
 BASE = EngineArgs(kv_cache_memory="512MiB")
 

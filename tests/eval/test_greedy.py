@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from densa.engine.llm import LLM
-from densa.eval.greedy import (
+from densa.sampling_params import SamplingParams
+from densa_bench.eval.greedy import (
     DEFAULT_PROMPTS,
     GreedyComparison,
     GreedySettings,
     compare_greedy,
     first_divergence,
 )
-from densa.eval.stats import Bootstrap, proportion_ci
-from densa.sampling_params import SamplingParams
+from densa_bench.eval.stats import Bootstrap, proportion_ci
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,9 @@ import pytest
 
 from densa.cli import main
 from densa.engine.llm_engine import LLMEngine
-from densa.eval.distribution import text_segments
-from densa.eval.split import HandoffTally, SplitResult, compare_split, split_logits
 from densa.offline.inproc_pair import InProcessPair
+from densa_bench.eval.distribution import text_segments
+from densa_bench.eval.split import HandoffTally, SplitResult, compare_split, split_logits
 
 from .conftest import TINY_PAGES, tiny_base
 

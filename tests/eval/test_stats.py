@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from densa.eval.stats import (
+from densa_bench.eval.stats import (
     Bootstrap,
     Estimate,
     block_bootstrap,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from densa.eval import bfcl, gsm8k
-from densa.eval.formats import parse_format
-from densa.eval.tool_calls import ToolEvalSettings, load_tool_cases, run_tool_eval
+from densa_bench.eval import bfcl, gsm8k
+from densa_bench.eval.formats import parse_format
+from densa_bench.eval.tool_calls import ToolEvalSettings, load_tool_cases, run_tool_eval
 
 from .conftest import tiny_base
 
@@ -116,12 +116,12 @@ def test_a_template_that_renders_tools_gets_them_in_the_eval_prompt(
 ) -> None:
     """Qwen2.5's template renders `tools` itself: the eval must pass them to it, as the server
     does (without them the prompt offers no function, and the model answers in prose)."""
-    from densa.eval.tool_calls import case_prompt
     from densa.model.loader import resolve_model_dir
     from densa.openai.tools.formats import AUTO, resolve_format
     from densa.openai.tools.models import ToolDefinition
     from densa.openai.tools.plan import plan_tools
     from densa.text.tokenizer import Tokenizer
+    from densa_bench.eval.tool_calls import case_prompt
 
     tokenizer = Tokenizer.from_dir(resolve_model_dir(str(real_model("qwen2.5-coder-0.5b"))))
     assert tokenizer.template_renders_tools

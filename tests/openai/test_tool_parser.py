@@ -140,7 +140,7 @@ def test_unsupported_schema_features_are_named(schema: object, message: str) -> 
 
 
 def test_supported_schemas_pass() -> None:
-    from densa.bench.structured_schemas import SCHEMA_CASES
+    from densa_bench.structured.schemas import SCHEMA_CASES
 
     for case in SCHEMA_CASES:
         check_schema(case.schema)

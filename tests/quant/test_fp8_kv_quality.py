@@ -32,10 +32,10 @@ import pytest
 import torch
 
 from densa.engine.llm import LLM
-from densa.eval.distribution import FormatDivergence, compare_distributions, text_segments
-from densa.eval.stats import Bootstrap
 from densa.kernels import native
 from densa.model.attention import LayerKVCache
+from densa_bench.eval.distribution import FormatDivergence, compare_distributions, text_segments
+from densa_bench.eval.stats import Bootstrap
 
 pytestmark = pytest.mark.slow
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from densa.engine.llm import LLM
-from densa.eval.distribution import compare_distributions, text_segments
-from densa.eval.stats import Bootstrap
 from densa.quant.kv_format import KVFormat
+from densa_bench.eval.distribution import compare_distributions, text_segments
+from densa_bench.eval.stats import Bootstrap
 
 pytestmark = pytest.mark.slow
 

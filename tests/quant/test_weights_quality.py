@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from densa.engine.llm_engine import LLMEngine
-from densa.eval.stats import kl_divergence, top1_agreement
-from densa.measure.data import lambada_passages
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
 from densa.offline.scoring import iter_logits
+from densa.quant.calibration_data import lambada_passages
 from densa.quant.weight_format import WeightFormat
 from densa.setup.args import EngineArgs
+from densa_bench.eval.stats import kl_divergence, top1_agreement
 
 pytestmark = pytest.mark.slow
 NUM_TOKENS = 512

@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-from densa.bench.local_workers import WorkerProcess, WorkerSettings, running_workers
 from densa.router.app import build_router_app
 from densa.router.config import RouterConfig
 from densa.router.policy import Weights
 from densa.serve.process import serve_in_thread
+from densa_bench.common.local_workers import WorkerProcess, WorkerSettings, running_workers
 
 SYSTEM = "You are the support assistant of the Acme Rocket Company. " * 24  # ~300 tokens
 
@@ -215,7 +215,7 @@ def test_the_densa_router_command_serves_and_stops_on_sigterm(
     import subprocess
     import sys
 
-    from densa.bench.local_workers import REPO, free_port
+    from densa_bench.common.local_workers import REPO, free_port
 
     port = free_port()
     command = [sys.executable, "-m", "densa.cli", "router", "--port", str(port), "--debug-headers",

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from densa.bench.local_workers import WorkerProcess, WorkerSettings, running_workers
+from densa_bench.common.local_workers import WorkerProcess, WorkerSettings, running_workers
 
 PAGE = 16
 PROMPT_TOKENS = 100  # 6 full pages; the last token is always computed

@@ -15,8 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from densa.bench.load import CLIENT_CLOSED, LoadSettings, find_problems, run_load
 from densa.serve.scrape import scrape
+from densa_bench.load.runner import CLIENT_CLOSED, find_problems, run_load
+from densa_bench.load.settings import LoadSettings
 
 from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer, engine_client, running_server
 

@@ -15,9 +15,9 @@ import jsonschema
 import openai
 import pytest
 
-from densa.bench.structured_schemas import SCHEMA_CASES
 from densa.openai.tools.formats import HERMES, MAX_PARALLEL_CALLS
 from densa.openai.tools.render import render_messages
+from densa_bench.structured.schemas import SCHEMA_CASES
 
 from .support import MODEL_NAME, RunningServer, engine_client, running_server
 

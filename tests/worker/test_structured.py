@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from densa.bench.structured_schemas import SCHEMA_CASES
 from densa.engine.llm import LLM
 from densa.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_ref
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
 from densa.quant.weight_format import WeightFormat
 from densa.sampling_params import SamplingParams, StructuredOutput
 from densa.worker.grammar import GrammarError
+from densa_bench.structured.schemas import SCHEMA_CASES
 
 SMALL_CASES = SCHEMA_CASES[:6]
 

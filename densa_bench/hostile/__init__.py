@@ -1,0 +1,1 @@
+"""`densa bench hostile`: a server under hostile clients."""

@@ -1,0 +1,1 @@
+"""`densa bench integrity`: the cost of KV integrity checks."""

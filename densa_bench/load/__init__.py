@@ -1,0 +1,1 @@
+"""`densa bench load`: an HTTP server under open-loop load (runner.py), its report (report.py)."""

@@ -1,0 +1,1 @@
+"""`densa bench moe`: a mixture-of-experts model in each weight format."""

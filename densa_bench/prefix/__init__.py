@@ -1,0 +1,1 @@
+"""`densa bench prefix`: prefix caching on shared-prefix workloads."""

@@ -1,0 +1,1 @@
+"""`densa bench router`: the router in front of local workers."""

@@ -1,0 +1,1 @@
+"""`densa bench step-bytes`: bytes moved per engine step."""

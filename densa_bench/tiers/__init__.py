@@ -1,0 +1,1 @@
+"""`densa bench tiers`: KV tiers (host, disk, shared) restoring evicted prefixes."""

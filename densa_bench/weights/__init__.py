@@ -1,0 +1,1 @@
+"""`densa bench weights`: weight formats (quantized linears) in speed and memory."""
