@@ -17,6 +17,8 @@ LAYERS = {
     "text": 1,
     "cache": 2,
     "sched": 2,
+    # Within L3 imports run one way: formats (block layouts, scale math) <- kernels <- quant.
+    "formats": 3,
     "kernels": 3,
     "quant": 3,
     # Statistics, reports, plots and offline data: shared by bench, eval and by calibration
@@ -100,6 +102,22 @@ def test_bench_and_eval_share_measure_not_each_other() -> None:
                 f"densa.{_module_key(path)} imports {name}"
                 for name in _imports(path)
                 if name == f"densa.{b}" or name.startswith(f"densa.{b}.")
+            ]
+    assert not crossings, "\n".join(crossings)
+
+
+def test_formats_kernels_and_quant_import_one_way() -> None:
+    """formats (layouts and scale math) import no kernel and no quantizer; kernels import formats,
+    never quant; quant imports both. So a format's formulas sit below every kernel reading it."""
+    forbidden = {"formats": ("kernels", "quant"), "kernels": ("quant",)}
+    crossings = []
+    for package, above in forbidden.items():
+        for path in sorted((PACKAGE / package).rglob("*.py")):
+            crossings += [
+                f"densa.{_module_key(path)} imports {name}"
+                for name in _imports(path)
+                for top in above
+                if name == f"densa.{top}" or name.startswith(f"densa.{top}.")
             ]
     assert not crossings, "\n".join(crossings)
 

@@ -143,7 +143,7 @@ def _bandwidth(results: dict[str, Any], device: Any, dry_run: bool) -> None:
 
 def _kernels(results: dict[str, Any], device: Any, dry_run: bool, time_left: Any) -> None:
     from densa.bench.gpu_kernels import Sizes, run_kernel_checks
-    from densa.kernels.triton_tuning import chosen_configs
+    from densa.kernels.triton.tuning import chosen_configs
 
     sizes = Sizes.tiny() if dry_run else Sizes.h200()
     kernel_results = run_kernel_checks(sizes, device, time_left)

@@ -29,7 +29,7 @@ from densa.model.catalog import CATALOG, resolve_model_arg
 from densa.utils.sizes import parse_memory
 
 if TYPE_CHECKING:  # the front builds its command line from here: no torch at import
-    from densa.quant.kv_format import KVFormat
+    from densa.formats.kv_format import KVFormat
 
 # The default KV budget: pages for max_num_seqs requests at the full max_model_len (so the
 # scheduler never has to preempt at the default settings), but never more than this share of
@@ -197,7 +197,7 @@ class EngineArgs:
     def kv_format(self) -> KVFormat:
         """The KV pages' format from these options, resolved once per engine (the builder
         threads it through sizing, allocation and the config)."""
-        from densa.quant.kv_format import KVFormat
+        from densa.formats.kv_format import KVFormat
 
         return KVFormat.of(self.resolved_kv_cache_dtype(), self.resolved_kv_scales(),
                            self.kv_scales_file)  # fmt: skip

@@ -13,17 +13,18 @@ import torch
 from densa.config import CacheConfig, EngineConfig, SpeculativeConfig
 from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs, default_model_path
 from densa.engine.memory_plan import check_memory
-from densa.kernels import native
+from densa.formats import fp8_kv
+from densa.formats.kv_format import KVFormat
+from densa.kernels.cpu import native
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, LayerKVCache
+from densa.model.attention_backends import select_backend
 from densa.model.fused_decode import enable_fused_decode as enable_fused
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
 from densa.model.packed_linear import PACKED_FORMATS
-from densa.quant import fp8_kv
-from densa.quant.kv_format import KVFormat
 from densa.sched.stop import StopRule
 from densa.spec.draft import DraftModelProposer, DraftSpec, draft_page_bytes, load_draft_proposer
 from densa.spec.mtp import MTPProposer, load_mtp_proposer
@@ -86,7 +87,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     # The fused step attends in C++ for decodes: with another backend asked for by name (torch,
     # triton), that backend is what runs.
     fused: list[bool] = []  # per weight set: whether its decode-only steps run fused
-    if args.fused_decode and backend.name == "cpu":
+    if args.fused_decode and backend.capabilities.fused_decode:
         fused = [enable_fused_decode(w, kv_caches) for w in (model, decode_model) if w is not None]
     runner = ModelRunner(
         model,
@@ -190,8 +191,8 @@ def make_integrity_checker(
         return NoopIntegrityChecker()
     # A fresh pool's tags are page ids (generation 0); the pool reports every change after that.
     initial_tags = list(range(cache.num_pages))
-    if backend is not None and backend.name == "triton":
-        from densa.worker.triton_integrity import TritonTagTableChecker
+    if backend is not None and backend.capabilities.batched_tag_check:
+        from densa.worker.integrity import TritonTagTableChecker
 
         return TritonTagTableChecker(initial_tags, cache.page_size, device)
     return TagTableChecker(initial_tags, cache.page_size, device)
@@ -206,7 +207,8 @@ def build_decode_graphs(
 ) -> DecodeGraphs | None:
     """CUDA graphs of decode steps, on a GPU with a graph-safe backend (else None: eager).
     Latent (MLA) pages have no graph-safe kernel yet, so those models decode eagerly."""
-    if args.device == "cpu" or not args.cuda_graphs or not getattr(backend, "graph_safe", False):
+    graph_safe = backend.capabilities.supports_cuda_graphs
+    if args.device == "cpu" or not args.cuda_graphs or not graph_safe:
         return None
     layer_caches = [c for c in kv_caches if isinstance(c, LayerKVCache)]
     if len(layer_caches) != len(kv_caches):
@@ -219,32 +221,6 @@ def build_decode_graphs(
     )  # fmt: skip
     logger.info("CUDA graphs captured for decode batch sizes %s", sizes)
     return graphs
-
-
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """auto: the Triton kernels on a GPU (torch's if Triton is missing), Numba's on the CPU.
-    'triton' also runs on the CPU, in Triton's interpreter (TRITON_INTERPRET=1): tests use it."""
-    from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
-
-    if name == "auto":
-        name = "cpu" if device.type == "cpu" else "triton" if _has_triton() else "torch"
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "triton":
-        from densa.model.triton_attention import TritonAttentionBackend  # imports Triton
-
-        return TritonAttentionBackend()
-    if name == "cpu":
-        if device.type != "cpu":
-            raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'triton'")
-        return CpuAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}")
-
-
-def _has_triton() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
 
 
 def load_decode_model(

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from densa.engine.args import AUTO_KV_MAX_FRACTION, EngineArgs
-from densa.kernels import native, qgemm
+from densa.formats.kv_format import KVFormat
+from densa.kernels.cpu import native, qgemm
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.gguf import GGUFFile
 from densa.model.gguf_loading import swap_kept_embedding, swap_kept_linears
@@ -53,7 +54,6 @@ from densa.model.loader import (  # the loader's own planning steps: the plan ca
 from densa.model.packed_linear import PACKED_FORMATS, packed_bytes
 from densa.model.quant_targets import OUTPUT_HEAD
 from densa.model.registry import meta_skeleton, model_factory
-from densa.quant.kv_format import KVFormat
 from densa.utils.sizes import format_bytes
 from densa.worker.kv_cache import page_bytes
 

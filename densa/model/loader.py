@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from densa.config import HEAD_FROM_BLOCKS, WEIGHTS_FROM_BLOCKS
-from densa.kernels import native
+from densa.kernels.cpu import native
 from densa.memory import rehome_on_huge_pages
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.gguf import GGUFFile, ensure_converted, stored_quantization

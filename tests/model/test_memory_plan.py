@@ -18,7 +18,7 @@ from densa.engine.memory_plan import (
     check_memory,
     plan_weights,
 )
-from densa.kernels import native
+from densa.kernels.cpu import native
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from densa.engine.args import default_model_path
-from densa.kernels import native, qgemm
+from densa.kernels.cpu import native, qgemm
 from densa.model.packed_linear import PackedLinear, quantize_q4_1, reference_linear
 
 

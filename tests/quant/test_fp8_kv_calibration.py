@@ -13,7 +13,7 @@ from densa.cli import main
 from densa.engine.args import EngineArgs
 from densa.engine.kv_calibration import calibrate_kv_scales
 from densa.engine.llm_engine import LLMEngine
-from densa.quant.fp8_kv import FP8_MAX
+from densa.formats.fp8_kv import FP8_MAX
 from densa.sampling_params import SamplingParams
 
 TEXT = (

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from densa.kernels.fp8_linear import dequantize_fp8
-from densa.kernels.int4_linear import dequantize_int4, pack_for_cpu
+from densa.formats.fp8_blocks import dequantize_fp8
+from densa.formats.int4 import dequantize_int4
+from densa.kernels.cpu.int4_linear import pack_for_cpu
 from densa.quant.shipped import (
     ShippedQuantizer,
     UnsupportedCheckpoint,

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.builder import select_backend
 from densa.engine.llm import LLM
 from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.attention_backends import select_backend
 from densa.model.loader import resolve_model_dir
 from densa.sampling_params import SamplingParams
 from densa.spec.draft import DraftModelProposer, DraftSpec, load_draft_proposer

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from densa.engine.builder import select_backend
 from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.attention_backends import select_backend
 from densa.spec.mtp import MTPProposer, load_mtp_proposer
 from densa.spec.proposer import SpecInput
 from tests.tiny_families import CONFIGS, save_tiny

@@ -14,7 +14,7 @@ import torch
 
 from densa.bench.structured_schemas import SCHEMA_CASES
 from densa.engine.llm import LLM
-from densa.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_ref
+from densa.kernels.cpu.token_bitmask import apply_token_bitmask_, apply_token_bitmask_ref
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
 from densa.quant.weight_format import WeightFormat
 from densa.sampling_params import SamplingParams, StructuredOutput
