@@ -119,10 +119,6 @@ class KVFormat:
             return f"{self.name}, static scales: {self.static_source or 'none given (1.0)'}"
         return self.name
 
-    def is_layer_scale(self, scale: torch.Tensor) -> bool:
-        """Whether `scale` is one scale for the whole layer (static FP8), not one per row."""
-        return self.scales == STATIC
-
     def dequantize(self, values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """Stored pages [..., D] of this format -> their real values (float32), the inverse of
         `store_kv` up to its rounding. `scale`: the per-row scales [...] (FP8 dynamic: int8
@@ -144,4 +140,4 @@ class KVFormat:
 def is_layer_scale(scale: torch.Tensor, kv_format: KVFormat | None) -> bool:
     """Whether `scale` is one scale for the whole layer, as the pages' format says; pages made by
     hand without one (tests, kernel benchmarks, which also scale other dtypes) say it by shape."""
-    return kv_format.is_layer_scale(scale) if kv_format is not None else scale.dim() == 0
+    return kv_format.scales == STATIC if kv_format is not None else scale.dim() == 0
