@@ -82,9 +82,9 @@ if [ "$profile" = dev ] && ! command -v redis-server >/dev/null && [ ! -x /usr/b
 fi
 # densa's C++ CPU kernels: compiled once per machine and source version (~1 minute the first
 # time; cached in ~/.cache/densa/extensions). Without a compiler densa still runs, on torch ops.
-kernels_stamp=".venv/.densa-kernels-$(cat densa/kernels/csrc/* | sha256sum | cut -c1-16)"
+kernels_stamp=".venv/.densa-kernels-$(cat densa/kernels/cpu/csrc/* | sha256sum | cut -c1-16)"
 if [ ! -f "$kernels_stamp" ]; then
   echo "[densa] compiling the C++ CPU kernels (once, ~1 minute)"
-  if .venv/bin/python -m densa.kernels.native; then touch "$kernels_stamp"; else
+  if .venv/bin/python -m densa.kernels.cpu.native; then touch "$kernels_stamp"; else
     echo "[densa] C++ kernels unavailable (no compiler?): densa runs on torch ops"; fi
 fi

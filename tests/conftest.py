@@ -108,7 +108,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
 def forced_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Force the native kernels' code path (`request.param`, e.g. "avx2") for one test:
     parametrize with indirect=True."""
-    from densa.kernels import native
+    from densa.kernels.cpu import native
 
     monkeypatch.setenv(native.ISA_ENV, request.param)
     native.isa.cache_clear()

@@ -20,6 +20,8 @@ LAYERS = {
     "text": 1,
     "cache": 2,
     "sched": 2,
+    # Within L3 imports run one way: formats (block layouts, scale math) <- kernels <- quant.
+    "formats": 3,
     "kernels": 3,
     "quant": 3,
     "memory": 3,  # huge-page allocation for weights (model/) and KV pages (worker/)
@@ -131,6 +133,22 @@ def test_the_router_does_not_import_serve() -> None:
         for name in _imports(path)
         if name == "densa.serve" or name.startswith("densa.serve.")
     ]
+    assert not crossings, "\n".join(crossings)
+
+
+def test_formats_kernels_and_quant_import_one_way() -> None:
+    """formats (layouts and scale math) import no kernel and no quantizer; kernels import formats,
+    never quant; quant imports both. So a format's formulas sit below every kernel reading it."""
+    forbidden = {"formats": ("kernels", "quant"), "kernels": ("quant",)}
+    crossings = []
+    for package, above in forbidden.items():
+        for path in sorted((PACKAGE / package).rglob("*.py")):
+            crossings += [
+                f"densa.{_module_key(path)} imports {name}"
+                for name in _imports(path)
+                for top in above
+                if name == f"densa.{top}" or name.startswith(f"densa.{top}.")
+            ]
     assert not crossings, "\n".join(crossings)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from densa.disagg.messages import PageFormat, PeerModel
-from densa.quant.kv_format import KV_FORMAT_NAMES, KVFormat
+from densa.formats.kv_format import KV_FORMAT_NAMES, KVFormat
 from densa.text.tokenizer import TokenizerFiles
 
 # Formats a page can be landed from: every KV format densa serves (landing converts between

@@ -1,6 +1,6 @@
 """K/V pages <-> wire frames: packed on one worker (densa/worker/kv_io.py), framed and checked here.
 
-The source sends pages in its own KV format (densa.quant.kv_format), never re-encoded: the
+The source sends pages in its own KV format (densa.formats.kv_format), never re-encoded: the
 header's WireLayout names the format, and the raw frames after it are the packed buffers:
 
     format                    frame 1          frame 2                  in the header
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from densa.disagg.messages import WireLayout
+from densa.formats.kv_format import STATIC, KVFormat
 from densa.model.kv_layout import LayerCache
-from densa.quant.kv_format import STATIC, KVFormat
 from densa.sched.output import PackedPages
 from densa.worker import kv_io
 

@@ -38,7 +38,7 @@ from densa.cache.tiers.block import BlockCodec, fingerprint_of
 from densa.cache.tiers.disk import DiskTier
 from densa.cache.tiers.tier import KVTier, TierSpec, logger, parse_tier_spec
 from densa.cache.tiers.writer import TierWriter
-from densa.quant.kv_format import KVFormat
+from densa.formats.kv_format import KVFormat
 from densa.request import Request
 from densa.sched.output import PackedPages
 from densa.worker import kv_io

@@ -24,8 +24,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from densa.kernels.paged_attention_ref import scale_to_float
-from densa.quant.kv_format import KVFormat
+from densa.formats.kv_format import DYNAMIC, NO_SCALES, ROW, STATIC, KVFormat, is_layer_scale
+from densa.kernels.cpu.kv_store import store_kv
+from densa.kernels.reference.paged_attention import scale_to_float
 
 
 @dataclass
@@ -34,7 +35,7 @@ class LayerKVCache:
 
     For FP8 caches, values are stored scaled: real = stored * scale, with scales either one per
     layer (0-dim float32, static) or one per token and head ([num_pages, num_kv_heads, page_size]
-    int8 power-of-two exponents, dynamic); see densa.quant.fp8_kv.
+    int8 power-of-two exponents, dynamic); see densa.formats.fp8_kv.
     """
 
     k: torch.Tensor
@@ -116,10 +117,35 @@ def build_group(
     )
 
 
+# The KV encodings (KVFormat.scales) every backend here reads: unscaled, FP8 with static or
+# dynamic scales, INT8 with row scales.
+ALL_KV_ENCODINGS = frozenset({NO_SCALES, STATIC, DYNAMIC, ROW})
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What an attention backend can do, declared by it and asked by whoever wires it."""
+
+    # Decode steps can be captured in CUDA graphs: no host sync, launch grids from shapes only.
+    supports_cuda_graphs: bool
+    # Decode-only steps may run through the fused C++ step instead (model/fused_decode.py),
+    # which attends as this backend does: the CPU backend's kernels are its own.
+    fused_decode: bool
+    # Brings a one-kernel batched check of the step's page tags (worker/integrity.py).
+    batched_tag_check: bool
+    # The KV encodings (KVFormat.scales) its kernels read and write.
+    kv_encodings: frozenset[str] = ALL_KV_ENCODINGS
+
+
 class AttentionBackend(Protocol):
     """Computes paged attention for one group. Reads the cache; mutates nothing but `out`."""
 
     name: str
+
+    @property
+    def capabilities(self) -> BackendCapabilities:
+        """What it can do (CUDA graphs, the fused decode step, which KV encodings it reads)."""
+        ...
 
     def store_kv(
         self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -185,13 +211,16 @@ class TorchAttentionBackend:
     """Portable reference path: gather pages into a padded batch, then SDPA with a causal mask."""
 
     name = "torch"
+    capabilities = BackendCapabilities(
+        supports_cuda_graphs=False, fused_decode=False, batched_tag_check=False
+    )
 
     def store_kv(
         self, cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> None:
         fmt = cache.kv_format  # quantizes in high precision for FP8 / INT8 pages
-        fmt.store(cache.k, cache.k_scale, meta.slot_pages, meta.slot_offsets, k)
-        fmt.store(cache.v, cache.v_scale, meta.slot_pages, meta.slot_offsets, v)
+        store_kv(fmt, cache.k, cache.k_scale, meta.slot_pages, meta.slot_offsets, k)
+        store_kv(fmt, cache.v, cache.v_scale, meta.slot_pages, meta.slot_offsets, v)
 
     def attend(
         self,
@@ -206,8 +235,9 @@ class TorchAttentionBackend:
         q_pad = q.new_zeros(num_seqs * max_q, num_heads, head_dim)
         q_pad[group.valid] = q
         q_pad = q_pad.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, Q, D]
-        k = gather_dequantized(cache.k, cache.k_scale, group.page_table, q.dtype)  # [B,KVH,K,D]
-        v = gather_dequantized(cache.v, cache.v_scale, group.page_table, q.dtype)
+        fmt, table = cache.kv_format, group.page_table
+        k = gather_dequantized(cache.k, cache.k_scale, table, q.dtype, fmt)  # [B, KVH, K, D]
+        v = gather_dequantized(cache.v, cache.v_scale, table, q.dtype, fmt)
         if new_kv is not None:  # the group's own positions, unquantized
             seq, pos = query_positions(group)
             k[seq, :, pos] = new_kv[0].to(k.dtype)
@@ -236,13 +266,17 @@ def gather_pages(cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
 
 
 def gather_dequantized(
-    cache: torch.Tensor, scale: torch.Tensor | None, page_table: torch.Tensor, dtype: torch.dtype
+    cache: torch.Tensor,
+    scale: torch.Tensor | None,
+    page_table: torch.Tensor,
+    dtype: torch.dtype,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """gather_pages, widened to `dtype` and multiplied by the cache's scales (if any)."""
     values = gather_pages(cache, page_table)  # [B, KVH, K, D]
     if scale is None:
         return values.to(dtype)
-    if scale.dim() == 0:
+    if is_layer_scale(scale, kv_format):
         return (values.to(torch.float32) * scale).to(dtype)
     per_token = scale[page_table.long()]  # [B, max_pages, KVH, P]
     num_seqs, _, num_kv_heads, _ = per_token.shape
@@ -255,6 +289,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     registers; prefill gathers only the few prefill sequences and runs one masked SDPA."""
 
     name = "cpu"
+    capabilities = BackendCapabilities(
+        supports_cuda_graphs=False, fused_decode=True, batched_tag_check=False
+    )
 
     def attend(
         self,
@@ -264,17 +301,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        from densa.kernels import cpu_paged_attention as kernels
+        from densa.kernels.cpu import paged_attention as kernels
 
         query = q.float()  # the kernels compute in fp32 whatever the model dtype
         if group.max_query_len == 1:
             out = kernels.paged_decode_attention(
                 query, cache.k, cache.v, group.page_table, group.seq_lens, scale,
-                cache.k_scale, cache.v_scale,
+                cache.k_scale, cache.v_scale, kv_format=cache.kv_format,
             )  # fmt: skip
         else:
             out = kernels.paged_prefill_attention(
                 query, cache.k, cache.v, group.page_table, group.seq_lens, group.query_lens,
-                scale, cache.k_scale, cache.v_scale, new_kv,
+                scale, cache.k_scale, cache.v_scale, new_kv, cache.kv_format,
             )  # fmt: skip
         return out.to(q.dtype)

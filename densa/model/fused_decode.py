@@ -3,7 +3,7 @@
 
 Why: at batch 1 a step of the eager model is ~450 small torch ops (30 layers x norms, projections,
 RoPE, stores, attention, activations), and their dispatch, not arithmetic, was most of the step
-(docs/benchmarks/peers/). densa/kernels/csrc/decoder.cpp runs the same computation without
+(docs/benchmarks/peers/). densa/kernels/cpu/csrc/decoder.cpp runs the same computation without
 returning to Python between layers, reading the same weights and writing the same KV pages.
 
 Prefill chunks are compute-bound, so dispatch matters less there, but the eager layer's ~20
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from densa.kernels import native
+from densa.kernels.cpu import native
 from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, attend_stored
 from densa.model.linear import Linear
 from densa.model.packed_linear import PackedLinear, ShardedPackedLinear
@@ -60,7 +60,7 @@ def projection_spec(module: nn.Module) -> ProjectionSpec:
 def enable_fused_decode(model: Any, kv_caches: Sequence[object]) -> str | None:
     """Run `model`'s decode-only steps through the fused C++ step if it can run them; returns
     why not (None: enabled). The target's and a draft model's weights go through this one gate."""
-    switch = getattr(model, "fused_decode", None)
+    switch = model.fused_decode
     if switch is None:
         return f"{type(model).__name__} has none"
     reason = unsupported_reason(model, kv_caches)

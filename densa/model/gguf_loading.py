@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from densa.config import WEIGHTS_FROM_BLOCKS
-from densa.kernels import qgemm
+from densa.kernels.cpu import qgemm
 from densa.model.arch import ModelLoadError
 from densa.model.gguf import GGUFFile
 from densa.model.gguf_tensors import GGUFTensor

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from densa.model.attention import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from densa.model.fused_decode import FusedDecodeSwitch
 
 
 class CausalLM(nn.Module, abc.ABC):
@@ -17,6 +20,9 @@ class CausalLM(nn.Module, abc.ABC):
 
     # How its linear weights are stored at run time, for people (set by the loader).
     weight_format: str = "dense"
+    # Its decode-only steps can run through the fused C++ step (model/fused_decode.py): the
+    # families that can set their switch; None = they always run layer by layer.
+    fused_decode: FusedDecodeSwitch | None = None
 
     @abc.abstractmethod
     def forward(

@@ -19,9 +19,9 @@ from typing import Protocol
 
 import torch
 
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.attention import LayerKVCache
-from densa.quant.kv_format import KVFormat
 
 CachePart = tuple[torch.Tensor, torch.Tensor | None]  # (page values, their FP8 scales or None)
 
@@ -47,7 +47,7 @@ class KVGeometry:
 class LatentKVCache:
     """One MLA layer's pages. latent: [num_pages, 1, page_size, kv_lora_rank + rope_dim], each
     token's row = (normalized c_kv, RoPE-rotated shared key). FP8 scales as for K/V pages
-    (densa.quant.fp8_kv): a 0-dim static scale, or int8 exponents [num_pages, 1, page_size]."""
+    (densa.formats.fp8_kv): a 0-dim static scale, or int8 exponents [num_pages, 1, page_size]."""
 
     latent: torch.Tensor
     scale: torch.Tensor | None = None

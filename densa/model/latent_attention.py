@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from densa.kernels.cpu.kv_store import store_kv
 from densa.model.attention import (
     AttentionGroup,
     AttentionMetadata,
@@ -35,7 +36,7 @@ def store_latent(cache: LatentKVCache, latent: torch.Tensor, meta: AttentionMeta
     """Write this step's latent rows [T, kv_lora_rank + rope] into their slots (quantized as
     the cache's format says: FP8 with one power-of-two scale per row when dynamic, INT8)."""
     rows = latent.unsqueeze(1)  # [T, 1, D]: one "head" per token, like a K/V page row
-    cache.kv_format.store(cache.latent, cache.scale, meta.slot_pages, meta.slot_offsets, rows)
+    store_kv(cache.kv_format, cache.latent, cache.scale, meta.slot_pages, meta.slot_offsets, rows)
 
 
 def gather_latent(cache: LatentKVCache, group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:
@@ -85,7 +86,7 @@ def _cpu_absorbed_decode(
 ) -> torch.Tensor:
     """The fused paged decode kernel with the latent pages as both K and V (one KV head); the
     output's trailing rope entries are the value's unused part, dropped."""
-    from densa.kernels import cpu_paged_attention as kernels
+    from densa.kernels.cpu import paged_attention as kernels
 
     out = kernels.paged_decode_attention(
         q_latent.float().contiguous(), cache.latent, cache.latent, group.page_table,

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from densa.kernels import cpu_linear
-from densa.kernels.fp8_linear import fp8_linear
-from densa.kernels.int4_linear import cpu_int4_linear, dequantize_int4, pack_for_cpu
+from densa.formats.int4 import dequantize_int4
+from densa.kernels.cpu import linear as cpu_linear
+from densa.kernels.cpu.fp8_linear import fp8_linear
+from densa.kernels.cpu.int4_linear import cpu_int4_linear, pack_for_cpu
 from densa.quant.weight_format import WeightFormat
 
 
@@ -45,7 +46,7 @@ def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
 
 
 class Int4Linear(nn.Module):
-    """Group-wise INT4 weights (layout: densa.kernels.int4_linear), activations in any dtype.
+    """Group-wise INT4 weights (layout: densa.kernels.cpu.int4_linear), activations in any dtype.
 
     Runs on CPU through torch's packed int4 matmul (bf16 activations) when the shape allows,
     on CUDA through the Triton kernel, and otherwise dequantizes and multiplies.
@@ -88,7 +89,9 @@ class Int4Linear(nn.Module):
                 x, self.cpu_packed, self.cpu_scales_and_zeros, self.cpu_group_size, self.bias
             )
         if x.is_cuda:
-            from densa.kernels import triton_int4  # imports Triton: only when a GPU is in use
+            from densa.kernels.triton import (
+                int4_linear as triton_int4,  # imports Triton: only when a GPU is in use
+            )
 
             if triton_int4.is_available():
                 return triton_int4.int4_linear_triton(
@@ -106,7 +109,7 @@ class Int4Linear(nn.Module):
 
 
 class Fp8Linear(nn.Module):
-    """FP8 e4m3 weights with per-row block scales (layout: densa.kernels.fp8_linear)."""
+    """FP8 e4m3 weights with per-row block scales (layout: densa.kernels.cpu.fp8_linear)."""
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, fmt: WeightFormat, dtype: torch.dtype
@@ -123,7 +126,9 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from densa.kernels import triton_fp8_linear  # imports Triton: only on a GPU
+            from densa.kernels.triton import (
+                fp8_linear as triton_fp8_linear,  # imports Triton: only on a GPU
+            )
 
             if triton_fp8_linear.triton is not None:
                 return triton_fp8_linear.fp8_linear_triton(

@@ -112,7 +112,7 @@ class LlamaForCausalLM(CausalLM):
         self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.fused_decode = FusedDecodeSwitch()  # off unless the engine turns it on
+        self.fused_decode: FusedDecodeSwitch = FusedDecodeSwitch()  # off until the engine asks
         self.tie_weights()
         self.loader = FusedWeightLoader(
             QKV_FUSED | GATE_UP_FUSED, (cfg.q_size, cfg.kv_size, cfg.kv_size),

@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from densa.config import HEAD_FROM_BLOCKS, WEIGHTS_FROM_BLOCKS
-from densa.kernels import native
+from densa.kernels.cpu import native
 from densa.memory import rehome_on_huge_pages
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.checkpoint_files import iter_checkpoint, read_stored_format, safetensors_files

@@ -13,7 +13,7 @@ Routing, by family (the registry's model class picks one):
   the best top-2 sums; w = s of the chosen experts, renormalized, times `routed_scaling_factor`.
 
 Computation (never a loop over tokens): the (token, expert) pairs are sorted by expert, each
-active expert's projections run once over its rows (densa.kernels.grouped_linear), the outputs
+active expert's projections run once over its rows (densa.kernels.cpu.grouped_linear), the outputs
 are scaled by their routing weights and summed back per token.
 """
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from densa.kernels.grouped_linear import sort_by_expert
+from densa.kernels.cpu.grouped_linear import sort_by_expert
 from densa.model.family_config import MoEConfig
 from densa.model.layers import GatedMLP, activation
 from densa.model.linear import Linear

@@ -1,5 +1,5 @@
 """Linear layers in the CPU kernels' packed formats: W4A8, W6A8, W6MA8 and W8A8, groups of 32
-(kernels/qgemm.py).
+(kernels/cpu/qgemm.py).
 
     w4a8   4-bit weights, fp16 scale and minimum per 32 inputs (llama.cpp's Q4_1 arithmetic);
            activations quantized to int8 per token and 32 inputs at every call (its Q8_1)
@@ -24,19 +24,14 @@ Q6_K) is a `ShardedPackedLinear`: its shards' outputs side by side.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import nn
 
-from densa.kernels import native, qgemm
-
-PACKED_FORMATS = ("w4a8", "w8a8", "w8")  # the ones --weight-format offers
-KERNEL_FORMATS = (*PACKED_FORMATS, "w6a8", "w6ma8")  # every format a PackedLinear can hold
-_BITS = {"w4a8": 4, "w6a8": 6, "w6ma8": qgemm.W6_MIN, "w8a8": 8, "w8": qgemm.W8_FLOAT}
-# csrc/qgemm.h: kW4Block, kW6Block, kW6MBlock, kW8Block
-_BLOCK_BYTES = {"w4a8": 320, "w6a8": 448, "w6ma8": 480, "w8a8": 544, "w8": 544}
+from densa.kernels.cpu import native, qgemm
 
 
 class PackedFormatUnavailable(RuntimeError):
@@ -54,6 +49,46 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     codes = torch.round((groups - m[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
     return codes.view(rows, cols), d, m
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    """One packed weight format and its kernels: how dense weights become its codes and scales
+    ("parts"), how parts become the kernels' blocks, and the torch references of both."""
+
+    name: str
+    bits: int  # the kernels' code for the format (csrc/qgemm.h)
+    block_bytes: int  # one block per 16 rows x 32 inputs (csrc/qgemm.h: kW4Block, kW8Block ...)
+    offered: bool  # a --weight-format choice; the w6 formats come only from GGUF blocks
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # dense [N, K] -> parts
+    pack: Callable[..., qgemm.PackedWeight]  # (*parts, isa) -> blocks for this machine
+    reference: Callable[..., torch.Tensor]  # (x, *parts) -> what the kernel computes, float64
+    dequantize: Callable[..., torch.Tensor]  # (*parts) -> the stored weight, float32 [N, K]
+
+
+_W8 = (qgemm.quantize_w8, qgemm.pack_w8, qgemm.w8a8_reference, qgemm.dequantize_w8)
+_W8_FLOAT = (qgemm.quantize_w8, qgemm.pack_w8_float, qgemm.w8_float_reference, qgemm.dequantize_w8)
+_W6 = (qgemm.quantize_w6, qgemm.pack_w6, qgemm.w6a8_reference, qgemm.dequantize_w6)
+_W6M = (qgemm.quantize_w6m, qgemm.pack_w6m, qgemm.w6ma8_reference, qgemm.dequantize_w6m)
+_W4 = (quantize_q4_1, qgemm.pack_w4, qgemm.w4a8_reference, qgemm.dequantize_w4)
+PACKED = {
+    f.name: f
+    for f in (
+        PackedFormat("w4a8", 4, 320, True, *_W4),
+        PackedFormat("w8a8", 8, 544, True, *_W8),
+        PackedFormat("w8", qgemm.W8_FLOAT, 544, True, *_W8_FLOAT),
+        PackedFormat("w6a8", 6, 448, False, *_W6),
+        PackedFormat("w6ma8", qgemm.W6_MIN, 480, False, *_W6M),
+    )
+}
+PACKED_FORMATS = tuple(name for name, f in PACKED.items() if f.offered)  # --weight-format's
+KERNEL_FORMATS = tuple(PACKED)  # every format a PackedLinear can hold
+
+
+def packed_format(fmt: str) -> PackedFormat:
+    if fmt not in PACKED:
+        raise ValueError(f"unknown packed format {fmt!r}; choose from {KERNEL_FORMATS}")
+    return PACKED[fmt]
 
 
 class PackedLinear(nn.Module):
@@ -79,13 +114,14 @@ class PackedLinear(nn.Module):
         """Uninitialized blocks (allocated on the current default device: meta while a model is
         built) for a loader that writes the packed bytes itself (densa.model.gguf_loading)."""
         blocks = torch.empty(packed_bytes(fmt, out_features, in_features), dtype=torch.uint8)
-        packed = qgemm.PackedWeight(blocks, out_features, in_features, _BITS[fmt], kernel_isa(fmt))
+        bits = packed_format(fmt).bits
+        packed = qgemm.PackedWeight(blocks, out_features, in_features, bits, kernel_isa(fmt))
         return cls(fmt, packed, torch.empty(out_features) if bias else None)
 
     @property
     def bits(self) -> int:
         """The kernels' code for this format (csrc/qgemm.h)."""
-        return _BITS[self.fmt]
+        return packed_format(self.fmt).bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = qgemm.PackedWeight(
@@ -156,21 +192,13 @@ def kernel_isa(fmt: str) -> str:
 
 def packed_bytes(fmt: str, out_features: int, in_features: int) -> int:
     """Bytes of a [out, in] weight in a packed format: one block per 16 rows x 32 inputs."""
-    return (out_features // qgemm.PANEL) * (in_features // qgemm.GROUP) * _BLOCK_BYTES[fmt]
+    blocks = (out_features // qgemm.PANEL) * (in_features // qgemm.GROUP)
+    return blocks * packed_format(fmt).block_bytes
 
 
 def _pack(fmt: str, weight: torch.Tensor, isa: str) -> qgemm.PackedWeight:
-    if fmt == "w4a8":
-        return qgemm.pack_w4(*quantize_q4_1(weight), isa)
-    if fmt == "w8a8":
-        return qgemm.pack_w8(*qgemm.quantize_w8(weight), isa)
-    if fmt == "w8":
-        return qgemm.pack_w8_float(*qgemm.quantize_w8(weight), isa)
-    if fmt == "w6a8":
-        return qgemm.pack_w6(*qgemm.quantize_w6(weight), isa)
-    if fmt == "w6ma8":
-        return qgemm.pack_w6m(*qgemm.quantize_w6m(weight), isa)
-    raise ValueError(f"unknown packed format {fmt!r}; choose from {KERNEL_FORMATS}")
+    packed = packed_format(fmt)
+    return packed.pack(*packed.quantize(weight), isa)
 
 
 def can_pack(module: nn.Module) -> bool:
@@ -199,23 +227,11 @@ def pack_linears(model: nn.Module, names: set[str], fmt: str) -> list[str]:
 
 def reference_linear(x: torch.Tensor, weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """What a PackedLinear of `weight` computes, in float64 (tests)."""
-    if fmt == "w4a8":
-        return qgemm.w4a8_reference(x, *quantize_q4_1(weight))
-    if fmt == "w8":
-        return qgemm.w8_float_reference(x, *qgemm.quantize_w8(weight))
-    if fmt == "w6a8":
-        return qgemm.w6a8_reference(x, *qgemm.quantize_w6(weight))
-    if fmt == "w6ma8":
-        return qgemm.w6ma8_reference(x, *qgemm.quantize_w6m(weight))
-    return qgemm.w8a8_reference(x, *qgemm.quantize_w8(weight))
+    packed = packed_format(fmt)
+    return packed.reference(x, *packed.quantize(weight))
 
 
 def dequantized_weight(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """The weight a packed format stores, as float32 (quality analyses: weights-only error)."""
-    if fmt == "w4a8":
-        return qgemm.dequantize_w4(*quantize_q4_1(weight))
-    if fmt == "w6a8":
-        return qgemm.dequantize_w6(*qgemm.quantize_w6(weight))
-    if fmt == "w6ma8":
-        return qgemm.dequantize_w6m(*qgemm.quantize_w6m(weight))
-    return qgemm.dequantize_w8(*qgemm.quantize_w8(weight))
+    packed = packed_format(fmt)
+    return packed.dequantize(*packed.quantize(weight))

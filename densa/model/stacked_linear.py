@@ -1,5 +1,5 @@
 """Stacked expert weights: one [experts, out, in] tensor per projection of an MoE layer, applied
-to rows already sorted by expert (densa.kernels.grouped_linear), densely or quantized.
+to rows already sorted by expert (densa.kernels.cpu.grouped_linear), densely or quantized.
 
 Every format keeps one row per output feature in dimension 1 of each weight-shaped part, so the
 loader fills fused gate|up rows of all experts at once (densa.model.weight_loading):
@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from densa.kernels.fp8_linear import fp8_linear
-from densa.kernels.grouped_linear import ExpertSegments, grouped_linear
-from densa.kernels.int4_linear import cpu_int4_linear, dequantize_int4, pack_for_cpu
+from densa.formats.int4 import dequantize_int4
+from densa.kernels.cpu.fp8_linear import fp8_linear
+from densa.kernels.cpu.grouped_linear import ExpertSegments, grouped_linear
+from densa.kernels.cpu.int4_linear import cpu_int4_linear, pack_for_cpu
 from densa.quant.weight_format import WeightFormat
 
 
@@ -47,7 +48,7 @@ class StackedLinear(nn.Module):
 
 
 class StackedInt4Linear(nn.Module):
-    """Group-wise INT4 experts (the layout of densa.kernels.int4_linear, per expert)."""
+    """Group-wise INT4 experts (the layout of densa.kernels.cpu.int4_linear, per expert)."""
 
     cpu_packed: torch.Tensor  # [E, ...] torch's packed layout, built by `prepare`
     cpu_scales_and_zeros: torch.Tensor  # [E, in / group, out, 2]
@@ -100,7 +101,9 @@ class StackedInt4Linear(nn.Module):
             )
         zeros = None if self.zeros is None else self.zeros[expert]
         if x.is_cuda:
-            from densa.kernels import triton_int4  # imports Triton: only when a GPU is in use
+            from densa.kernels.triton import (
+                int4_linear as triton_int4,  # imports Triton: only when a GPU is in use
+            )
 
             if triton_int4.is_available():
                 return triton_int4.int4_linear_triton(
@@ -118,7 +121,7 @@ class StackedInt4Linear(nn.Module):
 
 
 class StackedFp8Linear(nn.Module):
-    """FP8 e4m3 experts with per-row block scales (densa.kernels.fp8_linear, per expert)."""
+    """FP8 e4m3 experts with per-row block scales (densa.kernels.cpu.fp8_linear, per expert)."""
 
     def __init__(
         self, num_experts: int, in_features: int, out_features: int, fmt: WeightFormat

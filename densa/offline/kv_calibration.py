@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from densa.engine.llm_engine import LLMEngine
+from densa.formats.fp8_kv import KVScales
 from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, LayerKVCache
 from densa.offline.scoring import iter_logits
-from densa.quant.fp8_kv import KVScales
 
 
 class AmaxObserver:
@@ -25,6 +25,7 @@ class AmaxObserver:
     def __init__(self, inner: AttentionBackend, kv_caches: Sequence[LayerKVCache]) -> None:
         self.inner = inner
         self.name = f"{inner.name}+amax"
+        self.capabilities = inner.capabilities
         self._layer_of = {id(cache): i for i, cache in enumerate(kv_caches)}
         self.k_amax = [0.0] * len(kv_caches)
         self.v_amax = [0.0] * len(kv_caches)
@@ -78,7 +79,7 @@ def calibrate_kv_scales(
     observer = AmaxObserver(runner.backend, caches)
     runner.backend = observer
     # The fused C++ step stores K/V itself, past the backend: the eager layers must run here.
-    fused = getattr(runner.model, "fused_decode", None)
+    fused = runner.model.fused_decode
     was_fused = fused is not None and fused.enabled
     if fused is not None:
         fused.enable(False)

@@ -14,7 +14,7 @@ from types import TracebackType
 import torch
 from torch import nn
 
-from densa.kernels.grouped_linear import ExpertSegments
+from densa.kernels.cpu.grouped_linear import ExpertSegments
 
 
 class HessianCollector:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from densa.kernels.fp8_linear import FP8_MAX, dequantize_fp8, expand_block_scales
+from densa.formats.fp8_blocks import dequantize_fp8, expand_block_scales
+from densa.formats.fp8_kv import FP8_MAX
 
 
 def quantize_blocks(weight: torch.Tensor, block: int) -> dict[str, torch.Tensor]:

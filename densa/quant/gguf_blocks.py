@@ -1,4 +1,4 @@
-"""GGUF block types in the CPU kernels' terms, per group of 32 inputs (densa.kernels.qgemm):
+"""GGUF block types in the CPU kernels' terms, per group of 32 inputs (densa.kernels.cpu.qgemm):
 
     w4   w = d q + m          q in 0..15      (the w4a8 kernel; d, m stored as fp16)
     w6   w = d sc[h] q        q in -32..31    (the w6a8 kernel; d fp16 per group, sc int8 per

@@ -1,5 +1,5 @@
 """Group-wise INT4 weights: round-to-nearest and GPTQ, both producing the layout of
-`densa.kernels.int4_linear` (codes 0..15, w = (q - 8) * scale + zero).
+`densa.kernels.cpu.int4_linear` (codes 0..15, w = (q - 8) * scale + zero).
 
 Symmetric: scale = max|w| / 7.5 over the group, no zero. Asymmetric: the group's [min, max] is
 split into 15 steps, scale = (max - min) / 15, zero = min + 8 * scale -- the arithmetic of
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from densa.kernels.int4_linear import CODE_OFFSET, dequantize_int4, pack_nibbles
+from densa.formats.int4 import CODE_OFFSET, dequantize_int4, pack_nibbles
 from densa.quant.weight_format import WeightFormat
 
 SYMMETRIC_LEVELS = 7.5  # max|w| lands half a step past code 7, so both ends are used

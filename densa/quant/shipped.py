@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from densa.kernels.fp8_linear import dequantize_fp8
-from densa.kernels.int4_linear import dequantize_int4
+from densa.formats.fp8_blocks import dequantize_fp8
+from densa.formats.int4 import dequantize_int4
 from densa.quant import shipped_layouts as layouts
 from densa.quant.shipped_config import ShippedSpec, UnsupportedCheckpoint, parse_quantization_config
 from densa.quant.weight_format import CheckpointFormat, StoredTensor, WeightFormat

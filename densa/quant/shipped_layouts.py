@@ -1,7 +1,8 @@
 """Quantized weights as other producers ship them, converted to densa's runtime parts exactly.
 
 Each function takes one weight's tensors as read from the file and returns the parts densa's
-layers run from (densa.kernels.int4_linear, densa.kernels.fp8_linear), without rounding a value.
+layers run from (densa.kernels.cpu.int4_linear, densa.kernels.cpu.fp8_linear), without rounding a
+value.
 What each producer stores, and what densa makes of it:
 
 - DeepSeek-V3 FP8 (`quant_method` fp8, weight_block_size [128, 128]): weight e4m3 [N, K],
@@ -27,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from densa.kernels.fp8_linear import expand_block_scales
-from densa.kernels.int4_linear import CODE_OFFSET, pack_nibbles
+from densa.formats.fp8_blocks import expand_block_scales
+from densa.formats.int4 import CODE_OFFSET, pack_nibbles
 
 Parts = dict[str, torch.Tensor]
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]

@@ -76,7 +76,7 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class PackedPages:
-    """Whole K/V pages as raw bytes in one KV format (densa.quant.kv_format), as
+    """Whole K/V pages as raw bytes in one KV format (densa.formats.kv_format), as
     densa/worker/kv_io.py packs them on one worker and lands them on another:
 
         values      [num_layers, num_parts, num_pages, num_heads, page_size, head_dim]

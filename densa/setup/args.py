@@ -27,7 +27,7 @@ from densa.setup.options import add_engine_options
 from densa.utils.sizes import parse_memory
 
 if TYPE_CHECKING:  # the front builds its command line from here: no torch at import
-    from densa.quant.kv_format import KVFormat
+    from densa.formats.kv_format import KVFormat
 
 
 def default_model_path() -> str:
@@ -209,7 +209,7 @@ class EngineArgs:
     def kv_format(self) -> KVFormat:
         """The KV pages' format from these options, resolved once per engine (the builder
         threads it through sizing, allocation and the config)."""
-        from densa.quant.kv_format import KVFormat
+        from densa.formats.kv_format import KVFormat
 
         return KVFormat.of(self.resolved_kv_cache_dtype(), self.resolved_kv_scales(),
                            self.kv_scales_file)  # fmt: skip

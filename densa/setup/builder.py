@@ -11,14 +11,15 @@ from pathlib import Path
 import torch
 
 from densa.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
-from densa.kernels import native
+from densa.formats.kv_format import KVFormat
+from densa.kernels.cpu import native
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionBackend, LayerKVCache
+from densa.model.attention_backends import select_backend
 from densa.model.fused_decode import enable_fused_decode as enable_fused
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
-from densa.quant.kv_format import KVFormat
 from densa.sched.stop import StopRule
 from densa.setup.args import EngineArgs, default_model_path
 from densa.setup.kv_sizing import KVBudget, draft_kv_page_bytes, is_relative, resolve_num_pages
@@ -130,7 +131,7 @@ def build_runner(
     # The fused step attends in C++ for decodes: with another backend asked for by name (torch,
     # triton), that backend is what runs.
     fused: list[bool] = []  # per weight set: whether its decode-only steps run fused
-    if config.device.fused_decode and backend.name == "cpu":
+    if config.device.fused_decode and backend.capabilities.fused_decode:
         fused = [enable_fused_decode(w, kv_caches) for w in (model, decode_model) if w is not None]
     graphs = build_decode_graphs(
         config.device, config.cache, config.scheduler, decode_model or model, kv_caches, backend
@@ -189,8 +190,8 @@ def make_integrity_checker(
         return NoopIntegrityChecker()
     # A fresh pool's tags are page ids (generation 0); the pool reports every change after that.
     initial_tags = list(range(cache.num_pages))
-    if backend is not None and backend.name == "triton":
-        from densa.worker.triton_integrity import TritonTagTableChecker
+    if backend is not None and backend.capabilities.batched_tag_check:
+        from densa.worker.integrity import TritonTagTableChecker
 
         return TritonTagTableChecker(initial_tags, cache.page_size, device)
     return TagTableChecker(initial_tags, cache.page_size, device)
@@ -206,11 +207,8 @@ def build_decode_graphs(
 ) -> DecodeGraphs | None:
     """CUDA graphs of decode steps, on a GPU with a graph-safe backend (else None: eager).
     Latent (MLA) pages have no graph-safe kernel yet, so those models decode eagerly."""
-    if (
-        device.device == "cpu"
-        or not device.cuda_graphs
-        or not getattr(backend, "graph_safe", False)
-    ):
+    graph_safe = backend.capabilities.supports_cuda_graphs
+    if device.device == "cpu" or not device.cuda_graphs or not graph_safe:
         return None
     layer_caches = [c for c in kv_caches if isinstance(c, LayerKVCache)]
     if len(layer_caches) != len(kv_caches):
@@ -224,32 +222,6 @@ def build_decode_graphs(
     )  # fmt: skip
     logger.info("CUDA graphs captured for decode batch sizes %s", sizes)
     return graphs
-
-
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """auto: the Triton kernels on a GPU (torch's if Triton is missing), Numba's on the CPU.
-    'triton' also runs on the CPU, in Triton's interpreter (TRITON_INTERPRET=1): tests use it."""
-    from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
-
-    if name == "auto":
-        name = "cpu" if device.type == "cpu" else "triton" if _has_triton() else "torch"
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "triton":
-        from densa.model.triton_attention import TritonAttentionBackend  # imports Triton
-
-        return TritonAttentionBackend()
-    if name == "cpu":
-        if device.type != "cpu":
-            raise ValueError("the 'cpu' attention backend runs on the CPU only; use 'triton'")
-        return CpuAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}")
-
-
-def _has_triton() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
 
 
 def _without_prefix_caching_for_mtp(args: EngineArgs) -> EngineArgs:

@@ -10,8 +10,8 @@ import psutil
 import torch
 
 from densa.config import AUTO_KV_MAX_FRACTION, CacheConfig, SchedulerConfig, SpeculativeConfig
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.quant.kv_format import KVFormat
 from densa.spec.draft import draft_page_bytes
 from densa.utils.sizes import format_bytes
 from densa.worker.kv_cache import page_bytes

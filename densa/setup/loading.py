@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 
 from densa.config import CacheConfig, ModelConfig
+from densa.formats import fp8_kv
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.interface import CausalLM
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import load_model, resolve_model_dir
-from densa.quant import fp8_kv
-from densa.quant.kv_format import KVFormat
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes

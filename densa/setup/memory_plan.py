@@ -37,7 +37,8 @@ from densa.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from densa.kernels import native, qgemm
+from densa.formats.kv_format import KVFormat
+from densa.kernels.cpu import native, qgemm
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.checkpoint_files import read_stored_format, safetensors_files
 from densa.model.gguf import GGUFFile
@@ -60,7 +61,6 @@ from densa.model.runtime_weights import (
     runtime_request,
     swap_quantized,
 )
-from densa.quant.kv_format import KVFormat
 from densa.setup.kv_sizing import is_relative
 from densa.utils.sizes import format_bytes
 from densa.worker.kv_cache import page_bytes

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from densa.config import CacheConfig, ModelConfig, SpeculativeConfig
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionBackend
 from densa.model.loader import resolve_model_dir
 from densa.model.packed_linear import PACKED_FORMATS
-from densa.quant.kv_format import KVFormat
 from densa.spec.draft import DraftModelProposer, DraftSpec, load_draft_proposer
 from densa.spec.mtp import load_mtp_proposer
 from densa.spec.ngram import NgramProposer

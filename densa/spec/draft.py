@@ -270,7 +270,7 @@ def load_draft_proposer(
     kv_caches = allocate_kv_caches(
         draft_arch, spec.num_pages, spec.page_size, spec.kv_cache_dtype, device
     )
-    fused = backend.name == "cpu" and enable_fused_decode(model, kv_caches) is None
+    fused = backend.capabilities.fused_decode and enable_fused_decode(model, kv_caches) is None
     logger.info(
         "draft model %s (%s weights, %s head): %d KV pages x %d tokens (%s), fused decode %s",
         draft_dir.name, weights, head, spec.num_pages, spec.page_size,

@@ -12,7 +12,7 @@ import os
 import platform
 from pathlib import Path
 
-# Forces the kernels' code path (`avx2` on an AVX-512 machine; densa/kernels/native.py).
+# Forces the kernels' code path (`avx2` on an AVX-512 machine; densa/kernels/cpu/native.py).
 ISA_ENV = "DENSA_CPU_ISA"
 # The vector extensions densa's kernels and reports care about, widest first.
 VECTOR_FLAGS = (

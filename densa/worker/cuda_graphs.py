@@ -5,8 +5,9 @@ A decode step of a small model on a GPU is mostly kernel launches (hundreds per 
 microseconds each) rather than arithmetic; a graph replays them all in one launch. What a graph
 needs: every tensor it reads sits at a fixed address (the static buffers below, refilled before
 each replay), and nothing inside it depends on tensor values for its shapes or talks to the
-host. The Triton attention backend is built that way (`graph_safe`); its decode kernel sizes its
-split grid by the page table's width, so one graph serves any context up to `max_pages`.
+host. The Triton attention backend is built that way (it declares `supports_cuda_graphs`); its
+decode kernel sizes its split grid by the page table's width, so one graph serves any context up
+to `max_pages`.
 
 Padding rows (batch n padded to captured size B) are inert:
 
@@ -94,7 +95,7 @@ class DecodeGraphs:
         batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
         capturer: GraphCapturer | None = None,
     ) -> None:
-        if not getattr(backend, "graph_safe", False):
+        if not backend.capabilities.supports_cuda_graphs:
             raise ValueError(f"the {backend.name!r} attention backend cannot be captured in graphs")
         self.model = model
         self.page_size = page_size

@@ -3,7 +3,8 @@
 Per step: mirror the pool's tag changes into the table, then compare every (page, expected tag)
 pair the step's requests map against it -- one gather and one compare for the whole step, separate
 from attention. Requests with a mismatch are dropped from the step before the forward pass, so they
-neither read foreign pages nor write into them.
+neither read foreign pages nor write into them. With the Triton backend (GPU tag tables) the
+comparison is one Triton kernel instead (TritonTagTableChecker, densa.kernels.triton.integrity).
 """
 
 from __future__ import annotations
@@ -120,3 +121,27 @@ class TagTableChecker:
         return IntegrityViolation(
             request_id, kind, page_ids[idx], expected_tags[idx], int(found[idx])
         )
+
+
+class TritonTagTableChecker(TagTableChecker):
+    """The tag-table checker with its batched comparison as one Triton kernel: the step's (page,
+    expected tag) pairs go to the device in one copy, one kernel compares and counts, and one
+    4-byte read-back says whether anything mismatched (against a gather, a compare, an any() and
+    their syncs in torch). Everything else is TagTableChecker's."""
+
+    def __init__(self, initial_tags: list[int], page_size: int, device: torch.device) -> None:
+        from densa.kernels.triton.common import require_triton
+
+        require_triton()
+        super().__init__(initial_tags, page_size, device)
+
+    def mismatching_rows(self, page_ids: list[int], expected: list[int]) -> list[int]:
+        from densa.kernels.triton.integrity import check_tags
+
+        pairs = torch.tensor([page_ids, expected], dtype=torch.int64)  # [2, n]
+        if self.device.type == "cuda":
+            pairs = pairs.pin_memory().to(self.device, non_blocking=True)
+        count, flags = check_tags(self.tags, pairs)
+        if count == 0:
+            return []
+        return flags.nonzero().flatten().tolist()

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from densa.config import DEFAULT_KV_SCALES
+from densa.formats import fp8_kv, int8_kv
+from densa.formats.kv_format import KVFormat
 from densa.memory import huge_page_zeros
 from densa.model.arch import ArchConfig
 from densa.model.kv_layout import KVGeometry, LayerCache
 from densa.model.registry import kv_layout
-from densa.quant import fp8_kv, int8_kv
-from densa.quant.kv_format import KVFormat
 
 KV_DTYPES = {
     "float32": torch.float32,

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from densa.formats.kv_format import STATIC, KVFormat
+from densa.kernels.cpu.kv_store import store_kv
 from densa.model.kv_layout import LayerCache, cache_parts
-from densa.quant.kv_format import STATIC, KVFormat
 from densa.sched.output import PackedPages
 
 
@@ -97,7 +98,7 @@ def store_pages(
     slot_offsets = torch.arange(page_size, device=index.device).repeat(num_pages)
     # [n, H, P, D] -> [n * P, H, D]: one row per stored token, as the store path takes them
     rows = values.transpose(1, 2).reshape(num_pages * page_size, num_heads, head_dim)
-    kv_format.store(cache, scale, slot_pages, slot_offsets, rows.contiguous())
+    store_kv(kv_format, cache, scale, slot_pages, slot_offsets, rows.contiguous())
 
 
 def _format_of(pages: PackedPages) -> KVFormat:

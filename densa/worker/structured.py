@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from densa.kernels.token_bitmask import apply_token_bitmask_
+from densa.kernels.cpu.token_bitmask import apply_token_bitmask_
 from densa.sampling_params import StructuredOutput
 from densa.worker.grammar import GrammarCompiler
 

@@ -20,8 +20,8 @@ import numba
 import torch
 import torch.nn.functional as F
 
-from densa.kernels.cpu_paged_attention import paged_decode_attention, paged_prefill_attention
-from densa.kernels.paged_attention_ref import paged_attention_reference, write_kv_reference
+from densa.kernels.cpu.paged_attention import paged_decode_attention, paged_prefill_attention
+from densa.kernels.reference.paged_attention import paged_attention_reference, write_kv_reference
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 9, 3, 64, 16
 SM_SCALE = 1.0 / math.sqrt(HEAD_DIM)

@@ -142,7 +142,7 @@ def _bandwidth(results: dict[str, Any], device: Any, dry_run: bool) -> None:
 
 
 def _kernels(results: dict[str, Any], device: Any, dry_run: bool, time_left: Any) -> None:
-    from densa.kernels.triton_tuning import chosen_configs
+    from densa.kernels.triton.tuning import chosen_configs
     from densa_bench.gpu.kernels import run_kernel_checks
     from densa_bench.gpu.timing import Sizes
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from densa.kernels import paged_attention_ref as ref
-from densa.kernels.int4_linear import int4_linear_ref
+from densa.kernels.cpu.int4_linear import int4_linear_ref
+from densa.kernels.reference import paged_attention as ref
 from densa.quant import int4
 from densa_bench.gpu.timing import (
     GOALS,
@@ -60,7 +60,7 @@ def paged_case(
     seq_lens: list[int], query_lens: list[int], sizes: Sizes, kv: str, device: torch.device
 ) -> PagedCase:
     """Random K/V written into shuffled pages with densa's own store (FP8: dynamic scales)."""
-    from densa.kernels.triton_kv_store import store_kv
+    from densa.kernels.triton.kv_store import store_kv
 
     num_heads, num_kv_heads, head_dim = sizes.heads
     page = sizes.page_size
@@ -109,8 +109,8 @@ def _reference(case: PagedCase, sm_scale: float) -> torch.Tensor:
 def check_attention(
     sizes: Sizes, device: torch.device, results: KernelResults, time_left: TimeLeft
 ) -> None:
-    from densa.kernels.triton_decode_attention import paged_decode_attention
-    from densa.kernels.triton_prefill_attention import paged_prefill_attention
+    from densa.kernels.triton.decode_attention import paged_decode_attention
+    from densa.kernels.triton.prefill_attention import paged_prefill_attention
 
     sm_scale = sizes.heads[2] ** -0.5
     tol = 2e-2 if device.type == "cuda" else 1e-4  # bf16 queries on the GPU
@@ -139,7 +139,7 @@ def check_attention(
 def time_attention(
     sizes: Sizes, device: torch.device, results: KernelResults, time_left: TimeLeft
 ) -> None:
-    from densa.kernels.triton_decode_attention import paged_decode_attention
+    from densa.kernels.triton.decode_attention import paged_decode_attention
     from densa.model.attention import gather_dequantized
 
     sm_scale = sizes.heads[2] ** -0.5
@@ -180,9 +180,9 @@ def time_attention(
 def check_linears(
     sizes: Sizes, device: torch.device, results: KernelResults, time_left: TimeLeft
 ) -> None:
-    from densa.kernels.fp8_linear import fp8_linear_ref
-    from densa.kernels.triton_fp8_linear import fp8_linear_triton
-    from densa.kernels.triton_int4 import int4_linear_triton
+    from densa.kernels.cpu.fp8_linear import fp8_linear_ref
+    from densa.kernels.triton.fp8_linear import fp8_linear_triton
+    from densa.kernels.triton.int4_linear import int4_linear_triton
     from densa.quant import fp8_weights
     from densa.quant.weight_format import WeightFormat
 
@@ -215,7 +215,7 @@ def time_linears(
     sizes: Sizes, device: torch.device, results: KernelResults, time_left: TimeLeft
 ) -> None:
     """INT4 and FP8 kernels vs the dense bf16 matmul (cuBLAS), over rotating weight copies."""
-    from densa.kernels.triton_tuning import set_tuning
+    from densa.kernels.triton.tuning import set_tuning
 
     for out_features, in_features in sizes.linear_shapes:
         for rows in sizes.linear_rows:
@@ -233,8 +233,8 @@ def time_linears(
 def _time_linear(
     sizes: Sizes, device: torch.device, rows: int, out_features: int, in_features: int
 ) -> list[dict[str, Any]]:
-    from densa.kernels.triton_fp8_linear import fp8_linear_triton
-    from densa.kernels.triton_int4 import int4_linear_triton
+    from densa.kernels.triton.fp8_linear import fp8_linear_triton
+    from densa.kernels.triton.int4_linear import int4_linear_triton
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     groups = -(-in_features // 128)
@@ -282,8 +282,7 @@ def check_and_time_integrity(
     sizes: Sizes, device: torch.device, results: KernelResults, time_left: TimeLeft
 ) -> None:
     """The Triton tag check vs the torch one, host time per step (both read back a result)."""
-    from densa.worker.integrity import TagTableChecker
-    from densa.worker.triton_integrity import TritonTagTableChecker
+    from densa.worker.integrity import TagTableChecker, TritonTagTableChecker
 
     num_pages = 4 * sizes.tag_pairs
     tags = list(range(num_pages))

@@ -17,7 +17,7 @@ from densa.disagg.ports import Landing
 from densa.disagg.prefill_side import PrefillState
 from densa.disagg.transport import KVTransport
 from densa.engine.disagg_port import DecodePort
-from densa.quant import fp8_kv, int8_kv
+from densa.formats import fp8_kv, int8_kv
 from densa.sampling_params import SamplingParams
 
 from .support import Pair, colocated_tokens, make_pair
@@ -396,7 +396,7 @@ CONVERSIONS = [
 
 
 def test_the_handoff_formats_are_every_format_densa_serves() -> None:
-    from densa.quant.kv_format import KVFormat
+    from densa.formats.kv_format import KVFormat
     from densa.setup.args import EngineArgs
 
     served = {(f.name, f.scales) for f in KVFormat.served()}

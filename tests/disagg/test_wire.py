@@ -12,10 +12,10 @@ import torch
 
 from densa.disagg.messages import WireLayout
 from densa.disagg.wire import WireError, check_frames, pack_pages, unpack
-from densa.kernels.paged_attention_ref import dequantize_pages
+from densa.formats import fp8_kv, int8_kv
+from densa.formats.kv_format import DYNAMIC, ROW, STATIC, KVFormat
+from densa.kernels.reference.paged_attention import dequantize_pages
 from densa.model.attention import LayerKVCache
-from densa.quant import fp8_kv, int8_kv
-from densa.quant.kv_format import DYNAMIC, ROW, STATIC, KVFormat
 from densa.worker import kv_io
 
 NUM_PAGES, HEADS, PAGE, DIM, LAYERS = 6, 2, 4, 8, 2

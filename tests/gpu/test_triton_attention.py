@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from densa.kernels.paged_attention_ref import paged_attention_reference
-from densa.kernels.triton_decode_attention import choose_num_splits, paged_decode_attention
-from densa.kernels.triton_prefill_attention import paged_prefill_attention
+from densa.kernels.reference.paged_attention import paged_attention_reference
+from densa.kernels.triton.decode_attention import choose_num_splits, paged_decode_attention
+from densa.kernels.triton.prefill_attention import paged_prefill_attention
 from tests.kernels.test_paged_attention import make_case
 
 ATOL, RTOL = 2e-5, 1e-4

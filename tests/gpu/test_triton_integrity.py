@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from densa.kernels.triton_integrity import check_tags
+from densa.kernels.triton.integrity import check_tags
 
 
 def test_check_counts_and_flags_exactly_the_mismatches() -> None:

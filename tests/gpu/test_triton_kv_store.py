@@ -1,4 +1,4 @@
-"""The Triton KV store against the CPU store (densa.kernels.fp8_store.store_fp8) and plain indexing:
+"""The Triton KV store against the CPU store (densa.kernels.cpu.kv_store.store_fp8) and plain indexing:
 the same bytes and exponents, bit for bit, and padding rows (page id -1) write nowhere."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from densa.kernels.fp8_store import store_fp8
-from densa.kernels.triton_kv_store import store_kv
+from densa.kernels.cpu.kv_store import store_fp8
+from densa.kernels.triton.kv_store import store_kv
 
 PAGES, HEADS, PAGE_SIZE, HEAD_DIM = 6, 3, 4, 16
 

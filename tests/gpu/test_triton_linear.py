@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from densa.kernels.fp8_linear import fp8_linear_ref
-from densa.kernels.int4_linear import int4_linear_ref
-from densa.kernels.triton_fp8_linear import fp8_linear_triton
-from densa.kernels.triton_int4 import candidate_configs, int4_linear_triton
-from densa.kernels.triton_tuning import LaunchConfig, best, m_bucket
+from densa.kernels.cpu.fp8_linear import fp8_linear_ref
+from densa.kernels.cpu.int4_linear import int4_linear_ref
+from densa.kernels.triton.fp8_linear import fp8_linear_triton
+from densa.kernels.triton.int4_linear import candidate_configs, int4_linear_triton
+from densa.kernels.triton.tuning import LaunchConfig, best, m_bucket
 from densa.quant import fp8_weights, int4
 from densa.quant.weight_format import WeightFormat
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from densa.kernels.cpu_linear import can_stream, linear
+from densa.kernels.cpu.linear import can_stream, linear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 40])

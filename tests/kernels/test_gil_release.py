@@ -22,7 +22,7 @@ import torch
 from numba.core.registry import CPUDispatcher
 
 import densa
-from densa.kernels import native
+from densa.kernels.cpu import native
 
 TARGET_S = 2.0  # how long each kernel call is made to run
 MAX_GAP_S = 0.3  # the longest the ticker may wait (the front's heartbeat deadline is 3 s)
@@ -85,11 +85,11 @@ def _assert_releases_the_gil(
     )
 
 
-# ---- C++ (densa/kernels/csrc) -------------------------------------------------------------------
+# ---- C++ (densa/kernels/cpu/csrc) -------------------------------------------------------------------
 @needs_native
 @pytest.mark.parametrize("bits", [4, 8, 80])
 def test_quantized_matmuls_release_the_gil(bits: int) -> None:
-    from densa.kernels import qgemm
+    from densa.kernels.cpu import qgemm
 
     n, k = 2048, 2048
     gen = torch.Generator().manual_seed(0)
@@ -198,14 +198,14 @@ def test_every_numba_kernel_is_compiled_nogil() -> None:
 # Numba releases the GIL itself inside a prange loop, but not in the serial code around it, and
 # a kernel without prange (stores, masks) keeps it throughout unless compiled nogil.
 def _streaming_matmul(n: int) -> Callable[[], object]:
-    from densa.kernels.cpu_linear import _streaming_matmul
+    from densa.kernels.cpu.linear import _streaming_matmul
 
     weight, x, out = _matmul_operands(n)
     return lambda: _streaming_matmul(weight, x, out)
 
 
 def _fp8_matmul(n: int) -> Callable[[], object]:
-    from densa.kernels.fp8_linear import _streaming_fp8_matmul
+    from densa.kernels.cpu.fp8_linear import _streaming_fp8_matmul
 
     weight, x, out = _matmul_operands(n)
     codes = np.full(weight.shape, 0x38, dtype=np.uint8)  # 1.0 in e4m3
@@ -214,7 +214,7 @@ def _fp8_matmul(n: int) -> Callable[[], object]:
 
 
 def _grouped_matmul(n: int) -> Callable[[], object]:
-    from densa.kernels.grouped_linear import _grouped_streaming_matmul
+    from densa.kernels.cpu.grouped_linear import _grouped_streaming_matmul
 
     weight, x, out = _matmul_operands(n)
     experts = np.array([0, 1], dtype=np.int64)
@@ -232,7 +232,7 @@ def _matmul_operands(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _paged_decode_attention(n: int) -> Callable[[], object]:
-    from densa.kernels.cpu_paged_attention import paged_decode_attention
+    from densa.kernels.cpu.paged_attention import paged_decode_attention
 
     heads, kv_heads, head_dim, page, num_pages = 8, 2, 64, 16, 64
     gen = torch.Generator().manual_seed(0)
@@ -246,7 +246,7 @@ def _paged_decode_attention(n: int) -> Callable[[], object]:
 
 
 def _fp8_store(n: int) -> Callable[[], object]:
-    from densa.kernels.fp8_store import _store_exponent_kernel
+    from densa.kernels.cpu.kv_store import _store_exponent_kernel
 
     tokens, heads, head_dim = 4096 * n, 8, 128
     row = np.random.default_rng(0).standard_normal((1, heads, head_dim), dtype=np.float32)
@@ -258,7 +258,7 @@ def _fp8_store(n: int) -> Callable[[], object]:
 
 
 def _token_bitmask(n: int) -> Callable[[], object]:
-    from densa.kernels.token_bitmask import _apply
+    from densa.kernels.cpu.token_bitmask import _apply
 
     vocab, rows = 65536, 256 * n
     logits = np.zeros((1, vocab), dtype=np.float32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from densa.kernels.grouped_linear import (
+from densa.kernels.cpu.grouped_linear import (
     ExpertSegments,
     can_stream,
     grouped_linear,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from densa.kernels import native
+from densa.kernels.cpu import native
 
 
 def test_a_stale_torch_build_lock_is_cleared_not_waited_on() -> None:
@@ -16,7 +16,7 @@ def test_a_stale_torch_build_lock_is_cleared_not_waited_on() -> None:
     build_dir = next(native.CACHE_ROOT.glob(f"cpu-kernels-{native._build_key()}"))
     (build_dir / "lock").write_text("left by a process killed mid-build")
     loaded = subprocess.run(
-        [sys.executable, "-c", "from densa.kernels import native; print(native.load() is not None)"],
+        [sys.executable, "-c", "from densa.kernels.cpu import native; print(native.load() is not None)"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert loaded.stdout.strip() == "True"

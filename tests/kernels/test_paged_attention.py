@@ -11,23 +11,23 @@ import pytest
 import torch
 from numba import njit
 
-from densa.kernels.cpu_paged_attention import (
-    _choose_num_splits,
-    paged_attention,
-    paged_decode_attention,
-    paged_prefill_attention,
-)
-from densa.kernels.numba_intrinsics import widen
-from densa.kernels.paged_attention_ref import (
-    paged_attention_reference,
-    write_kv_reference,
-)
-from densa.quant.fp8_kv import (
+from densa.formats.fp8_kv import (
     FP8_MAX,
     quantize_fp8,
     quantize_fp8_exponent,
     quantize_fp8_static,
     scale_exponents,
+)
+from densa.kernels.cpu.numba_intrinsics import widen
+from densa.kernels.cpu.paged_attention import (
+    _choose_num_splits,
+    paged_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
+from densa.kernels.reference.paged_attention import (
+    paged_attention_reference,
+    write_kv_reference,
 )
 
 ATOL, RTOL = 1e-5, 1e-4

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from densa.kernels import native, qgemm
-from densa.kernels.int4_linear import dequantize_int4, expand_groups, pack_nibbles
+from densa.formats.int4 import dequantize_int4, expand_groups, pack_nibbles
+from densa.kernels.cpu import native, qgemm
 from densa.quant import int4
 from densa.quant.weight_format import WeightFormat
 from densa.utils.cpu import cpu_flags

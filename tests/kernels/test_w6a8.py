@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from densa.kernels import native, qgemm
+from densa.kernels.cpu import native, qgemm
 from densa.model.fused_decode import fp8_table
 from densa.model.packed_linear import (
     PackedLinear,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from densa.kernels import native
+from densa.kernels.cpu import native
 from densa.model.fused_decode import fp8_table
 from densa.utils.cpu import cpu_flags
 

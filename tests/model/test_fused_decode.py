@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.kernels import native
+from densa.formats import fp8_kv
+from densa.kernels.cpu import native
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, CpuAttentionBackend, build_group
 from densa.model.fused_decode import FusedDecoder, unsupported_reason
 from densa.model.loader import load_model
 from densa.model.packed_linear import PackedLinear, ShardedPackedLinear
 from densa.model.quantized_embedding import GGUFEmbedding
-from densa.quant import fp8_kv
 from densa.utils.cpu import cpu_flags
 from densa.worker.kv_cache import allocate_kv_caches
 

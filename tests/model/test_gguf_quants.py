@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from densa.kernels import native, qgemm
+from densa.kernels.cpu import native, qgemm
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
 from densa.model.gguf import GGUFFile

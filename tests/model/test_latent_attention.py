@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from densa.formats import fp8_kv
 from densa.model.attention import AttentionMetadata, build_group
 from densa.model.kv_layout import LatentKVCache
 from densa.model.latent_attention import absorbed_decode, expanded_prefill, store_latent
 from densa.model.linear import Linear
-from densa.quant import fp8_kv
 
 R, ROPE, NOPE, V, HEADS, PAGE = 32, 8, 16, 12, 4, 4
 SEQ_LENS = [9, 3, 14]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.kernels import native
+from densa.kernels.cpu import native
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from densa.kernels import native, qgemm
+from densa.kernels.cpu import native, qgemm
 from densa.model.packed_linear import PackedLinear, quantize_q4_1, reference_linear
 from densa.setup.args import default_model_path
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from densa.engine.llm import LLM
-from densa.kernels import native
+from densa.kernels.cpu import native
 from densa.model.arch import ArchConfig
 from densa.model.gguf import GGUFFile
 from densa.model.linear import resident_weight_bytes

@@ -10,8 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.kernels.fp8_store import store_fp8
-from densa.kernels.paged_attention_ref import (
+from densa.formats import fp8_kv
+from densa.formats.fp8_kv import (
+    FP8_MAX,
+    KVScales,
+    fp8_support_error,
+    quantize_fp8_exponent,
+    quantize_fp8_static,
+)
+from densa.kernels.cpu.kv_store import store_fp8
+from densa.kernels.reference.paged_attention import (
     paged_attention_reference,
 )
 from densa.model.attention import (
@@ -21,14 +29,6 @@ from densa.model.attention import (
     TorchAttentionBackend,
     build_group,
     paged_attention,
-)
-from densa.quant import fp8_kv
-from densa.quant.fp8_kv import (
-    FP8_MAX,
-    KVScales,
-    fp8_support_error,
-    quantize_fp8_exponent,
-    quantize_fp8_static,
 )
 
 FP8 = torch.float8_e4m3fn

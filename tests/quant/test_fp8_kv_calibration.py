@@ -11,8 +11,8 @@ import pytest
 
 from densa.cli import main
 from densa.engine.llm_engine import LLMEngine
+from densa.formats.fp8_kv import FP8_MAX
 from densa.offline.kv_calibration import calibrate_kv_scales
-from densa.quant.fp8_kv import FP8_MAX
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
 

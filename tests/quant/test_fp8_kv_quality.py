@@ -14,7 +14,7 @@ bits and dynamic power-of-two scales store the same codes, while a plain cast cl
 Broken caches. The bounds (`_failed_bounds`) are checked on two broken FP8 caches too, which must
 fail them: dynamic scales degraded to a plain cast, and every stored value losing its lowest
 mantissa bit. Both are applied after each forward pass to exactly the slots it stored, to what
-the store that runs wrote (the fused C++ step's, densa/kernels/csrc/decoder.cpp, wherever the
+the store that runs wrote (the fused C++ step's, densa/kernels/cpu/csrc/decoder.cpp, wherever the
 C++ kernels build), so they break the path the engine takes, whichever it is.
 
 Measured on these 382 predictions (2026-12-02): FP8 mean KL 0.0030, top-1 97.6%; plain cast KL
@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from densa.engine.llm import LLM
-from densa.kernels import native
+from densa.kernels.cpu import native
 from densa.model.attention import LayerKVCache
 from densa_bench.eval.distribution import FormatDivergence, compare_distributions, text_segments
 from densa_bench.eval.stats import Bootstrap

@@ -6,14 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from densa.kernels.fp8_linear import (
-    FP8_MAX,
-    MAX_STREAMING_ROWS,
-    dequantize_fp8,
-    expand_block_scales,
-    fp8_linear,
-    fp8_linear_ref,
-)
+from densa.formats.fp8_blocks import dequantize_fp8, expand_block_scales
+from densa.formats.fp8_kv import FP8_MAX
+from densa.kernels.cpu.fp8_linear import MAX_STREAMING_ROWS, fp8_linear, fp8_linear_ref
 from densa.quant import fp8_weights
 
 

@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from densa.kernels.int4_linear import int4_linear_ref
+from densa.kernels.cpu.int4_linear import int4_linear_ref
 from densa.quant import int4
 from densa.quant.weight_format import WeightFormat
 
@@ -24,7 +24,7 @@ pytest.importorskip("triton")
 
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
-    import densa.kernels.triton_int4 as module
+    import densa.kernels.triton.int4_linear as module
 
     return module
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from densa.kernels.int4_linear import (
+from densa.formats.int4 import dequantize_int4, pack_nibbles, unpack_nibbles
+from densa.kernels.cpu.int4_linear import (
     cpu_group_size,
     cpu_int4_linear,
-    dequantize_int4,
     int4_linear_ref,
     pack_for_cpu,
-    pack_nibbles,
-    unpack_nibbles,
 )
 from densa.quant import int4
 from densa.quant.weight_format import WeightFormat

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from densa.formats import int8_kv
 from densa.model.arch import ArchConfig
-from densa.quant import int8_kv
 from densa.worker.kv_cache import allocate_kv_caches, bytes_per_token
 
 

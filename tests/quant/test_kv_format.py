@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from densa.kernels.fp8_store import store_fp8
+from densa.formats import int8_kv
+from densa.formats.kv_format import DYNAMIC, NO_SCALES, ROW, STATIC, KVFormat
+from densa.kernels.cpu.kv_store import store_fp8, store_kv
 from densa.model.attention import LayerKVCache
-from densa.quant import int8_kv
-from densa.quant.kv_format import DYNAMIC, NO_SCALES, ROW, STATIC, KVFormat
 from densa.worker.kv_cache import allocate_kv_caches
 
 
@@ -40,19 +40,19 @@ def test_store_writes_what_each_format_promises() -> None:
     slot_pages, offsets = torch.tensor([0, 1, 1]), torch.tensor([2, 0, 3])
     fp8 = torch.zeros(2, 1, 4, 8, dtype=torch.float8_e4m3fn)
     fp8_exps = torch.zeros(2, 1, 4, dtype=torch.int8)
-    KVFormat.of("fp8_e4m3", "dynamic").store(fp8, fp8_exps, slot_pages, offsets, rows)
+    store_kv(KVFormat.of("fp8_e4m3", "dynamic"), fp8, fp8_exps, slot_pages, offsets, rows)
     expected, expected_exps = torch.zeros_like(fp8), torch.zeros_like(fp8_exps)
     store_fp8(expected, expected_exps, slot_pages, offsets, rows)
     assert torch.equal(fp8.view(torch.uint8), expected.view(torch.uint8))
     assert torch.equal(fp8_exps, expected_exps)
     codes = torch.zeros(2, 1, 4, 8, dtype=torch.int8)
     scales = torch.zeros(2, 1, 4, dtype=torch.float16)
-    KVFormat.of("int8", "dynamic").store(codes, scales, slot_pages, offsets, rows)
+    store_kv(KVFormat.of("int8", "dynamic"), codes, scales, slot_pages, offsets, rows)
     want_codes, want_scales = int8_kv.quantize_rows(rows)
     assert torch.equal(codes[slot_pages, :, offsets], want_codes)
     assert torch.equal(scales[slot_pages, :, offsets], want_scales)
     plain = torch.zeros(2, 1, 4, 8, dtype=torch.bfloat16)
-    KVFormat.of("bfloat16", "dynamic").store(plain, None, slot_pages, offsets, rows)
+    store_kv(KVFormat.of("bfloat16", "dynamic"), plain, None, slot_pages, offsets, rows)
     assert torch.equal(plain[slot_pages, :, offsets], rows.to(torch.bfloat16))
 
 

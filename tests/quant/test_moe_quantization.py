@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from densa.kernels.grouped_linear import ExpertSegments
+from densa.kernels.cpu.grouped_linear import ExpertSegments
 from densa.model.arch import ArchConfig
 from densa.model.linear import Int4Linear, Linear
 from densa.model.loader import load_model

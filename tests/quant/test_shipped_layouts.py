@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from densa.kernels.fp8_linear import dequantize_fp8
-from densa.kernels.int4_linear import dequantize_int4, pack_for_cpu
+from densa.formats.fp8_blocks import dequantize_fp8
+from densa.formats.int4 import dequantize_int4
+from densa.kernels.cpu.int4_linear import pack_for_cpu
 from densa.quant.shipped import ShippedQuantizer
 from densa.quant.shipped_config import UnsupportedCheckpoint, parse_quantization_config
 from tests.quant.shipped_producers import FP8_CONFIG, producer

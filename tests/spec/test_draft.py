@@ -14,9 +14,9 @@ import torch
 
 from densa.engine.llm import LLM
 from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.attention_backends import select_backend
 from densa.model.loader import resolve_model_dir
 from densa.sampling_params import SamplingParams
-from densa.setup.builder import select_backend
 from densa.spec.draft import DraftModelProposer, DraftSpec, load_draft_proposer
 from densa.spec.proposer import SpecInput
 from densa.text.tokenizer import Tokenizer

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.setup.builder import select_backend
+from densa.model.attention_backends import select_backend
 from densa.spec.mtp import MTPProposer, load_mtp_proposer
 from densa.spec.proposer import SpecInput
 from tests.tiny_families import CONFIGS, save_tiny

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from densa.engine.llm_engine import LLMEngine
-from densa.kernels.paged_attention_ref import dequantize_pages
+from densa.formats import fp8_kv, int8_kv
+from densa.kernels.reference.paged_attention import dequantize_pages
 from densa.model.kv_layout import cache_parts
-from densa.quant import fp8_kv, int8_kv
 from densa.sampling_params import SamplingParams
 from densa.sched.output import KVLanding, PackedPages
 from densa.setup.args import EngineArgs

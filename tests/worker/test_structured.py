@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from densa.engine.llm import LLM
-from densa.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_ref
+from densa.kernels.cpu.token_bitmask import apply_token_bitmask_, apply_token_bitmask_ref
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
 from densa.quant.weight_format import WeightFormat
 from densa.sampling_params import SamplingParams, StructuredOutput

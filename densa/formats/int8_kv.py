@@ -11,7 +11,7 @@ cache (docs/kv-cache.md, 20k LAMBADA tokens: KL 0.00021 vs 0.00226, top-1 agreem
 resident tokens (e4m3 with power-of-two exponents: 65 bytes, 1.97x).
 
 Stores here are torch ops (prefill, page copies, the eager decode path); the fused C++ decode
-step (densa/kernels/csrc/decoder.cpp) stores the same codes and scales bit for bit.
+step (densa/kernels/cpu/csrc/decoder.cpp) stores the same codes and scales bit for bit.
 """
 
 from __future__ import annotations

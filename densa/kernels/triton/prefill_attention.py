@@ -2,7 +2,7 @@
 attending to earlier context already cached in pages (prefix hits, earlier chunks) and to
 themselves.
 
-Layout as in `densa.kernels.paged_attention_ref`. One program per (sequence, query head, block
+Layout as in `densa.kernels.reference.paged_attention`. One program per (sequence, query head, block
 of BLOCK_M query rows); the rows of all sequences are concatenated ([T, H, D]) and each
 sequence's first row is found from the cumulative query lengths. Keys come in two ranges:
 
@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from densa.kernels.triton_common import (
+from densa.formats.kv_format import KVFormat
+from densa.kernels.triton.common import (
     SCALE_NONE,
     check_layouts,
     interpreting,
@@ -35,7 +36,7 @@ from densa.kernels.triton_common import (
 if triton is not None:
     import triton.language as tl
 
-    from densa.kernels.triton_common import block_scales, mma
+    from densa.kernels.triton.common import block_scales, mma
 
     @triton.jit
     def _attend_block(
@@ -161,6 +162,7 @@ def paged_prefill_attention(
     v_scale: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     max_query_len: int | None = None,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """query [T, H, D] (sequence i owns query_lens[i] consecutive rows, the last tokens of its
     seq_lens[i]) -> [T, H, D] in query's dtype. new_kv: the chunk's own (k, v) [T, KVH, D].
@@ -190,7 +192,7 @@ def paged_prefill_attention(
         page_table.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        K_SCALES=scale_mode(k_scale), V_SCALES=scale_mode(v_scale),
+        K_SCALES=scale_mode(k_scale, kv_format), V_SCALES=scale_mode(v_scale, kv_format),
         HAS_NEW_KV=new_kv is not None, WIDEN=interpreting(),
     )  # fmt: skip
     return out

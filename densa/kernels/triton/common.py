@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from densa.formats.kv_format import DYNAMIC, NO_SCALES, STATIC, KVFormat, is_layer_scale
+
 try:
     import triton
     import triton.language as tl
@@ -30,11 +32,13 @@ except ImportError:  # Triton is optional: CPU-only installs never reach these k
     triton = None
     tl = None
 
-# How a kernel reads a K/V cache's scales (see densa.kernels.paged_attention_ref):
+# How a kernel reads a K/V cache's scales (see densa.kernels.reference.paged_attention):
 SCALE_NONE = 0  # no scales: the stored value is the value
 SCALE_STATIC = 1  # one float32 for the whole layer (a 0-dim tensor)
 SCALE_TOKEN_FLOAT = 2  # [pages, kv_heads, page_size] float32, one per token and head
 SCALE_TOKEN_EXPONENT = 3  # the same shape, int8 power-of-two exponents e (scale = 2**e)
+# The mode each KV encoding (KVFormat.scales) stores its scales in.
+_ENCODING_MODES = {NO_SCALES: SCALE_NONE, STATIC: SCALE_STATIC, DYNAMIC: SCALE_TOKEN_EXPONENT}
 
 
 def is_available() -> bool:
@@ -64,10 +68,14 @@ def multiprocessors(device: torch.device) -> int:
     return _device_multiprocessors(device.index if device.index is not None else 0)
 
 
-def scale_mode(scale: torch.Tensor | None) -> int:
+def scale_mode(scale: torch.Tensor | None, kv_format: KVFormat | None = None) -> int:
+    """How to read `scale`: as the pages' KVFormat says (the engine's caches carry theirs), or,
+    for pages made by hand (tests, benchmarks: float32 per-token scales too), off the tensor."""
     if scale is None:
         return SCALE_NONE
-    if scale.dim() == 0:
+    if kv_format is not None and kv_format.scales in _ENCODING_MODES:
+        return _ENCODING_MODES[kv_format.scales]
+    if is_layer_scale(scale, None):
         return SCALE_STATIC
     return SCALE_TOKEN_EXPONENT if scale.dtype == torch.int8 else SCALE_TOKEN_FLOAT
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from densa.kernels import native
-from densa.kernels.int4_linear import CODE_OFFSET, expand_groups, unpack_nibbles
+from densa.formats.int4 import CODE_OFFSET, expand_groups, unpack_nibbles
+from densa.kernels.cpu import native
 
 GROUP = 32
 PANEL = 16
@@ -261,5 +261,5 @@ def w8_float_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) ->
 def _ext() -> Any:
     module = native.load()
     if module is None:
-        raise RuntimeError("densa's C++ kernels are not built (see densa.kernels.native)")
+        raise RuntimeError("densa's C++ kernels are not built (see densa.kernels.cpu.native)")
     return module

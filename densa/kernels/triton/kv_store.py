@@ -8,15 +8,17 @@ One program per new token: it reads the token's [KVH, D] row and writes slot
     fp8, dynamic scales        per (token, head): the power-of-two exponent e that puts the row's
                                max|x| in (224, 448], then e4m3(x * 2**-e); e goes to the scales
 
-bit for bit what `densa.kernels.fp8_store.store_fp8` and the torch references store. A token whose
-page id is negative is skipped: CUDA-graph padding rows use that, so they write nowhere.
+bit for bit what `densa.kernels.cpu.kv_store.store_fp8` and the torch references store. A token
+whose page id is negative is skipped: CUDA-graph padding rows use that, so they write nowhere.
 """
 
 from __future__ import annotations
 
 import torch
 
-from densa.kernels.triton_common import (
+from densa.formats.fp8_kv import EXPONENT_SCALE_DTYPE, FP8_DTYPE
+from densa.formats.kv_format import KVFormat
+from densa.kernels.triton.common import (
     SCALE_NONE,
     SCALE_STATIC,
     next_power_of_2,
@@ -26,12 +28,11 @@ from densa.kernels.triton_common import (
     token_scale_strides,
     triton,
 )
-from densa.quant.fp8_kv import EXPONENT_SCALE_DTYPE, FP8_DTYPE
 
 if triton is not None:
     import triton.language as tl
 
-    from densa.kernels.triton_common import bf16_bits, encode_e4m3, finite, row_exponent
+    from densa.kernels.triton.common import bf16_bits, encode_e4m3, finite, row_exponent
 
     @triton.jit
     def _store_kernel(
@@ -82,6 +83,7 @@ def store_kv(
     slot_pages: torch.Tensor,
     slot_offsets: torch.Tensor,
     x: torch.Tensor,
+    kv_format: KVFormat | None = None,
 ) -> None:
     """Write x [T, KVH, D] into slot (slot_pages[t], slot_offsets[t]) of cache [P, KVH, S, D].
 
@@ -94,7 +96,7 @@ def store_kv(
         raise ValueError("scales are only written for float8 caches")
     if is_fp8 and scale is None:
         scale = torch.ones((), dtype=torch.float32, device=cache.device)
-    mode = scale_mode(scale)
+    mode = scale_mode(scale, kv_format)
     dynamic = mode not in (SCALE_NONE, SCALE_STATIC)
     if dynamic and scale is not None and scale.dtype != EXPONENT_SCALE_DTYPE:
         raise ValueError("dynamic fp8 scales are stored as int8 exponents")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
-from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
+from densa.kernels.cpu import numba_threads  # noqa: F401  (must run before any parallel kernel)
 
 _ROWS_PER_TASK = 16  # weight rows per parallel task: big enough to amortize scheduling
 _TOKEN_BLOCK = 16  # activation rows a task's weight rows pass at a time

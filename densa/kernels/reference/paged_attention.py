@@ -8,7 +8,7 @@ Layout shared by every kernel in this package:
     k_scale, v_scale  None (means 1.0), a 0-dim float32 tensor (static per-layer scale), or a
                       [num_pages, num_kv_heads, page_size] tensor (dynamic per-token-and-head scale)
                       of float32 scales or of int8 power-of-two exponents e (scale = 2**e, e in
-                      [-126, 119]; one byte instead of four, see densa.quant.fp8_kv).
+                      [-126, 119]; one byte instead of four, see densa.formats.fp8_kv).
                       Dequantized value = cache_value.float() * scale. Meant for fp8 caches, but
                       applied the same way for any dtype.
     page_table        int32 [B, max_pages]; token position p of sequence i lives in page
@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from densa.quant.fp8_kv import (
+from densa.formats.fp8_kv import (
     EXPONENT_SCALE_DTYPE,
     FP8_DTYPE,
     quantize_fp8,
     quantize_fp8_exponent,
 )
+from densa.formats.kv_format import is_layer_scale
 
 
 def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,7 @@ def dequantize_pages(
     values = cache[pages.long()].to(torch.float32)
     if scale is None:
         return values
-    if scale.dim() == 0:
+    if is_layer_scale(scale, None):
         return values * scale.to(torch.float32)
     return values * scale_to_float(scale[pages.long()]).unsqueeze(-1)
 
@@ -145,8 +146,8 @@ def write_kv_reference(
     pos = torch.arange(start_pos, start_pos + values.shape[0])
     pages = page_row.long()[pos // page_size]
     slots = pos % page_size
-    if cache.dtype == torch.int8:  # INT8 KV: codes + one fp16 scale per row (quant.int8_kv)
-        from densa.quant.int8_kv import quantize_rows
+    if cache.dtype == torch.int8:  # INT8 KV: codes + one fp16 scale per row (formats.int8_kv)
+        from densa.formats.int8_kv import quantize_rows
 
         if scale is None:
             raise ValueError("int8 caches need their fp16 row-scale tensor")
@@ -158,7 +159,7 @@ def write_kv_reference(
         if scale is not None:
             raise ValueError("scales are only produced for float8 caches")
         stored = values.to(cache.dtype)
-    elif scale is None or scale.dim() == 0:
+    elif scale is None or is_layer_scale(scale, None):
         stored, _ = quantize_fp8(values, torch.tensor(1.0) if scale is None else scale)
     elif scale.dtype == EXPONENT_SCALE_DTYPE:
         stored, exponents = quantize_fp8_exponent(values)

@@ -5,14 +5,14 @@
 // Per layer, for M tokens (one per sequence), in float32:
 //   h = rmsnorm(x) ; qkv = h Wqkv^T (+b) ; rotate q, k (rotate-half RoPE) ; store k, v in their
 //   page slots (fp32 / bf16 / fp8 e4m3 with dynamic power-of-two or static scales, exactly as
-//   densa.quant.fp8_kv stores them) ; o = paged attention over each sequence's pages (online
+//   densa.formats.fp8_kv stores them) ; o = paged attention over each sequence's pages (online
 //   softmax, split-K over a long context as if its sequence were alone in the batch) ;
 //   x += o Wo^T ; h = rmsnorm(x) ; x += (silu(h Wg^T) * h Wu^T) Wd^T
 // and finally rmsnorm(x). Projections are dense fp32, W4, W6, W6M or W8 (qgemm.h), or shards of
 // those side by side (a fused q|k|v with v in more bits).
 //
 // Everything here mirrors the eager model (densa/model/llama.py) and the attention reference
-// (densa/kernels/paged_attention_ref.py); tests/kernels/test_fused_decoder.py compares them.
+// (densa/kernels/reference/paged_attention.py); tests/kernels/test_fused_decoder.py compares them.
 
 #include "decoder.h"
 
@@ -86,7 +86,7 @@ float finite(float x) {  // NaN -> 0, +-inf -> +-FLT_MAX (torch.nan_to_num)
   return std::max(std::min(x, big), -big);
 }
 
-uint8_t encode_e4m3(float y) {  // |y| <= 448; round to nearest even (fp8_store._encode_e4m3)
+uint8_t encode_e4m3(float y) {  // |y| <= 448; round to nearest even (kv_store._encode_e4m3)
   const uint32_t bits = f32_bits(y);
   const uint32_t sign = (bits >> 24) & 0x80u;
   const uint32_t magnitude = bits & 0x7FFFFFFFu;
@@ -100,7 +100,7 @@ uint8_t encode_e4m3(float y) {  // |y| <= 448; round to nearest even (fp8_store.
   return static_cast<uint8_t>(sign | code);
 }
 
-int row_exponent(float amax) {  // fp8_store._row_exponent: amax lands in (224, 448] * 2**e
+int row_exponent(float amax) {  // kv_store._row_exponent: amax lands in (224, 448] * 2**e
   if (amax == 0.f) return 0;
   const uint32_t bits = f32_bits(amax);
   const int biased = static_cast<int>(bits >> 23);
@@ -117,7 +117,7 @@ void store_row(const KVSide& side, int64_t page, int64_t head, int64_t slot, con
   } else if (side.dtype == kKvBf16) {
     uint16_t* out = static_cast<uint16_t*>(side.data) + row * d;
     for (int i = 0; i < d; ++i) out[i] = to_bf16(x[i]);
-  } else if (side.dtype == kKvInt8) {  // densa.quant.int8_kv.quantize_rows
+  } else if (side.dtype == kKvInt8) {  // densa.formats.int8_kv.quantize_rows
     int8_t* out = static_cast<int8_t*>(side.data) + row * d;
     constexpr float kRowLimit = 65504.f * 127.f;
     float amax = 0.f;

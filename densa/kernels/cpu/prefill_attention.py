@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from densa.kernels.paged_attention_ref import scale_to_float
+from densa.formats.kv_format import KVFormat, is_layer_scale
+from densa.kernels.reference.paged_attention import scale_to_float
 
 
 def _gather_dense(
@@ -15,6 +16,7 @@ def _gather_dense(
     pages: torch.Tensor,
     scale: torch.Tensor | None,
     valid: torch.Tensor,
+    kv_format: KVFormat | None,
 ) -> torch.Tensor:
     """Widened, scaled K or V of B sequences, padded to whole pages: float32 [B, Hkv, n*S, D].
 
@@ -31,7 +33,7 @@ def _gather_dense(
     blocks = cache.view(num_pages * num_kv_heads, page_size, head_dim)[index]
     dense = blocks.to(torch.float32).view(batch, num_kv_heads, n * page_size, head_dim)
     if scale is not None:
-        if scale.dim() == 0:
+        if is_layer_scale(scale, kv_format):
             dense.mul_(scale.to(torch.float32))
         else:
             per_token = scale.reshape(num_pages * num_kv_heads, page_size)[index]
@@ -50,6 +52,7 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """Causal attention for chunked prefill (any query_len >= 1), via one batched SDPA call.
 
@@ -71,8 +74,8 @@ def paged_prefill_attention(
 
     key_pos = torch.arange(num_pages * page_size)
     valid = (key_pos < seq_lens.view(batch, 1)).view(batch, 1, -1, 1)
-    k = _gather_dense(k_cache, pages, k_scale, valid)
-    v = _gather_dense(v_cache, pages, v_scale, valid)
+    k = _gather_dense(k_cache, pages, k_scale, valid, kv_format)
+    v = _gather_dense(v_cache, pages, v_scale, valid, kv_format)
 
     # Row r of `query` is new token j of sequence seq[r]; padded slot (b, j) holds it.
     seq = torch.repeat_interleave(torch.arange(batch), query_lens, output_size=total_q)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
-from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
+from densa.kernels.cpu import numba_threads  # noqa: F401  (must run before any parallel kernel)
 
 MAX_STREAMING_ROWS = 8  # rows per expert up to which streaming beats GEMM (as in cpu_linear)
 _ROWS_PER_TASK = 16

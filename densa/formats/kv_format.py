@@ -13,9 +13,11 @@ tensor's rank.
                                          static: one float / layer  D
     int8       int8 codes                one fp16 scale per row     D + 2
 
-A format is also the codec of its pages: `store` encodes real values (as a prefill does),
-`dequantize` decodes stored pages back to real values. Copies between workers (densa/worker/
-kv_io.py) use exactly these two, so a new format is one entry here, not a case in every reader.
+A format is also the codec of its pages: the kernels' `store_kv(kv_format, ...)` encodes real
+values as it says (as a prefill does), `dequantize` decodes stored pages back to real values.
+Copies between workers (densa/worker/kv_io.py) use exactly these two, so a new format is one
+entry here, not a case in every reader. This module holds the formulas only and imports no
+kernel: the kernels import it (densa/formats sits below densa/kernels).
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from densa.kernels import fp8_store
-from densa.quant import fp8_kv, int8_kv
+from densa.formats import fp8_kv, int8_kv
 
 _STORAGE = {
     "float32": torch.float32,
@@ -118,28 +119,9 @@ class KVFormat:
             return f"{self.name}, static scales: {self.static_source or 'none given (1.0)'}"
         return self.name
 
-    def store(
-        self,
-        pages: torch.Tensor,
-        scale: torch.Tensor | None,
-        slot_pages: torch.Tensor,
-        slot_offsets: torch.Tensor,
-        rows: torch.Tensor,
-    ) -> None:
-        """Write rows [T, H, D] into slot (slot_pages[t], slot_offsets[t]) of pages [P, H, S, D],
-        quantizing (and filling per-row scales) as this format says."""
-        if self.is_fp8:
-            fp8_store.store_fp8(pages, scale, slot_pages, slot_offsets, rows)
-        elif self.scales == ROW:
-            if scale is None:
-                raise ValueError("int8 pages need their fp16 row scales")
-            int8_kv.store_int8(pages, scale, slot_pages, slot_offsets, rows)
-        else:
-            pages[slot_pages, :, slot_offsets] = rows.to(pages.dtype)
-
     def dequantize(self, values: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """Stored pages [..., D] of this format -> their real values (float32), the inverse of
-        `store` up to its rounding. `scale`: the per-row scales [...] (FP8 dynamic: int8
+        `store_kv` up to its rounding. `scale`: the per-row scales [...] (FP8 dynamic: int8
         power-of-two exponents; INT8: fp16), the 0-dim static FP8 scale, or None (no scales)."""
         real = values.to(torch.float32)
         if self.scales == NO_SCALES:
@@ -153,3 +135,9 @@ class KVFormat:
         if self.scales == DYNAMIC:
             return real * torch.exp2(scale.to(torch.float32)).unsqueeze(-1)
         return int8_kv.dequantize_rows(values, scale)
+
+
+def is_layer_scale(scale: torch.Tensor, kv_format: KVFormat | None) -> bool:
+    """Whether `scale` is one scale for the whole layer, as the pages' format says; pages made by
+    hand without one (tests, kernel benchmarks, which also scale other dtypes) say it by shape."""
+    return kv_format.scales == STATIC if kv_format is not None else scale.dim() == 0

@@ -1,5 +1,5 @@
 """W4A16 group-wise INT4 matmul on the GPU (Triton): y = x @ dequant(W)^T for M = 1..64 rows
-(decode) and beyond, with the row-major layout of `densa.kernels.int4_linear` (tested against
+(decode) and beyond, with the row-major layout of `densa.kernels.cpu.int4_linear` (tested against
 its `int4_linear_ref`).
 
 Each program computes a BLOCK_M x BLOCK_N tile of y over its share of K (split-K: split_k
@@ -29,21 +29,21 @@ import math
 
 import torch
 
-from densa.kernels.triton_common import (
+from densa.kernels.triton.common import (
     interpreting,
     multiprocessors,
     or_dummy,
     require_triton,
     triton,
 )
-from densa.kernels.triton_tuning import LaunchConfig, best, m_bucket, split_ranges
+from densa.kernels.triton.tuning import LaunchConfig, best, m_bucket, split_ranges
 
 DEQUANT_PLAIN, DEQUANT_BF16_MAGIC, DEQUANT_FP16_MAGIC = 0, 1, 2
 
 if triton is not None:
     import triton.language as tl
 
-    from densa.kernels.triton_common import mma
+    from densa.kernels.triton.common import mma
 
     @triton.jit
     def _centred(codes, DEQUANT: tl.constexpr, DTYPE: tl.constexpr):

@@ -1,5 +1,5 @@
 """FP8 (e4m3) block-scaled weights times 16-bit activations on the GPU (Triton): W8A16,
-y = x @ (weight * scale)^T, with the runtime layout of `densa.kernels.fp8_linear`
+y = x @ (weight * scale)^T, with the runtime layout of `densa.kernels.cpu.fp8_linear`
 (weight [N, K] float8_e4m3fn, scale [N, ceil(K / B)] float32: block scales repeated per row).
 
 Same tiling as the INT4 kernel (`triton_int4`): a BLOCK_M x BLOCK_N output tile per program,
@@ -19,19 +19,19 @@ import math
 
 import torch
 
-from densa.kernels.triton_common import (
+from densa.kernels.triton.common import (
     interpreting,
     multiprocessors,
     or_dummy,
     require_triton,
     triton,
 )
-from densa.kernels.triton_tuning import LaunchConfig, best, m_bucket, split_ranges
+from densa.kernels.triton.tuning import LaunchConfig, best, m_bucket, split_ranges
 
 if triton is not None:
     import triton.language as tl
 
-    from densa.kernels.triton_common import mma
+    from densa.kernels.triton.common import mma
 
     @triton.jit
     def _fp8_matmul_kernel(

@@ -1,7 +1,7 @@
-"""densa's C++ CPU kernels (densa/kernels/csrc/), compiled once per machine and loaded on demand.
+"""densa's C++ CPU kernels (densa/kernels/cpu/csrc/), compiled once per machine, loaded on demand.
 
 The extension is built with torch's C++ extension tooling the first time it is needed (or ahead
-of time by `scripts/setup.sh`, which runs `python -m densa.kernels.native`) and cached under
+of time by `scripts/setup.sh`, which runs `python -m densa.kernels.cpu.native`) and cached under
 ~/.cache/densa/extensions/, keyed by the source and torch version. It uses torch's own thread
 pool (at::parallel_for), so it shares torch's OpenMP runtime instead of adding another.
 

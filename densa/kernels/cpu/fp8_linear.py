@@ -1,13 +1,5 @@
-"""FP8 (e4m3) weight-only linear layers on CPU: a torch reference, a fast dequantize and a
-streaming kernel.
-
-Runtime layout (row-major, so fused projections concatenate like dense rows):
-
-    weight [N, K] float8_e4m3fn
-    scale  [N, ceil(K / B)] float32    real w[n, k] = weight[n, k] * scale[n, k // B]
-
-Checkpoints store one scale per B x B block (as FP8 releases of large models do); the loader
-repeats each block scale over the block's rows (`expand_block_scales`), 4 bytes per B weights.
+"""FP8 (e4m3) weight-only linear layers on CPU: a torch reference and a streaming kernel, over
+the runtime layout of densa.formats.fp8_blocks (real w[n, k] = weight[n, k] * scale[n, k // B]).
 
 CPU notes: this CPU has no fp8 arithmetic. float32 rows stream the fp8 bytes through a Numba
 kernel that widens each byte by moving its bit fields into an fp32 pattern (1 byte read per
@@ -26,31 +18,15 @@ import torch
 import torch.nn.functional as F
 from numba import njit, prange
 
-from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
+from densa.formats.fp8_blocks import dequantize_fp8
+from densa.kernels.cpu import numba_threads  # noqa: F401  (must run before any parallel kernel)
 
-FP8_MAX = 448.0  # largest finite e4m3fn value
 MAX_STREAMING_ROWS = 8  # other dtypes than float32: beyond this the GEMM path is compute-bound
 _ROWS_PER_TASK = 16
 _TOKEN_BLOCK = 16  # activation rows a task's weight rows pass at a time (as cpu_linear)
 # The e4m3 fields placed at the top of an fp32 bit pattern give value * 2**-120 (subnormals
 # included: both formats' subnormals scale the same way); the factor goes into the block scale.
 _FP32_BITS_SCALE = np.float32(2.0**120)
-
-
-def expand_block_scales(block_scales: torch.Tensor, out_features: int, block: int) -> torch.Tensor:
-    """[ceil(N/B), ceil(K/B)] block scales -> [N, ceil(K/B)] row scales."""
-    return block_scales.repeat_interleave(block, dim=0)[:out_features].contiguous()
-
-
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
-    """[N, K] fp8 with [N, ceil(K/B)] row scales -> [N, K] float32."""
-    dense = weight.float()  # measured faster here than widening by bit moves in eager torch
-    out_features, in_features = dense.shape
-    num_blocks = scale.shape[1]
-    if num_blocks * block == in_features:  # whole blocks: scale through a view, no expansion
-        blocks = dense.view(out_features, num_blocks, block) * scale.float()[:, :, None]
-        return blocks.view(out_features, in_features)
-    return dense * scale.float().repeat_interleave(block, dim=1)[:, :in_features]
 
 
 def fp8_linear_ref(

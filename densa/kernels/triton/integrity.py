@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from densa.kernels.triton_common import require_triton, triton
+from densa.kernels.triton.common import require_triton, triton
 
 BLOCK = 1024
 

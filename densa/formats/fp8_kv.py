@@ -15,7 +15,7 @@ head_dim 64 that is 65 bytes per head row instead of 68: 1.97x the resident toke
 bits) whatever its magnitude; only the choice of binade, not the scale's own rounding, matters.
 
 This module owns the format: the scale policies, its constants and the torch reference
-quantizers. The kernels that read pages (attention) and write them (`densa.kernels.fp8_store`,
+quantizers. The kernels that read pages (attention) and write them (`densa.kernels.cpu.kv_store`,
 a fused Numba store for CPU caches, bit for bit equal to the references here) live in kernels/.
 """
 
@@ -153,7 +153,7 @@ def _pow2_scale(amax: float) -> float:
     return 2.0 ** math.ceil(math.log2(amax / FP8_MAX))
 
 
-# ---- reference quantizers (torch; the kernels in densa.kernels.fp8_store match them) ----
+# ---- reference quantizers (torch; the kernels in densa.kernels.cpu.kv_store match them) ----
 def quantize_fp8(
     x: torch.Tensor, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

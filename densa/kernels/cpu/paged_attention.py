@@ -16,10 +16,11 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from densa.kernels import numba_threads  # noqa: F401  (must run before any parallel kernel)
-from densa.kernels.cpu_prefill_attention import paged_prefill_attention
-from densa.kernels.numba_intrinsics import FASTMATH, dynamic_scale, exp_neg, prefetch, widen
-from densa.quant.fp8_kv import EXPONENT_SCALE_DTYPE
+from densa.formats.fp8_kv import EXPONENT_SCALE_DTYPE
+from densa.formats.kv_format import KVFormat, is_layer_scale
+from densa.kernels.cpu import numba_threads  # noqa: F401  (must run before any parallel kernel)
+from densa.kernels.cpu.numba_intrinsics import FASTMATH, dynamic_scale, exp_neg, prefetch, widen
+from densa.kernels.cpu.prefill_attention import paged_prefill_attention
 
 __all__ = ["paged_attention", "paged_decode_attention", "paged_prefill_attention"]
 
@@ -281,11 +282,13 @@ def _raw_cache(cache: torch.Tensor) -> tuple[np.ndarray, float]:
     return cache.view(raw_dtype).numpy(), factor
 
 
-def _split_scale(scale: torch.Tensor | None, cache: torch.Tensor) -> tuple[np.ndarray, float]:
+def _split_scale(
+    scale: torch.Tensor | None, cache: torch.Tensor, kv_format: KVFormat | None
+) -> tuple[np.ndarray, float]:
     """(dynamic per-token scales [P, Hkv, S] or an empty array, static multiplier)."""
     if scale is None:
         return _NO_SCALES, 1.0
-    if scale.dim() == 0:
+    if is_layer_scale(scale, kv_format):
         return _NO_SCALES, float(scale)
     if scale.shape != cache.shape[:3]:
         raise ValueError(f"dynamic scales must be shaped {tuple(cache.shape[:3])}")
@@ -338,6 +341,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """Decode attention (one new token per sequence) with the fused Numba kernel.
 
@@ -357,8 +361,8 @@ def paged_decode_attention(
         return out
     k_raw, k_factor = _raw_cache(k_cache)
     v_raw, v_factor = _raw_cache(v_cache)
-    k_dyn, k_static = _split_scale(k_scale, k_cache)
-    v_dyn, v_static = _split_scale(v_scale, v_cache)
+    k_dyn, k_static = _split_scale(k_scale, k_cache, kv_format)
+    v_dyn, v_static = _split_scale(v_scale, v_cache, kv_format)
     table = _as_numpy(page_table, torch.int32)
     lens = _as_numpy(seq_lens, torch.int32)
     if table.shape[0] != batch or lens.shape != (batch,):

@@ -1,7 +1,7 @@
 """Paged decode attention on the GPU (Triton): one new token per sequence, split-K over the
 context (flash-decoding), GQA, BF16/FP16/FP32 or FP8 pages read in place.
 
-Layout as in `densa.kernels.paged_attention_ref` (pages [P, KVH, S, D], page table, scales).
+Layout as in `densa.kernels.reference.paged_attention` (pages [P, KVH, S, D], page table, scales).
 
 Stage 1, one program per (sequence, kv head, split): the program holds the GROUP query heads
 that share its kv head as the rows of one [BLOCK_H, D] tile (padded to 16 rows for the tensor
@@ -26,7 +26,8 @@ import math
 
 import torch
 
-from densa.kernels.triton_common import (
+from densa.formats.kv_format import KVFormat
+from densa.kernels.triton.common import (
     check_layouts,
     interpreting,
     multiprocessors,
@@ -41,7 +42,7 @@ from densa.kernels.triton_common import (
 if triton is not None:
     import triton.language as tl
 
-    from densa.kernels.triton_common import mma, token_scales
+    from densa.kernels.triton.common import mma, token_scales
 
     @triton.jit
     def _decode_split_kernel(
@@ -179,6 +180,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """query [B, H, D] (one token per sequence) -> [B, H, D] in query's dtype.
 
@@ -212,7 +214,8 @@ def paged_decode_attention(
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=block_n,
-        K_SCALES=scale_mode(k_scale), V_SCALES=scale_mode(v_scale), WIDEN=interpreting(),
+        K_SCALES=scale_mode(k_scale, kv_format), V_SCALES=scale_mode(v_scale, kv_format),
+        WIDEN=interpreting(),
     )  # fmt: skip
     out = torch.empty_like(query)
     _decode_merge_kernel[(num_seqs, num_heads)](
