@@ -249,7 +249,7 @@ def _widen_all(raw: np.ndarray) -> np.ndarray:
 def test_widen_fp8_matches_torch_for_every_code() -> None:
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     expected = codes.view(torch.float8_e4m3fn).float()
-    got = torch.from_numpy(_widen_all(codes.numpy())) * 256.0  # _RAW_VIEW factor for fp8
+    got = torch.from_numpy(_widen_all(codes.numpy())) * 256.0  # kv_views.RAW_VIEW factor for fp8
     finite = ~torch.isnan(expected)  # 0x7f / 0xff (NaN) are documented as not special-cased
     assert finite.sum() == 254
     assert torch.equal(got[finite], expected[finite])

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from densa.formats.fp8_kv import EXPONENT_SCALE_DTYPE
-from densa.formats.kv_format import KVFormat, is_layer_scale
+from densa.formats.kv_format import KVFormat
 from densa.kernels.cpu import numba_threads  # noqa: F401  (must run before any parallel kernel)
+from densa.kernels.cpu.kv_views import as_numpy, raw_cache, split_scale
 from densa.kernels.cpu.numba_intrinsics import FASTMATH, dynamic_scale, exp_neg, prefetch, widen
 from densa.kernels.cpu.prefill_attention import paged_prefill_attention
 
@@ -29,21 +29,6 @@ _NEG_BIG = np.float32(-1e30)  # "minus infinity" for the running max (exp of it 
 _BLOCK_TOKENS = 32  # tokens per online-softmax step (one accumulator rescale per block)
 _PREFETCH_PAGES = 2  # how many pages ahead to prefetch; hides DRAM latency at page jumps
 _MIN_SPLIT_TOKENS = 256  # below this, splitting a sequence costs more than it balances
-_NO_SCALES = np.empty((0, 0, 0), dtype=np.float32)  # "no dynamic scales" placeholder
-
-# Raw element type handed to Numba per cache dtype, and the constant its widened value must be
-# multiplied by. bf16 goes in as int16 (not uint16) only so it gets a different specialization
-# than fp16.
-_RAW_VIEW: dict[torch.dtype, tuple[torch.dtype, float]] = {
-    torch.float32: (torch.float32, 1.0),
-    torch.bfloat16: (torch.int16, 1.0),
-    torch.float16: (torch.uint16, 1.0),
-    # e4m3 bits are re-packed into fp16 bits whose exponent bias is 8 larger, so the widened value
-    # is the true value / 256; the 256 is folded into the scales instead of paid per element.
-    torch.float8_e4m3fn: (torch.uint8, 256.0),
-    torch.int8: (torch.int8, 1.0),  # INT8 KV codes; their fp16 row scales are dynamic scales
-}
-
 
 # ---- decode kernel -----------------------------------------------------------------------------
 
@@ -264,43 +249,6 @@ def _decode_kernel(
 # ---- Python wrappers ---------------------------------------------------------------------------
 
 
-def _as_numpy(tensor: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
-    """Zero-copy numpy view when `tensor` already has `dtype` and is contiguous (the hot path:
-    checking first skips torch's per-call dispatch of no-op conversions)."""
-    if tensor.dtype != dtype or not tensor.is_contiguous():
-        tensor = tensor.to(dtype).contiguous()
-    return tensor.numpy()
-
-
-def _raw_cache(cache: torch.Tensor) -> tuple[np.ndarray, float]:
-    """Zero-copy numpy view of a cache in the element type `widen` expects, plus its factor."""
-    if cache.dtype not in _RAW_VIEW:
-        raise TypeError(f"unsupported KV cache dtype {cache.dtype}")
-    if not cache.is_contiguous():
-        raise ValueError("KV cache must be contiguous")
-    raw_dtype, factor = _RAW_VIEW[cache.dtype]
-    return cache.view(raw_dtype).numpy(), factor
-
-
-def _split_scale(
-    scale: torch.Tensor | None, cache: torch.Tensor, kv_format: KVFormat | None
-) -> tuple[np.ndarray, float]:
-    """(dynamic per-token scales [P, Hkv, S] or an empty array, static multiplier)."""
-    if scale is None:
-        return _NO_SCALES, 1.0
-    if is_layer_scale(scale, kv_format):
-        return _NO_SCALES, float(scale)
-    if scale.shape != cache.shape[:3]:
-        raise ValueError(f"dynamic scales must be shaped {tuple(cache.shape[:3])}")
-    if scale.dtype == EXPONENT_SCALE_DTYPE:
-        if not scale.is_contiguous():
-            raise ValueError("dynamic scale exponents must be contiguous")
-        return scale.numpy(), 1.0
-    if scale.dtype == torch.float16 and scale.is_contiguous():  # INT8 KV: widened in registers
-        return scale.view(torch.uint16).numpy(), 1.0
-    return _as_numpy(scale, torch.float32), 1.0
-
-
 def _choose_num_splits(num_pairs: int, max_seq_len: int, num_threads: int) -> int:
     """Splits per (sequence, kv head) so the work items balance across threads.
 
@@ -359,12 +307,12 @@ def paged_decode_attention(
         raise ValueError("out must be a contiguous float32 tensor shaped like query")
     if batch == 0:
         return out
-    k_raw, k_factor = _raw_cache(k_cache)
-    v_raw, v_factor = _raw_cache(v_cache)
-    k_dyn, k_static = _split_scale(k_scale, k_cache, kv_format)
-    v_dyn, v_static = _split_scale(v_scale, v_cache, kv_format)
-    table = _as_numpy(page_table, torch.int32)
-    lens = _as_numpy(seq_lens, torch.int32)
+    k_raw, k_factor = raw_cache(k_cache)
+    v_raw, v_factor = raw_cache(v_cache)
+    k_dyn, k_static = split_scale(k_scale, k_cache, kv_format)
+    v_dyn, v_static = split_scale(v_scale, v_cache, kv_format)
+    table = as_numpy(page_table, torch.int32)
+    lens = as_numpy(seq_lens, torch.int32)
     if table.shape[0] != batch or lens.shape != (batch,):
         raise ValueError("page_table and seq_lens need one row / entry per query")
     max_seq_len = int(lens.max())
@@ -375,7 +323,7 @@ def paged_decode_attention(
         raise IndexError("page_table holds page ids outside the cache")
     num_threads = numba.get_num_threads()
     _decode_kernel(
-        _as_numpy(query, torch.float32),
+        as_numpy(query, torch.float32),
         k_raw,
         v_raw,
         table,
