@@ -39,6 +39,7 @@ from densa.cache.tiers.disk import DiskTier
 from densa.cache.tiers.tier import KVTier, TierSpec, logger, parse_tier_spec
 from densa.cache.tiers.writer import TierWriter
 from densa.formats.kv_format import KVFormat
+from densa.model.arch import ArchConfig
 from densa.request import Request
 from densa.sched.output import PackedPages
 from densa.worker import kv_io
@@ -248,15 +249,16 @@ def _build_one(spec: TierSpec, fingerprint: bytes, secret_file: str | None) -> K
 
 
 def engine_fingerprint(model_path: str, weight_format: str, kv_format: str, page: PackedPages,
-                       architecture: str) -> bytes:  # fmt: skip
+                       arch: ArchConfig, key_encoding: str) -> bytes:  # fmt: skip
     """What must match for a stored page to be this engine's: the model file (by name and
     size, so two machines with the same file agree), its weight format, the KV format with its
-    static scales, and the page geometry."""
+    static scales and how it holds K (centered or not), the page geometry and architecture."""
     path = Path(model_path)
     size = path.stat().st_size if path.is_file() else 0
+    architecture = repr(sorted(arch.signature().items()))
     return fingerprint_of(path.name, str(size), weight_format, kv_format, page.kv_dtype,
                           page.kv_scales, repr(page.static_scales), repr(page.shape[:2]),
-                          repr(page.shape[3:]), architecture)  # fmt: skip
+                          repr(page.shape[3:]), architecture, key_encoding)  # fmt: skip
 
 
 def _count_fetch(tier: KVTier, seconds: float) -> None:

@@ -110,12 +110,13 @@ class LLMEngine:
 
     def attach_tiers(self, specs: tuple[str, ...] | list[str], secret_file: str | None) -> None:
         """Keep full prefix pages below the device too, in the tiers `specs` name (in order)."""
+        from densa.model.key_centering import key_encoding
         from densa.worker.kv_io import pack
 
         model = self.config.model
         fingerprint = engine_fingerprint(model.model, self.weight_format, self.kv_format,
-                                         pack(self.runner.kv_caches, []),
-                                         repr(sorted(self.arch.signature().items())))  # fmt: skip
+                                         pack(self.runner.kv_caches, []), self.arch,
+                                         key_encoding(self.runner.model))  # fmt: skip
         tiers = build_tiers(specs, fingerprint, secret_file)
         self.detach_tiers()
         self.kv_tiers = KVTiers(tiers, self.kv_manager, self.runner)

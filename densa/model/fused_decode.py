@@ -143,7 +143,7 @@ class FusedDecoder:
                 norms[0].detach(), norms[1].detach(),
                 projection_spec(attn.qkv_proj), projection_spec(attn.o_proj),
                 projection_spec(mlp.gate_up_proj), projection_spec(mlp.down_proj),
-                cache.k, cache.k_scale, cache.v, cache.v_scale,
+                cache.k, cache.k_scale, cache.v, cache.v_scale, attn.k_center,
             )  # fmt: skip
         self.key = cache_key(kv_caches)
         self.caches = list(kv_caches)
@@ -212,6 +212,11 @@ class FusedDecodeSwitch:
 
     def enable(self, on: bool = True) -> None:
         self.enabled = on
+
+    def reset(self) -> None:
+        """Forget the built decoder: the next decode step builds one from the model as it is
+        then (after anything the decoder copied at build time changed, e.g. key centers)."""
+        self._decoder = None
 
     def decoder_for(self, model: Any, kv_caches: list[LayerKVCache]) -> FusedDecoder | None:
         """The decoder for these KV tensors, or None when fused steps are off."""

@@ -54,6 +54,7 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_position, dtype=torch.float64, device=device)
         freqs = torch.outer(positions, inv_freq)  # [max_position, head_dim / 2]
         factor = _attention_factor(scaling)  # YaRN scales cos and sin; 1 otherwise
+        self.inv_freq, self.factor = inv_freq, factor  # float64 [head_dim / 2], float
         # [max_position, head_dim] with the half repeated, matching rotate_half below. Plain
         # attributes, not buffers: the model is built on the meta device and materialized empty,
         # which would wipe buffers; these are computed, never loaded.
@@ -67,6 +68,14 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin[positions].unsqueeze(1).to(dtype)
         return cos, sin
+
+    def mean_rotation(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean of cos and of sin over positions [0, num_positions) ([D] each, float64),
+        whatever the table's length: rotating x by them gives the mean of x's rotations."""
+        positions = torch.arange(num_positions, dtype=torch.float64, device=self.inv_freq.device)
+        freqs = torch.outer(positions, self.inv_freq)
+        cos, sin = freqs.cos().mean(0) * self.factor, freqs.sin().mean(0) * self.factor
+        return torch.cat([cos, cos]), torch.cat([sin, sin])
 
     @staticmethod
     def rotate_heads(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -44,6 +44,10 @@ class LlamaAttention(nn.Module):
         # Qwen3: every q and k head is RMS-normalized (before RoPE); one weight for all heads.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        # [KVH, D] subtracted from every rotated key before it is stored (exact: softmax ignores
+        # a shift common to all keys); set after loading where k_proj has a bias, see
+        # densa/model/key_centering.py.
+        self.k_center: torch.Tensor | None = None
 
     def forward(
         self,
@@ -62,6 +66,8 @@ class LlamaAttention(nn.Module):
         # q and k heads are adjacent: rotate them together, then split.
         qk = RotaryEmbedding.rotate_heads(qk, rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
+        if self.k_center is not None:
+            k = k - self.k_center.to(k.dtype)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention_in_window(
             backend, q, k, v, cache, meta, self.scale, self.window

@@ -36,6 +36,7 @@ from densa.model.gguf_loading import (
     swap_kept_linears,
 )
 from densa.model.interface import CausalLM
+from densa.model.key_centering import center_keys
 from densa.model.linear import prepare_quantized, resident_weight_bytes
 from densa.model.packed_linear import (
     PACKED_FORMATS,
@@ -148,6 +149,7 @@ def load_model(
     prepare_quantized(model)
     _pack(model, packed, head_format)
     prepare_stacked(model)
+    center_keys(model)
     model.weight_format = _describe_weights(runtime, packed, head_format, kept)
     if device.type == "cpu":
         rehome_on_huge_pages(model)  # streaming weights from huge pages is ~30% faster

@@ -142,7 +142,7 @@ class _DecoderCase:
                 (32, rand(h, self.HEADS * d), None, h, self.HEADS * d),
                 (32, rand(2 * self.INTER, h), None, 2 * self.INTER, h),
                 (32, rand(h, self.INTER), None, h, self.INTER),
-                k, None, k.clone(), None,
+                k, None, k.clone(), None, None,
             )  # fmt: skip
 
     def forward(self, rows: int) -> Callable[[], object]:

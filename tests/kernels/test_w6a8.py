@@ -234,7 +234,7 @@ def _decoder(isa: str, qkv: tuple) -> object:
     cache = torch.zeros(4, KV_HEADS, 4, HEAD_DIM)
     decoder.add_layer(
         torch.ones(HIDDEN), torch.ones(HIDDEN), qkv, dense(HIDDEN, Q_SIZE),
-        dense(2 * inter, HIDDEN), dense(HIDDEN, inter), cache, None, cache.clone(), None,
+        dense(2 * inter, HIDDEN), dense(HIDDEN, inter), cache, None, cache.clone(), None, None,
     )  # fmt: skip
     return decoder
 

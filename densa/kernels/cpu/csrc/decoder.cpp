@@ -380,6 +380,8 @@ void layer_qkv(const Decoder& dec, const Layer& L, const float* x, int64_t rows,
     const int64_t pos = positions[t];
     // q and k heads are adjacent: rotate them together.
     rope(row, cfg.num_heads + cfg.num_kv_heads, d, cos + pos * d, sin + pos * d);
+    if (L.k_center != nullptr)
+      for (int64_t i = 0; i < kv_size; ++i) row[q_size + i] -= L.k_center[i];
     for (int64_t kh = 0; kh < cfg.num_kv_heads; ++kh) {
       store_row(L.k, slot_pages[t], kh, slot_offsets[t], row + q_size + kh * d, d);
       store_row(L.v, slot_pages[t], kh, slot_offsets[t], row + q_size + kv_size + kh * d, d);

@@ -55,6 +55,10 @@ struct Layer {
   const float* post_norm = nullptr;
   Projection qkv, o, gate_up, down;
   KVSide k, v;
+  // [kv heads * head dim] subtracted from every rotated key before it is stored (the model's
+  // key center, densa/model/key_centering.py); nullptr: keys stored as computed.
+  at::Tensor k_center_tensor;
+  const float* k_center = nullptr;
 };
 
 struct StepInputs {

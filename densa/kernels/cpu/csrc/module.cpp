@@ -162,7 +162,8 @@ class PyDecoder {
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, const AnyProjectionSpec& qkv,
                  const AnyProjectionSpec& o, const AnyProjectionSpec& gate_up,
                  const AnyProjectionSpec& down, at::Tensor k, std::optional<at::Tensor> k_scale,
-                 at::Tensor v, std::optional<at::Tensor> v_scale) {
+                 at::Tensor v, std::optional<at::Tensor> v_scale,
+                 std::optional<at::Tensor> k_center) {
     const Config& c = dec_.config;
     Layer layer;
     layer.norms = at::stack({input_norm.to(at::kFloat), post_norm.to(at::kFloat)}).contiguous();
@@ -184,6 +185,11 @@ class PyDecoder {
     layer.v = make_kv_side(v, v_scale);
     TORCH_CHECK(k.size(1) == c.num_kv_heads && k.size(3) == d && v.sizes() == k.sizes(),
                 "KV cache shape");
+    if (k_center.has_value()) {
+      layer.k_center_tensor = k_center->to(at::kFloat).contiguous();
+      TORCH_CHECK(layer.k_center_tensor.numel() == c.num_kv_heads * d, "k_center: [kv heads, head dim]");
+      layer.k_center = layer.k_center_tensor.data_ptr<float>();
+    }
     dec_.layers.push_back(std::move(layer));
   }
 
