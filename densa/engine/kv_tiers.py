@@ -12,9 +12,14 @@ up when a waiting request's prefix misses the device pool but a tier holds it.
     before schedule()               for the waiting requests that could be admitted next: the
                                     blocks after their device hit are looked up tier by tier
                                     (first tier that verifies wins, the chain stops at the first
-                                    block no tier has); found blocks land in freshly allocated
-                                    pages (kv_io.land), are indexed under their block hash and
-                                    freed, so admission hits them like any cached page
+                                    block no tier has) on a reader thread, while the engine keeps
+                                    stepping the running requests; the request is held (not
+                                    admitted, and the queue behind it waits, as for room) until
+                                    the lookup ends. Then, on the engine thread, found blocks
+                                    land in freshly allocated pages (kv_io.land), are indexed
+                                    under their block hash and freed, so admission hits them
+                                    like any cached page. With nothing running there is nothing
+                                    to overlap: the engine waits for the lookup instead.
 
 Page bytes are kv_io's (PackedPages): values [L, parts, n, H, P, D] then row scales
 [L, parts, n, H, P]. One page's payload is its slice of every (layer, part) row, in order:
@@ -28,6 +33,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,8 +106,19 @@ class PageLayout:
                    heads * page_size * scale_itemsize, template)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Lookup:
+    """A waiting request's blocks being read from the tiers on the reader thread."""
+
+    request: Request
+    start: int  # the request's device hit, in blocks, when the lookup started
+    keys: list[BlockHash]  # the block keys after it, in chain order
+    future: Future[list[memoryview]]  # the payloads of the leading keys some tier had
+
+
 class KVTiers:
-    def __init__(self, tiers: Sequence[KVTier], kv: KVCacheManager, runner: ModelRunner) -> None:
+    def __init__(self, tiers: Sequence[KVTier], kv: KVCacheManager, runner: ModelRunner,
+                 fetching: set[str]) -> None:  # fmt: skip
         self.tiers = list(tiers)
         self.kv = kv
         self.runner = runner
@@ -109,6 +126,11 @@ class KVTiers:
         self.writer = TierWriter(self.tiers)
         self._offered: OrderedDict[BlockHash, None] = OrderedDict()
         self._checked: set[str] = set()  # requests whose tiers were looked up already
+        # Lookups under way, by request; their requests are in `fetching` (the scheduler's set of
+        # waiting requests it must not admit yet) until they land.
+        self._lookups: dict[str, Lookup] = {}
+        self.fetching = fetching
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-read")
         self.num_fetched_pages = 0
         kv.record_evictions()
 
@@ -133,32 +155,78 @@ class KVTiers:
         self.writer.submit(job)
 
     # ---- up: fetch -----------------------------------------------------------------------------
-    def fetch_for(self, waiting: Sequence[Request], max_requests: int) -> None:
-        """Bring up tier blocks for the first `max_requests` waiting requests (each looked up
-        once), so that their admission hits them on the device."""
+    def fetch_for(self, waiting: Sequence[Request], max_requests: int, overlap: bool) -> None:
+        """Land the lookups that ended, and start them for the first `max_requests` waiting
+        requests (each looked up once). `overlap`: the engine has a step to run meanwhile; if
+        not, wait for the lookups here instead of spinning on held requests."""
+        self._land_ended(wait=False)
         for request in list(waiting)[:max_requests]:
             if request.num_computed_tokens or request.request_id in self._checked:
                 continue
             self._checked.add(request.request_id)
-            self._fetch(request)
+            self._start_lookup(request)
+        if not overlap:
+            self._land_ended(wait=True)
 
     def forget(self, request_id: str) -> None:
+        """The request ended (or was aborted): drop its lookup, if one is under way."""
         self._checked.discard(request_id)
+        lookup = self._lookups.pop(request_id, None)
+        if lookup is not None:
+            lookup.future.cancel()
+            self.fetching.discard(request_id)
 
-    def _fetch(self, request: Request) -> None:
+    def _start_lookup(self, request: Request) -> None:
+        start, wanted = self._wanted(request)
+        if wanted:
+            future = self._reader.submit(self._lookup, wanted)
+            self._lookups[request.request_id] = Lookup(request, start, wanted, future)
+            self.fetching.add(request.request_id)
+
+    def _wanted(self, request: Request) -> tuple[int, list[BlockHash]]:
+        """(device hit in blocks, the block keys after it that fit in the pool now)."""
         hashes = self.kv.prefix_hashes(request)
-        hit_pages = list(self.kv.find_prefix(request).page_ids)
+        hit_pages = self.kv.find_prefix(request).page_ids
         wanted = hashes[len(hit_pages) :]
         room = self.kv.num_free_pages - sum(1 for p in hit_pages if self.kv.pool.is_free(p))
         room -= self.kv.num_pages_for(request.num_tokens) - len(hit_pages) - len(wanted)
-        if not wanted or room <= 0:
-            return
-        payloads = self._lookup(wanted[:room])
-        if payloads:
-            self._land(hit_pages, wanted[: len(payloads)], payloads)
+        return len(hit_pages), wanted[: max(room, 0)]
+
+    def _land_ended(self, wait: bool) -> None:
+        """Land every lookup that has ended (all of them, waiting for each, if `wait`)."""
+        for request_id, lookup in list(self._lookups.items()):
+            if not wait and not lookup.future.done():
+                continue
+            del self._lookups[request_id]
+            self.fetching.discard(request_id)
+            try:
+                found = lookup.future.result()
+            except Exception:  # a tier's bug: a miss, never a failed request
+                logger.exception("KV tier lookup failed; computing the prefix instead")
+                continue
+            if len(found) < len(lookup.keys):
+                # Sent down once but not there now (a tier's LRU, a store restarted): offer the
+                # rest of the chain again when the device frees it.
+                for lost in lookup.keys[len(found) :]:
+                    self._offered.pop(lost, None)
+            self._land_found(lookup, found)
+
+    def _land_found(self, lookup: Lookup, found: list[memoryview]) -> None:
+        """Land what a lookup found, as far as it still continues the request's device hit
+        (the pool moved on while the lookup ran) and fits."""
+        hit, wanted = self._wanted(lookup.request)
+        if hit < lookup.start or not wanted:
+            return  # the device lost part of the hit meanwhile: the chain no longer joins
+        skip = hit - lookup.start
+        found, keys = found[skip:], lookup.keys[skip:]
+        count = min(len(found), len(wanted))
+        if count:
+            hit_pages = list(self.kv.find_prefix(lookup.request).page_ids)
+            self._land(hit_pages, keys[:count], found[:count])
 
     def _lookup(self, keys: Sequence[BlockHash]) -> list[memoryview]:
-        """Payloads of the leading keys found in some tier (first tier wins), in order."""
+        """Payloads of the leading keys found in some tier (first tier wins), in order. Runs
+        on the reader thread: touches only the tiers."""
         found: list[memoryview] = []
         for key in keys:
             payload = None
@@ -169,10 +237,6 @@ class KVTiers:
                 if payload is not None:
                     break
             if payload is None or len(payload) != self.layout.payload_bytes:
-                # Sent down once but not there now (a tier's LRU, a store restarted): offer the
-                # rest of the chain again when the device frees it.
-                for lost in keys[len(found) :]:
-                    self._offered.pop(lost, None)
                 break
             found.append(payload)
         return found
@@ -221,6 +285,9 @@ class KVTiers:
         self.writer.flush()
 
     def close(self) -> None:
+        for request_id in list(self._lookups):
+            self.forget(request_id)
+        self._reader.shutdown(wait=True)
         self.writer.close()
         for tier in self.tiers:
             tier.close()

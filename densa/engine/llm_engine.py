@@ -119,7 +119,7 @@ class LLMEngine:
                                          key_encoding(self.runner.model))  # fmt: skip
         tiers = build_tiers(specs, fingerprint, secret_file)
         self.detach_tiers()
-        self.kv_tiers = KVTiers(tiers, self.kv_manager, self.runner)
+        self.kv_tiers = KVTiers(tiers, self.kv_manager, self.runner, self.scheduler.fetching)
 
     def detach_tiers(self) -> None:
         """Stop using the tiers (queued writes finish first) and close them."""
@@ -289,7 +289,7 @@ class LLMEngine:
         if tiers is not None:
             tiers.write_back()  # evicted between steps (a KV transfer's reservation)
             num_slots = self.config.scheduler.max_num_seqs - len(self.scheduler.running)
-            tiers.fetch_for(self.scheduler.waiting, num_slots)
+            tiers.fetch_for(self.scheduler.waiting, num_slots, bool(self.scheduler.running))
         sched_out = self.scheduler.schedule()
         if tiers is not None:
             tiers.write_back()  # what schedule() evicted, before the step writes those pages

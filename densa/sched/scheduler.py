@@ -56,6 +56,9 @@ class Scheduler:
         # Disaggregation (see densa/disagg): requests whose prompt K/V comes from another worker,
         # and pages of finished requests that a transfer may still touch.
         self.remote = RemoteRequests(kv_manager)
+        # Waiting requests not to admit yet: their prefix pages are on the way up from a KV tier
+        # (engine/kv_tiers.py). The queue waits behind such a head as it waits for room.
+        self.fetching: set[str] = set()
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -252,6 +255,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledChunk]) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.request_id in self.fetching:
+                return
             try:
                 num_new = self._admit(request, budget)
             except Exception:

@@ -223,3 +223,46 @@ def test_the_shared_tier_serves_each_tenant_its_own_and_survives_the_store_dying
         assert again.num_cached_tokens == 96 and again.token_ids == reference[1].token_ids
         stats = engine.kv_tiers.stats()[f"shared:{server.url}"]
         assert stats["rejected"] == 0 and stats["hits"] >= 12  # the others come back too
+
+
+def test_a_fetch_runs_beside_the_running_requests(
+    tmp_path: Path, reference, make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A's evicted prefix is read from the tier on the reader thread while B keeps decoding:
+    A is held (not admitted, not computed) until the lookup ends, then hits all 6 blocks."""
+    import threading
+
+    engine = make_engine((f"disk:{tmp_path}:64MiB",))
+    runner = Runner(engine)
+    first, *others = prompts(0)
+    for prompt in (first, *others):  # A's blocks go down, and A is evicted from the pool
+        runner.run(prompt)
+    tier = engine.kv_tiers.tiers[0]
+    readers: list[str] = []
+    lookup_may_end = threading.Event()
+    real_get = tier.get
+
+    def slow_get(key):  # the first block waits until B has decoded beside the lookup
+        readers.append(threading.current_thread().name)
+        lookup_may_end.wait(timeout=30)
+        return real_get(key)
+
+    monkeypatch.setattr(tier, "get", slow_get)
+    collector = Collector()
+    b_id = engine.add_request(others[0][:20], SamplingParams(max_tokens=40, temperature=0.0))
+    collector.add(engine.step())  # B's prompt
+    a_id = engine.add_request(first, GREEDY)
+    b_tokens_before = len(collector.tokens.get(b_id, []))
+    for _ in range(3):  # A's lookup is under way: B decodes, A waits
+        collector.add(engine.step())
+        assert a_id in engine.scheduler.fetching
+        assert engine.scheduler.requests[a_id].num_computed_tokens == 0
+    assert len(collector.tokens[b_id]) >= b_tokens_before + 3
+    lookup_may_end.set()
+    while a_id not in collector.finals or b_id not in collector.finals:
+        collector.add(engine.step())
+        engine.check_invariants()
+    assert readers and all(name.startswith("kv-tier-read") for name in readers)
+    assert collector.finals[a_id].num_cached_tokens == 96
+    assert collector.finals[a_id].token_ids == reference[1].token_ids
+    assert not engine.scheduler.fetching
