@@ -42,6 +42,7 @@ from densa.cache.kv_manager import KVCacheManager
 from densa.cache.prefix_index import BlockHash
 from densa.cache.tiers.block import BlockCodec, fingerprint_of
 from densa.cache.tiers.disk import DiskTier
+from densa.cache.tiers.shared import SharedTier
 from densa.cache.tiers.tier import KVTier, TierSpec, logger, parse_tier_spec
 from densa.cache.tiers.writer import TierWriter
 from densa.formats.kv_format import KVFormat
@@ -280,6 +281,11 @@ class KVTiers:
         for counters in out.values():
             counters["dropped_write_jobs"] = self.writer.num_dropped_jobs
         return out
+
+    @property
+    def shared_store_id(self) -> str:
+        """The shared tier's store id (SharedTier.store_id), '' without one."""
+        return next((t.store_id for t in self.tiers if isinstance(t, SharedTier)), "")
 
     def flush(self) -> None:
         self.writer.flush()

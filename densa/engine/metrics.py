@@ -31,6 +31,7 @@ def snapshot(engine: LLMEngine, num_steps: int = 0) -> EngineStats:
         num_prefix_hit_tokens=kv.num_hit_tokens,
         integrity_violations={kind.value: counts[kind] for kind in ViolationKind},
         kv_tiers=engine.kv_tiers.stats() if engine.kv_tiers is not None else {},
+        shared_kv_tier=engine.kv_tiers.shared_store_id if engine.kv_tiers is not None else "",
         num_spec_proposed_tokens=spec.num_proposed_tokens if spec else 0,
         num_spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         num_spec_paused_steps=spec.num_paused_steps if spec else 0,

@@ -66,6 +66,9 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True):
     disagg: dict[str, float] = {}
     # KV tiers (--kv-tier): counters per tier name (densa/cache/tiers/tier.py TierCounters).
     kv_tiers: dict[str, dict[str, float]] = {}
+    # The shared tier's store id ('' without one): routers credit blocks another worker of the
+    # same store computed (densa/router/prefix.py SharedTierIndex).
+    shared_kv_tier: str = ""
     # Speculative decoding (docs/speculative.md), lifetime totals: tokens proposed to the
     # target, how many it accepted, and steps on which the batch was too large to speculate.
     num_spec_proposed_tokens: int = 0

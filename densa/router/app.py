@@ -36,7 +36,7 @@ from densa.router.lengths import LengthEstimator
 from densa.router.membership import apply_membership, check_admin, describe, roles_from_body
 from densa.router.metrics import CONTENT_TYPE, RouterMetrics
 from densa.router.policy import make_policy
-from densa.router.prefix import WorkerPrefixIndex
+from densa.router.prefix import SharedTierIndex, WorkerPrefixIndex
 from densa.router.proxy import WORKER_HEADER, Proxy, no_worker_available
 from densa.router.ring import HashRing
 from densa.router.routing import Router
@@ -62,7 +62,7 @@ class RouterState:
     proxy: Proxy | None = None  # set by the lifespan (it owns the HTTP client)
 
 
-# Blocks the router remembers as fetchable from the shared tier (LRU): ~4 GB of 1.5B-model pages.
+# Blocks the router remembers as fetchable from each shared tier (LRU): ~4 GB of 1.5B pages.
 SHARED_INDEX_BLOCKS = 1 << 14
 
 
@@ -78,7 +78,8 @@ def build_router(config: RouterConfig) -> tuple[Router, RouterMetrics]:
         ring=HashRing(targets, config.ring_vnodes),
         lengths=LengthEstimator(config.default_expected_tokens),
         metrics=metrics,
-        shared_prefix=WorkerPrefixIndex(SHARED_INDEX_BLOCKS) if config.shared_kv_tier else None,
+        shared_tiers=SharedTierIndex(SHARED_INDEX_BLOCKS),
+        assume_one_store=config.shared_kv_tier,
     )
     pool.on_ejected = router.on_ejected
     return router, metrics

@@ -62,8 +62,10 @@ def _add_worker_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     pools.add_argument(
         "--shared-kv-tier", action="store_true",
-        help="the workers share a KV tier (--kv-tier shared:redis://...): a prefix routed to "
-        "any worker counts, below a device hit, as fetchable by every worker",
+        help="treat every worker as reading one shared KV tier (--kv-tier shared:redis://...): "
+        "a prefix routed to any worker counts, below a device hit, as fetchable by all. Not "
+        "needed with densa workers: each reports its store, and workers of the same store "
+        "(same URL, model and cluster secret) are credited with each other's prefixes",
     )  # fmt: skip
     pools.add_argument(
         "--debug-headers", action="store_true",

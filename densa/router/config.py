@@ -37,8 +37,9 @@ class RouterConfig:
     # x-densa-worker, x-densa-prefill and x-densa-router-ms on answers: off by default, since
     # they tell any client the internal addresses and a timer of the router's own work.
     debug_headers: bool = False
-    # The workers share a KV tier (--kv-tier shared:...): a prefix routed to any worker counts,
-    # at SHARED_TIER_CREDIT, as fetchable by all (router/policy.py).
+    # Every worker reads one shared KV tier (--kv-tier shared:...), whatever it reports: a
+    # prefix routed to any worker counts, at SHARED_TIER_CREDIT, as fetchable by all
+    # (router/policy.py). Off, the router learns each worker's store from its load reports.
     shared_kv_tier: bool = False
 
     def __post_init__(self) -> None:

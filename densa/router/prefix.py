@@ -65,3 +65,34 @@ class WorkerPrefixIndex:
 
     def clear(self) -> None:
         self._blocks.clear()
+
+
+# Stores one router keeps an index for: a worker's report names its store, so a misbehaving one
+# could name a new store every poll; the least recently used store's index goes first.
+MAX_SHARED_STORES = 16
+
+
+class SharedTierIndex:
+    """Blocks fetchable from shared KV tiers, one LRU index per store: a prompt routed to a
+    worker that writes to store S (and, in a prefill/decode split, its prefill worker) can be
+    fetched by every worker that reads S. Which store a worker reads is what it reports
+    (`/densa/load`'s opaque shared_kv_tier id), or one store for all (--shared-kv-tier)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._stores: OrderedDict[str, WorkerPrefixIndex] = OrderedDict()
+
+    def match(self, store: str | None, hashes: Sequence[BlockHash]) -> int:
+        index = self._stores.get(store) if store else None
+        return index.match(hashes) if index is not None else 0
+
+    def insert(self, store: str | None, hashes: Sequence[BlockHash]) -> None:
+        if not store:
+            return
+        index = self._stores.get(store)
+        if index is None:
+            index = self._stores[store] = WorkerPrefixIndex(self.capacity)
+        self._stores.move_to_end(store)
+        index.insert(hashes)
+        while len(self._stores) > MAX_SHARED_STORES:
+            self._stores.popitem(last=False)

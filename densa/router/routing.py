@@ -20,10 +20,12 @@ from densa.cache.prefix_index import BlockHash
 from densa.router.incoming import Incoming, ModelInfo
 from densa.router.lengths import LengthEstimator
 from densa.router.policy import Decision, RouteFeatures, RoutingPolicy, WeightedPolicy, WorkerView
-from densa.router.prefix import WorkerPrefixIndex, block_hashes
+from densa.router.prefix import SharedTierIndex, block_hashes
 from densa.router.ring import HashRing
 from densa.router.sessions import SessionTable
 from densa.router.workers import Worker, WorkerPool
+
+ONE_STORE = "all-workers"  # the store name --shared-kv-tier gives every worker
 
 if TYPE_CHECKING:
     from densa.router.metrics import RouterMetrics
@@ -52,9 +54,12 @@ class Router:
     lengths: LengthEstimator
     metrics: RouterMetrics | None = None
     model: ModelInfo | None = None
-    # With a shared KV tier (--shared-kv-tier): blocks routed to any worker, which every worker
-    # can fetch once their first holder frees them. None: each worker's device pool only.
-    shared_prefix: WorkerPrefixIndex | None = None
+    # Blocks routed to a worker with a shared KV tier, which every worker of the same store can
+    # fetch once their first holder frees them (None: each worker's device pool only).
+    shared_tiers: SharedTierIndex | None = None
+    # --shared-kv-tier: every worker reads one store, whatever it reports (workers that do not
+    # report theirs); else each worker's store is the one its load reports name.
+    assume_one_store: bool = False
 
     # ---- placing ------------------------------------------------------------------------------
     def place(self, incoming: Incoming, exclude: frozenset[str] = frozenset()) -> Placement | None:
@@ -117,7 +122,7 @@ class Router:
 
     def _views(self, workers: list[Worker], hashes: list[BlockHash]) -> list[WorkerView]:
         views = []
-        shared = self.shared_prefix.match(hashes) if self.shared_prefix is not None else 0
+        shared = self._shared_matches(workers, hashes)
         for w in workers:
             load = w.load
             total = load.num_kv_pages if load else 0
@@ -127,9 +132,20 @@ class Router:
                 page_size=load.page_size if load else 1,
                 pending_output_tokens=w.pending_output_tokens, num_routed=w.num_routed,
                 matched_blocks=w.prefix.match(hashes),
-                num_sessions=self.sessions.num_live(w.url), shared_blocks=shared,
+                num_sessions=self.sessions.num_live(w.url), shared_blocks=shared[w.url],
             ))  # fmt: skip
         return views
+
+    def store_of(self, worker: Worker) -> str | None:
+        """The shared KV store `worker` reads and writes, as the router knows it (None: none)."""
+        if self.assume_one_store:
+            return ONE_STORE
+        return worker.load.shared_kv_tier if worker.load is not None else None
+
+    def _shared_matches(self, workers: list[Worker], hashes: list[BlockHash]) -> dict[str, int]:
+        if self.shared_tiers is None:
+            return {w.url: 0 for w in workers}
+        return {w.url: self.shared_tiers.match(self.store_of(w), hashes) for w in workers}
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def opened(self, placement: Placement) -> None:
@@ -140,8 +156,10 @@ class Router:
         for holder in (worker, placement.prefill):
             if holder is not None:
                 holder.prefix.insert(placement.hashes)
-        if self.shared_prefix is not None:
-            self.shared_prefix.insert(placement.hashes)
+        if self.shared_tiers is not None:
+            for holder in (worker, placement.prefill):
+                if holder is not None:
+                    self.shared_tiers.insert(self.store_of(holder), placement.hashes)
         if placement.session_id is not None:
             self.sessions.stick(placement.session_id, worker.url)
         if self.metrics is not None:

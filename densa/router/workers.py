@@ -14,6 +14,7 @@ proxy connection. An ejected worker is probed again after an exponentially growi
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ ROLES = ("mixed", "prefill", "decode")
 # would grow /metrics without bound and write into it.
 FAILURE_REASONS = ("connect", "worker_unavailable", "lost_before_answer", "lost_mid_stream",
                    "poll_status", "poll_failed", "other")  # fmt: skip
+STORE_ID = re.compile(r"[0-9a-f]{8,32}")  # what a shared KV store id looks like
 
 
 @dataclass(frozen=True)
@@ -45,12 +47,19 @@ class LoadReport:
     page_size: int
     engine_pid: int
     received_at: float
+    # The worker's shared KV store (an opaque id, densa/cache/tiers/shared.py store_id); None:
+    # none, or not a short hex string (a worker's text is only ever compared, never shown).
+    shared_kv_tier: str | None = None
 
     @classmethod
     def from_json(cls, body: dict[str, Any], received_at: float) -> LoadReport:
         names = ("num_running", "num_waiting", "num_in_flight", "num_kv_pages",
                  "num_free_kv_pages", "page_size", "engine_pid")  # fmt: skip
-        return cls(**{n: int(body[n]) for n in names}, received_at=received_at)
+        store = body.get("shared_kv_tier")
+        if not (isinstance(store, str) and STORE_ID.fullmatch(store)):
+            store = None
+        return cls(**{n: int(body[n]) for n in names}, received_at=received_at,
+                   shared_kv_tier=store)  # fmt: skip
 
 
 @dataclass

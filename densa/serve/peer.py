@@ -4,7 +4,8 @@
                       and tool-call format -- so a router tokenizes and hashes prompt blocks exactly
                       as this worker's prefix cache does (densa/router/prefix.py)
     GET /densa/load   polled (every ~0.5 s): queue depth and free KV pages from the engine's latest
-                      snapshot (at most one heartbeat, 0.5 s, old); 503 while the engine is down
+                      snapshot (at most one heartbeat, 0.5 s, old), and the id of its shared KV
+                      tier's store, if any; 503 while the engine is down
 
 Both are open like /health and /metrics: they say nothing about any request or tenant.
 """
@@ -65,6 +66,7 @@ async def load(request: Request) -> Response:
         "num_free_kv_pages": stats.num_free_kv_pages,
         "page_size": stats.page_size,
         "engine_pid": state.served.engine_pid,
+        "shared_kv_tier": stats.shared_kv_tier or None,  # an opaque id (SharedTier.store_id)
     }
     return JSONResponse(body)
 

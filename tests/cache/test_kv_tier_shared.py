@@ -73,3 +73,18 @@ def test_a_killed_store_is_skipped_fast_and_used_again_when_back(
     tier.put(KEY, b"c" * 1000)
     assert bytes(tier.get(KEY) or b"") == b"c" * 1000
     assert not tier.is_down
+
+
+def test_the_store_id_is_equal_only_for_the_same_store_model_and_secret() -> None:
+    """What a worker tells routers (no server needed: the client connects lazily)."""
+    url = "redis://10.0.0.5:6379/0"
+    same = {sealed_tier(url).store_id, sealed_tier(url).store_id}
+    assert len(same) == 1 and len(same.pop()) == 16
+    others = [
+        sealed_tier("redis://10.0.0.6:6379/0"),  # another store
+        SharedTier(url, BlockCodec(fingerprint_of("model-b", "fp32"), SECRET.key("kv-tier"))),
+        SharedTier(url, BlockCodec(FP, ClusterSecret.generate().key("kv-tier"))),  # another cluster
+    ]
+    ids = {sealed_tier(url).store_id} | {tier.store_id for tier in others}
+    assert len(ids) == 4
+    assert all("10.0.0" not in i for i in ids)  # the address is not readable from it

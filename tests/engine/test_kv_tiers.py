@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from densa.engine.llm_engine import LLMEngine, StepRecord
+from densa.engine.metrics import snapshot
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
 
@@ -198,6 +199,8 @@ def test_the_shared_tier_serves_each_tenant_its_own_and_survives_the_store_dying
     monkeypatch.setattr(shared, "RETRY_AFTER_S", 0.2)
     with RedisServer(maxmemory="64mb") as server:
         engine = make_engine((f"shared:{server.url}",))
+        # What the worker tells routers about its store (/densa/load): the tier's keyed id.
+        assert snapshot(engine).shared_kv_tier == engine.kv_tiers.tiers[0].store_id != ""
         runner = Runner(engine)
         first, *others = prompts(0)
         runner.run(first, scope="tenant-a")

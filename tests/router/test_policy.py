@@ -10,6 +10,7 @@ from densa.cache.scope import CacheScope
 from densa.request import Request
 from densa.router.lengths import LengthEstimator
 from densa.router.policy import (
+    Decision,
     RoundRobin,
     RouteFeatures,
     WeightedPolicy,
@@ -313,20 +314,51 @@ def test_with_a_shared_tier_load_moves_a_session_that_a_device_hit_alone_would_k
     assert (shared.url, shared.signal) == (B, "queue")
 
 
-def test_the_router_counts_a_prefix_routed_anywhere_as_fetchable_by_all() -> None:
+def _router_with_stores(stores: dict[str, str | None], assume_one_store: bool = False):
+    """A round-robin router over workers that reported these shared stores (None: none)."""
+    from densa.router.prefix import SharedTierIndex
     from densa.router.routing import Router
-    from densa.router.workers import Worker, WorkerPool
+    from densa.router.workers import LoadReport, Worker, WorkerPool
 
-    workers = {u: Worker(u, "mixed", WorkerPrefixIndex(100)) for u in (A, B)}
-    router = Router(WorkerPool(workers), RoundRobin(), SessionTable(), HashRing([A, B]),
-                    LengthEstimator(16), shared_prefix=WorkerPrefixIndex(1000))  # fmt: skip
+    workers = {u: Worker(u, "mixed", WorkerPrefixIndex(100)) for u in stores}
+    for url, store in stores.items():
+        report = {"num_running": 0, "num_waiting": 0, "num_in_flight": 0, "num_kv_pages": 100,
+                  "num_free_kv_pages": 100, "page_size": 16, "engine_pid": 1,
+                  "shared_kv_tier": store}  # fmt: skip
+        workers[url].load = LoadReport.from_json(report, 0.0)
+    router = Router(WorkerPool(workers), RoundRobin(), SessionTable(), HashRing(list(stores)),
+                    LengthEstimator(16), shared_tiers=SharedTierIndex(1000),
+                    assume_one_store=assume_one_store)  # fmt: skip
+    return router, workers
+
+
+def test_the_router_counts_a_prefix_routed_anywhere_as_fetchable_by_all() -> None:
+    """--shared-kv-tier: one store for all, whatever the workers report."""
+    router, workers = _router_with_stores({A: None, B: None}, assume_one_store=True)
     hashes = block_hashes(list(range(1, 100)), 16, CacheScope(tenant="t").digest())
     views = {v.url: v for v in router._views([workers[A], workers[B]], hashes)}
     assert (views[A].shared_blocks, views[B].shared_blocks) == (0, 0)
     workers[A].prefix.insert(hashes)
-    router.shared_prefix.insert(hashes)  # what opened() does for a request routed to A
+    router.shared_tiers.insert(router.store_of(workers[A]), hashes)  # what opened() does
     views = {v.url: v for v in router._views([workers[A], workers[B]], hashes)}
     assert (views[A].matched_blocks, views[B].matched_blocks) == (6, 0)
     assert (views[A].shared_blocks, views[B].shared_blocks) == (6, 6)
     other = block_hashes(list(range(1, 100)), 16, CacheScope(tenant="u").digest())
-    assert router.shared_prefix.match(other) == 0  # another tenant's same prompt: nothing
+    assert router.shared_tiers.match(router.store_of(workers[B]), other) == 0  # another tenant
+
+
+def test_the_router_learns_each_workers_store_from_its_load_reports() -> None:
+    """A and B report one store, C another, D none (and E a malformed id: none): a prefix
+    routed to A is fetchable by B only."""
+    from densa.router.routing import Placement
+
+    C, D, E = "http://c:8000", "http://d:8000", "http://e:8000"
+    stores = {A: "00aa11bb22cc33dd", B: "00aa11bb22cc33dd", C: "ffee00ddccbbaa99", D: None,
+              E: "not an id; <script>"}  # fmt: skip
+    router, workers = _router_with_stores(stores)
+    assert router.store_of(workers[E]) is None
+    hashes = block_hashes(list(range(1, 100)), 16, CacheScope(tenant="t").digest())
+    decision = Decision(A, "prefix", {})
+    router.opened(Placement(workers[A], None, decision, hashes, 8, None, "chat"))
+    views = {v.url: v.shared_blocks for v in router._views(list(workers.values()), hashes)}
+    assert views == {A: 6, B: 6, C: 0, D: 0, E: 0}

@@ -15,6 +15,7 @@ skipped (no call at all) for RETRY_AFTER_S, then tried again.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 
@@ -39,6 +40,15 @@ class SharedTier:
         )
         self._down_until = 0.0
         self._lock = threading.Lock()
+
+    @property
+    def store_id(self) -> str:
+        """Names this store and this engine's pages in it, for routers: equal on every worker
+        of the cluster that reads the same URL with the same model and format, and keyed with
+        the cluster secret, so it tells nobody else the store's address."""
+        digest = hashlib.blake2b(self.name.encode() + self._codec.fingerprint, digest_size=8,
+                                 key=self._codec.mac_key)  # fmt: skip
+        return digest.hexdigest()
 
     @property
     def is_down(self) -> bool:
