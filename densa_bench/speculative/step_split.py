@@ -42,13 +42,18 @@ class StageClock:
     def __init__(self) -> None:
         self.now: dict[str, float] = defaultdict(float)
         self.rows = 0  # rows the step's forward computed
+        self.inside: str | None = None  # the stage running now: a draft's forwards are its own
 
     def wrap(self, stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.inside is not None:  # nested (the draft proposer's forward): not counted
+                return fn(*args, **kwargs)
             started = time.perf_counter()
+            self.inside = stage
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.inside = None
                 self.now[stage] += time.perf_counter() - started
 
         return timed
