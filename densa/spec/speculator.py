@@ -12,7 +12,7 @@ E(k) = 1 + p + ... + p**k tokens per step with k proposals; each proposal costs 
 plus the proposer's own work (`Proposer.cost_per_token`: none for prompt lookup, a draft
 model's decode step for a draft). k is the one that maximises E(k) / cost(k), so a request
 copying its prompt at p ~ 1 verifies --num-speculative-tokens rows while a draft model, whose
-every guess costs a third of a target step, stops earlier. p is estimated as accepted /
+every guess costs 0.42 of a target step on top, stops earlier. p is estimated as accepted /
 trials, where a step that accepted a of k proposals made a + 1 trials (a successes, then the
 rejection) or a trials if all were accepted: the maximum-likelihood estimate for a run that
 stops at the first rejection. Both counts decay, so k follows a request whose text changes
