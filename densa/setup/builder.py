@@ -25,7 +25,7 @@ from densa.setup.args import EngineArgs, default_model_path
 from densa.setup.kv_sizing import KVBudget, draft_kv_page_bytes, is_relative, resolve_num_pages
 from densa.setup.loading import load_decode_model, load_static_kv_scales, load_tokenizer
 from densa.setup.memory_plan import check_memory
-from densa.setup.proposers import DraftTarget, build_proposer
+from densa.setup.proposers import DraftTarget, build_proposer, streamed_weight_bytes
 from densa.spec.mtp import MTPProposer
 from densa.spec.proposer import Proposer
 from densa.text.tokenizer import Tokenizer
@@ -87,7 +87,10 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     backend = select_backend(config.device.attention_backend, device)
     runner = build_runner(config, model, decode_model, kv_caches, backend, tokenizer, arch)
     _log_kv_cache(config, arch, kv_format, budget, backend)
-    target = DraftTarget(config.model, config.cache, device, arch, tokenizer, backend, kv_format)
+    target = DraftTarget(
+        config.model, config.cache, device, arch, tokenizer, backend, kv_format,
+        streamed_weight_bytes(model),
+    )  # fmt: skip
     proposer = build_proposer(config.speculative, target)
     # The MTP layer reads the target's final hidden state of every position it caches.
     runner.keeps_hidden = isinstance(proposer, MTPProposer)

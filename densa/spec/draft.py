@@ -97,6 +97,9 @@ class DraftModelProposer:
         self.backend = backend
         self.device = device
         self.max_model_len = max_model_len  # positions the draft's RoPE tables cover
+        # One draft decode step relative to the target's: set next to the target, which this
+        # proposer does not see (setup/proposers.py). 0 until then.
+        self.cost_per_token = 0.0
         # Proposals beyond the target's vocabulary (a draft's padded rows) could not be verified.
         self.vocab_size = vocab_size
         self.pool = PagePool(num_pages)

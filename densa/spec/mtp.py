@@ -187,6 +187,9 @@ class MTPProposer:
         self.max_model_len = max_model_len
         self.pool = PagePool(num_pages)
         self.sequences: dict[str, MTPSequence] = {}
+        # One pass of the layer relative to a target step: set next to the target
+        # (setup/proposers.py). 0 until then.
+        self.cost_per_token = 0.0
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         """The target's final hidden states ([n, H]) of the next n positions it put in its KV."""

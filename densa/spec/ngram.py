@@ -27,6 +27,7 @@ class NgramProposer:
     """Stateless: each proposal reads only the request's tokens, so release has nothing to drop."""
 
     name = "ngram"
+    cost_per_token = 0.0  # a scan of token ids, nothing beside a decode step
 
     def __init__(self, min_ngram: int = DEFAULT_MIN_NGRAM, max_ngram: int = DEFAULT_MAX_NGRAM):
         if not 1 <= min_ngram <= max_ngram:

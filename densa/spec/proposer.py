@@ -30,6 +30,9 @@ class Proposer(Protocol):
     """
 
     name: str  # "ngram" | "draft" | "mtp"
+    # What proposing one token costs, relative to one decode step of the target (the speculator
+    # weighs it against what the token is expected to gain): 0 for prompt lookup.
+    cost_per_token: float
 
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
         """0..num_tokens tokens per input, in the order of `inputs`."""

@@ -5,15 +5,19 @@ decoding gets up to k proposed tokens in `Request.spec_token_ids`, which the sch
 its next decode chunk for the target to verify (docs/speculative.md). Then `observe` counts
 what the step accepted.
 
-k per request follows its recent acceptance. A request whose proposals are accepted with
-per-token probability p reaches its i-th proposal with probability about p**i; a proposal
-that is rarely reached costs a row of compute for nothing, so k is the largest i with
-p**i >= MIN_REACH (capped by --num-speculative-tokens). p is estimated as accepted / trials,
-where a step that accepted a of k proposals made a + 1 trials (a successes, then the rejection)
-or a trials if all were accepted: the maximum-likelihood estimate for a run that stops at the
-first rejection. Both counts decay, so k follows a request whose text changes character (a
-quoted file, then prose). When k falls to 0 the request stops speculating and, every
-PROBE_INTERVAL steps, proposes one token to measure again.
+k per request follows its recent acceptance and what a proposal costs. A request whose
+proposals are accepted with per-token probability p emits on average
+E(k) = 1 + p + ... + p**k tokens per step with k proposals; each proposal costs a verify row
+(VERIFY_ROW_COST of a one-row step, more of the request's share when several requests decode)
+plus the proposer's own work (`Proposer.cost_per_token`: none for prompt lookup, a draft
+model's decode step for a draft). k is the one that maximises E(k) / cost(k), so a request
+copying its prompt at p ~ 1 verifies --num-speculative-tokens rows while a draft model, whose
+every guess costs 0.42 of a target step on top, stops earlier. p is estimated as accepted /
+trials, where a step that accepted a of k proposals made a + 1 trials (a successes, then the
+rejection) or a trials if all were accepted: the maximum-likelihood estimate for a run that
+stops at the first rejection. Both counts decay, so k follows a request whose text changes
+character (a quoted file, then prose). When k falls to 0 (no k pays for itself) the request
+stops speculating and, every PROBE_INTERVAL steps, proposes one token to measure again.
 
 Speculation pauses for the whole step when more than max_batch requests decode: see
 SpeculativeConfig.max_batch (densa/config.py).
@@ -21,7 +25,6 @@ SpeculativeConfig.max_batch (densa/config.py).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +35,11 @@ from densa.request import Request
 from densa.sched.output import SchedulerOutput
 from densa.spec.proposer import Proposer, SpecInput
 
-MIN_REACH = 0.2  # propose the i-th token only if it is reached at least this often
+# One verify row's cost relative to a one-row decode step, measured in-process on the 2-core
+# AVX-512 dev machine (densa_bench/speculative/step_split.py, Qwen2.5-Coder-1.5B Q4_K_M, int8
+# KV): the forward and head of 5 / 9 rows took 1.7x / 2.5x one row's. The int8 dot kernels are
+# at their peak per row there; the weights, streamed once per step, are the part rows share.
+VERIFY_ROW_COST = 0.17
 DECAY = 0.8  # weight of the past in the acceptance counts, per verifying step
 PROBE_INTERVAL = 16  # steps a request with k = 0 waits before it proposes one token again
 # A fresh request starts as if its first few proposals had all been accepted: prompt lookup and
@@ -58,14 +65,29 @@ class Acceptance:
         self.accepted = DECAY * self.accepted + num_accepted
         self.trials = DECAY * self.trials + num_accepted + rejected
 
-    def num_tokens(self, most: int) -> int:
+    def num_tokens(self, most: int, cost_per_token: float) -> int:
         """k for the next step: see the module docstring."""
-        rate = self.rate
-        if rate >= 1.0:
-            return most
-        if rate <= MIN_REACH:
-            return 0
-        return min(most, int(math.log(MIN_REACH) / math.log(rate)))
+        return best_num_tokens(self.rate, most, cost_per_token)
+
+
+def best_num_tokens(rate: float, most: int, cost_per_token: float) -> int:
+    """The k in 0..most with the most expected tokens per unit of step cost,
+    (1 + rate + ... + rate**k) / (1 + cost_per_token * k); the smallest on a tie."""
+    best_k, best_gain = 0, 1.0
+    expected, reach = 1.0, 1.0
+    for k in range(1, most + 1):
+        reach *= rate
+        expected += reach
+        gain = expected / (1.0 + cost_per_token * k)
+        if gain > best_gain + 1e-12:
+            best_k, best_gain = k, gain
+    return best_k
+
+
+def row_cost(num_decoding: int) -> float:
+    """A verify row's cost relative to one request's share of a step of `num_decoding` rows:
+    the step costs about 1 + VERIFY_ROW_COST * (rows - 1) one-row steps, shared by them all."""
+    return VERIFY_ROW_COST * num_decoding / (1.0 + VERIFY_ROW_COST * (num_decoding - 1))
 
 
 class Speculator:
@@ -86,8 +108,9 @@ class Speculator:
             return
         inputs: list[SpecInput] = []
         targets: list[Request] = []
+        cost = row_cost(len(decoding)) + self.proposer.cost_per_token
         for request in decoding:
-            num_tokens = self._num_tokens(request, max_model_len)
+            num_tokens = self._num_tokens(request, max_model_len, cost)
             if num_tokens > 0:
                 inputs.append(SpecInput(request.request_id, request.all_token_ids, num_tokens))
                 targets.append(request)
@@ -98,13 +121,14 @@ class Speculator:
         ):
             request.spec_token_ids = list(proposed[: item.num_tokens])
 
-    def _num_tokens(self, request: Request, max_model_len: int) -> int:
-        """k for this request now: its acceptance, what it may still generate, the context."""
+    def _num_tokens(self, request: Request, max_model_len: int, cost_per_token: float) -> int:
+        """k for this request now: its acceptance and a proposal's cost, what it may still
+        generate, the context."""
         params = request.sampling_params
         if not params.speculative or params.structured is not None:
             return 0  # opted out; a grammar's matcher cannot take tokens back
         acceptance = self._acceptance.setdefault(request.request_id, Acceptance())
-        k = acceptance.num_tokens(self.config.num_tokens)
+        k = acceptance.num_tokens(self.config.num_tokens, cost_per_token)
         if k == 0:
             acceptance.steps_since_probe += 1
             if acceptance.steps_since_probe < PROBE_INTERVAL:

@@ -24,9 +24,13 @@ def sampling_probs(logits: torch.Tensor, rows: list[SampleRequest]) -> torch.Ten
 
 def non_finite_rows(logits: torch.Tensor, reason: str) -> dict[int, str]:
     """Rows with a NaN or +inf (softmax turns either into NaN), or with no finite logit at all
-    (nothing to choose from). -inf alone is normal: it is how tokens are masked."""
-    bad = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1)
-    bad |= ~torch.isfinite(logits).any(dim=-1)
+    (nothing to choose from). -inf alone is normal: it is how tokens are masked.
+
+    One reduction finds all three: a row's max is NaN if it holds a NaN (amax propagates it),
+    +inf if it holds +inf, -inf if nothing in it is finite, and finite otherwise. (Four
+    elementwise passes over [N, vocab] did the same at 6x the cost of the whole greedy sample
+    of a 5-row verification.)"""
+    bad = ~torch.isfinite(torch.amax(logits, dim=-1))
     if not bool(bad.any()):  # the common case: one reduction, one check
         return {}
     return {int(i): reason for i in bad.nonzero().flatten().tolist()}

@@ -161,8 +161,9 @@ class Sampler:
         random_rows = [
             r for r, one in enumerate(expanded) if not one.params.is_greedy and r not in last_plain
         ]
-        probs = torch.zeros_like(processed)
+        probs = None  # greedy verification reads the logits alone
         if random_rows:
+            probs = torch.zeros_like(processed)
             probs[random_rows] = sampling_probs(
                 processed[random_rows], [expanded[r] for r in random_rows]
             )
@@ -187,7 +188,8 @@ class Sampler:
                 failed[i] = next(reason for reason in bad if reason)
                 continue
             span_rows = slice(starts[i], starts[i + 1])
-            kept, token_ids[i] = self._verify(processed[span_rows], probs[span_rows], row)
+            row_probs = None if probs is None else probs[span_rows]
+            kept, token_ids[i] = self._verify(processed[span_rows], row_probs, row)
             accepted[i] = kept
             chosen = [*kept, token_ids[i]]
             row_logprobs = _logprobs(
@@ -201,11 +203,11 @@ class Sampler:
         return SampleResult(token_ids, logprobs, failed, errors, accepted, accepted_logprobs)
 
     def _verify(
-        self, logits: torch.Tensor, probs: torch.Tensor, row: SampleRequest
+        self, logits: torch.Tensor, probs: torch.Tensor | None, row: SampleRequest
     ) -> tuple[list[int], int]:
         """logits: [1 + k, V] processed rows of one request with k proposals, probs: what its
-        random rows draw from (_probs of them) -> (the accepted proposals, the token after
-        them): see the module docstring."""
+        random rows draw from (sampling_probs of them; None for a greedy request) -> (the
+        accepted proposals, the token after them): see the module docstring."""
         drafts = list(row.draft_token_ids)
         if row.params.is_greedy:
             best = torch.argmax(logits, dim=-1).tolist()
@@ -213,6 +215,7 @@ class Sampler:
             while num_accepted < len(drafts) and best[num_accepted] == drafts[num_accepted]:
                 num_accepted += 1
             return drafts[:num_accepted], best[num_accepted]
+        assert probs is not None, "a random row has the probabilities it draws from"
         generator = self._generator(row, probs.shape[-1])
         for j, draft in enumerate(drafts):
             p = probs[j]

@@ -45,6 +45,10 @@ def test_a_draft_of_the_target_itself_is_accepted_and_changes_nothing(
     llm = LLM(str(tiny_model_dir), speculative_model=str(tiny_model_dir), **ENGINE)
     speculator = llm.engine.speculator
     assert speculator is not None and isinstance(speculator.proposer, DraftModelProposer)
+    # A draft as big as its target costs a whole step per guess: never worth it, so the
+    # speculator would not propose at all. Priced as free, it proposes every step.
+    assert speculator.proposer.cost_per_token == pytest.approx(1.0)
+    speculator.proposer.cost_per_token = 0.0
     assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == plain_outputs
     assert speculator.num_proposed_tokens >= 3 * 24 // 2  # it speculated most of the way
     assert speculator.num_accepted_tokens >= 0.95 * speculator.num_proposed_tokens

@@ -38,6 +38,7 @@ class ScriptedProposer:
     replaced by its neighbour id (a certain rejection)."""
 
     name = "scripted"
+    cost_per_token = 0.0
 
     def __init__(self) -> None:
         self.full: dict[str, list[int]] = {}  # request id -> prompt + reference output

@@ -144,6 +144,7 @@ class FixedProposer:
     """Always proposes the same token (rejections guaranteed to happen)."""
 
     name = "fixed"
+    cost_per_token = 0.0
 
     def __init__(self, token_id: int) -> None:
         self.token_id = token_id

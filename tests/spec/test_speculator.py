@@ -11,7 +11,13 @@ from densa.request import Request, RequestStatus
 from densa.sampling_params import SamplingParams, StructuredOutput
 from densa.sched.output import ScheduledChunk, SchedulerOutput
 from densa.spec.proposer import SpecInput
-from densa.spec.speculator import PROBE_INTERVAL, Speculator
+from densa.spec.speculator import (
+    PROBE_INTERVAL,
+    VERIFY_ROW_COST,
+    Speculator,
+    best_num_tokens,
+    row_cost,
+)
 
 MAX_MODEL_LEN = 100
 
@@ -19,7 +25,8 @@ MAX_MODEL_LEN = 100
 class Fixed:
     name = "fixed"
 
-    def __init__(self) -> None:
+    def __init__(self, cost_per_token: float = 0.0) -> None:
+        self.cost_per_token = cost_per_token
         self.seen: list[SpecInput] = []
         self.released: list[str] = []
 
@@ -58,8 +65,10 @@ def test_k_follows_acceptance_down_to_zero_then_probes() -> None:
         speculator.propose([request], MAX_MODEL_LEN)
         ks.append(len(request.spec_token_ids))
         speculator.observe(*_verified(request, []))  # every proposal rejected
-    # Estimated acceptance 1.0, 0.62, 0.42, 0.30, 0.22, 0.16: k = largest i with rate**i >= 0.2.
-    assert ks == [4, 3, 1, 1, 1, 0]
+    # Estimated acceptance 1.0, 0.62, 0.42, 0.30, 0.22, 0.16, each proposal a verify row of
+    # 0.17: k maximises (1 + p + .. + p**k) / (1 + 0.17 k); at 0.16 one proposal costs more than
+    # it is expected to gain.
+    assert ks == [4, 2, 1, 1, 1, 0]
     for _ in range(PROBE_INTERVAL - 2):
         speculator.propose([request], MAX_MODEL_LEN)
         assert request.spec_token_ids == []
@@ -68,7 +77,33 @@ def test_k_follows_acceptance_down_to_zero_then_probes() -> None:
     speculator.observe(*_verified(request, [9]))  # accepted: the estimate rises again
     speculator.propose([request], MAX_MODEL_LEN)
     assert len(request.spec_token_ids) == 1
-    assert (speculator.num_proposed_tokens, speculator.num_accepted_tokens) == (11, 1)
+    assert (speculator.num_proposed_tokens, speculator.num_accepted_tokens) == (10, 1)
+
+
+def test_k_weighs_acceptance_against_what_a_proposal_costs() -> None:
+    assert VERIFY_ROW_COST == 0.17
+    # 1 + p + .. + p**k over 1 + c k at p = 0.9, k <= 8: prompt lookup (a verify row) goes to 7;
+    # a draft model whose step costs 0.32 of the target's stops at 3.
+    assert [best_num_tokens(0.9, 8, c) for c in (0.17, 0.17 + 0.32)] == [7, 3]
+    assert best_num_tokens(1.0, 8, 0.9) == 8  # every proposal a token: worth any cost below 1
+    assert best_num_tokens(0.1, 8, 0.05) == 1 and best_num_tokens(0.1, 8, 0.11) == 0
+    # Four decoding requests share a step of 4 + their proposals' rows: a row costs more of each
+    # one's share (0.17 * 4 / 1.51).
+    assert row_cost(1) == VERIFY_ROW_COST and abs(row_cost(4) - 0.68 / 1.51) < 1e-12
+    ngram, draft = (
+        Speculator(Fixed(), SpeculativeConfig(num_tokens=8)),
+        Speculator(Fixed(cost_per_token=0.32), SpeculativeConfig(num_tokens=8)),
+    )
+    alone, drafted = [_decoding("a")], [_decoding("d")]
+    batch = [_decoding(f"b{i}") for i in range(4)]
+    for speculator, requests in ((ngram, alone), (draft, drafted), (ngram, batch)):
+        speculator.propose(requests, MAX_MODEL_LEN)  # fresh: 8 each
+        assert all(len(r.spec_token_ids) == 8 for r in requests)
+        for request in requests:  # 4 accepted, the 5th rejected: the estimate is 5.6 / 6.6
+            speculator.observe(*_verified(request, [9] * 4))
+        speculator.propose(requests, MAX_MODEL_LEN)
+    # p = 0.85: alone 5 rows; with the draft's own cost 2; in a batch of four 3 each.
+    assert [len(r.spec_token_ids) for r in (*alone, *drafted, *batch)] == [5, 2, 3, 3, 3, 3]
 
 
 def test_full_acceptance_keeps_k_at_its_most() -> None:

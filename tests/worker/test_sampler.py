@@ -9,6 +9,7 @@ import torch
 
 from densa.sampling_params import SamplingParams
 from densa.sched.stop import StopRule
+from densa.worker.logit_processing import non_finite_rows
 from densa.worker.sampler import Sampler, SampleRequest
 
 EOS = 3
@@ -152,6 +153,23 @@ def test_rows_without_a_finite_logit_fail_alone() -> None:
     result = Sampler().sample(logits, [row(f"r{i}", temperature=0.0) for i in range(4)])
     assert set(result.failed) == {0, 2, 3}
     assert result.token_ids[1] == 1
+
+
+def test_non_finite_rows_of_a_vocabulary_width() -> None:
+    """One amax per row finds what four elementwise passes found, at any position of a row as
+    wide as a real vocabulary (the vectorised reduction's lanes and its scalar tail)."""
+    vocab = 151_936
+    logits = torch.randn(8, vocab, generator=torch.Generator().manual_seed(3))
+    logits[0, 0] = float("nan")
+    logits[1, vocab - 1] = float("nan")  # in the tail past the last full vector
+    logits[2, 77_777] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, ::2] = float("-inf")  # masked tokens alone are normal
+    logits[5, 5] = float("-inf")
+    logits[5, 6] = float("nan")  # a NaN beside -inf still counts
+    logits[6, 1000:] = float("-inf")
+    logits[6, 12] = float("-inf")
+    assert non_finite_rows(logits, "bad") == {0: "bad", 1: "bad", 2: "bad", 3: "bad", 5: "bad"}
 
 
 def test_a_failed_sample_leaves_every_generator_where_it_was() -> None:
