@@ -42,7 +42,7 @@ from densa.cache.kv_manager import KVCacheManager
 from densa.cache.prefix_index import BlockHash
 from densa.cache.tiers.block import BlockCodec, fingerprint_of
 from densa.cache.tiers.disk import DiskTier
-from densa.cache.tiers.shared import SharedTier
+from densa.cache.tiers.host import HostTier
 from densa.cache.tiers.tier import KVTier, TierSpec, logger, parse_tier_spec
 from densa.cache.tiers.writer import TierWriter
 from densa.formats.kv_format import KVFormat
@@ -285,7 +285,8 @@ class KVTiers:
     @property
     def shared_store_id(self) -> str:
         """The shared tier's store id (SharedTier.store_id), '' without one."""
-        return next((t.store_id for t in self.tiers if isinstance(t, SharedTier)), "")
+        # Duck-typed: importing shared.py imports the Redis client, which only its users need.
+        return next((t.store_id for t in self.tiers if hasattr(t, "store_id")), "")
 
     def flush(self) -> None:
         self.writer.flush()
@@ -310,6 +311,8 @@ def build_tiers(specs: Sequence[str], fingerprint: bytes, secret_file: str | Non
 def _build_one(spec: TierSpec, fingerprint: bytes, secret_file: str | None) -> KVTier:
     if spec.kind == "disk":
         return DiskTier(spec.path, spec.size_bytes, BlockCodec(fingerprint))
+    if spec.kind == "host":
+        return HostTier(spec.size_bytes, BlockCodec(fingerprint))
     from densa.cache.tiers.shared import SharedTier  # imports the redis client only when used
 
     secret = load_secret(secret_file)

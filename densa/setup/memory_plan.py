@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from densa.cache.tiers.tier import parse_tier_spec
 from densa.config import (
     AUTO_KV_MAX_FRACTION,
     CacheConfig,
@@ -97,10 +98,11 @@ class MemoryPlan:
     kv_bytes: int
     activation_bytes: int
     runtime_bytes: int = RUNTIME_ALLOWANCE
+    host_tier_bytes: int = 0  # --kv-tier host:SIZE fills up after the load, like KV pages
 
     @property
     def needed_bytes(self) -> int:
-        after_load = self.kv_bytes + self.activation_bytes
+        after_load = self.kv_bytes + self.activation_bytes + self.host_tier_bytes
         return (
             self.weights.resident_bytes
             + max(self.weights.transient_bytes, after_load)
@@ -114,7 +116,7 @@ class MemoryPlan:
             f"{format_bytes(w.transient_bytes)} while loading), KV cache "
             f"{format_bytes(self.kv_bytes)}, activations {format_bytes(self.activation_bytes)}, "
             f"runtime {format_bytes(self.runtime_bytes)}"
-        )
+        ) + (f", host KV tier {format_bytes(self.host_tier_bytes)}" if self.host_tier_bytes else "")
 
 
 # ---- the weights -------------------------------------------------------------------------------
@@ -246,11 +248,19 @@ def plan_memory(
 ) -> MemoryPlan:
     """What serving `model_dir` with this config needs at its peak."""
     weights = plan_all_weights(config.model, model_dir, arch, torch.device(config.device.device))
-    free_after = available - weights.resident_bytes - RUNTIME_ALLOWANCE
+    host_tier = host_tier_bytes(config.tiers.specs)
+    free_after = available - weights.resident_bytes - RUNTIME_ALLOWANCE - host_tier
     kv = planned_kv_bytes(config.cache, config.scheduler, arch, kv_format, free_after)
     page = page_bytes(arch, config.cache.page_size, kv_format.name, kv_format.fp8_policy)
     kv = max(kv, _one_request_bytes(config, page))  # less fails after the load
-    return MemoryPlan(weights, kv, activation_bytes(config.scheduler, arch))
+    return MemoryPlan(weights, kv, activation_bytes(config.scheduler, arch),
+                      host_tier_bytes=host_tier)  # fmt: skip
+
+
+def host_tier_bytes(tier_specs: tuple[str, ...]) -> int:
+    """What the --kv-tier host:SIZE tiers may hold, in all (host memory, after the load)."""
+    specs = [parse_tier_spec(text) for text in tier_specs]
+    return sum(spec.size_bytes for spec in specs if spec.kind == "host")
 
 
 def plan_all_weights(

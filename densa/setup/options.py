@@ -215,6 +215,7 @@ def _tier_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--kv-tier", dest="kv_tiers", action="append", default=None, metavar="TIER",
         help="keep full prefix pages below the device too, repeatable, in tier order: "
+        "host:SIZE (this process's memory, below a GPU's pool, e.g. host:32GiB), "
         "disk:PATH:SIZE (files under PATH, at most SIZE, e.g. disk:/var/densa-kv:20GiB) or "
         "shared:redis://HOST:PORT[/DB] (a Redis server all workers reach; needs the cluster "
         "secret). Every block read back is verified; a failing one is a miss",

@@ -269,3 +269,12 @@ def test_a_fetch_runs_beside_the_running_requests(
     assert collector.finals[a_id].num_cached_tokens == 96
     assert collector.finals[a_id].token_ids == reference[1].token_ids
     assert not engine.scheduler.fetching
+
+
+def test_an_evicted_prefix_comes_back_from_host_memory(reference, make_engine) -> None:
+    engine = make_engine(("host:64MiB",))
+    original, again, computed = evict_then_return(Runner(engine))
+    assert original.token_ids == again.token_ids == reference[1].token_ids
+    assert again.num_cached_tokens == 96
+    assert computed == reference[2] - 96
+    assert engine.kv_tiers.stats()["host"]["hits"] == 6

@@ -123,28 +123,24 @@ class KVTier(Protocol):
 
 @dataclass(frozen=True)
 class TierSpec:
-    kind: str  # disk | shared
+    kind: str  # host | disk | shared
     path: str = ""  # disk: the directory
-    size_bytes: int = 0  # disk: the cap
+    size_bytes: int = 0  # host, disk: the cap
     url: str = ""  # shared: redis://HOST:PORT[/DB]
 
 
 def parse_tier_spec(text: str) -> TierSpec:
-    """`disk:PATH:SIZE` (SIZE like 20GiB) or `shared:redis://HOST:PORT[/DB]`."""
+    """`host:SIZE`, `disk:PATH:SIZE` (SIZE like 20GiB) or `shared:redis://HOST:PORT[/DB]`."""
     kind, _, rest = text.partition(":")
+    if kind == "host":
+        return TierSpec("host", size_bytes=_tier_size(text, rest, "host:SIZE (e.g. host:32GiB)"))
     if kind == "disk":
         path, _, size = rest.rpartition(":")
         if not path or not size:
             raise ValueError(
                 f"--kv-tier {text!r}: expected disk:PATH:SIZE (e.g. disk:/var/kv:20GiB)"
             )
-        try:
-            size_bytes = parse_memory(size)
-        except ValueError as exc:
-            raise ValueError(f"--kv-tier {text!r}: {exc}") from exc
-        if not isinstance(size_bytes, int):
-            raise ValueError(f"--kv-tier {text!r}: the size needs a unit (e.g. 20GiB)")
-        return TierSpec("disk", path=path, size_bytes=size_bytes)
+        return TierSpec("disk", path=path, size_bytes=_tier_size(text, size, "disk:PATH:SIZE"))
     if kind == "shared":
         if not rest.startswith("redis://"):
             raise ValueError(
@@ -152,4 +148,16 @@ def parse_tier_spec(text: str) -> TierSpec:
                 "is a Redis server)"
             )
         return TierSpec("shared", url=rest)
-    raise ValueError(f"--kv-tier {text!r}: the kind must be disk or shared")
+    raise ValueError(f"--kv-tier {text!r}: the kind must be host, disk or shared")
+
+
+def _tier_size(text: str, size: str, form: str) -> int:
+    if not size:
+        raise ValueError(f"--kv-tier {text!r}: expected {form}")
+    try:
+        size_bytes = parse_memory(size)
+    except ValueError as exc:
+        raise ValueError(f"--kv-tier {text!r}: {exc}") from exc
+    if not isinstance(size_bytes, int):
+        raise ValueError(f"--kv-tier {text!r}: the size needs a unit (e.g. 20GiB)")
+    return size_bytes
