@@ -16,6 +16,7 @@ norm weights lose the 1 llama.cpp adds.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -85,12 +86,21 @@ def ensure_converted(gguf_path: Path, progress: Progress | None = None) -> Path:
     try:
         convert_gguf(gguf_path, tmp_dir, progress)
         tmp_dir.rename(out_dir)  # atomic: a crash never leaves a half-written cache entry
-    except FileExistsError:
-        shutil.rmtree(tmp_dir, ignore_errors=True)  # another process converted it first
+    except OSError as exc:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if not _lost_the_race(exc, out_dir):
+            raise
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     return out_dir
+
+
+def _lost_the_race(exc: OSError, out_dir: Path) -> bool:
+    """Whether a rename failed because another process converted the same file first: renaming
+    onto its (non-empty) directory fails with ENOTEMPTY on Linux, EEXIST elsewhere."""
+    converted = (out_dir / "config.json").is_file()
+    return exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and converted
 
 
 @contextlib.contextmanager

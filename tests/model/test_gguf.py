@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from densa.model import gguf as gguf_module
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.checkpoint_files import safetensors_files
-from densa.model.gguf import convert_gguf, ensure_dense_copy
+from densa.model.gguf import convert_gguf, converted_dir_for, ensure_converted, ensure_dense_copy
 from densa.model.loader import resolve_model_dir
 from densa.setup.args import default_model_path
 
@@ -129,6 +130,25 @@ def test_dense_copy_only_on_request(
     for name, tensor in load_file(str(safetensors_files(tiny_model_dir)[0])).items():
         assert torch.equal(copy[name], tensor), name
     assert not list(model_dir.glob(".*partial"))
+
+
+def test_a_conversion_another_process_finished_first_is_used(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes opening one new file both convert it; the one that renames second finds
+    the other's directory in place (ENOTEMPTY) and must use it, not fail."""
+    monkeypatch.setenv("DENSA_CACHE_DIR", str(tmp_path))
+    out_dir = converted_dir_for(tiny_gguf)
+
+    def convert_while_another_process_wins(path: Path, dst: Path, *args: object) -> None:
+        out_dir.mkdir()  # the other process, finishing first
+        convert_gguf(path, out_dir)
+        convert_gguf(path, dst)
+
+    monkeypatch.setattr(gguf_module, "convert_gguf", convert_while_another_process_wins)
+    assert ensure_converted(tiny_gguf) == out_dir
+    assert (out_dir / "config.json").is_file()
+    assert [p.name for p in out_dir.parent.iterdir()] == [out_dir.name]  # no temporary left
 
 
 def test_truncated_gguf_is_a_clear_error(tiny_gguf: Path, tmp_path: Path) -> None:
