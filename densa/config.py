@@ -147,6 +147,10 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model (method "draft"): a path or a catalog name
     num_tokens: int = 4  # most tokens proposed per request and step (k)
     max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH  # decode requests above which it pauses
+    # What proposing one token costs, relative to one target decode step: None = estimated
+    # (0 for ngram; a draft's or MTP layer's streamed weight bytes over the target's). Set it
+    # where the estimate is off for a machine (measured with densa_bench/speculative/step_split).
+    proposer_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -160,6 +164,8 @@ class SpeculativeConfig:
             raise ValueError("--num-speculative-tokens must be >= 1")
         if self.max_batch < 1:
             raise ValueError("--speculative-max-batch must be >= 1")
+        if self.proposer_cost is not None and not 0 <= self.proposer_cost < 100:
+            raise ValueError("--speculative-proposer-cost must be in [0, 100)")
 
 
 @dataclass(frozen=True)

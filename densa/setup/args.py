@@ -107,6 +107,7 @@ class EngineArgs:
     speculative_model: str | None = None  # a draft model (implies method draft)
     num_speculative_tokens: int = 4
     speculative_max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH
+    speculative_proposer_cost: float | None = None  # None: estimated (SpeculativeConfig)
 
     def __post_init__(self) -> None:
         # A catalog name (`--model qwen2.5-coder-1.5b`, densa/model/catalog.py) becomes its
@@ -194,6 +195,7 @@ class EngineArgs:
             model=self.speculative_model,
             num_tokens=self.num_speculative_tokens,
             max_batch=self.speculative_max_batch,
+            proposer_cost=self.speculative_proposer_cost,
         )
 
     def resolved_max_model_len(self, arch: ArchConfig) -> int:

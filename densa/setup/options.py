@@ -251,3 +251,10 @@ def _speculative_options(g: argparse._ArgumentGroup, d: EngineArgs) -> None:
         "--speculative-max-batch", type=int, default=d.speculative_max_batch,
         help="speculation pauses while more requests than this decode in a step",
     )  # fmt: skip
+    g.add_argument(
+        "--speculative-proposer-cost", type=float, default=d.speculative_proposer_cost,
+        metavar="FRACTION",
+        help="what proposing one token costs, as a fraction of one target decode step (default: "
+        "estimated: 0 for ngram, the draft's streamed weight bytes over the target's); each "
+        "request's k maximises expected tokens per unit of cost",
+    )  # fmt: skip

@@ -37,9 +37,17 @@ class DraftTarget:
 
 
 def build_proposer(config: SpeculativeConfig | None, target: DraftTarget) -> Proposer | None:
-    """The proposer of speculative tokens the config names (docs/speculative.md)."""
+    """The proposer of speculative tokens the config names (docs/speculative.md), with the
+    cost per proposed token the config gives, if any, instead of the estimate."""
     if config is None:
         return None
+    proposer = _build_proposer(config, target)
+    if config.proposer_cost is not None:
+        proposer.cost_per_token = config.proposer_cost
+    return proposer
+
+
+def _build_proposer(config: SpeculativeConfig, target: DraftTarget) -> Proposer:
     if config.method == "ngram":
         return NgramProposer()
     if config.method == "draft" and config.model is not None:

@@ -77,3 +77,18 @@ def test_the_frozen_config_carries_every_part_its_own_options(tiny_model_dir: Pa
     assert sized.model == config.model and sized.disagg == config.disagg
     with pytest.raises(ValueError, match="--role must be one of"):
         EngineArgs(role="router").check()
+
+
+def test_the_proposer_cost_option_replaces_the_estimate() -> None:
+    from densa.config import SpeculativeConfig
+    from densa.setup.proposers import build_proposer
+
+    argv = ["--speculative-method", "ngram", "--speculative-proposer-cost", "0.25"]
+    config = EngineArgs.from_cli(_parser().parse_args(argv)).speculative_config()
+    assert config is not None and config.proposer_cost == 0.25
+    proposer = build_proposer(config, None)  # type: ignore[arg-type]  # ngram needs no target
+    assert proposer is not None and proposer.cost_per_token == 0.25
+    estimated = build_proposer(SpeculativeConfig(), None)  # type: ignore[arg-type]
+    assert estimated is not None and estimated.cost_per_token == 0.0  # ngram's own estimate
+    with pytest.raises(ValueError, match="proposer-cost"):
+        SpeculativeConfig(proposer_cost=-1.0)
