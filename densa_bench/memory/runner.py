@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from densa_bench.common.openai_load import run_wave
-from densa_bench.common.report import BenchReport, LinePlot, Series, Table
+from densa_bench.common.report import BenchReport, Table
 from densa_bench.memory.settings import FILE_FACTOR, RUNTIME_ALLOWANCE_MIB, MemorySettings
 from densa_bench.peers.runner import PeersSettings, PromptMaker
 from densa_bench.peers.servers import PeerServer
@@ -210,13 +210,30 @@ def _report(
     report = BenchReport(
         name="memory",
         settings={**vars(settings), "command": " ".join(argv)},
-        samples=[{"s": t, "phase": phase, "rss": rss} for t, phase, rss in sampler.samples],
+        samples=changes(sampler.samples),
         summary=[summary, *processes.values()],
         notes=NOTES,
     )
     report.tables = [_bound_table(summary), _process_table(processes)]
-    report.plots = [_plot(sampler)]
     return report
+
+
+def changes(
+    samples: list[tuple[float, str, dict[int, int]]], step: int = MIB
+) -> list[dict[str, Any]]:
+    """The samples worth keeping: the first, and each where a process's RSS moved by `step`
+    or more since the last kept one, or the phase changed (an idle server repeats itself)."""
+    kept: list[dict[str, Any]] = []
+    for t, phase, rss in samples:
+        last = kept[-1] if kept else None
+        if (
+            last is None
+            or last["phase"] != phase
+            or rss.keys() != last["rss"].keys()
+            or any(abs(v - last["rss"][pid]) >= step for pid, v in rss.items())
+        ):
+            kept.append({"s": round(t, 3), "phase": phase, "rss": rss})
+    return kept
 
 
 def _mib(num_bytes: float) -> str:
@@ -254,24 +271,6 @@ def _process_table(processes: dict[int, dict[str, Any]]) -> Table:
     return Table("Per process (VmHWM; make-up at the end from smaps_rollup)", columns, rows)
 
 
-def _plot(sampler: RssSampler) -> LinePlot:
-    times = [t for t, _, _ in sampler.samples]
-    pids = sorted({pid for _, _, rss in sampler.samples for pid in rss})
-    totals = [sum(rss.values()) / MIB for _, _, rss in sampler.samples]
-    series = [Series("all processes", times, totals)]
-    for pid in pids:
-        series.append(
-            Series(f"pid {pid}", times, [r.get(pid, 0) / MIB for _, _, r in sampler.samples])
-        )
-    return LinePlot(
-        name="rss_over_time",
-        title="RSS of the server's processes, start to stop",
-        x_label="seconds since start",
-        y_label="RSS (MiB)",
-        series=series,
-    )
-
-
 NOTES = [
     "Nothing is reset: each process's VmHWM is its peak since it started, the load included "
     "(`densa bench peers` resets it after start, so its peak RSS is the waves' alone).",
@@ -280,4 +279,5 @@ NOTES = [
     "(a peak shorter than the sampling interval can fall between samples).",
     "file-backed = Rss - Anonymous - Shmem: mapped files (the GGUF while it is read, shared "
     "libraries); they count in RSS while mapped.",
+    "samples: the RSS of each process (bytes, by pid) whenever one moved by 1 MiB or more.",
 ]
