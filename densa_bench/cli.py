@@ -13,6 +13,7 @@ from densa_bench.hostile.settings import BENCHMARK as HOSTILE
 from densa_bench.integrity.settings import BENCHMARK as INTEGRITY
 from densa_bench.kv_sweep.settings import BENCHMARK as KV_SWEEP
 from densa_bench.load.settings import BENCHMARK as LOAD
+from densa_bench.memory.settings import BENCHMARK as MEMORY
 from densa_bench.moe.settings import BENCHMARK as MOE
 from densa_bench.peers.cli import add_peers_parser
 from densa_bench.prefix.settings import BENCHMARK as PREFIX
@@ -27,7 +28,7 @@ from densa_bench.weights.settings import BENCHMARK as WEIGHTS
 # The benchmarks whose options come from their settings dataclass.
 BENCHMARKS: tuple[Benchmark, ...] = (
     SERVING, INTEGRITY, LOAD, PREFIX, TIERS, KV_SWEEP, WEIGHTS, MOE, HOSTILE, STRUCTURED,
-    ROUTER, STEP_BYTES, DISAGG,
+    ROUTER, STEP_BYTES, DISAGG, MEMORY,
 )  # fmt: skip
 
 
@@ -36,7 +37,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
 _SUB_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     SERVING.add_to, INTEGRITY.add_to, LOAD.add_to, PREFIX.add_to, TIERS.add_to, KV_SWEEP.add_to,
     WEIGHTS.add_to, MOE.add_to, HOSTILE.add_to, add_peers_parser, add_speculative_parser,
-    STRUCTURED.add_to, ROUTER.add_to, STEP_BYTES.add_to, DISAGG.add_to,
+    STRUCTURED.add_to, ROUTER.add_to, STEP_BYTES.add_to, DISAGG.add_to, MEMORY.add_to,
 )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from densa.setup.proposers import DraftTarget, build_proposer, streamed_weight_b
 from densa.spec.mtp import MTPProposer
 from densa.spec.proposer import Proposer
 from densa.text.tokenizer import Tokenizer
+from densa.utils.heap import return_free_heap
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
 from densa.worker.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
@@ -72,6 +73,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     check_memory(config, source.model_dir, arch, kv_format)  # refuses what cannot fit
     logger.info("loading the model %s", config.model.model)
     tokenizer = load_tokenizer(source.model_dir, arch.eos_token_ids)
+    _release(tokenizer)  # before the weights arrive: the load's peak does not hold it either
     model_config = config.model
     model = load_model(
         source.model_dir, arch, model_config.dtype, model_config.max_model_len, device,
@@ -94,8 +96,18 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     proposer = build_proposer(config.speculative, target)
     # The MTP layer reads the target's final hidden state of every position it caches.
     runner.keeps_hidden = isinstance(proposer, MTPProposer)
+    _release(tokenizer)  # a draft model's check may have rebuilt it
     described = kv_format.describe()
     return EngineParts(config, tokenizer, runner, arch, described, model.weight_format, proposer)
+
+
+def _release(tokenizer: Tokenizer) -> None:
+    """The engine keeps only what the tokenizer said at load (EOS ids, vocabulary size) and the
+    files it hands to fronts; its Rust tokenizer (~60 MB for 150k tokens, plus what parsing left
+    in the heap) is rebuilt only if something asks it to encode or decode (the offline API)."""
+    if tokenizer.is_loaded:
+        tokenizer.release()
+        return_free_heap()
 
 
 def locate_model(args: EngineArgs) -> ModelSource:

@@ -69,10 +69,8 @@ class Tokenizer:
     ) -> None:
         """shown_special_tokens: special tokens decoding keeps even when it skips special tokens
         (a reasoning model's `<think>` where it is one: the front splits the text at it)."""
-        from tokenizers import Tokenizer as RustTokenizer
-
         try:
-            self._tok = RustTokenizer.from_str(files.tokenizer_json)
+            self._loaded: Any = _rust_tokenizer(files)
             config = json.loads(files.config_json) if files.config_json else {}
         except (ValueError, Exception) as exc:  # the Rust side raises its own exception type
             raise TokenizerLoadError(f"cannot read the tokenizer: {exc}") from exc
@@ -92,6 +90,26 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, folder: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
         return cls(TokenizerFiles.read(folder), eos_token_ids)
+
+    @property
+    def _tok(self) -> Any:
+        if self._loaded is None:
+            self._loaded = _rust_tokenizer(self.files)
+        return self._loaded
+
+    @property
+    def is_loaded(self) -> bool:
+        """Whether the Rust tokenizer is in memory (see `release`)."""
+        return self._loaded is not None
+
+    def release(self) -> None:
+        """Drop the Rust tokenizer until a call needs it again (then it is rebuilt from `files`).
+
+        A 150k-token vocabulary holds ~60 MB once built and ~135 MB while it is parsed; an engine
+        behind an HTTP front only needs what `__init__` read from it (EOS ids, vocabulary size,
+        special ids), which stay. Call `densa.utils.heap.return_free_heap` after it: the Rust
+        side frees to the C heap."""
+        self._loaded = None
 
     @property
     def has_chat_template(self) -> bool:
@@ -224,6 +242,12 @@ def _arguments_as_both(chat: list[dict[str, Any]]) -> None:
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict) and isinstance(function.get("arguments"), dict):
                 function["arguments"] = _JsonArguments(function["arguments"])
+
+
+def _rust_tokenizer(files: TokenizerFiles) -> Any:
+    from tokenizers import Tokenizer as RustTokenizer
+
+    return RustTokenizer.from_str(files.tokenizer_json)
 
 
 def _token_text(value: Any) -> str | None:

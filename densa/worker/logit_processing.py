@@ -29,7 +29,7 @@ def non_finite_rows(logits: torch.Tensor, reason: str) -> dict[int, str]:
     One reduction finds all three: a row's max is NaN if it holds a NaN (amax propagates it),
     +inf if it holds +inf, -inf if nothing in it is finite, and finite otherwise. (Four
     elementwise passes over [N, vocab] did the same at 6x the cost of the whole greedy sample
-    of a 5-row verification.)"""
+    of a 5-row verification, with [N, vocab] masks of ~10 MB each at 64 rows.)"""
     bad = ~torch.isfinite(torch.amax(logits, dim=-1))
     if not bool(bad.any()):  # the common case: one reduction, one check
         return {}

@@ -111,16 +111,16 @@ class PeerServer:
     def reset_peak_rss(self) -> int:
         """Reset the peak-RSS marks of the server's processes (Linux); returns their RSS now
         (0 where unknown)."""
-        for pid in self._tree():
+        for pid in self.process_ids():
             with contextlib.suppress(OSError):
                 Path(f"/proc/{pid}/clear_refs").write_text(_RESET_PEAK_RSS)
-        return sum(_status_kib(pid, "VmRSS") for pid in self._tree()) * 1024
+        return sum(_status_kib(pid, "VmRSS") for pid in self.process_ids()) * 1024
 
     def peak_rss_bytes(self) -> int:
         """The sum of the server processes' peak RSS since the last reset (0 where unknown)."""
-        return sum(_status_kib(pid, "VmHWM") for pid in self._tree()) * 1024
+        return sum(_status_kib(pid, "VmHWM") for pid in self.process_ids()) * 1024
 
-    def _tree(self) -> list[int]:
+    def process_ids(self) -> list[int]:
         """The server's pid and its descendants' (Linux /proc; just the server elsewhere)."""
         assert self.process is not None
         pids, queue = [], [self.process.pid]

@@ -192,7 +192,7 @@ def test_a_servers_peak_rss_includes_its_child_processes(tmp_path: Path) -> None
         assert server.process.stdout is not None
         assert server.process.stdout.readline().strip() == b"ready"
         time.sleep(0.1)
-        assert len(server._tree()) == 2
+        assert len(server.process_ids()) == 2
         assert server.peak_rss_bytes() >= 96 * 1024 * 1024
         assert server.reset_peak_rss() >= 96 * 1024 * 1024
     finally:

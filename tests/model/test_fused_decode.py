@@ -298,3 +298,41 @@ def test_layered_steps_match_eager(
         eager = model(ids, pos, caches, meta, backend)
     torch.testing.assert_close(layered, eager, **_tolerance(kv))
     _assert_same_pages(list(zip(caches, layered_caches, strict=True)))
+
+
+def _one_token_sequences(first: int, count: int, cpu: torch.device) -> AttentionMetadata:
+    """`count` sequences of one token each (rows first.., sequence i on page i), as one
+    decode group: each row stores its own K/V and attends to it alone."""
+    pages = list(range(first, first + count))
+    return AttentionMetadata(
+        slot_pages=torch.tensor(pages),
+        slot_offsets=torch.zeros(count, dtype=torch.long),
+        decode=build_group(0, [[p] for p in pages], [1] * count, [1] * count, PAGE_SIZE, cpu),
+        prefill=None,
+    )
+
+
+@pytest.mark.parametrize("weight_format", ["dense", "w4a8"])
+def test_a_step_of_more_rows_than_an_mlp_tile_equals_its_rows_run_apart(
+    weight_format: str, tiny_model_dir: Path
+) -> None:
+    """The MLP runs 128 rows at a time (decoder.cpp, kMlpTileRows: less memory per prefill
+    chunk): 300 rows in one call give exactly what 100-row calls give for the same rows."""
+    arch = ArchConfig.from_dir(tiny_model_dir)
+    cpu = torch.device("cpu")
+    model = load_model(tiny_model_dir, arch, "float32", 64, cpu, weight_format)
+    num_rows, part = 300, 100
+    ids = torch.randint(300, 40000, (num_rows,), generator=torch.Generator().manual_seed(5))
+    pos = torch.zeros(num_rows, dtype=torch.long)
+    with torch.inference_mode():
+        caches = allocate_kv_caches(arch, num_rows, PAGE_SIZE, "float32", cpu)
+        whole = FusedDecoder(model, caches).forward(
+            ids, pos, _one_token_sequences(0, num_rows, cpu)
+        )
+        parts = []
+        for first in range(0, num_rows, part):
+            apart = allocate_kv_caches(arch, part, PAGE_SIZE, "float32", cpu)
+            meta = _one_token_sequences(0, part, cpu)
+            rows = slice(first, first + part)
+            parts.append(FusedDecoder(model, apart).forward(ids[rows], pos[rows], meta))
+    assert torch.equal(whole, torch.cat(parts))

@@ -10,7 +10,7 @@ import torch
 from densa.sampling_params import SamplingParams
 from densa.sched.stop import StopRule
 from densa.worker.logit_processing import non_finite_rows
-from densa.worker.sampler import Sampler, SampleRequest
+from densa.worker.sampler import RANDOM_ROWS_AT_ONCE, Sampler, SampleRequest
 
 EOS = 3
 STOP_RULE = StopRule(eos_token_ids=(EOS,), max_model_len=1024)
@@ -135,6 +135,22 @@ def test_top_p_keeps_the_most_likely_tokens_whatever_their_order() -> None:
             ordered = torch.softmax(many[i], -1).sort(descending=True)
             cutoff = int((ordered.values.cumsum(0) - ordered.values < 0.5).sum())
             assert token in ordered.indices[:cutoff].tolist()
+
+
+def test_a_wide_batch_draws_what_each_row_draws_alone() -> None:
+    """Random rows are sampled RANDOM_ROWS_AT_ONCE at a time (memory): with greedy rows in
+    between and top-k / top-p / min-p differing by row, each seeded row still draws exactly
+    what it draws alone, step after step."""
+    num_rows = 3 * RANDOM_ROWS_AT_ONCE + 2
+    logits = torch.randn(num_rows, 300, generator=torch.Generator().manual_seed(2))
+    settings = [{"temperature": 0.0}, {"top_k": 40}, {"top_p": 0.9}, {"min_p": 0.05}, {}]
+    rows = [row(f"r{i}", seed=i, **settings[i % len(settings)]) for i in range(num_rows)]
+    batched = Sampler()
+    together = [batched.sample(logits, rows).token_ids for _ in range(3)]
+    for i, one in enumerate(rows):
+        alone = Sampler()
+        solo = [alone.sample(logits[i : i + 1], [one]).token_ids[0] for _ in range(3)]
+        assert solo == [step[i] for step in together], i
 
 
 def test_extreme_settings_sample_sanely_never_nan() -> None:

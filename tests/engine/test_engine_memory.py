@@ -1,0 +1,44 @@
+"""What the engine process keeps in memory besides weights and KV pages (issue 21 point 1).
+
+The HTTP front tokenizes and detokenizes; the engine only needs what its tokenizer said at load
+(EOS ids, vocabulary size) and the files it hands to fronts. Holding the Rust tokenizer there
+cost ~135 MB of the 1.5B's engine process (a 150k-token vocabulary)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from densa.engine.llm_engine import LLMEngine
+from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
+from densa.text.tokenizer import Tokenizer
+
+TEXT = "The capital of France is Paris. <|im_end|> naïve café 東京"
+
+
+def test_a_released_tokenizer_rebuilds_to_the_same_ids_and_text(smollm2_dir: Path) -> None:
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    ids = tokenizer.encode(TEXT)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    eos, vocab = tokenizer.eos_token_ids, tokenizer.vocab_size
+    tokenizer.release()
+    assert not tokenizer.is_loaded
+    assert (tokenizer.eos_token_ids, tokenizer.vocab_size) == (eos, vocab)  # read at load, kept
+    assert tokenizer.encode(TEXT) == ids
+    assert tokenizer.is_loaded
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_an_engine_serves_without_holding_its_rust_tokenizer(tiny_model_dir: Path) -> None:
+    engine = LLMEngine.from_args(EngineArgs(model=str(tiny_model_dir), num_kv_pages=16,
+                                            max_model_len=64))  # fmt: skip
+    assert not engine.tokenizer.is_loaded
+    assert engine.config.scheduler.eos_token_ids == engine.tokenizer.eos_token_ids != ()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request([1, 2, 3, 4, 5], params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert steps == 4  # a prefill with the first token, then three decode steps
+    assert not engine.tokenizer.is_loaded  # serving token ids never rebuilt it
