@@ -178,20 +178,20 @@ class KVTiers:
             self.fetching.discard(request_id)
 
     def _start_lookup(self, request: Request) -> None:
-        start, wanted = self._wanted(request)
+        hit_pages, wanted = self._wanted(request)
         if wanted:
             future = self._reader.submit(self._lookup, wanted)
-            self._lookups[request.request_id] = Lookup(request, start, wanted, future)
+            self._lookups[request.request_id] = Lookup(request, len(hit_pages), wanted, future)
             self.fetching.add(request.request_id)
 
-    def _wanted(self, request: Request) -> tuple[int, list[BlockHash]]:
-        """(device hit in blocks, the block keys after it that fit in the pool now)."""
+    def _wanted(self, request: Request) -> tuple[list[int], list[BlockHash]]:
+        """(the device hit's pages, the block keys after it that fit in the pool now)."""
         hashes = self.kv.prefix_hashes(request)
-        hit_pages = self.kv.find_prefix(request).page_ids
+        hit_pages = list(self.kv.find_prefix(request).page_ids)
         wanted = hashes[len(hit_pages) :]
         room = self.kv.num_free_pages - sum(1 for p in hit_pages if self.kv.pool.is_free(p))
         room -= self.kv.num_pages_for(request.num_tokens) - len(hit_pages) - len(wanted)
-        return len(hit_pages), wanted[: max(room, 0)]
+        return hit_pages, wanted[: max(room, 0)]
 
     def _land_ended(self, wait: bool) -> None:
         """Land every lookup that has ended (all of them, waiting for each, if `wait`)."""
@@ -215,14 +215,13 @@ class KVTiers:
     def _land_found(self, lookup: Lookup, found: list[memoryview]) -> None:
         """Land what a lookup found, as far as it still continues the request's device hit
         (the pool moved on while the lookup ran) and fits."""
-        hit, wanted = self._wanted(lookup.request)
-        if hit < lookup.start or not wanted:
+        hit_pages, wanted = self._wanted(lookup.request)
+        if len(hit_pages) < lookup.start or not wanted:
             return  # the device lost part of the hit meanwhile: the chain no longer joins
-        skip = hit - lookup.start
+        skip = len(hit_pages) - lookup.start
         found, keys = found[skip:], lookup.keys[skip:]
         count = min(len(found), len(wanted))
         if count:
-            hit_pages = list(self.kv.find_prefix(lookup.request).page_ids)
             self._land(hit_pages, keys[:count], found[:count])
 
     def _lookup(self, keys: Sequence[BlockHash]) -> list[memoryview]:

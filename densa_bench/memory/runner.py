@@ -24,7 +24,7 @@ from densa_bench.common.openai_load import run_wave
 from densa_bench.common.report import BenchReport, Table
 from densa_bench.memory.settings import FILE_FACTOR, RUNTIME_ALLOWANCE_MIB, MemorySettings
 from densa_bench.peers.runner import PeersSettings, PromptMaker
-from densa_bench.peers.servers import PeerServer
+from densa_bench.peers.servers import PeerServer, status_kib
 from densa_bench.peers.specs import PeerContext, build_specs
 
 MIB = 2**20
@@ -158,15 +158,6 @@ def _command_name(pid: int) -> str:
             return "engine core"
         return "child: " + b" ".join(argv[:3]).decode(errors="replace")[:60]
     return "child"
-
-
-def status_kib(pid: int, field_name: str) -> int:
-    """A field of /proc/PID/status in KiB (0 where unreadable: the process is gone)."""
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{field_name}:"):
-                return int(line.split()[1])
-    return 0
 
 
 def smaps_rollup(pid: int) -> dict[str, int]:

@@ -114,11 +114,11 @@ class PeerServer:
         for pid in self.process_ids():
             with contextlib.suppress(OSError):
                 Path(f"/proc/{pid}/clear_refs").write_text(_RESET_PEAK_RSS)
-        return sum(_status_kib(pid, "VmRSS") for pid in self.process_ids()) * 1024
+        return sum(status_kib(pid, "VmRSS") for pid in self.process_ids()) * 1024
 
     def peak_rss_bytes(self) -> int:
         """The sum of the server processes' peak RSS since the last reset (0 where unknown)."""
-        return sum(_status_kib(pid, "VmHWM") for pid in self.process_ids()) * 1024
+        return sum(status_kib(pid, "VmHWM") for pid in self.process_ids()) * 1024
 
     def process_ids(self) -> list[int]:
         """The server's pid and its descendants' (Linux /proc; just the server elsewhere)."""
@@ -146,7 +146,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _status_kib(pid: int, field_name: str) -> int:
+def status_kib(pid: int, field_name: str) -> int:
+    """A field of /proc/PID/status in KiB (0 where unreadable: the process is gone)."""
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(f"{field_name}:"):

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from densa_bench.memory.runner import changes, smaps_rollup, status_kib
+from densa_bench.memory.runner import changes, smaps_rollup
+from densa_bench.peers.servers import status_kib
 
 MIB = 2**20
 
