@@ -164,10 +164,10 @@ namespace {
 // correction) and dx times it, the sum of the *quantized* x (W4's m term). Using the quantized
 // sum makes W4's error sum_k w_k (x^_k - x_k), like W8's; the exact sum of x would leave
 // sum_k (w_k - m) (x^_k - x_k), and w - m is a group's offset from its minimum (all >= 0, so
-// the rounding errors do not cancel): 3x the KL on SmolLM2 (docs/weights.md). W6 takes the sums
-// of each 16-input half (sumh[0], sumh[1]), since its scales change every 16 inputs. One group
-// of 32 per call; the rounding is the CPU's default (to nearest, ties to even), as torch.round
-// in the reference.
+// the rounding errors do not cancel): 3x the KL on SmolLM2 (docs/weights.md). The split
+// formats (W5, W6) take the sums of each 16-input half (sumh[0], sumh[1]), since their scales
+// change every 16 inputs. One group of 32 per call; the rounding is the CPU's default (to
+// nearest, ties to even), as torch.round in the reference.
 #define DENSA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 #define DENSA_AVX2 __attribute__((target("avx2,fma,f16c")))
 
