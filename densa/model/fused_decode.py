@@ -10,9 +10,10 @@ Prefill chunks are compute-bound, so dispatch matters less there, but the eager 
 elementwise ops (norms, RoPE's muls and cat, stores, SiLU, residual adds) were ~25% of prefill
 time; in C++ they are a few passes over the rows.
 
-What it takes: float32 compute, dense float32 or packed (w4a8 / w6a8 / w6ma8 / w8a8 / w8, or
-shards of those side by side) projections, a float32, bfloat16, fp8 or int8 KV cache, and a step
-with no prefill rows. Anything else runs the eager model; `unsupported_reason` says why.
+What it takes: float32 compute, dense float32 or packed (w4a8 / w5a8 / w5ma8 / w6a8 / w6ma8 /
+w8a8 / w8, or shards of those side by side) projections, a float32, bfloat16, fp8 or int8 KV
+cache, and a step with no prefill rows. Anything else runs the eager model;
+`unsupported_reason` says why.
 """
 
 from __future__ import annotations

@@ -12,12 +12,16 @@ a time and loaded as usual (the other linears are then packed from float32 into 
 format, as for any dense checkpoint), so at no point is the whole model held in float32.
 
     weight_format   kept layers: kernel family -> packed format, in order of preference
-    blocks          w4 -> w4a8, w6 -> w6a8, w6m -> w6ma8, w8 -> w8 (weight-only: Q8_0
-                    exactly, float x); what `auto` resolves a GGUF file to (loader.auto_formats)
-    w4a8            w4 -> w4a8, w6 -> w6a8, w6m -> w6ma8, w8 -> w8a8
-    w8a8            w8 -> w8a8, w6 -> w6a8, w6m -> w6ma8, w4 -> w4a8
-    w8              w8 -> w8,   w6 -> w6a8, w6m -> w6ma8, w4 -> w4a8
+    blocks          w4 -> w4a8, w5 -> w5a8, w5m -> w5ma8, w6 -> w6a8, w6m -> w6ma8, w8 -> w8
+                    (weight-only: Q8_0 exactly, float x); what `auto` resolves a GGUF file to
+                    (loader.auto_formats)
+    w4a8            as blocks, but w8 -> w8a8
+    w8a8            w8 -> w8a8, then w5, w5m, w6, w6m, w4 as blocks
+    w8              w8 -> w8,   then w5, w5m, w6, w6m, w4 as blocks
     any other       none (dense, int4, fp8)
+
+Each GGUF type takes the first family it maps onto (gguf_blocks.BLOCK_TYPES): Q5_0 and Q3_K
+w5a8, Q5_1 and Q5_K w5ma8, Q6_K w6a8.
 
 Linear weights of a type no family holds (Q2_K, most IQ*) are dequantized; `dequantized_types`
 says which and what they cost, for the loader's one warning per file.
@@ -45,11 +49,12 @@ from densa.model.weight_loading import GATE_UP_FUSED, QKV_FUSED, fused_target
 from densa.quant import gguf_blocks
 from densa.utils.sizes import format_bytes
 
+_SPLIT_FORMATS = {"w5": "w5a8", "w5m": "w5ma8", "w6": "w6a8", "w6m": "w6ma8"}
 _FAMILY_FORMATS = {  # weight_format -> kernel family -> packed format, in preference order
-    WEIGHTS_FROM_BLOCKS: {"w4": "w4a8", "w6": "w6a8", "w6m": "w6ma8", "w8": "w8"},
-    "w4a8": {"w4": "w4a8", "w6": "w6a8", "w6m": "w6ma8", "w8": "w8a8"},
-    "w8a8": {"w8": "w8a8", "w6": "w6a8", "w6m": "w6ma8", "w4": "w4a8"},
-    "w8": {"w8": "w8", "w6": "w6a8", "w6m": "w6ma8", "w4": "w4a8"},
+    WEIGHTS_FROM_BLOCKS: {"w4": "w4a8", **_SPLIT_FORMATS, "w8": "w8"},
+    "w4a8": {"w4": "w4a8", **_SPLIT_FORMATS, "w8": "w8a8"},
+    "w8a8": {"w8": "w8a8", **_SPLIT_FORMATS, "w4": "w4a8"},
+    "w8": {"w8": "w8", **_SPLIT_FORMATS, "w4": "w4a8"},
 }
 _SHARD_ORDER = {None: 0, "q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
 _DENSE_TYPES = {"F32", "F16", "BF16"}
@@ -309,11 +314,12 @@ def _pack(groups: gguf_blocks.KernelGroups, fmt: str, isa: str) -> qgemm.PackedW
     codes, d = torch.from_numpy(groups.codes), torch.from_numpy(groups.d)
     if fmt == "w4a8":
         return qgemm.pack_w4(codes, d, torch.from_numpy(_present(groups.m)), isa)
-    if fmt == "w6a8":
-        return qgemm.pack_w6(codes, d, torch.from_numpy(_present(groups.sc)), isa)
-    if fmt == "w6ma8":
+    if fmt in ("w5a8", "w6a8"):
+        pack = qgemm.pack_w5 if fmt == "w5a8" else qgemm.pack_w6
+        return pack(codes, d, torch.from_numpy(_present(groups.sc)), isa)
+    if fmt in ("w5ma8", "w6ma8"):
         sc, m = torch.from_numpy(_present(groups.sc)), torch.from_numpy(_present(groups.m))
-        return qgemm.pack_w6m(codes, d, sc, m, isa)
+        return (qgemm.pack_w5m if fmt == "w5ma8" else qgemm.pack_w6m)(codes, d, sc, m, isa)
     if fmt == "w8a8":
         return qgemm.pack_w8(codes, d, isa)
     return qgemm.pack_w8_float(codes, d, isa)

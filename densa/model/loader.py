@@ -257,10 +257,11 @@ def _describe_weights(
 
 
 # How `auto` runs a GGUF file on the C++ kernels. Every linear layer whose block type the kernels
-# hold (densa.quant.gguf_blocks: Q4_0, Q4_1, Q4_K as w4a8, Q5_0, Q3_K and Q6_K as w6a8, Q5_1
-# and Q5_K as w6ma8, Q8_0, IQ4_NL and IQ4_XS as w8) keeps its blocks (weight format `blocks`,
-# gguf_loading), others load dense, with one warning naming their types; a file whose layers
-# are mostly Q4_0/Q4_1 also packs those others as w4a8 (what SmolLM2's Q4_1 file always did).
+# hold (densa.quant.gguf_blocks: Q4_0, Q4_1, Q4_K as w4a8, Q5_0 and Q3_K as w5a8, Q6_K as
+# w6a8, Q5_1 and Q5_K as w5ma8, Q8_0, IQ4_NL and IQ4_XS as w8) keeps its blocks (weight format
+# `blocks`, gguf_loading), others load dense, with one warning naming their types; a file whose
+# layers are mostly Q4_0/Q4_1 also packs those others as w4a8 (what SmolLM2's Q4_1 file always
+# did).
 # An untied head keeps its blocks the same way (HEAD_FROM_BLOCKS); a head tied to a Q8_0
 # embedding is packed as w8 from it.
 AUTO_LINEAR = {"Q4_0": "w4a8", "Q4_1": "w4a8"}

@@ -1,5 +1,5 @@
-"""Linear layers in the CPU kernels' packed formats: W4A8, W6A8, W6MA8 and W8A8, groups of 32
-(kernels/cpu/qgemm.py).
+"""Linear layers in the CPU kernels' packed formats: W4A8, W5A8, W5MA8, W6A8, W6MA8 and W8A8,
+groups of 32 (kernels/cpu/qgemm.py).
 
     w4a8   4-bit weights, fp16 scale and minimum per 32 inputs (llama.cpp's Q4_1 arithmetic);
            activations quantized to int8 per token and 32 inputs at every call (its Q8_1)
@@ -12,6 +12,10 @@
            loaders make it from GGUF blocks (qgemm.quantize_w6 from dense weights, for tests)
     w6ma8  w6a8 plus an fp16 minimum per 32 inputs: GGUF's Q5_1 (exactly) and Q5_K (its
            minimums rounded to fp16). Not a --weight-format either
+    w5a8   w6a8 with 5-bit codes (6.0 bits per weight against 7.0): GGUF's Q5_0, Q3_K (and
+           Q4_0) exactly. From GGUF blocks only, as w6a8
+    w5ma8  w6ma8 with 5-bit codes, unsigned (6.5 bits per weight against 7.5): Q5_1 exactly,
+           Q5_K (its minimums rounded to fp16). From GGUF blocks only
 
 The w4a8 / w8a8 / w8 layers are made at load time from dense weights. Weights that came from a
 GGUF file's Q4_1 / Q8_0 blocks (the bundled model) come back as the very same codes and scales
@@ -59,7 +63,7 @@ class PackedFormat:
     name: str
     bits: int  # the kernels' code for the format (csrc/qgemm.h)
     block_bytes: int  # one block per 16 rows x 32 inputs (csrc/qgemm.h: kW4Block, kW8Block ...)
-    offered: bool  # a --weight-format choice; the w6 formats come only from GGUF blocks
+    offered: bool  # a --weight-format choice; the w5 / w6 formats come only from GGUF blocks
     quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]  # dense [N, K] -> parts
     pack: Callable[..., qgemm.PackedWeight]  # (*parts, isa) -> blocks for this machine
     reference: Callable[..., torch.Tensor]  # (x, *parts) -> what the kernel computes, float64
@@ -70,6 +74,8 @@ _W8 = (qgemm.quantize_w8, qgemm.pack_w8, qgemm.w8a8_reference, qgemm.dequantize_
 _W8_FLOAT = (qgemm.quantize_w8, qgemm.pack_w8_float, qgemm.w8_float_reference, qgemm.dequantize_w8)
 _W6 = (qgemm.quantize_w6, qgemm.pack_w6, qgemm.w6a8_reference, qgemm.dequantize_w6)
 _W6M = (qgemm.quantize_w6m, qgemm.pack_w6m, qgemm.w6ma8_reference, qgemm.dequantize_w6m)
+_W5 = (qgemm.quantize_w5, qgemm.pack_w5, qgemm.w6a8_reference, qgemm.dequantize_w6)
+_W5M = (qgemm.quantize_w5m, qgemm.pack_w5m, qgemm.w6ma8_reference, qgemm.dequantize_w6m)
 _W4 = (quantize_q4_1, qgemm.pack_w4, qgemm.w4a8_reference, qgemm.dequantize_w4)
 PACKED = {
     f.name: f
@@ -79,6 +85,8 @@ PACKED = {
         PackedFormat("w8", qgemm.W8_FLOAT, 544, True, *_W8_FLOAT),
         PackedFormat("w6a8", 6, 448, False, *_W6),
         PackedFormat("w6ma8", qgemm.W6_MIN, 480, False, *_W6M),
+        PackedFormat("w5a8", 5, 384, False, *_W5),
+        PackedFormat("w5ma8", qgemm.W5_MIN, 416, False, *_W5M),
     )
 }
 PACKED_FORMATS = tuple(name for name, f in PACKED.items() if f.offered)  # --weight-format's

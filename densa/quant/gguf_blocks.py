@@ -1,8 +1,10 @@
 """GGUF block types in the CPU kernels' terms, per group of 32 inputs (densa.kernels.cpu.qgemm):
 
     w4   w = d q + m          q in 0..15      (the w4a8 kernel; d, m stored as fp16)
-    w6   w = d sc[h] q        q in -32..31    (the w6a8 kernel; d fp16 per group, sc int8 per
+    w5   w = d sc[h] q        q in -16..15    (the w5a8 kernel; d fp16 per group, sc int8 per
                                                 half-group h of 16 inputs: d sc is exact)
+    w5m  w = d sc[h] q + m    q in 0..31      (the w5ma8 kernel: w5 plus an fp16 minimum)
+    w6   w = d sc[h] q        q in -32..31    (the w6a8 kernel: w5 with 6-bit codes)
     w6m  w = d sc[h] q + m    q in -32..31    (the w6ma8 kernel: w6 plus an fp16 minimum)
     w8   w = d q              q in -128..127  (the w8a8 / w8 kernels; d stored as fp16)
 
@@ -10,26 +12,27 @@ How each GGUF type maps (llama.cpp's ggml-quants.c block layouts; x = one 32-wei
 
     type    block (bytes / weights)            weight                kernel terms          exact
     Q4_0    d16 | 16 B nibbles       (18/32)   d (q - 8)             w4: m = -8 d          yes
-                                                                     w6: q - 8, sc = 1     yes
+                                                                     w5, w6: q - 8, sc = 1 yes
                                                                      w8: q - 8             yes
     Q4_1    d16 m16 | 16 B nibbles   (20/32)   d q + m               w4                    yes
-    Q5_0    d16 | qh32 | 16 B nibbles (22/32)  d (q - 16), q 5 bits  w6: q - 16, sc = 1    yes
+    Q5_0    d16 | qh32 | 16 B nibbles (22/32)  d (q - 16), q 5 bits  w5, w6: q - 16,       yes
+                                                                     sc = 1
                                                                      w8: q - 16            yes
-    Q5_1    d16 m16 | qh32 | 16 B nibbles      d q + m, q 5 bits     w6m: q, sc = 1        yes
+    Q5_1    d16 m16 | qh32 | 16 B nibbles      d q + m, q 5 bits     w5m, w6m: q, sc = 1   yes
                                      (24/32)
     Q8_0    d16 | 32 x int8          (34/32)   d q                   w8                    yes
     Q3_K    32 B hmask | 64 B 2-bit pairs | 12 B 6-bit scales | d16   (110/256)
-                                               d (s - 32) q3,        w6: q3, sc = s - 32,  yes
-                                               q3 in -4..3 (16       d per group = the
-                                               sub-blocks of 16)     block's d
+                                               d (s - 32) q3,        w5, w6: q3, sc =      yes
+                                               q3 in -4..3 (16       s - 32, d per group =
+                                               sub-blocks of 16)     the block's d
     Q4_K    d16 dmin16 | 12 B 6-bit scales and mins | 128 B nibbles   (144/256)
                                                d sc q - dmin mn      w4: d' = d sc,        no: d'
                                                (8 sub-blocks of 32)      m' = -dmin mn     and m'
                                                                                            fp16
     Q5_K    d16 dmin16 | 12 B scales and mins | 32 B high bits | 128 B nibbles   (176/256)
-                                               d sc q - dmin mn,     w6m: q, sc = sc in    no: m'
-                                               q 5 bits (8 sub-      both halves, d = the  fp16
-                                               blocks of 32)         block's d, m' =
+                                               d sc q - dmin mn,     w5m, w6m: q, sc = sc  no: m'
+                                               q 5 bits (8 sub-      in both halves, d =   fp16
+                                               blocks of 32)         the block's d, m' =
                                                                      -dmin mn
     Q6_K    128 B low nibbles | 64 B high 2-bit pairs | 16 x int8 sc | d16   (210/256)
                                                d sc (q - 32), q 6    w6: d per group =     yes
@@ -44,9 +47,11 @@ How each GGUF type maps (llama.cpp's ggml-quants.c block layouts; x = one 32-wei
 d sc with a 6-bit sc needs up to 17 significant bits, and so does dmin mn; an fp16 field keeps
 11, so where such a product is stored as a block's d or m (Q4_K's d' and m', Q5_K's m',
 IQ4_XS's d') the repack rounds it once per group (relative error <= 2^-11; measured in
-tests/model/test_gguf_quants.py). w6 keeps d and sc apart, so their product is exact. Everything
-here is float32, as exact as the products are: the rounding to fp16 happens where the kernels
-pack (qgemm.pack_w4 / pack_w6 / pack_w6m / pack_w8).
+tests/model/test_gguf_quants.py). w5 and w6 keep d and sc apart, so their product is exact.
+Everything here is float32, as exact as the products are: the rounding to fp16 happens where the
+kernels pack (qgemm.pack_w4 / pack_w5 / pack_w5m / pack_w6 / pack_w6m / pack_w8). The w5
+families take the same decoders as w6 (their codes fit 5 bits): a 5-bit type keeps 6.0 or 6.5
+bits a weight in memory instead of 7.0 or 7.5.
 
 Not mapped (their tensors are dequantized to float32, and the loader warns naming the type and
 what it costs): Q2_K (a scale and a minimum per 16 inputs: no family has a minimum per half
@@ -61,7 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 
 GROUP = 32
-HALF = 16  # inputs per w6 sub-scale (Q6_K's sub-blocks)
+HALF = 16  # inputs per w5 / w6 sub-scale (Q6_K's sub-blocks)
 QK_K = 256  # elements of a K-quant super-block
 
 
@@ -69,17 +74,18 @@ QK_K = 256  # elements of a K-quant super-block
 class KernelGroups:
     """A [rows, cols] weight as kernel codes with one scale (and minimum) per group of 32."""
 
-    codes: np.ndarray  # [rows, cols]: uint8 0..15 (w4) or int8 (w6, w6m: -32..31; w8)
+    codes: np.ndarray  # [rows, cols]: uint8 0..15 (w4) or int8 (w5: -16..15, w5m: 0..31, w6,
+    # w6m: -32..31; w8)
     d: np.ndarray  # [rows, cols / 32] float32
-    m: np.ndarray | None  # [rows, cols / 32] float32 (w4, w6m)
-    sc: np.ndarray | None = None  # [rows, cols / 16] int8 (w6, w6m)
+    m: np.ndarray | None  # [rows, cols / 32] float32 (w4, w5m, w6m)
+    sc: np.ndarray | None = None  # [rows, cols / 16] int8 (w5, w5m, w6, w6m)
 
     def dequantize(self) -> np.ndarray:
         """float32 [rows, cols], computed as llama.cpp's dequantize does (d sc first, then
         times the code: the same roundings)."""
         rows, cols = self.codes.shape
         shape = (rows, cols // GROUP, GROUP)
-        if self.sc is not None:  # w6, w6m: per half-group of 16
+        if self.sc is not None:  # w5, w5m, w6, w6m: per half-group of 16
             halves = (rows, cols // HALF, HALF)
             scale = np.repeat(self.d, 2, axis=1) * self.sc.astype(np.float32)
             values = scale[..., None] * self.codes.reshape(halves).astype(np.float32)
@@ -136,8 +142,8 @@ def _q5_0_w8(raw: np.ndarray, cols: int) -> KernelGroups:
     return KernelGroups(codes.reshape(raw.shape[0], cols), _f16(blocks[..., 0:2]), None)
 
 
-def _q5_1_w6m(raw: np.ndarray, cols: int) -> KernelGroups:
-    """w = d q + m: codes q (0..31, stored as u = q + 32), unit sub-scales."""
+def _q5_1_split(raw: np.ndarray, cols: int) -> KernelGroups:
+    """w = d q + m: codes q (0..31; w6m stores u = q + 32, w5m q itself), unit sub-scales."""
     blocks = _blocks(raw, cols, GROUP, 24)
     codes = _five_bits(blocks[..., 4:8], blocks[..., 8:]).astype(np.int8)
     d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
@@ -145,18 +151,18 @@ def _q5_1_w6m(raw: np.ndarray, cols: int) -> KernelGroups:
     return KernelGroups(codes.reshape(raw.shape[0], cols), d, m, sc)
 
 
-def _unit_w6(groups: KernelGroups) -> KernelGroups:
-    """A w8-family decode whose codes fit 6 bits as w6 with unit sub-scales."""
+def _unit_split(groups: KernelGroups) -> KernelGroups:
+    """A w8-family decode whose codes fit 5 bits as w5 / w6 with unit sub-scales."""
     sc = np.ones((groups.d.shape[0], groups.d.shape[1] * 2), dtype=np.int8)
     return KernelGroups(groups.codes, groups.d, None, sc)
 
 
-def _q4_0_w6(raw: np.ndarray, cols: int) -> KernelGroups:
-    return _unit_w6(_q4_0_w8(raw, cols))
+def _q4_0_split(raw: np.ndarray, cols: int) -> KernelGroups:
+    return _unit_split(_q4_0_w8(raw, cols))
 
 
-def _q5_0_w6(raw: np.ndarray, cols: int) -> KernelGroups:
-    return _unit_w6(_q5_0_w8(raw, cols))
+def _q5_0_split(raw: np.ndarray, cols: int) -> KernelGroups:
+    return _unit_split(_q5_0_w8(raw, cols))
 
 
 def _q6_k_w6(raw: np.ndarray, cols: int) -> KernelGroups:
@@ -186,7 +192,7 @@ def _q3_k_scales(packed: np.ndarray) -> np.ndarray:
     return ((low | high << 4).astype(np.int16) - 32).astype(np.int8)
 
 
-def _q3_k_w6(raw: np.ndarray, cols: int) -> KernelGroups:
+def _q3_k_split(raw: np.ndarray, cols: int) -> KernelGroups:
     """Q3_K (llama.cpp's dequantize_row_q3_K): element 128 c + 32 j + l of a super-block
     (c = 0, 1; j = 0..3) takes bits 2 j of qs[32 c + l] and bit 4 c + j of hmask[l]; its code
     is those 2 bits, less 4 where the hmask bit is 0."""
@@ -230,7 +236,7 @@ def _q4_k_w4(raw: np.ndarray, cols: int) -> KernelGroups:
     return KernelGroups(codes.reshape(rows, cols), scale, minimum)
 
 
-def _q5_k_w6m(raw: np.ndarray, cols: int) -> KernelGroups:
+def _q5_k_split(raw: np.ndarray, cols: int) -> KernelGroups:
     """Q5_K: Q4_K's scales, mins and nibble order, plus bit j of high-bit byte l as bit 4 of
     sub-block j's element l; each sub-block's 6-bit scale is the sc of both its halves."""
     rows = raw.shape[0]
@@ -278,7 +284,7 @@ Decoder = Callable[[np.ndarray, int], KernelGroups]
 
 @dataclass(frozen=True)
 class BlockType:
-    """One GGUF type's kernel mappings: kernel family ("w4" / "w6" / "w6m" / "w8") -> decoder,
+    """One GGUF type's kernel mappings: kernel family ("w4" / "w5" / "w6" / ...) -> decoder,
     in preference order; `rounded` names the families whose fp16 scales round the stored
     values."""
 
@@ -291,19 +297,24 @@ class BlockType:
 
 
 BLOCK_TYPES: dict[str, BlockType] = {
-    "Q4_0": BlockType(GROUP, {"w4": _q4_0_w4, "w6": _q4_0_w6, "w8": _q4_0_w8}),
+    "Q4_0": BlockType(
+        GROUP, {"w4": _q4_0_w4, "w5": _q4_0_split, "w6": _q4_0_split, "w8": _q4_0_w8}
+    ),
     "Q4_1": BlockType(GROUP, {"w4": _q4_1_w4}),
-    "Q5_0": BlockType(GROUP, {"w6": _q5_0_w6, "w8": _q5_0_w8}),
-    "Q5_1": BlockType(GROUP, {"w6m": _q5_1_w6m}),
+    "Q5_0": BlockType(GROUP, {"w5": _q5_0_split, "w6": _q5_0_split, "w8": _q5_0_w8}),
+    "Q5_1": BlockType(GROUP, {"w5m": _q5_1_split, "w6m": _q5_1_split}),
     "Q8_0": BlockType(GROUP, {"w8": _q8_0_w8}),
-    "Q3_K": BlockType(QK_K, {"w6": _q3_k_w6}),
+    "Q3_K": BlockType(QK_K, {"w5": _q3_k_split, "w6": _q3_k_split}),
     "Q4_K": BlockType(QK_K, {"w4": _q4_k_w4}, rounded=frozenset({"w4"})),
-    "Q5_K": BlockType(QK_K, {"w6m": _q5_k_w6m}, rounded=frozenset({"w6m"})),
+    "Q5_K": BlockType(
+        QK_K, {"w5m": _q5_k_split, "w6m": _q5_k_split}, rounded=frozenset({"w5m", "w6m"})
+    ),
     "Q6_K": BlockType(QK_K, {"w6": _q6_k_w6}),
     "IQ4_NL": BlockType(GROUP, {"w8": _iq4_nl_w8}),
     "IQ4_XS": BlockType(QK_K, {"w8": _iq4_xs_w8}, rounded=frozenset({"w8"})),
 }
-FAMILIES = ("w4", "w6", "w6m", "w8")  # preference: fewer bytes streamed per weight first
+# Preference: fewer bytes streamed per weight first (5.0, 6.0, 6.5, 7.0, 7.5, 8.5 bits).
+FAMILIES = ("w4", "w5", "w5m", "w6", "w6m", "w8")
 
 
 def common_family(type_names: list[str], families: tuple[str, ...] = FAMILIES) -> str | None:

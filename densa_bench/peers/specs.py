@@ -155,7 +155,7 @@ DENSA_FP32 = {"linear": "fp32", "head": "fp32", "kv": "fp32", "compute": "fp32"}
 # scripts/serve.sh adds these to `densa serve` (docs/kv-cache.md, "The default").
 SERVE_SH_ARGS = ["--kv-cache-dtype", "int8"]
 DENSA_DEFAULT = {  # {linear} / {head}: the file's own types (PeerContext.stored_types)
-    "linear": "the GGUF's own {linear} blocks (w4a8 / w6a8 / w8 kernels: docs/models.md)",
+    "linear": "the GGUF's own {linear} blocks (w4a8 / w5a8 / w6a8 / w8 kernels: docs/models.md)",
     "head": "the GGUF's {head} blocks (w8 with float activations if Q8_0)",
     "kv": "int8, an fp16 scale per row",
     "compute": "int8 dot (activations Q8 per 32); head in fp32",

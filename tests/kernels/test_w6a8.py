@@ -187,18 +187,22 @@ def test_packed_linear_w6a8(fmt: str, bits: int, block: int) -> None:
 
 def test_sharded_linear_is_its_shards_side_by_side() -> None:
     gen = torch.Generator().manual_seed(3)
-    k, formats, outs = 128, ("w4a8", "w6a8", "w8a8", "w6ma8"), (64, 32, 48, 16)
+    k, formats, outs = (
+        128,
+        ("w4a8", "w6a8", "w8a8", "w6ma8", "w5a8", "w5ma8"),
+        (64, 32, 48, 16, 32, 16),
+    )
     weights = [torch.randn(out, k, generator=gen) * 0.1 for out in outs]
     bias = torch.randn(sum(outs), generator=gen)
     shards = [PackedLinear(fmt, w, None) for fmt, w in zip(formats, weights, strict=True)]
     layer = ShardedPackedLinear(shards, bias)
-    assert (layer.in_features, layer.out_features) == (k, 160)
+    assert (layer.in_features, layer.out_features) == (k, 208)
     x = torch.randn(5, k, generator=gen)
     want = torch.cat([reference_linear(x, w, f) for w, f in zip(weights, formats, strict=True)], -1)
     _assert_matches(layer(x), want + bias)
     empty = ShardedPackedLinear.empty(formats, k, outs, bias=True)
     assert [s.fmt for s in empty.packed_shards] == list(formats)
-    assert empty.out_features == 160 and empty.bias is not None
+    assert empty.out_features == 208 and empty.bias is not None
 
 
 def test_sharded_linear_refuses_mismatched_shards() -> None:
@@ -241,25 +245,24 @@ def _decoder(isa: str, qkv: tuple) -> object:
 
 @pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("rows", [1, 3, 12])
-@pytest.mark.parametrize("v_fmt", ["w6a8", "w6ma8"])
+@pytest.mark.parametrize("v_fmt", ["w6a8", "w6ma8", "w5a8", "w5ma8"])
 def test_decoder_writes_each_shard_in_place(isa: str, rows: int, v_fmt: str) -> None:
-    """qkv = [q dense | k weight-only W8 | v W6A8 or W6MA8] against one dense projection of the
-    same (dequantized) weights. The inputs are +-1, so the normalized rows are +-c and quantize
-    to +-127 exactly: W6A8 then computes the float product too. 12 rows take the dense GEMM path
-    (a strided output), fewer the streaming one."""
+    """qkv = [q dense | k weight-only W8 | v in a split format (W6A8, W6MA8, W5A8, W5MA8)]
+    against one dense projection of the same (dequantized) weights. The inputs are +-1, so the
+    normalized rows are +-c and quantize to +-127 exactly: the split formats then compute the
+    float product too. 12 rows take the dense GEMM path (a strided output), fewer the streaming
+    one."""
     gen = torch.Generator().manual_seed(rows)
     wq = torch.randn(Q_SIZE, HIDDEN, generator=gen) * 0.1
     k_codes, k_d = qgemm.quantize_w8(torch.randn(KV_SIZE, HIDDEN, generator=gen) * 0.1)
     bias = torch.randn(Q_SIZE + 2 * KV_SIZE, generator=gen)
     k_blocks = qgemm.pack_w8_float(k_codes, k_d, isa).blocks
-    if v_fmt == "w6ma8":
-        v = _w6m(KV_SIZE, HIDDEN, seed=rows)
-        v_blocks, v_dense = qgemm.pack_w6m(*v, isa).blocks, qgemm.dequantize_w6m(*v)
-    else:
-        v = _w6(KV_SIZE, HIDDEN, seed=rows)
-        v_blocks, v_dense = qgemm.pack_w6(*v, isa).blocks, qgemm.dequantize_w6(*v)
-    v_bits = 7 if v_fmt == "w6ma8" else 6
-    shards = [(32, wq, Q_SIZE), (qgemm.W8_FLOAT, k_blocks, KV_SIZE), (v_bits, v_blocks, KV_SIZE)]
+    v_packed, v_dense = _split_weight(v_fmt, rows, isa)
+    shards = [
+        (32, wq, Q_SIZE),
+        (qgemm.W8_FLOAT, k_blocks, KV_SIZE),
+        (v_packed.bits, v_packed.blocks, KV_SIZE),
+    ]
     sharded = _decoder(isa, (shards, bias, Q_SIZE + 2 * KV_SIZE, HIDDEN))
     weight = torch.cat([wq, qgemm.dequantize_w8(k_codes, k_d), v_dense])
     dense = _decoder(isa, (32, weight, bias, weight.shape[0], HIDDEN))
@@ -269,6 +272,21 @@ def test_decoder_writes_each_shard_in_place(isa: str, rows: int, v_fmt: str) -> 
     got = sharded.qkv(0, x, args[0], args[1], slots)  # type: ignore[attr-defined]
     want = dense.qkv(0, x, args[0], args[1], slots)  # type: ignore[attr-defined]
     _assert_matches(got, want)
+
+
+def _split_weight(fmt: str, seed: int, isa: str) -> tuple[qgemm.PackedWeight, torch.Tensor]:
+    """A [KV_SIZE, HIDDEN] weight in a split format, packed and dequantized."""
+    if fmt in ("w5a8", "w5ma8"):
+        from tests.kernels.test_w5a8 import _pack as pack_w5
+        from tests.kernels.test_w5a8 import _w5
+
+        weight = _w5(fmt, KV_SIZE, HIDDEN, seed)
+        packed = pack_w5(fmt, weight, isa)
+    else:
+        weight = (_w6m if fmt == "w6ma8" else _w6)(KV_SIZE, HIDDEN, seed)
+        packed = _pack(fmt, weight, isa)
+    dense = qgemm.dequantize_w6m(*weight) if len(weight) == 4 else qgemm.dequantize_w6(*weight)
+    return packed, dense
 
 
 def test_decoder_refuses_shards_that_do_not_add_up() -> None:

@@ -1,7 +1,7 @@
 """The fused C++ decode step against the eager model: same hidden states and the same K/V bytes
-in the pages, for dense / w4a8 / w8a8 / w6a8 weights and sharded q|k|v projections, fp32 / bf16 /
-fp8 (dynamic and static) / int8 KV caches, with and without q/k/v biases, on every code path this
-CPU runs (AVX2 forced too)."""
+in the pages, for dense / w4a8 / w8a8 / w5a8 / w5ma8 / w6a8 / w6ma8 weights and sharded q|k|v
+projections, fp32 / bf16 / fp8 (dynamic and static) / int8 KV caches, with and without q/k/v
+biases, on every code path this CPU runs (AVX2 forced too)."""
 
 from __future__ import annotations
 
@@ -188,14 +188,14 @@ def test_fused_step_with_qkv_bias(forced_isa: str, biased_model_dir: Path) -> No
     _assert_same_pages(pairs)
 
 
-def _w6_with_sharded_qkv(model: torch.nn.Module) -> None:
-    """gate|up in w6a8, o and down in w6ma8 (Q5_K tensors), and q|k|v in three shards: q in
-    w4a8, k in w8a8 and v in w6a8 (as a GGUF file whose v is Q6_K loads), with the bias over all
-    three."""
+def _split_formats_with_sharded_qkv(model: torch.nn.Module) -> None:
+    """gate|up in w5a8 (Q5_0 tensors), o in w5ma8 (Q5_K), down in w6ma8, and q|k|v in three
+    shards: q in w4a8, k in w8a8 and v in w6a8 (as a GGUF file whose v is Q6_K loads), with the
+    bias over all three."""
     for layer in getattr(model, "layers"):  # noqa: B009
         attn, mlp = layer.self_attn, layer.mlp
         for owner, name, fmt in (
-            (attn, "o_proj", "w6ma8"), (mlp, "gate_up_proj", "w6a8"), (mlp, "down_proj", "w6ma8")
+            (attn, "o_proj", "w5ma8"), (mlp, "gate_up_proj", "w5a8"), (mlp, "down_proj", "w6ma8")
         ):  # fmt: skip
             dense = getattr(owner, name)
             setattr(owner, name, PackedLinear(fmt, dense.weight, dense.bias))
@@ -209,11 +209,11 @@ def _w6_with_sharded_qkv(model: torch.nn.Module) -> None:
 @pytest.mark.parametrize("forced_isa", PATHS, indirect=True)
 @pytest.mark.parametrize("kv", ["fp32", "fp8-dynamic"])
 @pytest.mark.parametrize("biased", [False, True])
-def test_fused_step_with_w6_and_sharded_qkv(
+def test_fused_step_with_split_formats_and_sharded_qkv(
     forced_isa: str, kv: str, biased: bool, tiny_model_dir: Path, biased_model_dir: Path
 ) -> None:
     model_dir = biased_model_dir if biased else tiny_model_dir
-    eager, fused, pairs = _step(model_dir, "dense", kv, convert=_w6_with_sharded_qkv)
+    eager, fused, pairs = _step(model_dir, "dense", kv, convert=_split_formats_with_sharded_qkv)
     torch.testing.assert_close(fused, eager, **_tolerance(kv))
     _assert_same_pages(pairs)
 

@@ -6,7 +6,8 @@ densa.kernels.cpu.native` builds it ahead of time, as scripts/setup.sh does).
     prefill attention        prefill_attention.paged_prefill_attention (gather + one SDPA)
     KV store                 kv_store.store_kv (fused Numba FP8 store; torch for other formats)
     quantized linear         int4_linear.cpu_int4_linear, fp8_linear.fp8_linear,
-                             qgemm.quantized_linear (w4a8, w6a8, w6ma8, w8a8, w8: C++),
+                             qgemm.quantized_linear (w4a8, w5a8, w5ma8, w6a8, w6ma8, w8a8,
+                             w8: C++),
                              grouped_linear.grouped_linear (MoE experts), linear.linear (fp32)
     integrity check          none of its own: the torch tag check is one gather on the CPU
     fused decode step        the C++ decoder (csrc/decoder.cpp), driven by model/fused_decode.py

@@ -1,5 +1,5 @@
-"""W4A8, W6A8, W6MA8, W8A8 and weight-only W8 matmuls (groups of 32): torch references, packing, and
-the C++ kernels.
+"""W4A8, W5A8, W5MA8, W6A8, W6MA8, W8A8 and weight-only W8 matmuls (groups of 32): torch
+references, packing, and the C++ kernels.
 
 Arithmetic (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0), for x [M, K] and weights [N, K]:
 
@@ -8,9 +8,14 @@ Arithmetic (llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0), for x [M, K] and weights [
     W6: w[n, k] = d[n, g] * sc[n, k // 16] * q[n, k]    q in -32..31, sc int8 (GGUF's Q6_K;
         Q5_0 and Q4_0 with sc = 1)
     W6M: W6 + m[n, g]                            (GGUF's Q5_1 and Q5_K: 5-bit codes and a minimum)
+    W5:  W6 with q in -16..15                    (GGUF's Q5_0, Q4_0 with sc = 1; Q3_K)
+    W5M: W6M with q in 0..31                     (GGUF's Q5_1 and Q5_K, their codes as stored)
     x[t, k] ~ dx[t, g] * qx[t, k],  dx = max_k |x[t, k]| / 127 over the group, qx = round(x / dx)
-    y[t, n] = sum_g dx d sum_k q qx  (+ m[n, g] dx sum_k qx for W4 and W6M: the quantized x's
-              sum, so the error is sum_k w (x^ - x) as for W8; see csrc/qgemm.cpp)
+    y[t, n] = sum_g dx d sum_k q qx  (+ m[n, g] dx sum_k qx for W4, W5M and W6M: the quantized
+              x's sum, so the error is sum_k w (x^ - x) as for W8; see csrc/qgemm.cpp)
+
+W5 / W5M hold their codes in one high bit less than W6 / W6M (6.0 and 6.5 bits per weight
+against 7.0 and 7.5): the same arithmetic, so the W6 references and dequantizers serve them.
 
 d and m are stored as fp16 (like the GGUF blocks). The C++ layout is described in
 csrc/qgemm.cpp; the references here compute the same sums in float64 (exact for the integer
@@ -29,8 +34,9 @@ from densa.kernels.cpu import native
 
 GROUP = 32
 PANEL = 16
-HALF = 16  # inputs per W6 scale sc
+HALF = 16  # inputs per W6 / W5 scale sc
 W6_MIN = 7  # the "bits" code of W6 with a minimum (csrc/qgemm.h: kFormatW6MA8)
+W5_MIN = 51  # the "bits" code of W5 with a minimum (csrc/qgemm.h: kFormatW5MA8)
 W8_FLOAT = 80  # the "bits" code of weight-only W8 (csrc/qgemm.h: kFormatW8)
 
 
@@ -79,8 +85,9 @@ def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> tor
 def w6a8_reference(
     x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor
 ) -> torch.Tensor:
-    """x [M, K] float32, codes [N, K] -32..31, d [N, K/32] (rounded to fp16 as stored), sc
-    [N, K/16] int8: sc * codes is an exact integer weight per group, so the sums are exact."""
+    """x [M, K] float32, codes [N, K] -32..31 (W5: -16..15), d [N, K/32] (rounded to fp16 as
+    stored), sc [N, K/16] int8: sc * codes is an exact integer weight per group, so the sums
+    are exact."""
     act = quantize_activations(x)
     scaled = codes.double() * sc.double().repeat_interleave(HALF, dim=1)
     dots = _group_dots(act.qx, scaled)
@@ -90,7 +97,8 @@ def w6a8_reference(
 def w6ma8_reference(
     x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, m: torch.Tensor
 ) -> torch.Tensor:
-    """W6's reference plus m (rounded to fp16 as stored) times each group's quantized x sum."""
+    """W6's reference plus m (rounded to fp16 as stored) times each group's quantized x sum
+    (W5M: codes 0..31)."""
     act = quantize_activations(x)
     y = w6a8_reference(x, codes, d, sc).double() + act.sumx.double() @ m.half().double().T
     return y.float()
@@ -164,18 +172,44 @@ def quantize_w6(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     """A dense [N, K] weight -> W6 codes (-32..31), d per 32 and sc per 16 inputs, round to
     nearest as llama.cpp's Q6_K (its scale search aside): each 16's value of largest magnitude
     becomes code -32, so both signs use the codes' full range; d = max |scale| / 127 per group."""
+    return _quantize_signed_split(weight, 32)
+
+
+def quantize_w5(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_w6 with 5-bit codes (-16..15): each 16's largest magnitude becomes -16."""
+    return _quantize_signed_split(weight, 16)
+
+
+def _quantize_signed_split(
+    weight: torch.Tensor, offset: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, cols = weight.shape
     halves = weight.float().view(rows, cols // HALF, HALF)
     extreme = halves.gather(-1, halves.abs().argmax(-1, keepdim=True)).squeeze(-1)
-    scale = extreme / -32.0  # [N, K/16]
-    d = (scale.abs().view(rows, -1, 2).amax(-1) / 127.0).half().float()  # [N, K/32]
+    scale = extreme / -float(offset)  # [N, K/16]
+    d = _group_d(scale)
+    codes = _round_codes(halves, scale, d, -offset, offset - 1)
+    return codes.view(rows, cols), d, _sub_scales(scale, d)
+
+
+def _group_d(scale: torch.Tensor) -> torch.Tensor:
+    """[N, K/16] scales -> d [N, K/32]: the pair's largest |scale| / 127, fp16-representable."""
+    return (scale.abs().view(scale.shape[0], -1, 2).amax(-1) / 127.0).half().float()
+
+
+def _sub_scales(scale: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     d_half = d.repeat_interleave(2, dim=1)
     inv_d = torch.where(d_half > 0, 1.0 / d_half, torch.zeros_like(d_half))
-    sc = torch.round(scale * inv_d).clamp(-128, 127)
-    step = (sc * d_half)[..., None]  # the quantization step of each 16
+    return torch.round(scale * inv_d).clamp(-128, 127).to(torch.int8)
+
+
+def _round_codes(
+    halves: torch.Tensor, scale: torch.Tensor, d: torch.Tensor, low: int, high: int
+) -> torch.Tensor:
+    """[N, K/16, 16] values -> int8 codes in low..high on each 16's step d sc."""
+    step = (_sub_scales(scale, d).float() * d.repeat_interleave(2, dim=1))[..., None]
     inv = torch.where(step != 0, 1.0 / step, torch.zeros_like(step))
-    codes = torch.round(halves * inv).clamp(-32, 31).to(torch.int8)
-    return codes.view(rows, cols), d, sc.to(torch.int8)
+    return torch.round(halves * inv).clamp(low, high).to(torch.int8)
 
 
 def quantize_w6m(
@@ -191,6 +225,22 @@ def quantize_w6m(
     return (*quantize_w6(centred), m)
 
 
+def quantize_w5m(
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dense [N, K] weight -> W5M codes (0..31), d, sc and m as Q5_1 / Q5_K make them: m is
+    each group's minimum (fp16), each 16's largest value less m becomes code 31 (for tests and
+    dense checkpoints; loaders make W5M from GGUF blocks)."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // GROUP, GROUP)
+    m = groups.amin(-1).half().float()  # [N, K/32]
+    centred = (weight.float() - expand_groups(m, GROUP, cols)).view(rows, cols // HALF, HALF)
+    scale = centred.amax(-1) / 31.0  # [N, K/16], >= 0 up to m's rounding
+    d = _group_d(scale)
+    codes = _round_codes(centred, scale, d, 0, 31)
+    return codes.view(rows, cols), d, _sub_scales(scale, d), m
+
+
 # ---- the C++ kernels ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PackedWeight:
@@ -199,7 +249,8 @@ class PackedWeight:
     blocks: torch.Tensor  # uint8, flat
     out_features: int
     in_features: int
-    bits: int  # 4 (w4a8), 6 (w6a8), W6_MIN (w6ma8), 8 (w8a8) or W8_FLOAT (w8: float x)
+    bits: int  # 4 (w4a8), 5 (w5a8), W5_MIN (w5ma8), 6 (w6a8), W6_MIN (w6ma8), 8 (w8a8) or
+    # W8_FLOAT (w8: float x)
     isa: str
 
 
@@ -234,6 +285,25 @@ def pack_w6m(
     return PackedWeight(blocks, codes.shape[0], codes.shape[1], W6_MIN, isa)
 
 
+def pack_w5(codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, isa: str) -> PackedWeight:
+    """codes [N, K] int8 in -16..15, d [N, K/32], sc [N, K/16] int8: the W5 layout."""
+    blocks = _ext().pack_w5(
+        codes.to(torch.int8).contiguous(), d.float(), sc.to(torch.int8).contiguous()
+    )
+    return PackedWeight(blocks, codes.shape[0], codes.shape[1], 5, isa)
+
+
+def pack_w5m(
+    codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, isa: str
+) -> PackedWeight:
+    """codes [N, K] int8 in 0..31 (unshifted: W5M's codes are unsigned), d and m [N, K/32], sc
+    [N, K/16] int8: the W5M layout."""
+    blocks = _ext().pack_w5m(
+        codes.to(torch.int8).contiguous(), d.float(), sc.to(torch.int8).contiguous(), m.float()
+    )
+    return PackedWeight(blocks, codes.shape[0], codes.shape[1], W5_MIN, isa)
+
+
 def pack_w8_float(codes: torch.Tensor, d: torch.Tensor, isa: str) -> PackedWeight:
     """W8 codes for the weight-only kernel (float activations, csrc/w8float.cpp)."""
     blocks = _ext().pack_w8float(codes.to(torch.int8).contiguous(), d.float())
@@ -245,6 +315,8 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     ext = _ext()
     run = {
         4: ext.w4a8_linear,
+        5: ext.w5a8_linear,
+        W5_MIN: ext.w5ma8_linear,
         6: ext.w6a8_linear,
         W6_MIN: ext.w6ma8_linear,
         8: ext.w8a8_linear,

@@ -8,8 +8,8 @@
 //   densa.formats.fp8_kv stores them) ; o = paged attention over each sequence's pages (online
 //   softmax, split-K over a long context as if its sequence were alone in the batch) ;
 //   x += o Wo^T ; h = rmsnorm(x) ; x += (silu(h Wg^T) * h Wu^T) Wd^T
-// and finally rmsnorm(x). Projections are dense fp32, W4, W6, W6M or W8 (qgemm.h), or shards of
-// those side by side (a fused q|k|v with v in more bits).
+// and finally rmsnorm(x). Projections are dense fp32, W4, W5, W5M, W6, W6M or W8 (qgemm.h), or
+// shards of those side by side (a fused q|k|v with v in more bits).
 //
 // Everything here mirrors the eager model (densa/model/llama.py) and the attention reference
 // (densa/kernels/reference/paged_attention.py); tests/kernels/test_fused_decoder.py compares them.

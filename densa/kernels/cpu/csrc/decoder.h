@@ -31,8 +31,8 @@ struct KVSide {
   float inv_static = 1.f;           // 1 / static_scale, as float32 (what the store multiplies by)
 };
 
-// A run of a projection's output rows in one format: dense float32 [out, in], or packed W4 / W6 /
-// W6M / W8 blocks.
+// A run of a projection's output rows in one format: dense float32 [out, in], or packed W4 / W5 /
+// W5M / W6 / W6M / W8 blocks.
 struct Shard {
   int bits = kFormatDense;
   at::Tensor dense, packed;

@@ -1,6 +1,6 @@
-// Python bindings of densa's C++ CPU kernels (qgemm.cpp: W4A8 / W6A8 / W6MA8 / W8A8 matmuls;
-// decoder.cpp: the fused decode step). The only file that includes torch/extension.h
-// (pybind11), so the kernels themselves compile against ATen alone.
+// Python bindings of densa's C++ CPU kernels (qgemm.cpp: W4A8 / W5A8 / W5MA8 / W6A8 / W6MA8 /
+// W8A8 matmuls; decoder.cpp: the fused decode step). The only file that includes
+// torch/extension.h (pybind11), so the kernels themselves compile against ATen alone.
 #include <torch/extension.h>
 
 #include <optional>
@@ -17,10 +17,9 @@ namespace densa {
 namespace {
 
 // A projection as Python passes it: (bits, tensor, bias or None, out_features, in_features),
-// bits 32 = dense float32 [out, in], 4 / 6 / 7 / 8 / 80 = packed w4a8 / w6a8 / w6ma8 / w8a8 / w8
-// blocks
-// (qgemm.h); or a sharded one, ([(bits, tensor, out_features), ...], bias or None,
-// out_features, in_features), whose shards' outputs lie side by side.
+// bits 32 = dense float32 [out, in], 4 / 5 / 51 / 6 / 7 / 8 / 80 = packed w4a8 / w5a8 / w5ma8 /
+// w6a8 / w6ma8 / w8a8 / w8 blocks (qgemm.h); or a sharded one, ([(bits, tensor, out_features),
+// ...], bias or None, out_features, in_features), whose shards' outputs lie side by side.
 using ProjectionSpec = std::tuple<int64_t, at::Tensor, std::optional<at::Tensor>, int64_t, int64_t>;
 using ShardSpec = std::tuple<int64_t, at::Tensor, int64_t>;
 using ShardedSpec =
@@ -40,7 +39,8 @@ Shard make_shard(int64_t bits, const at::Tensor& tensor, int64_t out, int64_t in
     return s;
   }
   TORCH_CHECK(block_bytes(s.bits) > 0,
-              "bits: 4 (w4a8), 6 (w6a8), 7 (w6ma8), 8 (w8a8), 80 (w8) or 32 (dense)");
+              "bits: 4 (w4a8), 5 (w5a8), 51 (w5ma8), 6 (w6a8), 7 (w6ma8), 8 (w8a8), 80 (w8) "
+              "or 32 (dense)");
   TORCH_CHECK(tensor.scalar_type() == at::kByte, "packed weight: uint8 blocks");
   TORCH_CHECK(in % kGroup == 0 && out % kPanel == 0, "packed shape does not tile");
   TORCH_CHECK(tensor.numel() == (out / kPanel) * (in / kGroup) * block_bytes(s.bits),
@@ -325,7 +325,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   using namespace densa;
   using Release = pybind11::call_guard<pybind11::gil_scoped_release>;
   module.doc() =
-      "densa's C++ CPU kernels: W4A8 / W6A8 / W6MA8 / W8A8 matmuls and the fused decode step";
+      "densa's C++ CPU kernels: W4A8 / W5A8 / W5MA8 / W6A8 / W6MA8 / W8A8 matmuls and the fused "
+      "decode step";
   module.def("best_isa", &best_isa, "the fastest code path this CPU runs ('' if none)");
   module.def("pack_w4", &pack_w4, Release(), "W4 codes [N,K] u8, d/m [N,K/32] -> packed blocks");
   module.def("pack_w8", &pack_w8, Release(),
@@ -334,6 +335,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "W6 codes [N,K] s8 in -32..31, d [N,K/32], sc [N,K/16] s8 -> packed blocks");
   module.def("pack_w6m", &pack_w6m, Release(),
              "W6 codes [N,K] s8 in -32..31, d/m [N,K/32], sc [N,K/16] s8 -> packed W6M blocks");
+  module.def("pack_w5", &pack_w5, Release(),
+             "W5 codes [N,K] s8 in -16..15, d [N,K/32], sc [N,K/16] s8 -> packed blocks");
+  module.def("pack_w5m", &pack_w5m, Release(),
+             "W5M codes [N,K] s8 in 0..31, d/m [N,K/32], sc [N,K/16] s8 -> packed W5M blocks");
   module.def(
       "w4a8_linear",
       [](const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa) {
@@ -358,6 +363,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
         return quantized_linear(x, packed, n, kFormatW6MA8, isa);
       },
       Release(), "x [M,K] f32, packed W6M, N, isa -> [M,N] f32");
+  module.def(
+      "w5a8_linear",
+      [](const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa) {
+        return quantized_linear(x, packed, n, kFormatW5A8, isa);
+      },
+      Release(), "x [M,K] f32, packed W5, N, isa -> [M,N] f32");
+  module.def(
+      "w5ma8_linear",
+      [](const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::string& isa) {
+        return quantized_linear(x, packed, n, kFormatW5MA8, isa);
+      },
+      Release(), "x [M,K] f32, packed W5M, N, isa -> [M,N] f32");
   module.def("widen_kv", &widen_kv, Release(),
              "raw K/V bytes [n], dtype code, scale, fp8 table, isa -> f32");
   module.def("context_splits", &context_splits,

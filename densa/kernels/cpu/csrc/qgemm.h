@@ -15,6 +15,8 @@ constexpr int kW4Block = 320;  // bytes per W4 block: 256 codes + 32 d + 32 m
 constexpr int kW8Block = 544;  // bytes per W8 block: 512 codes + 32 d
 constexpr int kW6Block = 448;  // bytes per W6 block: 256 nibbles + 128 high bits + 32 sc + 32 d
 constexpr int kW6MBlock = 480;  // bytes per W6M block: a W6 block + 16 x fp16 m
+constexpr int kW5Block = 384;  // bytes per W5 block: 256 nibbles + 64 high bits + 32 sc + 32 d
+constexpr int kW5MBlock = 416;  // bytes per W5M block: a W5 block + 16 x fp16 m
 
 // Software prefetch of a weight stream (qgemm.cpp, w8float.cpp): a panel's blocks are read
 // front to back, but at batch 1 there is little arithmetic between loads to hide DRAM latency
@@ -30,16 +32,21 @@ inline void prefetch_weights(const uint8_t* block, int bytes) {
 
 enum class Isa { kAvx2 = 0, kAvx512Vnni = 1 };
 
-// Projection formats, as Python passes them ("bits"): dense float32, W4A8, W6A8, W6MA8 (W6 with
-// a minimum per group), W8A8, and W8 with float activations (w8float.cpp).
-constexpr int kFormatDense = 32, kFormatW4A8 = 4, kFormatW6A8 = 6, kFormatW6MA8 = 7,
-              kFormatW8A8 = 8, kFormatW8 = 80;
+// Projection formats, as Python passes them ("bits"): dense float32, W4A8, W5A8, W5MA8 (W5 with
+// a minimum per group), W6A8, W6MA8 (W6 with a minimum), W8A8, and W8 with float activations
+// (w8float.cpp).
+constexpr int kFormatDense = 32, kFormatW4A8 = 4, kFormatW5A8 = 5, kFormatW5MA8 = 51,
+              kFormatW6A8 = 6, kFormatW6MA8 = 7, kFormatW8A8 = 8, kFormatW8 = 80;
 
 // Bytes per block of a packed format (0: not a packed format).
 constexpr int block_bytes(int bits) {
   switch (bits) {
     case kFormatW4A8:
       return kW4Block;
+    case kFormatW5A8:
+      return kW5Block;
+    case kFormatW5MA8:
+      return kW5MBlock;
     case kFormatW6A8:
       return kW6Block;
     case kFormatW6MA8:
@@ -64,12 +71,19 @@ struct ActivationBuffers {
   void ensure(int64_t rows, int64_t cols);
 };
 
-// Whether `bits` names a format with int8 activations (quantized_linear_raw runs it).
-constexpr bool is_quantized_format(int bits) {
-  return bits == kFormatW4A8 || bits == kFormatW6A8 || bits == kFormatW6MA8 || bits == kFormatW8A8;
+// Whether `bits` names one of the split formats: 4-bit nibbles plus a plane of high bits, an
+// int8 scale per 16 inputs (qgemm.cpp: W5, W5M, W6, W6M).
+constexpr bool is_split_format(int bits) {
+  return bits == kFormatW5A8 || bits == kFormatW5MA8 || bits == kFormatW6A8 ||
+         bits == kFormatW6MA8;
 }
 
-// y[rows, n] = x[rows, cols] W^T for W packed as `bits` (4, 6, 7 or 8) blocks; x, y float32,
+// Whether `bits` names a format with int8 activations (quantized_linear_raw runs it).
+constexpr bool is_quantized_format(int bits) {
+  return bits == kFormatW4A8 || is_split_format(bits) || bits == kFormatW8A8;
+}
+
+// y[rows, n] = x[rows, cols] W^T for W packed as `bits` (4, 5, 51, 6, 7 or 8) blocks; x, y float32,
 // row-major; y's rows are `ldy` apart (>= n), so a shard of a wider output writes in place.
 void quantized_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_t* blocks,
                           int64_t n, int bits, Isa isa, float* y, int64_t ldy,
@@ -81,6 +95,9 @@ at::Tensor pack_w4(const at::Tensor& codes, const at::Tensor& d, const at::Tenso
 at::Tensor pack_w8(const at::Tensor& codes, const at::Tensor& d, const std::string& isa_name);
 at::Tensor pack_w6(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& sc);
 at::Tensor pack_w6m(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& sc,
+                    const at::Tensor& m);
+at::Tensor pack_w5(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& sc);
+at::Tensor pack_w5m(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& sc,
                     const at::Tensor& m);
 
 // Weight-only W8 (float activations): w8float.cpp.
