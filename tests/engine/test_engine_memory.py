@@ -17,7 +17,7 @@ from densa.engine.llm_engine import LLMEngine
 from densa.kernels.cpu import native
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
-from densa.text.tokenizer import Tokenizer
+from densa.text.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerFiles, compact_merges
 
 TEXT = "The capital of France is Paris. <|im_end|> naïve café 東京"
 
@@ -33,6 +33,28 @@ def test_a_released_tokenizer_rebuilds_to_the_same_ids_and_text(smollm2_dir: Pat
     assert tokenizer.encode(TEXT) == ids
     assert tokenizer.is_loaded
     assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_a_read_tokenizer_has_string_merges_and_the_same_ids_and_text(smollm2_dir: Path) -> None:
+    as_shipped = (smollm2_dir / TOKENIZER_FILE).read_text(encoding="utf-8")
+    assert isinstance(json.loads(as_shipped)["model"]["merges"][0], list)  # ["a", "b"] pairs
+    files = TokenizerFiles.read(smollm2_dir)
+    merges = json.loads(files.tokenizer_json)["model"]["merges"]
+    assert merges[:2] == ["Ġ t", "Ġ a"]
+    read, shipped = Tokenizer(files), Tokenizer(TokenizerFiles(as_shipped, files.config_json))
+    text = TEXT + " def f(x):\n\treturn x ** 2  # ✓ 🙂" * 3
+    ids = read.encode(text)
+    assert ids == shipped.encode(text)
+    assert read.decode(ids, skip_special_tokens=False) == shipped.decode(
+        ids, skip_special_tokens=False
+    )
+    assert read.vocab_size == shipped.vocab_size
+
+
+def test_merges_with_a_space_in_a_piece_stay_pairs() -> None:
+    spaced = json.dumps({"model": {"type": "BPE", "merges": [["a", "b"], ["a b", "c"]]}})
+    assert compact_merges(spaced) == spaced
+    assert compact_merges("not json") == "not json"
 
 
 def test_an_engine_serves_without_holding_its_rust_tokenizer(tiny_model_dir: Path) -> None:
