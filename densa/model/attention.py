@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from densa.formats.kv_format import DYNAMIC, NO_SCALES, ROW, STATIC, KVFormat, is_layer_scale
 from densa.kernels.cpu.kv_store import store_kv
+from densa.kernels.cpu.prefill_attention import paged_prefill_attention
 from densa.kernels.reference.paged_attention import scale_to_float
 
 
@@ -301,16 +302,18 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        from densa.kernels.cpu import paged_attention as kernels
-
         query = q.float()  # the kernels compute in fp32 whatever the model dtype
         if group.max_query_len == 1:
+            # Imports Numba (~55 MiB resident) on the first eager decode step, not at import:
+            # with the fused C++ step, decode never comes here.
+            from densa.kernels.cpu import paged_attention as kernels
+
             out = kernels.paged_decode_attention(
                 query, cache.k, cache.v, group.page_table, group.seq_lens, scale,
                 cache.k_scale, cache.v_scale, kv_format=cache.kv_format,
             )  # fmt: skip
         else:
-            out = kernels.paged_prefill_attention(
+            out = paged_prefill_attention(
                 query, cache.k, cache.v, group.page_table, group.seq_lens, group.query_lens,
                 scale, cache.k_scale, cache.v_scale, new_kv, cache.kv_format,
             )  # fmt: skip

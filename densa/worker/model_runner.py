@@ -8,6 +8,7 @@ any page, through worker/kv_io.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,12 @@ from densa.worker.sampler import Sampler, SampleRequest
 from densa.worker.structured import StructuredSampler
 
 logger = get_logger(__name__)
+
+# Rows of logits alive at once while a step samples: a [64, 151936] float32 block is 37 MiB,
+# [16, ...] 9 MiB. The output head streams its weights once per call whatever its row count, so
+# each further block of rows reads them again (~5 ms for the 1.5B's head): a step of <= 16
+# sampling rows computes them as before, one of 64 reads the head 4 times.
+LOGITS_ROWS_AT_ONCE = 16
 
 
 @dataclass
@@ -61,6 +68,23 @@ class StepInputs:
     # the rows of the proposals it verifies (1 + num_spec rows per request).
     sample_rows: torch.Tensor
     samplers: list[ScheduledRequest]  # the sampling requests, in sample_rows order
+
+
+@dataclass(frozen=True)
+class PassLogits:
+    """A forward pass's sampling requests and their logits, computed on demand for a range of
+    their rows (`rows(start, end)`: [end - start, vocab] float32) so that sampling never needs
+    every row's logits at once. Request i owns rows [offsets[i], offsets[i + 1])."""
+
+    samplers: list[ScheduledRequest]
+    rows: Callable[[int, int], torch.Tensor]
+
+    @property
+    def offsets(self) -> list[int]:
+        offsets = [0]
+        for item in self.samplers:
+            offsets.append(offsets[-1] + 1 + item.num_spec)
+        return offsets
 
 
 class ModelRunner:
@@ -167,19 +191,28 @@ class ModelRunner:
         output = RunnerOutput(failed=failed)
         if not scheduled:
             return output
-        samplers, logits = self._forward(scheduled)
+        sampling = [self._sample_request(item) for item in scheduled if item.sample]
+        saved = self.sampler.save_rng(sampling)  # all or nothing, as one Sampler.sample call
+        try:
+            if any(row.params.structured is not None for row in sampling):
+                self._sample_at_once(list(self._forward(scheduled)), output)
+            else:
+                for one_pass in self._forward(scheduled):
+                    self._sample_in_blocks(one_pass, output)
+        except BaseException:
+            self.sampler.restore_rng(saved)
+            self._step_hidden = {}
+            raise
         output.hidden, self._step_hidden = self._step_hidden, {}
-        if logits is not None:
-            self._sample(logits, samplers, output)
         return output
 
-    def _forward(
-        self, scheduled: list[ScheduledRequest]
-    ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+    def _forward(self, scheduled: list[ScheduledRequest]) -> Iterator[PassLogits]:
         """Run the step through the weights of each row's phase, decode rows in a pass of their
-        own when `decodes_apart`: (sampling requests, logits)."""
+        own when `decodes_apart`: each pass's sampling requests and their logits, yielded once
+        the pass has run."""
         if not self.decodes_apart:
-            return self._run(self.model, scheduled)
+            yield self._run(self.model, scheduled)
+            return
         # A decode step computes one generated token; a one-token chunk of a prompt is prefill.
         decodes: list[ScheduledRequest] = []
         prefills: list[ScheduledRequest] = []
@@ -187,18 +220,11 @@ class ModelRunner:
             (decodes if item.is_decode else prefills).append(item)
         # Two passes over disjoint requests (each writes only its own KV slots), so their order
         # does not matter; decode rows first, as in a mixed batch.
-        runs = [
-            self._run(model, items)
-            for model, items in ((self.decode_model or self.model, decodes), (self.model, prefills))
-            if items
-        ]
-        samplers = [s for run_samplers, _ in runs for s in run_samplers]
-        logits = [run_logits for _, run_logits in runs if run_logits is not None]
-        return samplers, torch.cat(logits) if logits else None
+        for model, items in ((self.decode_model or self.model, decodes), (self.model, prefills)):
+            if items:
+                yield self._run(model, items)
 
-    def _run(
-        self, model: CausalLM, items: list[ScheduledRequest]
-    ) -> tuple[list[ScheduledRequest], torch.Tensor | None]:
+    def _run(self, model: CausalLM, items: list[ScheduledRequest]) -> PassLogits:
         graphs = self.decode_graphs
         # A replayed graph returns logits only: a step whose hidden states are kept runs eagerly.
         if (
@@ -207,16 +233,18 @@ class ModelRunner:
             and graphs.can_run(items)
             and not (self.keeps_hidden)
         ):
-            return graphs.run(items)
+            samplers, logits = graphs.run(items)  # logits is None only when none samples
+            return PassLogits(samplers, lambda start, end: _rows_of(logits, start, end))
         inputs = self.prepare_inputs(items)
         hidden = model(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend
         )
         if self.keeps_hidden:
             self._keep_hidden(inputs.order, hidden)
-        if not inputs.samplers:
-            return [], None
-        return inputs.samplers, model.compute_logits(hidden[inputs.sample_rows])
+        sample_hidden = hidden[inputs.sample_rows]  # [N, hidden]: a few KiB per row
+        return PassLogits(
+            inputs.samplers, lambda start, end: model.compute_logits(sample_hidden[start:end])
+        )
 
     def _keep_hidden(self, order: list[ScheduledRequest], hidden: torch.Tensor) -> None:
         """Each request's rows of the pass's hidden states (rows follow `order`)."""
@@ -310,20 +338,49 @@ class ModelRunner:
             device=self.device,
         )
 
-    def _sample(
+    def _sample_in_blocks(self, one_pass: PassLogits, output: RunnerOutput) -> None:
+        """Sample the pass's requests a block of whole requests at a time, computing the logits
+        of that block's rows only (LOGITS_ROWS_AT_ONCE). A row's logits and token do not depend
+        on the rows beside it (batch invariance), so the blocks give the tokens one block would."""
+        offsets = one_pass.offsets
+        for first, last in self._blocks(offsets):
+            logits = one_pass.rows(offsets[first], offsets[last])
+            self._sample_block(logits, one_pass.samplers[first:last], output)
+
+    def _sample_at_once(self, passes: list[PassLogits], output: RunnerOutput) -> None:
+        """Every row of the step in one Sampler.sample call: a step with a constrained request,
+        whose grammar accepts its token inside that call (a later call's failure could not undo
+        it, and the step is retried)."""
+        passes = [one_pass for one_pass in passes if one_pass.samplers]
+        logits = torch.cat([one_pass.rows(0, one_pass.offsets[-1]) for one_pass in passes])
+        samplers = [item for one_pass in passes for item in one_pass.samplers]
+        self._sample_block(logits, samplers, output)
+
+    @staticmethod
+    def _blocks(offsets: list[int]) -> Iterator[tuple[int, int]]:
+        """[first, last) ranges of requests (request i owns rows [offsets[i], offsets[i + 1])),
+        each with <= LOGITS_ROWS_AT_ONCE rows; a request with more rows is a block of its own."""
+        num_requests = len(offsets) - 1
+        first = 0
+        for last in range(1, num_requests + 1):
+            if last == num_requests or offsets[last + 1] - offsets[first] > LOGITS_ROWS_AT_ONCE:
+                yield first, last
+                first = last
+
+    def _sample_request(self, item: ScheduledRequest) -> SampleRequest:
+        return SampleRequest(
+            item.request_id,
+            item.sampling_params,
+            item.prompt_token_ids,
+            item.output_token_ids,
+            self.stop_rule.ending_tokens(item.sampling_params),
+            tuple(item.spec_token_ids),
+        )
+
+    def _sample_block(
         self, logits: torch.Tensor, samplers: list[ScheduledRequest], output: RunnerOutput
     ) -> None:
-        rows = [
-            SampleRequest(
-                s.request_id,
-                s.sampling_params,
-                s.prompt_token_ids,
-                s.output_token_ids,
-                self.stop_rule.ending_tokens(s.sampling_params),
-                tuple(s.spec_token_ids),
-            )
-            for s in samplers
-        ]
+        rows = [self._sample_request(s) for s in samplers]
         result = self.sampler.sample(logits.cpu(), rows)
         for idx, (item, token_id, logprobs) in enumerate(
             zip(samplers, result.token_ids, result.logprobs, strict=True)
@@ -339,3 +396,8 @@ class ModelRunner:
             if idx in result.accepted_logprobs:
                 output.accepted_logprobs[item.request_id] = result.accepted_logprobs[idx]
         output.errors.update(result.errors)
+
+
+def _rows_of(logits: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
+    assert logits is not None, "a pass without sampling rows computes no logits"
+    return logits[start:end]

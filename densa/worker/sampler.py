@@ -107,11 +107,11 @@ class Sampler:
         All or nothing for the random state: if sampling raises, every generator is put back as
         it was, so retrying the step (engine fault confinement) draws the same tokens.
         """
-        saved = self._save_rng(rows)
+        saved = self.save_rng(rows)
         try:
             return self._sample(logits, rows)
         except BaseException:
-            self._restore_rng(saved)
+            self.restore_rng(saved)
             raise
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SampleResult:
@@ -227,7 +227,8 @@ class Sampler:
             return drafts[:j], _race(residual, generator)
         return drafts, _race(probs[len(drafts)], generator)
 
-    def _save_rng(self, rows: list[SampleRequest]) -> _SavedRng:
+    def save_rng(self, rows: list[SampleRequest]) -> _SavedRng:
+        """The random state sampling `rows` may change (`restore_rng` puts it back)."""
         states = {
             r.request_id: self._generators[r.request_id].get_state()
             for r in rows
@@ -236,7 +237,7 @@ class Sampler:
         known = frozenset(self._generators)
         return _SavedRng(self._seed_source.get_state(), states, dict(self._skipped_draws), known)
 
-    def _restore_rng(self, saved: _SavedRng) -> None:
+    def restore_rng(self, saved: _SavedRng) -> None:
         self._seed_source.set_state(saved.seed_state)
         for request_id in list(self._generators):
             if request_id not in saved.known:  # made in the failed attempt: made again, the same

@@ -198,29 +198,29 @@ def test_every_numba_kernel_is_compiled_nogil() -> None:
 # Numba releases the GIL itself inside a prange loop, but not in the serial code around it, and
 # a kernel without prange (stores, masks) keeps it throughout unless compiled nogil.
 def _streaming_matmul(n: int) -> Callable[[], object]:
-    from densa.kernels.cpu.linear import _streaming_matmul
+    from densa.kernels.cpu.streaming_matmul import streaming_matmul
 
     weight, x, out = _matmul_operands(n)
-    return lambda: _streaming_matmul(weight, x, out)
+    return lambda: streaming_matmul(weight, x, out)
 
 
 def _fp8_matmul(n: int) -> Callable[[], object]:
-    from densa.kernels.cpu.fp8_linear import _streaming_fp8_matmul
+    from densa.kernels.cpu.streaming_matmul import streaming_fp8_matmul
 
     weight, x, out = _matmul_operands(n)
     codes = np.full(weight.shape, 0x38, dtype=np.uint8)  # 1.0 in e4m3
     scale = np.ones((weight.shape[0], weight.shape[1] // 128), dtype=np.float32)
-    return lambda: _streaming_fp8_matmul(codes, scale, 128, x, out)
+    return lambda: streaming_fp8_matmul(codes, scale, 128, x, out)
 
 
 def _grouped_matmul(n: int) -> Callable[[], object]:
-    from densa.kernels.cpu.grouped_linear import _grouped_streaming_matmul
+    from densa.kernels.cpu.streaming_matmul import grouped_streaming_matmul
 
     weight, x, out = _matmul_operands(n)
     experts = np.array([0, 1], dtype=np.int64)
     bounds = np.array([0, x.shape[0] // 2, x.shape[0]], dtype=np.int64)
     stacked = np.stack([weight, weight])
-    return lambda: _grouped_streaming_matmul(stacked, x, experts, bounds, out)
+    return lambda: grouped_streaming_matmul(stacked, x, experts, bounds, out)
 
 
 def _matmul_operands(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -246,7 +246,7 @@ def _paged_decode_attention(n: int) -> Callable[[], object]:
 
 
 def _fp8_store(n: int) -> Callable[[], object]:
-    from densa.kernels.cpu.kv_store import _store_exponent_kernel
+    from densa.kernels.cpu.fp8_kv_store import store_exponent_kernel
 
     tokens, heads, head_dim = 4096 * n, 8, 128
     row = np.random.default_rng(0).standard_normal((1, heads, head_dim), dtype=np.float32)
@@ -254,17 +254,17 @@ def _fp8_store(n: int) -> Callable[[], object]:
     cache = np.zeros((1, heads, 1, head_dim), dtype=np.uint8)
     exponents = np.zeros((1, heads, 1), dtype=np.int8)
     slots = np.zeros(tokens, dtype=np.int64)  # all into one slot: serial, so no race
-    return lambda: _store_exponent_kernel(x, cache, exponents, slots, slots)
+    return lambda: store_exponent_kernel(x, cache, exponents, slots, slots)
 
 
 def _token_bitmask(n: int) -> Callable[[], object]:
-    from densa.kernels.cpu.token_bitmask import _apply
+    from densa.kernels.cpu.token_bitmask import compiled_apply
 
     vocab, rows = 65536, 256 * n
     logits = np.zeros((1, vocab), dtype=np.float32)
     words = np.zeros((1, vocab // 32), dtype=np.int32)  # every token disallowed: all written
     bitmask = np.broadcast_to(words, (rows, vocab // 32))
-    return lambda: _apply(logits, bitmask, np.zeros(rows, dtype=np.int64))
+    return lambda: compiled_apply()(logits, bitmask, np.zeros(rows, dtype=np.int64))
 
 
 @pytest.mark.parametrize(

@@ -15,4 +15,10 @@ densa.kernels.cpu.native` builds it ahead of time, as scripts/setup.sh does).
 
 numba_threads picks Numba's threading layer before any parallel kernel runs; numba_intrinsics
 holds the LLVM-level building blocks the attention and store kernels share.
+
+Numba (with llvmlite, ~55 MiB resident) is imported on the first call that needs it, never by
+importing the model code: the streaming matmuls (streaming_matmul), the FP8 store (fp8_kv_store)
+and decode attention (paged_attention) live in modules their callers import at that call, and
+the grammar mask compiles its loop on first use. A GGUF server on the C++ kernels with INT8 KV
+runs none of them (tests/engine/test_engine_memory.py).
 """

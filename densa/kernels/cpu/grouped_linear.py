@@ -21,12 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from numba import njit, prange
-
-from densa.kernels.cpu import numba_threads  # noqa: F401  (must run before any parallel kernel)
 
 MAX_STREAMING_ROWS = 8  # rows per expert up to which streaming beats GEMM (as in cpu_linear)
-_ROWS_PER_TASK = 16
 
 
 @dataclass(frozen=True)
@@ -79,22 +75,6 @@ def grouped_linear_ref(
     return out
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _grouped_streaming_matmul(weight, x, experts, bounds, out):
-    """out[rows of segment s] = x[rows] @ weight[experts[s]]^T, tasks = (segment, row block)."""
-    num_out, num_in = weight.shape[1], weight.shape[2]
-    blocks = (num_out + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
-    for task in prange(len(experts) * blocks):
-        s, block = task // blocks, task % blocks
-        e = experts[s]
-        for r in range(block * _ROWS_PER_TASK, min(num_out, (block + 1) * _ROWS_PER_TASK)):
-            for i in range(bounds[s], bounds[s + 1]):
-                acc = np.float32(0.0)
-                for j in range(num_in):
-                    acc += weight[e, r, j] * x[i, j]
-                out[i, r] = acc
-
-
 def can_stream(x: torch.Tensor, weight: torch.Tensor, segments: ExpertSegments) -> bool:
     return (
         x.device.type == "cpu"
@@ -110,8 +90,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, segments: ExpertSegmen
     if segments.num_rows == 0:
         return x.new_zeros(0, weight.shape[1])
     if can_stream(x, weight, segments):
+        from densa.kernels.cpu import streaming_matmul as kernels  # imports Numba: on first use
+
         out = torch.empty(x.shape[0], weight.shape[1], dtype=torch.float32)
-        _grouped_streaming_matmul(
+        kernels.grouped_streaming_matmul(
             weight.detach().numpy(),
             x.contiguous().numpy(),
             np.asarray(segments.experts, dtype=np.int64),

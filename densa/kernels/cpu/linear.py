@@ -18,31 +18,8 @@ head (the rows that sample) runs here -- the decoder's own projections are in C+
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from numba import njit, prange
-
-from densa.kernels.cpu import numba_threads  # noqa: F401  (must run before any parallel kernel)
-
-_ROWS_PER_TASK = 16  # weight rows per parallel task: big enough to amortize scheduling
-_TOKEN_BLOCK = 16  # activation rows a task's weight rows pass at a time
-
-
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _streaming_matmul(weight: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    num_out, num_in = weight.shape
-    num_rows = x.shape[0]
-    num_tasks = (num_out + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
-    for task in prange(num_tasks):
-        for t0 in range(0, num_rows, _TOKEN_BLOCK):
-            for r in range(task * _ROWS_PER_TASK, min(num_out, (task + 1) * _ROWS_PER_TASK)):
-                for i in range(t0, min(num_rows, t0 + _TOKEN_BLOCK)):
-                    # The one loop every output runs: same order for any M and any block.
-                    acc = np.float32(0.0)
-                    for j in range(num_in):
-                        acc += weight[r, j] * x[i, j]
-                    out[i, r] = acc
 
 
 def can_stream(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -60,7 +37,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     kernel, anything else by torch."""
     if not can_stream(x, weight):
         return F.linear(x, weight, bias)
+    from densa.kernels.cpu import streaming_matmul as kernels  # imports Numba: on the first call
+
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    _streaming_matmul(weight.detach().numpy(), x.detach().numpy(), out.numpy())
+    kernels.streaming_matmul(weight.detach().numpy(), x.detach().numpy(), out.numpy())
     return out if bias is None else out + bias
