@@ -346,6 +346,8 @@ class LLMEngine:
         running = self.scheduler.running
         self.speculator.keep_only(r.request_id for r in running)
         self.speculator.propose(running, self.config.scheduler.max_model_len)
+        for violation in self.speculator.take_violations():
+            self.integrity_stats.record(violation)
 
     def _take_scheduler_events(self) -> None:
         """Report the requests the scheduler ended itself; count pages it released badly."""

@@ -33,6 +33,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from densa.cache.integrity import IntegrityViolation
 from densa.cache.page_pool import PagePool
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, AttentionMetadata
@@ -47,11 +48,13 @@ from densa.model.weight_loading import GATE_UP_FUSED, FusedWeightLoader
 from densa.spec.paged_rows import (
     ChunkRow,
     chunk_metadata,
+    free_pages_from,
     grow_pages,
     last_rows,
     positions_of,
     prefill_group,
     propose_greedily,
+    stale_page,
 )
 from densa.spec.proposer import SpecInput
 from densa.worker.kv_cache import allocate_kv_caches
@@ -147,6 +150,7 @@ class MTPSequence:
     num_hidden: int = 0
     num_exact: int = 0  # positions [0, num_exact) hold rows computed from the target's h
     page_ids: list[int] = field(default_factory=list)
+    page_tags: list[int] = field(default_factory=list)  # their tags when allocated (paged_rows)
 
     def hidden_rows(self, start: int, end: int) -> torch.Tensor:
         """h_p for p in [start, end) ([end - start, H]); chunks merge once read."""
@@ -187,6 +191,7 @@ class MTPProposer:
         self.max_model_len = max_model_len
         self.pool = PagePool(num_pages)
         self.sequences: dict[str, MTPSequence] = {}
+        self.violations: list[IntegrityViolation] = []  # since the last take_violations
         # One pass of the layer relative to a target step: set next to the target
         # (setup/proposers.py). 0 until then.
         self.cost_per_token = 0.0
@@ -200,7 +205,11 @@ class MTPProposer:
     def release(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
         if seq is not None:
-            self.pool.free(seq.page_ids)
+            free_pages_from(self.pool, seq, 0)
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        violations, self.violations = self.violations, []
+        return violations
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
@@ -225,6 +234,11 @@ class MTPProposer:
         seq = self.sequences.get(spec.request_id)
         n = len(spec.token_ids)
         if seq is None or seq.num_hidden < n - 1 or n < 2:
+            return None
+        violation = stale_page(self.pool, seq, spec.request_id)
+        if violation is not None:  # its rows are gone: the request stops speculating
+            self.violations.append(violation)
+            self.release(spec.request_id)
             return None
         start = min(seq.num_exact, n - 2)  # at least the newest position: it proposes
         end_pos = n - 1 + num_tokens - 1  # rows written: exact ones, then k - 1 self-fed

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from densa.cache.integrity import IntegrityViolation
 
 @dataclass(frozen=True)
 class SpecInput:
@@ -44,4 +45,9 @@ class Proposer(Protocol):
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         """MTP only: the target's last hidden states of the accepted tokens; others ignore it."""
+        ...
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        """Pages of the proposer's own KV that a request found freed behind its back since the
+        last call (the engine counts and logs them); [] for a proposer without pages."""
         ...

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from densa.cache.integrity import IntegrityViolation
 from densa.config import SpeculativeConfig
 from densa.request import Request
 from densa.sched.output import SchedulerOutput
@@ -179,3 +180,8 @@ class Speculator:
     def release(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)
         self.proposer.release(request_id)
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        """Stale pages of the proposer's own KV found since the last call (each ended only its
+        request's speculation)."""
+        return self.proposer.take_violations()
