@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import torch
 
 from densa.cache.integrity import IntegrityViolation
-
 from densa.spec.proposer import SpecInput
 
 DEFAULT_MIN_NGRAM = 2

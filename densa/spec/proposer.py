@@ -15,6 +15,7 @@ import torch
 
 from densa.cache.integrity import IntegrityViolation
 
+
 @dataclass(frozen=True)
 class SpecInput:
     request_id: str
