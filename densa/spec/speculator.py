@@ -170,6 +170,11 @@ class Speculator:
             self._acceptance.setdefault(item.request_id, Acceptance())
             self.proposer.observe_hidden(item.request_id, rows[:num_kept])
 
+    def adopt(self, request_id: str) -> None:
+        """A request whose proposer state arrived from elsewhere (a landed MTP state): tracked
+        from now, so `keep_only` releases it with the others."""
+        self._acceptance.setdefault(request_id, Acceptance())
+
     def keep_only(self, live_request_ids: Iterable[str]) -> None:
         """Release the state of every request not in live_request_ids (finished, aborted or
         preempted: a preempted request recomputes its KV, and a draft model's with it)."""
