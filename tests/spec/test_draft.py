@@ -19,6 +19,8 @@ from densa.model.attention_backends import select_backend
 from densa.model.loader import resolve_model_dir
 from densa.sampling_params import SamplingParams
 from densa.spec.draft import DraftModelProposer, DraftSpec, load_draft_proposer
+from densa.spec.lookup_first import LookupFirstProposer
+from densa.spec.ngram import NgramProposer
 from densa.spec.proposer import SpecInput
 from densa.text.tokenizer import Tokenizer
 from densa.worker.kv_cache import allocate_kv_caches
@@ -146,6 +148,22 @@ def test_a_draft_page_freed_behind_its_request_ends_only_its_speculation(
     proposer.pool.check_consistency({"b": proposer.sequences["b"].page_ids})
     # Next step a rebuilds its draft K/V from its token ids.
     assert proposer.propose([SpecInput("a", a, K)]) == [_greedy(tiny_llm, a, K)]
+
+
+def test_lookup_first_asks_the_draft_only_where_prompt_lookup_finds_nothing(
+    tiny_draft_dir: Path, tiny_model_dir: Path, tiny_llm: LLM
+) -> None:
+    draft = _proposer(tiny_draft_dir, tiny_model_dir, num_pages=16)
+    proposer = LookupFirstProposer(NgramProposer(), draft)
+    copying = [5, 6, 7, 8, 5, 6, 7]  # its tail 5 6 7 occurred before, followed by 8 5 6 7
+    fresh = list(PROMPTS[0])  # no repeated tail
+    got = proposer.propose([SpecInput("copy", copying, K), SpecInput("fresh", fresh, K)])
+    assert got == [[8, 5, 6, 7], _greedy(tiny_llm, fresh, K)]
+    assert list(draft.sequences) == ["fresh"]  # the draft never saw the copying request
+    assert (proposer.num_lookup_answers, proposer.num_draft_answers) == (1, 1)
+    assert proposer.cost_per_token == draft.cost_per_token
+    proposer.release("fresh")
+    assert draft.pool.num_free_pages == 16
 
 
 def test_a_full_pool_proposes_nothing_and_holds_no_pages(
