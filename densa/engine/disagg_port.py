@@ -257,7 +257,13 @@ class KVAgents:
 
 def max_message_bytes(engine: LLMEngine) -> int:
     """The largest message a KV peer may send: a whole prompt's pages in the widest format
-    (float32), plus room for headers. Larger ones are cut off by ZeroMQ before buffering."""
+    (float32), plus room for headers (and an MTP state, where the engine proposes with one).
+    Larger ones are cut off by ZeroMQ before buffering."""
     cache = engine.config.cache
     num_pages = -(-engine.config.scheduler.max_model_len // cache.page_size)
-    return num_pages * page_bytes(engine.arch, cache.page_size, "float32", "dynamic") + (16 << 20)
+    size = num_pages * page_bytes(engine.arch, cache.page_size, "float32", "dynamic") + (16 << 20)
+    if mtp_proposer(engine) is not None:  # the MTP layer's pages (one layer) and a hidden state
+        one_layer = dataclasses.replace(engine.arch, num_layers=1)
+        size += num_pages * page_bytes(one_layer, cache.page_size, "float32", "dynamic")
+        size += 4 * engine.arch.hidden_size
+    return size

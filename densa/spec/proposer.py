@@ -31,7 +31,7 @@ class Proposer(Protocol):
     KV when the target rejected tokens (it compares `token_ids` with what it cached).
     """
 
-    name: str  # "ngram" | "draft" | "mtp"
+    name: str  # "ngram" | "draft" | "mtp" | "ngram+draft"
     # What proposing one token costs, relative to one decode step of the target (the speculator
     # weighs it against what the token is expected to gain): 0 for prompt lookup.
     cost_per_token: float

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from densa.disagg.prefill_side import PrefillState
+from densa.engine.disagg_port import max_message_bytes
 from densa.engine.llm_engine import LLMEngine
 from densa.offline.inproc_pair import InProcessPair
 from densa.sampling_params import SamplingParams
@@ -192,6 +193,14 @@ def test_a_transfer_dropped_after_its_pages_were_sent_frees_the_mtp_pages_on_bot
         pair.close()
     assert agent.stats.counts["late_transfers_dropped"] == 1
     _assert_all_pages_free(pair)
+
+
+def test_the_largest_message_a_peer_may_send_leaves_room_for_the_mtp_state(
+    bigram_mtp_dir: Path,
+) -> None:
+    # 32 pages of 4 tokens; a token's latent row is 32 + 8 float32 values (160 bytes) per layer:
+    # the target's 3 layers, the MTP layer's one, and one hidden state of 64 float32 values.
+    assert max_message_bytes(_engine(bigram_mtp_dir)) == (16 << 20) + 32 * 4 * 160 * (3 + 1) + 256
 
 
 def test_a_prefill_worker_sending_a_wrong_mtp_state_fails_only_its_transfer(
