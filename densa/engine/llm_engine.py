@@ -361,16 +361,16 @@ class LLMEngine:
         self._mtp_states[request_id] = state
 
     def _land_mtp_states(self, step: SchedulerOutput, running_ids: set[str]) -> None:
+        """Hand the MTP proposer the states of the prompts this step landed (running now)."""
         assert self.speculator is not None
+        proposer = self.speculator.proposer
         for landing in step.kv_landings:
-            state = self._mtp_states.pop(landing.request_id, None)
-            proposer = self.speculator.proposer
-            if state is None or landing.request_id not in running_ids:
-                continue
-            if isinstance(proposer, MTPProposer) and proposer.land_prompt(
-                landing.request_id, state
-            ):
-                self.speculator.adopt(landing.request_id)
+            request_id = landing.request_id
+            state = self._mtp_states.pop(request_id, None)
+            if state is None or request_id not in running_ids:
+                continue  # no state came, or the landing failed
+            if isinstance(proposer, MTPProposer) and proposer.land_prompt(request_id, state):
+                self.speculator.adopt(request_id)
         for request_id in [r for r in self._mtp_states if r not in self._tracked]:
             del self._mtp_states[request_id]  # it ended before its landing
 
