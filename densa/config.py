@@ -129,7 +129,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp", "ngram+draft")
+DRAFT_METHODS = ("draft", "ngram+draft")  # the methods that run --speculative-model
 # Speculation stops when more requests than this decode in one step. Verifying k proposals adds
 # k rows to a request's decode row; at batch 1 the step streams every weight for one row, so the
 # extra rows are nearly free, but as the batch grows the projections turn compute-bound and every
@@ -143,8 +144,8 @@ class SpeculativeConfig:
     """Speculative decoding (docs/speculative.md): a proposer guesses up to num_tokens tokens per
     decoding request; the target verifies them in its own decode step."""
 
-    method: str = "ngram"  # ngram | draft | mtp
-    model: str | None = None  # the draft model (method "draft"): a path or a catalog name
+    method: str = "ngram"  # ngram | draft | mtp | ngram+draft (prompt lookup, else the draft)
+    model: str | None = None  # the draft model (DRAFT_METHODS): a path or a catalog name
     num_tokens: int = 4  # most tokens proposed per request and step (k)
     max_batch: int = DEFAULT_SPECULATIVE_MAX_BATCH  # decode requests above which it pauses
     # What proposing one token costs, relative to one target decode step: None = estimated
@@ -158,8 +159,8 @@ class SpeculativeConfig:
                 f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                 f"got {self.method!r}"
             )
-        if self.method == "draft" and not self.model:
-            raise ValueError("speculative method draft needs --speculative-model")
+        if self.method in DRAFT_METHODS and not self.model:
+            raise ValueError(f"speculative method {self.method} needs --speculative-model")
         if self.num_tokens < 1:
             raise ValueError("--num-speculative-tokens must be >= 1")
         if self.max_batch < 1:

@@ -36,6 +36,7 @@ from densa.disagg.landing_checks import invalid_pages, peer_error
 from densa.disagg.ports import DecodeEngine, Landing
 from densa.disagg.stats import AgentStats
 from densa.disagg.transport import KVTransport, TransportError
+from densa.disagg.wire import split_frames
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -189,7 +190,7 @@ class DecodeAgent:
         assert r is not None
         request = m.PrefillRequest(
             transfer.transfer_id, r.prompt_token_ids, r.params, r.cache_scope, r.first_block,
-            r.dest_page_ids, r.dest_tags,
+            r.dest_page_ids, r.dest_tags, r.with_mtp,
         )  # fmt: skip
         self._send_to(transfer, request)
 
@@ -329,9 +330,12 @@ class DecodeAgent:
             self.engine.fail_remote(transfer.request_id, invalid)
             self._close(transfer)
             return
+        parts = split_frames(message, frames)  # checked by invalid_pages
+        mtp_frames = None if parts.mtp_hidden is None else [*parts.mtp_pages, parts.mtp_hidden]
         landing = Landing(
-            message.dest_page_ids, message.dest_tags, message.layout, frames,
+            message.dest_page_ids, message.dest_tags, message.layout, parts.pages,
             message.first_token_id, message.first_logprobs, message.num_cached_tokens,
+            message.mtp, mtp_frames,
         )  # fmt: skip
         started = self.clock()
         refused = self.engine.land_remote(transfer.request_id, landing)

@@ -60,9 +60,20 @@ def expected_page_bytes(architecture: dict[str, Any], page: PageFormat) -> int:
     """Bytes of one page of `page`'s format for this model (what the peer must announce).
     Raises ValueError for a format densa does not serve."""
     kv_format = KVFormat(page.kv_dtype, page.kv_scales)
-    layers, heads, dim = (architecture[k] for k in ("num_layers", "num_kv_heads", "head_dim"))
+    layers, parts, heads, dim = page_geometry(architecture)
     row_bytes = dim * kv_format.value_bytes() + kv_format.scale_bytes_per_row()
-    return 2 * layers * heads * row_bytes * page.page_size
+    return parts * layers * heads * row_bytes * page.page_size
+
+
+def page_geometry(architecture: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """(layers, parts, heads, dim) of a model's pages, from its signature: K and V per KV head,
+    or for latent attention (MLA) one part, one "head" of kv_lora_rank + rope dim values."""
+    mla = architecture.get("mla")
+    if isinstance(mla, dict):
+        latent_dim = mla.get("kv_lora_rank", 0) + mla.get("rope_head_dim", 0)
+        return architecture["num_layers"], 1, 1, latent_dim
+    heads, dim = architecture["num_kv_heads"], architecture["head_dim"]
+    return architecture["num_layers"], 2, heads, dim
 
 
 def mismatch(ours: PeerModel, theirs: PeerModel) -> str | None:

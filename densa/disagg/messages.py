@@ -87,6 +87,9 @@ class PrefillRequest(msgspec.Struct, tag=True):
     first_block: int  # D already caches blocks [0, first_block): send only the rest
     dest_page_ids: Pages  # D's pages for blocks first_block.. in order
     dest_tags: Pages  # their tags when D allocated them; every write must carry them
+    # D proposes with the checkpoint's MTP layer: send that layer's state of the prompt too
+    # (MTPState), if P runs the layer.
+    with_mtp: bool = False
 
 
 class WireLayout(msgspec.Struct, frozen=True):
@@ -111,6 +114,20 @@ class WireLayout(msgspec.Struct, frozen=True):
     # (No checksums: the message's MAC covers every frame, damage and forgery alike.)
 
 
+class MTPState(msgspec.Struct, frozen=True):
+    """The MTP layer's state of a prompt of n tokens (docs/speculative.md, "Prefill/decode
+    split"), in the frames after the target's pages:
+
+    frames (layout): the layer's latent K/V rows of positions [0, num_positions), one layer
+                     of pages [1, num_parts, pages, heads, page_size, dim]; num_positions = n - 1
+    last frame:      h_{n-1}, the target's final hidden state of the last prompt position,
+                     float32 [hidden_size] (the row at n - 1 pairs it with the first token)
+    """
+
+    layout: WireLayout
+    num_positions: int
+
+
 class KVPages(msgspec.Struct, tag=True):
     transfer_id: Id
     dest_page_ids: Pages
@@ -120,6 +137,7 @@ class KVPages(msgspec.Struct, tag=True):
     first_logprobs: TokenLogprobs | None
     num_cached_tokens: int  # prompt tokens P served from its own prefix cache
     prefill_ms: float  # P's time from PrefillRequest to KVPages (queue + compute + packing)
+    mtp: MTPState | None = None  # only when D asked (with_mtp) and P runs the MTP layer
 
 
 class PrefillFailed(msgspec.Struct, tag=True):

@@ -22,6 +22,7 @@ class Reservation:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_scope: str
+    with_mtp: bool = False  # the engine proposes with an MTP layer: ask for its prompt state
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,12 @@ class Landing:
     dest_page_ids: list[int]
     dest_tags: list[int]
     layout: m.WireLayout
-    frames: list[memoryview]
+    frames: list[memoryview]  # the target's pages only
     first_token_id: int
     first_logprobs: TokenLogprobs | None
     num_cached_tokens: int
+    mtp: m.MTPState | None = None  # checked (landing_checks.check_mtp_state)
+    mtp_frames: list[memoryview] | None = None  # its pages' frames, then the hidden state
 
 
 class DecodeEngine(Protocol):
@@ -70,7 +73,10 @@ class PrefillEngine(Protocol):
         """The finished request's held pages in block order (None: it holds none)."""
         ...
 
-    def pack(self, page_ids: list[int]) -> Packed: ...
+    def pack(self, request_id: str, page_ids: list[int], request: m.PrefillRequest) -> Packed:
+        """The held pages (and, when the request asks with_mtp and this engine runs an MTP
+        layer, that layer's state of the prompt: messages.MTPState)."""
+        ...
 
     def abort(self, request_id: str) -> None: ...
 

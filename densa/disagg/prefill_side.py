@@ -168,7 +168,7 @@ class PrefillAgent:
             return
         started = self.clock()
         request = transfer.request
-        packed = self.engine.pack(held[request.first_block :])
+        packed = self.engine.pack(transfer.request_id, held[request.first_block :], request)
         self.stats.add("pack_ms", 1000 * (self.clock() - started))
         transfer.message = m.KVPages(
             transfer_id=transfer.transfer_id,
@@ -179,6 +179,7 @@ class PrefillAgent:
             first_logprobs=delta.new_logprobs[0] if delta.new_logprobs else None,
             num_cached_tokens=delta.num_cached_tokens,
             prefill_ms=1000 * (self.clock() - transfer.received_at),
+            mtp=packed.mtp,
         )
         self._send_pages(transfer, packed)
         self._enter(transfer, PrefillState.HOLDING)
@@ -206,10 +207,11 @@ class PrefillAgent:
             return
         transfer.num_resends += 1
         self.stats.add("resends")
-        packed = self.engine.pack(held[transfer.request.first_block :])
+        request = transfer.request
+        packed = self.engine.pack(transfer.request_id, held[request.first_block :], request)
         message = transfer.message
         assert message is not None
-        transfer.message = msgspec.structs.replace(message, layout=packed.layout)
+        transfer.message = msgspec.structs.replace(message, layout=packed.layout, mtp=packed.mtp)
         self._send_pages(transfer, packed)
 
     def _on_abort(self, transfer: PrefillTransfer) -> None:

@@ -28,7 +28,7 @@ Received = list[tuple[str, list[memoryview]]]
 # Messages queued per socket and direction before more are dropped (the state machines' timeouts
 # take over, as for any lost message): a peer that floods cannot grow our memory without bound.
 HIGH_WATER_MARK = 1000
-MAX_FRAMES = 8  # frames in one message (a header, at most two page buffers, the MAC)
+MAX_FRAMES = 8  # frames in one message (a header, two page buffers, an MTP state's three, the MAC)
 
 
 class TransportError(ValueError):

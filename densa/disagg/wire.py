@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from densa.disagg.messages import WireLayout
+from densa.disagg.messages import KVPages, MTPState, WireLayout
 from densa.formats.kv_format import STATIC, KVFormat
 from densa.model.kv_layout import LayerCache
 from densa.sched.output import PackedPages
@@ -36,6 +36,7 @@ class WireError(ValueError):
 class Packed:
     layout: WireLayout
     frames: list[memoryview]  # raw buffers: values, then per-row scales (if the format has them)
+    mtp: MTPState | None = None  # set: the MTP state's frames follow the pages' (messages.py)
 
     @property
     def num_bytes(self) -> int:
@@ -53,6 +54,39 @@ def pack_pages(caches: Sequence[LayerCache], page_ids: list[int]) -> Packed:
         static_scales=pages.static_scales,
     )
     return Packed(layout, frames)
+
+
+def with_mtp_state(
+    packed: Packed, mtp_cache: LayerCache, page_ids: list[int], num_positions: int, hidden: bytes
+) -> Packed:
+    """`packed` plus the MTP layer's pages (positions [0, num_positions)) and h of the last
+    prompt position (float32 bytes), framed after the target's pages."""
+    pages = pack_pages([mtp_cache], page_ids)
+    state = MTPState(pages.layout, num_positions)
+    return Packed(packed.layout, [*packed.frames, *pages.frames, memoryview(hidden)], state)
+
+
+@dataclass(frozen=True)
+class Frames:
+    """A KVPages message's frames, split by what they hold."""
+
+    pages: list[memoryview]
+    mtp_pages: list[memoryview]  # [] without an MTP state
+    mtp_hidden: memoryview | None
+
+
+def split_frames(message: KVPages, frames: list[memoryview]) -> Frames:
+    """Which frames are the target's pages and which the MTP state's, as the layouts say (the
+    sizes are checked after: check_frames); WireError if their number is not what they say."""
+    num_pages_frames = len(frame_sizes(layout_format(message.layout), [1] * NUM_DIMS))
+    if message.mtp is None:
+        num_mtp = 0
+    else:
+        num_mtp = len(frame_sizes(layout_format(message.mtp.layout), [1] * NUM_DIMS)) + 1
+    if len(frames) != num_pages_frames + num_mtp:
+        raise WireError(f"{len(frames)} frames, expected {num_pages_frames + num_mtp}")
+    rest = frames[num_pages_frames:]
+    return Frames(frames[:num_pages_frames], rest[:-1], rest[-1] if rest else None)
 
 
 def check_frames(layout: WireLayout, frames: list[memoryview], num_pages: int) -> None:

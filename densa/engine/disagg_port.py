@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
 import zmq
 
 from densa.auth.frames import LinkKeys
@@ -18,16 +19,17 @@ from densa.auth.secret import ClusterSecret
 from densa.disagg import wire
 from densa.disagg.decode_side import DecodeAgent
 from densa.disagg.handshake import peer_model
-from densa.disagg.messages import PageFormat, PeerModel, PrefillRequest
+from densa.disagg.messages import MTPState, PageFormat, PeerModel, PrefillRequest
 from densa.disagg.ports import Landing, Reservation
 from densa.disagg.prefill_side import REQUEST_PREFIX, PrefillAgent
 from densa.disagg.transport import KVTransport, ZmqTransport
 from densa.engine.llm_engine import LLMEngine
 from densa.ipc.messages import RequestDelta
-from densa.model.attention import LayerKVCache
+from densa.model.kv_layout import LayerCache
 from densa.model.lineage import checkpoint_lineage
 from densa.model.loader import resolve_model_dir
 from densa.sched.output import KVLanding
+from densa.spec.mtp import MTPProposer, PromptState
 from densa.utils.logging import get_logger
 from densa.utils.net import check_kv_listen
 from densa.worker import kv_io
@@ -49,13 +51,18 @@ def describe(engine: LLMEngine, role: str) -> PeerModel:
     )
 
 
-def layer_caches(engine: LLMEngine) -> list[LayerKVCache]:
-    """The engine's per-layer K/V caches; latent (MLA) caches have no wire format yet."""
-    caches = engine.runner.kv_caches
-    plain = [c for c in caches if isinstance(c, LayerKVCache)]
-    if len(plain) != len(caches):
-        raise ValueError("disaggregation moves K/V pages only: this model's latent KV cache is not")
-    return plain
+def layer_caches(engine: LLMEngine) -> list[LayerCache]:
+    """The engine's per-layer caches: K/V pages, or latent (MLA) pages, one part per layer
+    (kv_io packs and lands either through their parts)."""
+    return list(engine.runner.kv_caches)
+
+
+def mtp_proposer(engine: LLMEngine) -> MTPProposer | None:
+    """The engine's MTP proposer, whose prompt state crosses the split with the pages."""
+    speculator = engine.speculator
+    if speculator is None or not isinstance(speculator.proposer, MTPProposer):
+        return None
+    return speculator.proposer
 
 
 class DecodePort:
@@ -79,6 +86,7 @@ class DecodePort:
             prompt_token_ids=request.prompt_token_ids,
             params=request.sampling_params,
             cache_scope=request.cache_scope,
+            with_mtp=mtp_proposer(self.engine) is not None,
         )
 
     def land_remote(self, request_id: str, landing: Landing) -> str | None:
@@ -93,6 +101,8 @@ class DecodePort:
         )  # fmt: skip
         violation = self.engine.scheduler.queue_landing(kv_landing)
         if violation is None:
+            if landing.mtp is not None and landing.mtp_frames:
+                self.engine.queue_mtp_state(request_id, _mtp_state(landing.mtp, landing.mtp_frames))
             return None
         self.engine.integrity_stats.record(violation)
         self.engine.fail_request(request_id, violation.message)
@@ -125,14 +135,31 @@ class PrefillPort:
     def held_page_ids(self, request_id: str) -> list[int] | None:
         return self.engine.scheduler.held_page_ids(request_id)
 
-    def pack(self, page_ids: list[int]) -> wire.Packed:
-        return wire.pack_pages(layer_caches(self.engine), page_ids)
+    def pack(self, request_id: str, page_ids: list[int], request: PrefillRequest) -> wire.Packed:
+        packed = wire.pack_pages(layer_caches(self.engine), page_ids)
+        mtp = mtp_proposer(self.engine)
+        if not request.with_mtp or mtp is None:
+            return packed
+        state = mtp.export_prompt(request_id, request.prompt_token_ids)
+        if state is None:
+            return packed
+        hidden = state.hidden.numpy().tobytes()
+        return wire.with_mtp_state(packed, mtp.cache, state.page_ids, state.num_positions, hidden)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
 
     def release_held(self, request_id: str) -> None:
         self.engine.scheduler.release_held(request_id)
+        if self.engine.speculator is not None:  # the MTP layer's pages of the prompt
+            self.engine.speculator.release(request_id)
+
+
+def _mtp_state(state: MTPState, frames: list[memoryview]) -> PromptState:
+    """A checked MTP state (landing_checks.check_mtp_state) as the proposer lands it."""
+    hidden = torch.frombuffer(bytearray(frames[-1]), dtype=torch.float32).reshape(1, -1)
+    pages = wire.unpack(state.layout, frames[:-1])
+    return PromptState(state.num_positions, hidden, [], pages)
 
 
 class KVAgents:
@@ -230,7 +257,13 @@ class KVAgents:
 
 def max_message_bytes(engine: LLMEngine) -> int:
     """The largest message a KV peer may send: a whole prompt's pages in the widest format
-    (float32), plus room for headers. Larger ones are cut off by ZeroMQ before buffering."""
+    (float32), plus room for headers (and an MTP state, where the engine proposes with one).
+    Larger ones are cut off by ZeroMQ before buffering."""
     cache = engine.config.cache
     num_pages = -(-engine.config.scheduler.max_model_len // cache.page_size)
-    return num_pages * page_bytes(engine.arch, cache.page_size, "float32", "dynamic") + (16 << 20)
+    size = num_pages * page_bytes(engine.arch, cache.page_size, "float32", "dynamic") + (16 << 20)
+    if mtp_proposer(engine) is not None:  # the MTP layer's pages (one layer) and a hidden state
+        one_layer = dataclasses.replace(engine.arch, num_layers=1)
+        size += num_pages * page_bytes(one_layer, cache.page_size, "float32", "dynamic")
+        size += 4 * engine.arch.hidden_size
+    return size

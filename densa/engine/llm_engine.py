@@ -30,6 +30,7 @@ from densa.sched.output import SchedulerOutput
 from densa.sched.scheduler import Scheduler
 from densa.setup.args import EngineArgs
 from densa.setup.builder import build_engine_parts
+from densa.spec.mtp import MTPProposer, PromptState
 from densa.spec.proposer import Proposer
 from densa.spec.speculator import Speculator
 from densa.text.tokenizer import Tokenizer
@@ -93,6 +94,8 @@ class LLMEngine:
         # Speculative decoding (docs/speculative.md): None unless configured with a proposer.
         spec = config.speculative
         self.speculator = Speculator(proposer, spec) if spec and proposer else None
+        # MTP states that came with queued landings (a decode worker): request id -> state.
+        self._mtp_states: dict[str, PromptState] = {}
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -344,8 +347,32 @@ class LLMEngine:
         self.speculator.observe(step, accepted)
         self.speculator.observe_hidden(step, accepted, hidden)
         running = self.scheduler.running
-        self.speculator.keep_only(r.request_id for r in running)
+        self._land_mtp_states(step, {r.request_id for r in running})
+        # A prefill worker's finished prompt keeps its proposer state while its pages are held
+        # for a transfer: its MTP layer's rows travel with them (docs/speculative.md).
+        self.speculator.keep_only([*(r.request_id for r in running), *self.scheduler.held])
         self.speculator.propose(running, self.config.scheduler.max_model_len)
+        for violation in self.speculator.take_violations():
+            self.integrity_stats.record(violation)
+
+    def queue_mtp_state(self, request_id: str, state: PromptState) -> None:
+        """A decode worker's landing also brought the MTP layer's state of the prompt: it goes to
+        the proposer after the step that lands the pages (and only if that landing succeeds)."""
+        self._mtp_states[request_id] = state
+
+    def _land_mtp_states(self, step: SchedulerOutput, running_ids: set[str]) -> None:
+        """Hand the MTP proposer the states of the prompts this step landed (running now)."""
+        assert self.speculator is not None
+        proposer = self.speculator.proposer
+        for landing in step.kv_landings:
+            request_id = landing.request_id
+            state = self._mtp_states.pop(request_id, None)
+            if state is None or request_id not in running_ids:
+                continue  # no state came, or the landing failed
+            if isinstance(proposer, MTPProposer) and proposer.land_prompt(request_id, state):
+                self.speculator.adopt(request_id)
+        for request_id in [r for r in self._mtp_states if r not in self._tracked]:
+            del self._mtp_states[request_id]  # it ended before its landing
 
     def _take_scheduler_events(self) -> None:
         """Report the requests the scheduler ended itself; count pages it released badly."""

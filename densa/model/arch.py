@@ -111,7 +111,16 @@ class ArchConfig:
         signature: dict[str, Any] = {key: getattr(self, key) for key in keys}
         for part in ("moe", "mla"):  # expert routing and latent KV shapes must match too
             value = getattr(self, part)
-            signature[part] = None if value is None else asdict(value)
+            # tuples as lists: as a peer's signature reads after msgpack (the handshake compares)
+            fields = {} if value is None else asdict(value)
+            signature[part] = (
+                None
+                if value is None
+                else {
+                    key: list(item) if isinstance(item, tuple) else item
+                    for key, item in fields.items()
+                }
+            )
         return signature
 
 

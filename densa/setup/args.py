@@ -12,6 +12,7 @@ from densa.config import (
     AUTO_KV_MEMORY,
     DEFAULT_KV_SCALES,
     DEFAULT_SPECULATIVE_MAX_BATCH,
+    DRAFT_METHODS,
     CacheConfig,
     DeviceConfig,
     DisaggConfig,
@@ -249,8 +250,13 @@ class EngineArgs:
         if self.decode_model is not None and not Path(self.decode_model).expanduser().exists():
             raise ValueError(f"--decode-model {self.decode_model}: no such file or directory")
         self.speculative_config()  # raises ValueError naming the option
-        if self.speculative_method not in (None, "draft") and self.speculative_model is not None:
-            raise ValueError("--speculative-model is a draft model: use it with method draft")
+        if (
+            self.speculative_method not in (None, *DRAFT_METHODS)
+            and self.speculative_model is not None
+        ):
+            raise ValueError(
+                "--speculative-model is a draft model: use it with method draft or ngram+draft"
+            )
 
     # ---- command line --------------------------------------------------------------------------
     @staticmethod

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from densa.config import AUTO_KV_MAX_FRACTION, CacheConfig, SchedulerConfig, SpeculativeConfig
+from densa.config import (
+    AUTO_KV_MAX_FRACTION,
+    DRAFT_METHODS,
+    CacheConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.spec.draft import draft_page_bytes
@@ -102,6 +108,6 @@ def draft_kv_page_bytes(
     speculative: SpeculativeConfig | None, page_size: int, kv_format: KVFormat
 ) -> int:
     """Bytes of one page of the draft model's KV (0 without a draft model)."""
-    if speculative is None or speculative.method != "draft" or speculative.model is None:
+    if speculative is None or speculative.method not in DRAFT_METHODS or not speculative.model:
         return 0
     return draft_page_bytes(speculative.model, page_size, kv_format.name)

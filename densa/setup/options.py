@@ -237,7 +237,8 @@ def _speculative_options(g: argparse._ArgumentGroup, d: EngineArgs) -> None:
         "--speculative-method", default=None, choices=list(SPECULATIVE_METHODS),
         help="speculative decoding (docs/speculative.md): ngram = prompt lookup, draft = a "
         "small model of the same tokenizer (--speculative-model), mtp = the checkpoint's "
-        "multi-token-prediction layer; greedy and sampled outputs keep their distribution",
+        "multi-token-prediction layer, ngram+draft = prompt lookup, the draft model where it "
+        "finds nothing; greedy and sampled outputs keep their distribution",
     )  # fmt: skip
     g.add_argument(
         "--speculative-model", default=None, metavar="PATH_OR_NAME",

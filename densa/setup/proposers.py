@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from densa.config import CacheConfig, ModelConfig, SpeculativeConfig
+from densa.config import DRAFT_METHODS, CacheConfig, ModelConfig, SpeculativeConfig
 from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionBackend
@@ -16,6 +16,7 @@ from densa.model.linear import resident_weight_bytes
 from densa.model.loader import resolve_model_dir
 from densa.model.packed_linear import PACKED_FORMATS
 from densa.spec.draft import DraftModelProposer, DraftSpec, load_draft_proposer
+from densa.spec.lookup_first import LookupFirstProposer
 from densa.spec.mtp import load_mtp_proposer
 from densa.spec.ngram import NgramProposer
 from densa.spec.proposer import Proposer
@@ -50,9 +51,11 @@ def build_proposer(config: SpeculativeConfig | None, target: DraftTarget) -> Pro
 def _build_proposer(config: SpeculativeConfig, target: DraftTarget) -> Proposer:
     if config.method == "ngram":
         return NgramProposer()
-    if config.method == "draft" and config.model is not None:
+    if config.method in DRAFT_METHODS and config.model is not None:
         draft = build_draft_proposer(config.model, config.num_tokens, target)
         draft.cost_per_token = weight_share(draft.model, target)
+        if config.method == "ngram+draft":
+            return LookupFirstProposer(NgramProposer(), draft)
         return draft
     if config.method == "mtp":
         model, cache = target.model, target.cache

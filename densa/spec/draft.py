@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from densa.cache.integrity import IntegrityViolation
 from densa.cache.page_pool import PagePool
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import (
@@ -42,12 +43,14 @@ from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.spec.paged_rows import (
     ChunkRow,
     chunk_metadata,
+    free_pages_from,
     grow_pages,
     last_rows,
     page_table,
     positions_of,
     prefill_group,
     propose_greedily,
+    stale_page,
 )
 from densa.spec.proposer import SpecInput
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
@@ -69,6 +72,7 @@ class DraftSequence:
 
     token_ids: list[int] = field(default_factory=list)  # position i's K/V is in the pages
     page_ids: list[int] = field(default_factory=list)  # page_ids[i // page_size] holds position i
+    page_tags: list[int] = field(default_factory=list)  # their tags when allocated (paged_rows)
 
 
 _Row = ChunkRow[DraftSequence]
@@ -104,6 +108,7 @@ class DraftModelProposer:
         self.vocab_size = vocab_size
         self.pool = PagePool(num_pages)
         self.sequences: dict[str, DraftSequence] = {}
+        self.violations: list[IntegrityViolation] = []  # since the last take_violations
 
     # ---- the Proposer interface ------------------------------------------------------------------
     @torch.inference_mode()
@@ -120,17 +125,31 @@ class DraftModelProposer:
     def release(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
         if seq is not None:
-            self.pool.free(seq.page_ids)
+            free_pages_from(self.pool, seq, 0)
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         """A draft model computes its own hidden states: the target's are not needed."""
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        violations, self.violations = self.violations, []
+        return violations
 
     # ---- per-request KV --------------------------------------------------------------------------
     def _catch_up_row(self, spec: SpecInput, num_tokens: int) -> _Row | None:
         """Truncate the request's pages to what the target accepted, make room for this call's
         tokens, and return the catch-up chunk (None: no room in the draft's pool this step, and
-        the request's pages are freed so it does not hold them while proposing nothing)."""
+        the request's pages are freed so it does not hold them while proposing nothing).
+
+        Before anything reads the pages, their tags are checked: a page freed behind the
+        request's back ends its speculation this step (its draft state is dropped, and rebuilt
+        from its token ids next time). Only speculation: the draft's K/V decides proposals, never
+        output (the target verifies every token), so the request itself goes on."""
         seq = self.sequences.setdefault(spec.request_id, DraftSequence())
+        violation = stale_page(self.pool, seq, spec.request_id)
+        if violation is not None:
+            self.violations.append(violation)
+            self.release(spec.request_id)
+            return None
         token_ids = list(spec.token_ids)
         # At least the last token is recomputed: its row is what proposes the first token.
         keep = min(_common_prefix_len(seq.token_ids, token_ids), len(token_ids) - 1)
@@ -143,10 +162,10 @@ class DraftModelProposer:
         return _Row(seq, token_ids[keep:], keep)
 
     def _truncate_pages(self, seq: DraftSequence, num_tokens: int) -> None:
+        """Roll back to num_tokens positions: pages wholly past them are freed (tags bumped)."""
         num_pages = -(-num_tokens // self.page_size)
         if len(seq.page_ids) > num_pages:
-            self.pool.free(seq.page_ids[num_pages:])
-            del seq.page_ids[num_pages:]
+            free_pages_from(self.pool, seq, num_pages)
 
     # ---- the forward pass ------------------------------------------------------------------------
     def _forward(self, rows: list[_Row]) -> list[int]:

@@ -33,6 +33,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from densa.cache.integrity import IntegrityViolation
 from densa.cache.page_pool import PagePool
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, AttentionMetadata
@@ -44,16 +45,20 @@ from densa.model.linear import Linear
 from densa.model.loader import DTYPES
 from densa.model.moe import stack_experts
 from densa.model.weight_loading import GATE_UP_FUSED, FusedWeightLoader
+from densa.sched.output import PackedPages
 from densa.spec.paged_rows import (
     ChunkRow,
     chunk_metadata,
+    free_pages_from,
     grow_pages,
     last_rows,
     positions_of,
     prefill_group,
     propose_greedily,
+    stale_page,
 )
 from densa.spec.proposer import SpecInput
+from densa.worker import kv_io
 from densa.worker.kv_cache import allocate_kv_caches
 
 # Tensors of the MTP layer that are its own; the rest are the decoder layer's ("block.").
@@ -147,6 +152,7 @@ class MTPSequence:
     num_hidden: int = 0
     num_exact: int = 0  # positions [0, num_exact) hold rows computed from the target's h
     page_ids: list[int] = field(default_factory=list)
+    page_tags: list[int] = field(default_factory=list)  # their tags when allocated (paged_rows)
 
     def hidden_rows(self, start: int, end: int) -> torch.Tensor:
         """h_p for p in [start, end) ([end - start, H]); chunks merge once read."""
@@ -165,6 +171,18 @@ class _Row(ChunkRow[MTPSequence]):
     """token_ids: t_{p+1} for each position p of the chunk."""
 
     hidden: torch.Tensor = field(kw_only=True)  # h_p, [len(token_ids), H]
+
+
+@dataclass(frozen=True)
+class PromptState:
+    """The layer's state of a prompt of n tokens as it crosses a prefill/decode split: its rows
+    of positions [0, n - 1) (exact: each pairs h_p with the prompt's t_{p+1}) and h_{n-1}, which
+    the decode side pairs with the first token to propose (docs/speculative.md)."""
+
+    num_positions: int  # n - 1
+    hidden: torch.Tensor  # h_{n-1}, float32 [1, H]
+    page_ids: list[int]  # exporting: the pages holding the rows (packed by the caller)
+    pages: PackedPages | None = None  # landing: the rows as they arrived
 
 
 class MTPProposer:
@@ -187,6 +205,7 @@ class MTPProposer:
         self.max_model_len = max_model_len
         self.pool = PagePool(num_pages)
         self.sequences: dict[str, MTPSequence] = {}
+        self.violations: list[IntegrityViolation] = []  # since the last take_violations
         # One pass of the layer relative to a target step: set next to the target
         # (setup/proposers.py). 0 until then.
         self.cost_per_token = 0.0
@@ -200,11 +219,60 @@ class MTPProposer:
     def release(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
         if seq is not None:
-            self.pool.free(seq.page_ids)
+            free_pages_from(self.pool, seq, 0)
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        violations, self.violations = self.violations, []
+        return violations
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
         return propose_greedily(inputs, self.max_model_len, self._catch_up_row, self._step)
+
+    # ---- a prefill/decode split ------------------------------------------------------------------
+    @torch.inference_mode()
+    def export_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> PromptState | None:
+        """Prefill side: the prompt's rows (computed now where they are not yet: one chunk) and
+        its last hidden state. None when the target's hidden states of the prompt were not all
+        observed, a page is stale, or the pool has no room: the decode side then gets no state,
+        and the request decodes without MTP proposals."""
+        seq = self.sequences.get(request_id)
+        n = len(prompt_token_ids)
+        if seq is None or seq.num_hidden < n or n < 1 or seq.hidden_start > seq.num_exact:
+            return None
+        if stale_page(self.pool, seq, request_id) is not None:
+            return None
+        if seq.num_exact < n - 1:
+            if not grow_pages(self.pool, seq, n - 1, self.page_size):
+                return None
+            start = seq.num_exact
+            token_ids = [int(t) for t in prompt_token_ids[start + 1 : n]]
+            self._forward([_Row(seq, token_ids, start, hidden=seq.hidden_rows(start, n - 1))])
+            seq.num_exact = n - 1
+        hidden = seq.hidden_rows(n - 1, n).float().cpu()
+        return PromptState(n - 1, hidden, seq.page_ids[: -(-(n - 1) // self.page_size)])
+
+    def land_prompt(self, request_id: str, state: PromptState) -> bool:
+        """Decode side: take a prompt's state from the prefill side into pages of this pool
+        (allocated and tagged now, written at once: no writer is in flight). False, keeping
+        nothing, when the pool has no room, the pages do not fit the layer, or the hidden state
+        is not finite: the request then decodes without MTP proposals."""
+        self.release(request_id)
+        if state.pages is None or not bool(torch.isfinite(state.hidden).all()):
+            return False
+        hidden = state.hidden.to(self.device, self.layer.eh_proj.weight.dtype)
+        seq = MTPSequence([hidden], state.num_positions, state.num_positions + 1,
+                          state.num_positions)  # fmt: skip
+        if not grow_pages(self.pool, seq, state.num_positions, self.page_size):
+            return False
+        try:
+            if seq.page_ids:
+                kv_io.land([self.cache], seq.page_ids, state.pages)
+        except kv_io.LandingError:
+            free_pages_from(self.pool, seq, 0)
+            return False
+        self.sequences[request_id] = seq
+        return True
 
     def _step(self, step: int, rows: list[_Row]) -> list[tuple[int, _Row]]:
         """One forward; a row's next input is its proposal and its own output hidden state."""
@@ -225,6 +293,11 @@ class MTPProposer:
         seq = self.sequences.get(spec.request_id)
         n = len(spec.token_ids)
         if seq is None or seq.num_hidden < n - 1 or n < 2:
+            return None
+        violation = stale_page(self.pool, seq, spec.request_id)
+        if violation is not None:  # its rows are gone: the request stops speculating
+            self.violations.append(violation)
+            self.release(spec.request_id)
             return None
         start = min(seq.num_exact, n - 2)  # at least the newest position: it proposes
         end_pos = n - 1 + num_tokens - 1  # rows written: exact ones, then k - 1 self-fed

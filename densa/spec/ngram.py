@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from densa.cache.integrity import IntegrityViolation
 from densa.spec.proposer import SpecInput
 
 DEFAULT_MIN_NGRAM = 2
@@ -52,6 +53,9 @@ class NgramProposer:
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         return None
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        return []  # no pages of its own
 
 
 def _latest_earlier_match(token_ids: list[int], n: int) -> int | None:

@@ -4,7 +4,14 @@ metadata of a batch of such chunks.
 
     row:       token_ids at positions [start_pos, end_pos) of `seq`
     pages:     seq.page_ids[p // page_size] holds position p's K/V
+    tags:      seq.page_tags[i] is page_ids[i]'s tag when it was allocated for `seq`
     last row:  the chunk's final position, whose output proposes the next token
+
+The proposer's own page pool gives its pages generation tags exactly as the target's does
+(densa/cache/page_pool.py): a page's tag changes when it is allocated and when it is freed (a
+release, or a rollback past a rejected proposal). A sequence records its pages' tags, and
+`stale_page` compares them with the pool's before a forward reads the pages, so a page freed
+behind a sequence's back (and maybe reused by another request) is never read as its own.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
+from densa.cache.integrity import IntegrityViolation, classify
 from densa.cache.page_pool import PagePool
 from densa.model.attention import AttentionGroup, AttentionMetadata, build_group
 from densa.spec.proposer import SpecInput
@@ -22,6 +30,7 @@ from densa.spec.proposer import SpecInput
 
 class PagedSequence(Protocol):
     page_ids: list[int]
+    page_tags: list[int]  # the tag of each of page_ids when it was allocated for this sequence
 
 
 S = TypeVar("S", bound=PagedSequence)
@@ -94,7 +103,33 @@ def grow_pages(pool: PagePool, seq: PagedSequence, num_tokens: int, page_size: i
     if page_ids is None:
         return False
     seq.page_ids.extend(page_ids)
+    seq.page_tags.extend(pool.tags(page_ids))
     return True
+
+
+def free_pages_from(pool: PagePool, seq: PagedSequence, page_idx: int) -> None:
+    """Free the sequence's pages from index page_idx on (their tags change: a rollback or a
+    release). A page whose tag changed already is no longer the sequence's: it is dropped from
+    its list without a free (that would take another owner's reference)."""
+    owned = [
+        page_id
+        for page_id, tag in zip(seq.page_ids[page_idx:], seq.page_tags[page_idx:], strict=True)
+        if pool.tag(page_id) == tag
+    ]
+    pool.free(owned)
+    del seq.page_ids[page_idx:]
+    del seq.page_tags[page_idx:]
+
+
+def stale_page(pool: PagePool, seq: PagedSequence, request_id: str) -> IntegrityViolation | None:
+    """The first page the sequence maps whose tag is not the one it was allocated with (freed
+    or reallocated since), as a violation; None when the sequence still owns all its pages."""
+    for page_id, tag in zip(seq.page_ids, seq.page_tags, strict=True):
+        found = pool.tag(page_id)
+        if found != tag:
+            kind = classify(page_id, tag, pool.num_pages, is_write=False)
+            return IntegrityViolation(request_id, kind, page_id, tag, found)
+    return None
 
 
 def positions_of(rows: Sequence[ChunkRow[Any]]) -> torch.Tensor:

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from densa.cache.integrity import IntegrityViolation
+
 
 @dataclass(frozen=True)
 class SpecInput:
@@ -29,7 +31,7 @@ class Proposer(Protocol):
     KV when the target rejected tokens (it compares `token_ids` with what it cached).
     """
 
-    name: str  # "ngram" | "draft" | "mtp"
+    name: str  # "ngram" | "draft" | "mtp" | "ngram+draft"
     # What proposing one token costs, relative to one decode step of the target (the speculator
     # weighs it against what the token is expected to gain): 0 for prompt lookup.
     cost_per_token: float
@@ -44,4 +46,9 @@ class Proposer(Protocol):
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         """MTP only: the target's last hidden states of the accepted tokens; others ignore it."""
+        ...
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        """Pages of the proposer's own KV that a request found freed behind its back since the
+        last call (the engine counts and logs them); [] for a proposer without pages."""
         ...

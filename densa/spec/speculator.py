@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from densa.cache.integrity import IntegrityViolation
 from densa.config import SpeculativeConfig
 from densa.request import Request
 from densa.sched.output import SchedulerOutput
@@ -169,6 +170,11 @@ class Speculator:
             self._acceptance.setdefault(item.request_id, Acceptance())
             self.proposer.observe_hidden(item.request_id, rows[:num_kept])
 
+    def adopt(self, request_id: str) -> None:
+        """A request whose proposer state arrived from elsewhere (a landed MTP state): tracked
+        from now, so `keep_only` releases it with the others."""
+        self._acceptance.setdefault(request_id, Acceptance())
+
     def keep_only(self, live_request_ids: Iterable[str]) -> None:
         """Release the state of every request not in live_request_ids (finished, aborted or
         preempted: a preempted request recomputes its KV, and a draft model's with it)."""
@@ -179,3 +185,8 @@ class Speculator:
     def release(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)
         self.proposer.release(request_id)
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        """Stale pages of the proposer's own KV found since the last call (each ended only its
+        request's speculation)."""
+        return self.proposer.take_violations()

@@ -13,7 +13,7 @@ from densa_bench.peers.cli import find_llama_server
 
 
 def add_speculative_parser(benchmarks: argparse._SubParsersAction) -> None:
-    from densa_bench.speculative.runner import METHODS, WORKLOADS
+    from densa_bench.speculative.runner import DEFAULT_METHODS, METHODS, WORKLOADS
 
     parser = benchmarks.add_parser(
         "speculative",
@@ -28,7 +28,7 @@ def add_speculative_parser(benchmarks: argparse._SubParsersAction) -> None:
                    "(default: the bundled SmolLM2)")  # fmt: skip
     g.add_argument("--draft-model", default=None, help="the draft GGUF or catalog name "
                    "(default: the target itself)")  # fmt: skip
-    g.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    g.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
     g.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     g.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 32])
     g.add_argument("--prompt-len", type=int, default=320, help="file / passage tokens")

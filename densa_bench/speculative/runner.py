@@ -39,7 +39,9 @@ from densa_bench.peers.specs import DENSA_DEFAULT, SERVE_SH_ARGS, PeerContext, _
 logger = get_logger(__name__)
 
 WORKLOADS = ("code-edit", "chat")
-METHODS = ("off", "ngram", "draft", "llama.cpp-draft")
+METHODS = ("off", "ngram", "draft", "ngram+draft", "llama.cpp-draft")
+# Run unless --methods names others (ngram+draft is not measured yet: opt in).
+DEFAULT_METHODS = ("off", "ngram", "draft", "llama.cpp-draft")
 CODE_EDIT_ASK = (
     "Return the file above unchanged except for one new first line, the comment "
     "`# reviewed`. Write the whole file, nothing else."
@@ -52,7 +54,7 @@ SOURCE_ROOT = Path(densa.__file__).resolve().parent  # densa/: the code-edit fil
 class SpecBenchSettings:
     concurrency: tuple[int, ...] = (1, 4, 8, 32)
     workloads: tuple[str, ...] = WORKLOADS
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = DEFAULT_METHODS
     prompt_len: int = 320  # tokens of file or passage, before the chat template and the ask
     output_len: int = 64
     num_speculative_tokens: int = 4  # densa's k and llama-server's --spec-draft-n-max
@@ -93,6 +95,14 @@ def build_variants(
         "off": [],
         "ngram": ["--speculative-method", "ngram", "--num-speculative-tokens", k],
         "draft": ["--speculative-model", str(draft_gguf), "--num-speculative-tokens", k],
+        "ngram+draft": [
+            "--speculative-method",
+            "ngram+draft",
+            "--speculative-model",
+            str(draft_gguf),
+            "--num-speculative-tokens",
+            k,
+        ],
     }
     specs = []
     for method in settings.methods:

@@ -99,7 +99,7 @@ class FakePrefillEngine:
     def held_page_ids(self, request_id: str) -> list[int] | None:
         return [0, 1] if request_id in self.started else None
 
-    def pack(self, page_ids: list[int]) -> Packed:
+    def pack(self, request_id: str, page_ids: list[int], request: m.PrefillRequest) -> Packed:
         self.num_packs += 1
         layout, frames = page_frames(len(page_ids))
         return Packed(layout, [memoryview(f) for f in frames])

@@ -12,12 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from densa.cache.integrity import IntegrityViolation, ViolationKind
 from densa.engine.llm import LLM
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention_backends import select_backend
 from densa.model.loader import resolve_model_dir
 from densa.sampling_params import SamplingParams
 from densa.spec.draft import DraftModelProposer, DraftSpec, load_draft_proposer
+from densa.spec.lookup_first import LookupFirstProposer
+from densa.spec.ngram import NgramProposer
 from densa.spec.proposer import SpecInput
 from densa.text.tokenizer import Tokenizer
 from densa.worker.kv_cache import allocate_kv_caches
@@ -99,6 +102,68 @@ def test_truncation_frees_the_rejected_pages_and_release_frees_all(
     assert proposer.pool.num_free_pages == 16
     proposer.pool.check_consistency({})
     proposer.release("a")  # releasing twice (finished, then aborted) is harmless
+
+
+def test_draft_pages_carry_tags_bumped_on_rollback_and_release(
+    tiny_draft_dir: Path, tiny_model_dir: Path
+) -> None:
+    """The draft's pool tags pages as the target's does: tag = generation * 16 + page id, bumped
+    when a page is allocated and when it is freed (rollback or release)."""
+    proposer = _proposer(tiny_draft_dir, tiny_model_dir, num_pages=16)
+    prompt = list(range(100, 109))
+    proposer.propose([SpecInput("a", prompt, K)])
+    seq = proposer.sequences["a"]
+    assert (seq.page_ids, seq.page_tags) == ([0, 1, 2], [16, 17, 18])
+    proposer.propose([SpecInput("a", prompt[:3], 1)])  # rolled back to 3 tokens: one page
+    assert (seq.page_ids, seq.page_tags) == ([0], [16])
+    assert proposer.pool.tags([1, 2]) == [33, 34]
+    proposer.release("a")
+    assert proposer.pool.tags([0, 1, 2]) == [32, 33, 34]
+    assert proposer.take_violations() == []
+
+
+def test_a_draft_page_freed_behind_its_request_ends_only_its_speculation(
+    tiny_draft_dir: Path, tiny_model_dir: Path, tiny_llm: LLM
+) -> None:
+    proposer = _proposer(tiny_draft_dir, tiny_model_dir, num_pages=16)
+    a, b = list(range(100, 109)), list(range(200, 209))
+    proposer.propose([SpecInput("a", a, K)])
+    assert proposer.sequences["a"].page_tags == [16, 17, 18]
+    # A bookkeeping bug frees a's page 1 behind its back, and b is given it (tag 17 -> 33 -> 49).
+    proposer.pool.free([1])
+    proposer.pool.move_to_front(1)
+    proposer.propose([SpecInput("b", b, K)])
+    assert proposer.sequences["b"].page_ids == [1, 3, 4]
+    assert proposer.sequences["b"].page_tags == [49, 19, 20]
+    got = proposer.propose([SpecInput("a", a, K), SpecInput("b", b, K)])
+    # a reads nothing and proposes nothing; b, whose pages are its own, proposes as ever.
+    assert got == [[], _greedy(tiny_llm, b, K)]
+    assert proposer.take_violations() == [
+        IntegrityViolation("a", ViolationKind.STALE_READ, 1, expected_tag=17, found_tag=49)
+    ]
+    assert proposer.take_violations() == []
+    # a's state is gone: its own pages freed (tags bumped), b's page 1 untouched.
+    assert "a" not in proposer.sequences
+    assert proposer.pool.tags([0, 1, 2]) == [32, 49, 34]
+    proposer.pool.check_consistency({"b": proposer.sequences["b"].page_ids})
+    # Next step a rebuilds its draft K/V from its token ids.
+    assert proposer.propose([SpecInput("a", a, K)]) == [_greedy(tiny_llm, a, K)]
+
+
+def test_lookup_first_asks_the_draft_only_where_prompt_lookup_finds_nothing(
+    tiny_draft_dir: Path, tiny_model_dir: Path, tiny_llm: LLM
+) -> None:
+    draft = _proposer(tiny_draft_dir, tiny_model_dir, num_pages=16)
+    proposer = LookupFirstProposer(NgramProposer(), draft)
+    copying = [5, 6, 7, 8, 5, 6, 7]  # its tail 5 6 7 occurred before, followed by 8 5 6 7
+    fresh = list(PROMPTS[0])  # no repeated tail
+    got = proposer.propose([SpecInput("copy", copying, K), SpecInput("fresh", fresh, K)])
+    assert got == [[8, 5, 6, 7], _greedy(tiny_llm, fresh, K)]
+    assert list(draft.sequences) == ["fresh"]  # the draft never saw the copying request
+    assert (proposer.num_lookup_answers, proposer.num_draft_answers) == (1, 1)
+    assert proposer.cost_per_token == draft.cost_per_token
+    proposer.release("fresh")
+    assert draft.pool.num_free_pages == 16
 
 
 def test_a_full_pool_proposes_nothing_and_holds_no_pages(

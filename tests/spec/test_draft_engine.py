@@ -14,6 +14,7 @@ from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs, default_model_path
 from densa.setup.kv_sizing import draft_kv_page_bytes, resolve_num_pages
 from densa.spec.draft import DraftModelProposer
+from densa.spec.lookup_first import LookupFirstProposer
 from densa.worker.kv_cache import page_bytes
 from tests.conftest import make_tiny_llama
 
@@ -64,6 +65,22 @@ def test_another_draft_keeps_greedy_output_exact(
     assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == plain_outputs
     speculator = llm.engine.speculator
     assert speculator is not None and speculator.num_proposed_tokens > 0
+
+
+def test_lookup_first_with_a_draft_keeps_greedy_output_exact(
+    tiny_model_dir: Path, other_draft_dir: Path, plain_outputs: list[list[int]]
+) -> None:
+    llm = LLM(
+        str(tiny_model_dir), speculative_method="ngram+draft",
+        speculative_model=str(other_draft_dir), **ENGINE,
+    )  # fmt: skip
+    speculator = llm.engine.speculator
+    assert speculator is not None and isinstance(speculator.proposer, LookupFirstProposer)
+    speculator.proposer.cost_per_token = 0.0  # priced as free: it proposes every step
+    assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == plain_outputs
+    assert speculator.num_proposed_tokens > 0
+    assert speculator.proposer.num_draft_answers > 0
+    assert speculator.proposer.draft.sequences == {}  # released with their requests
 
 
 def test_the_draft_kv_shares_the_budget(tiny_model_dir: Path, other_draft_dir: Path) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from densa.cache.integrity import IntegrityViolation
 from densa.config import SpeculativeConfig
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
@@ -157,6 +158,9 @@ class FixedProposer:
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         return None
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        return []
 
 
 def _sampled_streams(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:

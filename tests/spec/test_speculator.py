@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from densa.cache.integrity import IntegrityViolation
 from densa.config import SpeculativeConfig
 from densa.request import Request, RequestStatus
 from densa.sampling_params import SamplingParams, StructuredOutput
@@ -39,6 +40,9 @@ class Fixed:
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         return None
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        return []
 
 
 def _decoding(request_id: str, num_output: int = 1, **params: object) -> Request:
