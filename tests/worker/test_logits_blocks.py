@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from densa.cache.integrity import IntegrityViolation
 from densa.config import SpeculativeConfig
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
@@ -47,6 +48,9 @@ class RepeatLast:
 
     def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
         return None
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        return []  # it keeps no pages of its own
 
 
 def _generate(
