@@ -164,6 +164,12 @@ def test_densa_serve_speculates_through_the_bench(tmp_path: Path) -> None:
     (wave,) = waves
     (request,) = wave.peer_wave.requests
     assert request.completion_tokens == 9
-    # 1 token from the prompt's step, then steps of 1 + 4 and 1 + 2 accepted: 3 events.
-    assert len(request.event_s) == 3
-    assert wave.spec_counters == (6, 6)  # densa's /metrics over the wave
+    # 1 token from the prompt's step, then one event per verified step of 1 + accepted tokens.
+    # The draft computes the same weights in other chunk shapes (its catch-up rows go through
+    # prefill attention, docs/architecture.md 'Batch invariance'), so a near-tie may reject a
+    # guess: the counts are checked against the stream, not assumed all-accepted.
+    num_steps = len(request.event_s) - 1
+    proposed, accepted = wave.spec_counters or (0, 0)  # densa's /metrics over the wave
+    assert accepted == request.completion_tokens - 1 - num_steps
+    assert accepted <= proposed <= 4 * num_steps
+    assert num_steps <= 4  # 8 tokens after the first in at most 4 steps: guesses were taken
