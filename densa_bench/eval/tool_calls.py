@@ -91,6 +91,7 @@ def case_prompt(
 def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[CaseResult]:
     prompts: list[str | list[int]] = []
     params = []
+    readers: list[ToolCallFormat] = []  # each case's answer is read for its own tools
     calls_format = resolve_format(AUTO, llm.tokenizer)  # as the server chooses it
     for case in cases:
         tools = [ToolDefinition.model_validate(t) for t in case.tools]
@@ -98,6 +99,7 @@ def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[Cas
             calls_format, tools, "required" if mode == "constrained" else "auto", False, None
         )
         prompts.append(case_prompt(llm.tokenizer, case, plan, calls_format))
+        readers.append(calls_format.with_tools(plan.tools))  # as the server binds them
         params.append(
             SamplingParams(
                 temperature=0,
@@ -107,8 +109,9 @@ def ask(llm: LLM, cases: list[ToolCase], mode: str, max_tokens: int) -> list[Cas
             )
         )
     results = []
-    for case, generation in zip(cases, llm.generate(prompts, params), strict=True):
-        parsed = parse_output(calls_format, generation.text)
+    generations = llm.generate(prompts, params)
+    for case, reader, generation in zip(cases, readers, generations, strict=True):
+        parsed = parse_output(reader, generation.text)
         calls = [(c.name, c.arguments) for c in parsed.tool_calls]
         results.append(
             CaseResult(

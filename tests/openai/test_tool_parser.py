@@ -78,6 +78,48 @@ def test_any_split_of_the_stream_gives_the_whole_result(
             assert delta.tool_call.function.arguments == ""
 
 
+WEATHER_TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+HERMES_WEATHER = HERMES.with_tools(WEATHER_TOOLS)
+
+# Fenced JSON blocks (what small Qwen2.5 models write when not constrained): a call only when it
+# names an offered tool with an arguments object; anything else stays content, byte for byte.
+FENCED_CASES: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ('```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```', "", [("get_weather", '{"city": "Paris"}')]),
+    ('I will look.\n```\n{"name": "get_weather", "arguments": {}}\n```\nDone.', "I will look.\nDone.", [("get_weather", "{}")]),
+    ('```json\n{"name": "get_weather", "arguments": {"a": 1}}\n```\n```json\n{"name": "get_weather", "arguments": {"a": 2}}\n```', "", [("get_weather", '{"a": 1}'), ("get_weather", '{"a": 2}')]),
+    ('Example:\n```json\n{"name": "rm_rf", "arguments": {}}\n```\nok', 'Example:\n```json\n{"name": "rm_rf", "arguments": {}}\n```\nok', []),
+    ('```json\n{"name": "get_weather", "arguments": "Paris"}\n```', '```json\n{"name": "get_weather", "arguments": "Paris"}\n```', []),
+    ("Use:\n```python\nprint(1)\n```", "Use:\n```python\nprint(1)\n```", []),
+    ('Text\n```json\n[1, 2]\n```\n', 'Text\n```json\n[1, 2]\n```\n', []),
+    ("a `b` and ``c`` end `", "a `b` and ``c`` end `", []),
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"x": 1}}\n</tool_call>', "", [("get_weather", '{"x": 1}')]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), FENCED_CASES)
+@pytest.mark.parametrize("seed", range(8))
+def test_fenced_blocks_naming_an_offered_tool_are_calls(
+    text: str, content: str, calls: list[tuple[str, str]], seed: int
+) -> None:
+    rng = random.Random(seed)
+    parser = ToolCallParser(HERMES_WEATHER)
+    events, start = [], 0
+    while start < len(text):
+        end = start + (len(text) if seed == 0 else rng.randint(1, 5))  # seed 0: the whole text
+        events += parser.feed(text[start:end])
+        start = end
+    events += parser.finish()
+    assert "".join(e.text for e in events if isinstance(e, Content)) == content
+    assert [(c.name, c.arguments) for c in parser.calls] == calls
+
+
+def test_fenced_blocks_stay_content_without_tools_and_in_other_dialects() -> None:
+    text = '```json\n{"name": "get_weather", "arguments": {}}\n```'
+    assert parse_output(HERMES, text).content == text  # no tools offered: nothing to call
+    llama = LLAMA3_JSON.with_tools(WEATHER_TOOLS)
+    assert parse_output(llama, text).tool_calls == []
+
+
 def test_arguments_stream_before_the_call_is_closed() -> None:
     parser = ToolCallParser(HERMES)
     events = parser.feed('<tool_call>\n{"name": "f", "arguments": {"city": "Par')

@@ -12,7 +12,19 @@ llama3_json (Llama 3.x): the answer is the call itself, several separated by "; 
 
 The parser streams a call's arguments while it is written when the call begins with its name
 (`{"name": ..., "arguments": ...}`, always so under a constraint); otherwise the call is read
-whole once it closes. A block that is not a call stays content.
+whole once it closes. A block that is not a call stays content, byte for byte.
+
+Fenced calls (hermes only). Small Qwen2.5 models, asked with tools but not constrained, often
+write the call as a Markdown JSON block instead of between the <tool_call> tokens:
+
+    ```json
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    ```
+
+(Qwen2.5-Coder-1.5B does so for every BFCL case: 0% valid calls before this was read.) Such a
+block is a call only when the request offered tools, it names one of them and its arguments are
+an object; anything else, a JSON example in an answer included, stays content. llama.cpp's
+server reads these blocks too.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ class JsonCallFormat(ToolCallFormat):
     result_close: str
     tokens: Mapping[str, int] = field(default_factory=dict)
     schemas: Schemas = field(default_factory=dict)
+    reads_fenced_calls: bool = False  # a ```json block naming an offered tool is a call
 
     def markers(self) -> tuple[str, ...]:
         return (self.open_marker, self.close_marker, self.separator)
@@ -92,6 +105,7 @@ HERMES = JsonCallFormat(
     arguments_key="arguments",
     result_open="<tool_response>\n",
     result_close="\n</tool_response>",
+    reads_fenced_calls=True,
 )
 LLAMA3_JSON = JsonCallFormat(
     name="llama3_json",
@@ -135,6 +149,10 @@ class _Scan:
 
 
 _OPEN, _BODY, _AFTER, _PLAIN = "open", "body", "after", "plain"
+FENCE_OPEN = re.compile(r"```(?:json)?[ \t]*\n")  # a Markdown JSON block's first line
+FENCE_CLOSE = "```"
+# What may still grow into FENCE_OPEN at the end of the text so far (held back until it does).
+_FENCE_START = re.compile(r"`{1,3}(?:j(?:s(?:o(?:n)?)?)?)?[ \t]*$")
 
 
 class JsonCallParser:
@@ -151,6 +169,10 @@ class JsonCallParser:
         self._pending = ""  # text not yet turned into events
         self._mode = _OPEN
         self._seen_content = False
+        self._reads_fences = fmt.reads_fenced_calls and bool(fmt.schemas)
+        self._opener = fmt.open_marker.strip()  # what opened the block being read, as written
+        self._closer = self._close_marker  # what ends it
+        self._fenced = False  # the block is a ```json one (read whole, checked against schemas)
         self._reset_body()
 
     def _reset_body(self) -> None:
@@ -179,7 +201,7 @@ class JsonCallParser:
         if self._mode == _BODY and self._args_start is not None:
             self._stream_arguments(events, final=True)
         elif self._mode == _BODY:
-            self._emit_content(events, self._open_marker + self._body)
+            self._emit_content(events, self._opener + self._body)
         elif self._mode in (_OPEN, _PLAIN) and (self._pending.strip() or not self.calls):
             self._emit_content(events, self._pending)
         self._pending = ""
@@ -194,18 +216,40 @@ class JsonCallParser:
                 self._mode = _BODY if is_call else _PLAIN
                 self._pending = stripped if is_call else self._pending
             return
-        idx = self._pending.find(self._open_marker)
-        if idx >= 0:
-            self._emit_content(events, self._pending[:idx].rstrip())
-            self._pending = self._pending[idx + len(self._open_marker) :]
+        start, end, fenced = self._next_opener(self._pending)
+        if start >= 0:
+            before = self._pending[:start]
+            self._emit_content(events, before.rstrip())
+            # The whitespace before the opener goes back into the text if the block is no call.
+            self._opener = before[len(before.rstrip()) :] + self._pending[start:end]
+            self._closer = FENCE_CLOSE if fenced else self._close_marker
+            self._fenced = fenced
+            self._pending = self._pending[end:]
             self._mode = _BODY
             return
-        # Hold back what may begin a marker, and trailing whitespace (it may precede one).
+        # Hold back what may begin an opener, and trailing whitespace (it may precede one).
         text = self._pending
-        rest = text[: len(text) - partial_suffix(text, self._open_marker)]
+        rest = text[: len(text) - self._held_back(text)]
         keep = len(text) - len(rest.rstrip())
         self._emit_content(events, text[: len(text) - keep])
         self._pending = text[len(text) - keep :]
+
+    def _next_opener(self, text: str) -> tuple[int, int, bool]:
+        """Where the first block opener in `text` starts and ends, and whether it is a fence
+        ((-1, -1, False) when there is none yet)."""
+        idx = text.find(self._open_marker)
+        fence = FENCE_OPEN.search(text) if self._reads_fences else None
+        if fence is not None and (idx < 0 or fence.start() < idx):
+            return fence.start(), fence.end(), True
+        if idx >= 0:
+            return idx, idx + len(self._open_marker), False
+        return -1, -1, False
+
+    def _held_back(self, text: str) -> int:
+        """How many chars at the end of `text` may be the start of an opener."""
+        held = partial_suffix(text, self._open_marker)
+        fence = _FENCE_START.search(text) if self._reads_fences else None
+        return max(held, len(text) - fence.start()) if fence is not None else held
 
     def _plain(self, events: list[Event]) -> None:
         self._emit_content(events, self._pending)
@@ -222,11 +266,11 @@ class JsonCallParser:
                 break
         self._pending = self._pending[consumed:]
         if not self._scan.started and self._pending:  # something other than "{" came first
-            self._emit_content(events, self._open_marker + self._body)
+            self._emit_content(events, self._opener + self._body)
             self._reset_body()
             self._mode = _OPEN if self._open_marker else _PLAIN
             return
-        if self._args_start is None:
+        if self._args_start is None and not self._fenced:  # a fence is read whole: is it a call?
             self._match_header(events)
         if self._args_start is not None:
             self._stream_arguments(events, final=self._scan.closed)
@@ -274,22 +318,32 @@ class JsonCallParser:
             events.append(CallArguments(len(self.calls) - 1, fragment))
 
     def _close_body(self, events: list[Event]) -> None:
-        if self._args_start is None:  # a call not written name-first: read it whole
+        is_call = True
+        if self._args_start is None:  # a call not written name-first (or fenced): read it whole
             call = _load(self._body)
-            args_key = self.fmt.arguments_key
-            if isinstance(call, dict) and isinstance(call.get("name"), str) and args_key in call:
+            is_call = self._is_call(call)
+            if is_call:
                 self._start_call(events, call["name"])
-                arguments = json.dumps(call[args_key], ensure_ascii=False)
+                arguments = json.dumps(call[self.fmt.arguments_key], ensure_ascii=False)
                 self.calls[-1].arguments = arguments
                 events.append(CallArguments(len(self.calls) - 1, arguments))
             else:
-                self._emit_content(events, self._open_marker + self._body)
+                self._emit_content(events, self._opener + self._body)
         self._reset_body()
-        self._mode = _AFTER
+        # A fence that held no call keeps its closing ``` as content too.
+        self._mode = _OPEN if self._fenced and not is_call else _AFTER
+
+    def _is_call(self, call: Any) -> bool:
+        args_key = self.fmt.arguments_key
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str) and args_key in call):
+            return False
+        if not self._fenced:
+            return True
+        return call["name"] in self.fmt.schemas and isinstance(call[args_key], dict)
 
     def _end_call(self, events: list[Event]) -> None:
         stripped = self._pending.lstrip()
-        marker = self._close_marker
+        marker = self._closer
         if not stripped:
             return
         if marker and stripped.startswith(marker):
