@@ -30,7 +30,10 @@ class PagePoolError(RuntimeError):
 
 
 class PagePool:
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, mirrored: bool = True) -> None:
+        """mirrored: the worker keeps a device-side copy of the tags, fed by
+        `drain_tag_updates` (the target's pool). A pool nobody mirrors (a proposer's own,
+        spec/paged_rows.py) queues no updates: nothing would ever drain them."""
         if num_pages < 1:
             raise ValueError("the page pool needs at least one page")
         self.num_pages = num_pages
@@ -45,6 +48,7 @@ class PagePool:
         self._on_evict: Callable[[int], object] | None = None
         # Tag changes not yet mirrored by the worker's device-side tag table.
         self._tag_updates: list[tuple[int, int]] = []
+        self._mirrored = mirrored
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -130,7 +134,8 @@ class PagePool:
 
     def _bump_tag(self, page_id: int) -> None:
         self._tags[page_id] += self.num_pages
-        self._tag_updates.append((page_id, self._tags[page_id]))
+        if self._mirrored:
+            self._tag_updates.append((page_id, self._tags[page_id]))
 
     # ---- checks (tests run this after every engine step) ---------------------------------------
     def check_consistency(self, owners: dict[str, list[int]]) -> None:

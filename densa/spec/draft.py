@@ -106,7 +106,7 @@ class DraftModelProposer:
         self.cost_per_token = 0.0
         # Proposals beyond the target's vocabulary (a draft's padded rows) could not be verified.
         self.vocab_size = vocab_size
-        self.pool = PagePool(num_pages)
+        self.pool = PagePool(num_pages, mirrored=False)  # its tags: paged_rows.stale_page
         self.sequences: dict[str, DraftSequence] = {}
         self.violations: list[IntegrityViolation] = []  # since the last take_violations
 

@@ -203,7 +203,7 @@ class MTPProposer:
         self.layer, self.cache = layer, cache
         self.page_size, self.backend, self.device = page_size, backend, device
         self.max_model_len = max_model_len
-        self.pool = PagePool(num_pages)
+        self.pool = PagePool(num_pages, mirrored=False)  # its tags: paged_rows.stale_page
         self.sequences: dict[str, MTPSequence] = {}
         self.violations: list[IntegrityViolation] = []  # since the last take_violations
         # One pass of the layer relative to a target step: set next to the target

@@ -18,6 +18,18 @@ def test_allocate_takes_lowest_free_pages_first_and_bumps_tags() -> None:
     assert pool.ref_count(0) == 1
 
 
+def test_a_pool_nobody_mirrors_keeps_no_tag_updates() -> None:
+    """A proposer's own pool (spec/paged_rows.py) has no device-side tag table to mirror into,
+    so nothing drains its updates: it must not queue them, or it grows by one entry per page
+    allocated or freed for the server's whole life. Its tags change exactly as ever."""
+    pool = PagePool(4, mirrored=False)
+    for _ in range(2):
+        assert pool.allocate(4) == [0, 1, 2, 3]
+        pool.free([0, 1, 2, 3])
+    assert pool.tags([0, 1, 2, 3]) == [16, 17, 18, 19]  # 4 changes each: generation 4
+    assert pool.drain_tag_updates() == []
+
+
 def test_allocate_too_many_returns_none_and_changes_nothing() -> None:
     pool = PagePool(3)
     pool.allocate(2)

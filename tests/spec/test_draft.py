@@ -122,6 +122,22 @@ def test_draft_pages_carry_tags_bumped_on_rollback_and_release(
     assert proposer.take_violations() == []
 
 
+def test_the_drafts_pool_queues_no_tag_updates_nobody_reads(
+    tiny_draft_dir: Path, tiny_model_dir: Path
+) -> None:
+    """Only the target pool's tag changes are mirrored (the scheduler drains them into each
+    step); the draft's pool must not queue its own, or a long-running server keeps an entry for
+    every draft page ever allocated or freed."""
+    proposer = _proposer(tiny_draft_dir, tiny_model_dir, num_pages=16)
+    prompt = list(range(100, 109))
+    for _ in range(3):  # allocate, roll back, release
+        proposer.propose([SpecInput("a", prompt, K)])
+        proposer.propose([SpecInput("a", prompt[:3], 1)])
+        proposer.release("a")
+    assert proposer.pool.num_free_pages == 16
+    assert proposer.pool.drain_tag_updates() == []
+
+
 def test_a_draft_page_freed_behind_its_request_ends_only_its_speculation(
     tiny_draft_dir: Path, tiny_model_dir: Path, tiny_llm: LLM
 ) -> None:

@@ -167,6 +167,20 @@ def test_without_the_targets_hidden_states_it_proposes_nothing(mtp_model_dir: Pa
     assert proposer.propose([SpecInput("r", [1, 2, 3, 4], K)]) == [[]]
 
 
+def test_the_mtp_pool_queues_no_tag_updates_nobody_reads(mtp_model_dir: Path) -> None:
+    """Only the target pool's tag changes are mirrored into the worker's table; the MTP
+    layer's own pool must not queue its own for a reader that never comes."""
+    proposer = _proposer(mtp_model_dir)
+    width = ArchConfig.from_dir(mtp_model_dir).hidden_size
+    prompt = [5, 17, 230, 1234, 9, 88, 4021, 77, 301, 3000]
+    for request_id in ("a", "b"):
+        proposer.observe_hidden(request_id, torch.randn(len(prompt) - 1, width))
+        assert len(proposer.propose([SpecInput(request_id, prompt, K)])[0]) == K
+        proposer.release(request_id)
+    assert proposer.pool.num_free_pages == 32
+    assert proposer.pool.drain_tag_updates() == []
+
+
 def test_a_checkpoint_without_mtp_layers_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match="no multi-token-prediction layer"):
         load_mtp_proposer(

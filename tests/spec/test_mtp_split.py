@@ -223,3 +223,25 @@ def test_a_prefill_worker_sending_a_wrong_mtp_state_fails_only_its_transfer(
         "positions for a prompt of 11 tokens)"
     ]
     _assert_all_pages_free(pair)
+
+
+def test_an_mtp_state_that_cannot_be_made_sends_the_pages_without_it(
+    bigram_mtp_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill worker makes the MTP state while it packs the pages (a pass of the layer
+    over the prompt), outside the engine step's fault confinement: if that pass raises, the
+    pages still go, without the state, and the request decodes (without MTP proposals) to the
+    co-located output; neither engine stops."""
+    reference, _, _ = _colocated(bigram_mtp_dir)
+    pair = InProcessPair(_engine(bigram_mtp_dir), _engine(bigram_mtp_dir))
+
+    def broken(self: MTPProposer, request_id: str, prompt: Any) -> PromptState | None:
+        raise RuntimeError("the MTP layer's pass failed")
+
+    monkeypatch.setattr(MTPProposer, "export_prompt", broken)
+    try:
+        tokens, errors = _split(pair)
+    finally:
+        pair.close()
+    assert errors == [] and tokens == reference
+    _assert_all_pages_free(pair)
