@@ -240,7 +240,10 @@ class MTPProposer:
         n = len(prompt_token_ids)
         if seq is None or seq.num_hidden < n or n < 1 or seq.hidden_start > seq.num_exact:
             return None
-        if stale_page(self.pool, seq, request_id) is not None:
+        violation = stale_page(self.pool, seq, request_id)
+        if violation is not None:  # counted like any other: docs/integrity.md
+            self.violations.append(violation)
+            self.release(request_id)
             return None
         if seq.num_exact < n - 1:
             if not grow_pages(self.pool, seq, n - 1, self.page_size):

@@ -181,6 +181,23 @@ def test_the_mtp_pool_queues_no_tag_updates_nobody_reads(mtp_model_dir: Path) ->
     assert proposer.pool.drain_tag_updates() == []
 
 
+def test_a_stale_page_found_at_export_is_reported_and_sends_no_state(mtp_model_dir: Path) -> None:
+    """The prefill side exports a prompt's MTP rows only from pages it still owns; a page freed
+    behind the request is counted as a violation and the request's pages are released."""
+    proposer = _proposer(mtp_model_dir)
+    width = ArchConfig.from_dir(mtp_model_dir).hidden_size
+    prompt = [5, 17, 230, 1234, 9, 88, 4021, 77, 301, 3000]
+    proposer.observe_hidden("r", torch.randn(len(prompt), width))
+    assert len(proposer.propose([SpecInput("r", prompt, K)])[0]) == K
+    seq = proposer.sequences["r"]
+    stale, tag = seq.page_ids[0], seq.page_tags[0]
+    proposer.pool.free([stale])  # behind the request's back: the tag moves on
+    assert proposer.export_prompt("r", prompt) is None
+    (violation,) = proposer.take_violations()
+    assert (violation.request_id, violation.page_id, violation.expected_tag) == ("r", stale, tag)
+    assert "r" not in proposer.sequences and proposer.take_violations() == []
+
+
 def test_a_checkpoint_without_mtp_layers_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ModelLoadError, match="no multi-token-prediction layer"):
         load_mtp_proposer(
