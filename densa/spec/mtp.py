@@ -240,10 +240,7 @@ class MTPProposer:
         n = len(prompt_token_ids)
         if seq is None or seq.num_hidden < n or n < 1 or seq.hidden_start > seq.num_exact:
             return None
-        violation = stale_page(self.pool, seq, request_id)
-        if violation is not None:  # counted like any other: docs/integrity.md
-            self.violations.append(violation)
-            self.release(request_id)
+        if self._dropped_if_stale(seq, request_id):
             return None
         if seq.num_exact < n - 1:
             if not grow_pages(self.pool, seq, n - 1, self.page_size):
@@ -297,10 +294,7 @@ class MTPProposer:
         n = len(spec.token_ids)
         if seq is None or seq.num_hidden < n - 1 or n < 2:
             return None
-        violation = stale_page(self.pool, seq, spec.request_id)
-        if violation is not None:  # its rows are gone: the request stops speculating
-            self.violations.append(violation)
-            self.release(spec.request_id)
+        if self._dropped_if_stale(seq, spec.request_id):  # its rows are gone: no proposals
             return None
         start = min(seq.num_exact, n - 2)  # at least the newest position: it proposes
         end_pos = n - 1 + num_tokens - 1  # rows written: exact ones, then k - 1 self-fed
@@ -308,6 +302,17 @@ class MTPProposer:
             return None
         token_ids = [int(t) for t in spec.token_ids[start + 1 : n]]
         return _Row(seq, token_ids, start, hidden=seq.hidden_rows(start, n - 1))
+
+    def _dropped_if_stale(self, seq: MTPSequence, request_id: str) -> bool:
+        """Whether a page of the request was freed behind its back; if so the violation is
+        kept for take_violations (counted like any other, docs/integrity.md) and the request's
+        MTP state released: it decodes on without MTP proposals."""
+        violation = stale_page(self.pool, seq, request_id)
+        if violation is None:
+            return False
+        self.violations.append(violation)
+        self.release(request_id)
+        return True
 
     def _forward(self, rows: list[_Row]) -> tuple[list[int], torch.Tensor]:
         """Argmax next token and output hidden state of each row's last position."""
