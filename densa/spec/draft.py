@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from densa.cache.integrity import IntegrityViolation
-from densa.cache.page_pool import PagePool
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import (
     AttentionBackend,
@@ -42,6 +40,7 @@ from densa.model.kv_layout import LayerCache
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.spec.paged_rows import (
     ChunkRow,
+    OwnPages,
     chunk_metadata,
     free_pages_from,
     grow_pages,
@@ -50,9 +49,8 @@ from densa.spec.paged_rows import (
     positions_of,
     prefill_group,
     propose_greedily,
-    stale_page,
 )
-from densa.spec.proposer import SpecInput
+from densa.spec.proposer import SpecInput, TargetRows
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
@@ -78,7 +76,7 @@ class DraftSequence:
 _Row = ChunkRow[DraftSequence]
 
 
-class DraftModelProposer:
+class DraftModelProposer(OwnPages[DraftSequence]):
     """Proposes the draft model's own greedy continuation (see the module docstring)."""
 
     name = "draft"
@@ -106,9 +104,7 @@ class DraftModelProposer:
         self.cost_per_token = 0.0
         # Proposals beyond the target's vocabulary (a draft's padded rows) could not be verified.
         self.vocab_size = vocab_size
-        self.pool = PagePool(num_pages, mirrored=False)  # its tags: paged_rows.stale_page
-        self.sequences: dict[str, DraftSequence] = {}
-        self.violations: list[IntegrityViolation] = []  # since the last take_violations
+        super().__init__(num_pages)
 
     # ---- the Proposer interface ------------------------------------------------------------------
     @torch.inference_mode()
@@ -122,17 +118,8 @@ class DraftModelProposer:
             row.seq.token_ids.extend(row.token_ids)
         return [(t, _Row(row.seq, [t], row.end_pos)) for row, t in zip(rows, next_ids, strict=True)]
 
-    def release(self, request_id: str) -> None:
-        seq = self.sequences.pop(request_id, None)
-        if seq is not None:
-            free_pages_from(self.pool, seq, 0)
-
-    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+    def observe_hidden(self, request_id: str, rows: TargetRows) -> None:
         """A draft model computes its own hidden states: the target's are not needed."""
-
-    def take_violations(self) -> list[IntegrityViolation]:
-        violations, self.violations = self.violations, []
-        return violations
 
     # ---- per-request KV --------------------------------------------------------------------------
     def _catch_up_row(self, spec: SpecInput, num_tokens: int) -> _Row | None:
@@ -145,10 +132,7 @@ class DraftModelProposer:
         from its token ids next time). Only speculation: the draft's K/V decides proposals, never
         output (the target verifies every token), so the request itself goes on."""
         seq = self.sequences.setdefault(spec.request_id, DraftSequence())
-        violation = stale_page(self.pool, seq, spec.request_id)
-        if violation is not None:
-            self.violations.append(violation)
-            self.release(spec.request_id)
+        if self._dropped_if_stale(seq, spec.request_id):
             return None
         token_ids = list(spec.token_ids)
         # At least the last token is recomputed: its row is what proposes the first token.

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from densa.cache.integrity import IntegrityViolation
 from densa.spec.draft import DraftModelProposer
 from densa.spec.ngram import NgramProposer
-from densa.spec.proposer import SpecInput
+from densa.spec.proposer import SpecInput, TargetRows
 
 
 class LookupFirstProposer:
@@ -47,7 +45,7 @@ class LookupFirstProposer:
     def release(self, request_id: str) -> None:
         self.draft.release(request_id)
 
-    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+    def observe_hidden(self, request_id: str, rows: TargetRows) -> None:
         """Neither reads the target's hidden states."""
 
     def take_violations(self) -> list[IntegrityViolation]:

@@ -19,6 +19,13 @@ positions are recomputed next call from the target's own states:
 
     positions:  0 .. n-2          | n-1 .. n+k-3
                 exact (target h)  | self-fed: overwritten on the next call
+
+A request that does not propose for a while (its batch too large to speculate, a low
+acceptance) would keep every h_p it is handed until it proposes again; once FOLD_ROWS of them
+wait, they are folded into exact rows at once (the same work a later catch-up would do), so a
+request holds at most FOLD_ROWS + 1 hidden states. A request whose positions were not all seen
+from 0 on (a prefix-cache hit, a state dropped or never landed) cannot have exact rows: the
+proposer ignores it and it decodes without MTP proposals.
 """
 
 from __future__ import annotations
@@ -33,8 +40,6 @@ from typing import cast
 import torch
 from torch import nn
 
-from densa.cache.integrity import IntegrityViolation
-from densa.cache.page_pool import PagePool
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, AttentionMetadata
 from densa.model.checkpoint_files import iter_checkpoint, safetensors_files
@@ -48,6 +53,7 @@ from densa.model.weight_loading import GATE_UP_FUSED, FusedWeightLoader
 from densa.sched.output import PackedPages
 from densa.spec.paged_rows import (
     ChunkRow,
+    OwnPages,
     chunk_metadata,
     free_pages_from,
     grow_pages,
@@ -55,14 +61,16 @@ from densa.spec.paged_rows import (
     positions_of,
     prefill_group,
     propose_greedily,
-    stale_page,
 )
-from densa.spec.proposer import SpecInput
+from densa.spec.proposer import SpecInput, TargetRows
 from densa.worker import kv_io
 from densa.worker.kv_cache import allocate_kv_caches
 
 # Tensors of the MTP layer that are its own; the rest are the decoder layer's ("block.").
 _OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+# Hidden states a request may hold beyond its exact rows before they are folded into rows: a
+# 64-position chunk of one layer is cheap, and 64 x H values per request bound its memory.
+FOLD_ROWS = 64
 
 
 class SharedHead(nn.Module):
@@ -145,9 +153,11 @@ def num_mtp_layers(model_dir: Path) -> int:
 class MTPSequence:
     """One request's MTP state: the target's hidden states and the MTP layer's pages."""
 
-    # h_p for positions [hidden_start, num_hidden), in [n_i, H] chunks; rows before num_exact
-    # are dropped once their KV rows are written (a long request keeps few hidden states).
+    # h_p for positions [hidden_start, num_hidden), in [n_i, H] chunks, and the t_{p+1} each
+    # pairs with (all but the newest); those before num_exact are dropped once their KV rows
+    # are written (a request keeps few of them).
     hidden: list[torch.Tensor] = field(default_factory=list)
+    next_token_ids: list[int] = field(default_factory=list)
     hidden_start: int = 0
     num_hidden: int = 0
     num_exact: int = 0  # positions [0, num_exact) hold rows computed from the target's h
@@ -163,6 +173,7 @@ class MTPSequence:
     def drop_hidden_before(self, position: int) -> None:
         if self.hidden and position > self.hidden_start:
             self.hidden = [torch.cat(self.hidden)[position - self.hidden_start :]]
+            self.next_token_ids = self.next_token_ids[position - self.hidden_start :]
             self.hidden_start = position
 
 
@@ -185,7 +196,7 @@ class PromptState:
     pages: PackedPages | None = None  # landing: the rows as they arrived
 
 
-class MTPProposer:
+class MTPProposer(OwnPages[MTPSequence]):
     """Proposes with the checkpoint's MTP layer from the target's hidden states."""
 
     name = "mtp"
@@ -203,27 +214,43 @@ class MTPProposer:
         self.layer, self.cache = layer, cache
         self.page_size, self.backend, self.device = page_size, backend, device
         self.max_model_len = max_model_len
-        self.pool = PagePool(num_pages, mirrored=False)  # its tags: paged_rows.stale_page
-        self.sequences: dict[str, MTPSequence] = {}
-        self.violations: list[IntegrityViolation] = []  # since the last take_violations
+        super().__init__(num_pages)
         # One pass of the layer relative to a target step: set next to the target
         # (setup/proposers.py). 0 until then.
         self.cost_per_token = 0.0
 
-    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
-        """The target's final hidden states ([n, H]) of the next n positions it put in its KV."""
-        seq = self.sequences.setdefault(request_id, MTPSequence())
-        seq.hidden.append(hidden.detach().to(self.device).clone())  # not a view of the step's
-        seq.num_hidden += hidden.shape[0]
+    def observe_hidden(self, request_id: str, rows: TargetRows) -> None:
+        """The target's final hidden states of the next positions it put in its KV; folded into
+        rows once FOLD_ROWS of them wait (module docstring)."""
+        seq = self.sequences.get(request_id)
+        if seq is None and rows.start_pos == 0:
+            seq = self.sequences[request_id] = MTPSequence()
+        if seq is None:
+            return  # positions before start_pos were never seen: no exact rows can exist
+        if rows.start_pos != seq.num_hidden:
+            self.release(request_id)  # a gap: the rows after it could not be exact
+            return
+        seq.hidden.append(rows.hidden.detach().to(self.device).clone())  # not the step's view
+        # t_s pairs with h_{s-1}; the prompt's first token pairs with nothing
+        seq.next_token_ids.extend(rows.token_ids[1:] if rows.start_pos == 0 else rows.token_ids)
+        seq.num_hidden += len(rows.token_ids)
+        if seq.num_hidden - 1 - seq.num_exact > FOLD_ROWS:
+            self._fold(request_id, seq)
 
-    def release(self, request_id: str) -> None:
-        seq = self.sequences.pop(request_id, None)
-        if seq is not None:
-            free_pages_from(self.pool, seq, 0)
-
-    def take_violations(self) -> list[IntegrityViolation]:
-        violations, self.violations = self.violations, []
-        return violations
+    @torch.inference_mode()
+    def _fold(self, request_id: str, seq: MTPSequence) -> None:
+        """Write the exact rows of positions [num_exact, num_hidden - 1) now (each pairs h_p
+        with t_{p+1}), keeping only the newest h; no room in the pool or a stale page: the
+        request's MTP state goes, and it decodes on without proposals."""
+        if self._dropped_if_stale(seq, request_id):
+            return
+        end = seq.num_hidden - 1
+        if not grow_pages(self.pool, seq, end, self.page_size):
+            self.release(request_id)
+            return
+        start = seq.num_exact
+        token_ids = seq.next_token_ids[start - seq.hidden_start : end - seq.hidden_start]
+        self._step(0, [_Row(seq, token_ids, start, hidden=seq.hidden_rows(start, end))])
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
@@ -261,8 +288,8 @@ class MTPProposer:
         if state.pages is None or not bool(torch.isfinite(state.hidden).all()):
             return False
         hidden = state.hidden.to(self.device, self.layer.eh_proj.weight.dtype)
-        seq = MTPSequence([hidden], state.num_positions, state.num_positions + 1,
-                          state.num_positions)  # fmt: skip
+        n = state.num_positions + 1
+        seq = MTPSequence([hidden], hidden_start=n - 1, num_hidden=n, num_exact=n - 1)
         if not grow_pages(self.pool, seq, state.num_positions, self.page_size):
             return False
         try:
@@ -302,17 +329,6 @@ class MTPProposer:
             return None
         token_ids = [int(t) for t in spec.token_ids[start + 1 : n]]
         return _Row(seq, token_ids, start, hidden=seq.hidden_rows(start, n - 1))
-
-    def _dropped_if_stale(self, seq: MTPSequence, request_id: str) -> bool:
-        """Whether a page of the request was freed behind its back; if so the violation is
-        kept for take_violations (counted like any other, docs/integrity.md) and the request's
-        MTP state released: it decodes on without MTP proposals."""
-        violation = stale_page(self.pool, seq, request_id)
-        if violation is None:
-            return False
-        self.violations.append(violation)
-        self.release(request_id)
-        return True
 
     def _forward(self, rows: list[_Row]) -> tuple[list[int], torch.Tensor]:
         """Argmax next token and output hidden state of each row's last position."""

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from densa.cache.integrity import IntegrityViolation
-from densa.spec.proposer import SpecInput
+from densa.spec.proposer import SpecInput, TargetRows
 
 DEFAULT_MIN_NGRAM = 2
 DEFAULT_MAX_NGRAM = 4
@@ -51,7 +49,7 @@ class NgramProposer:
     def release(self, request_id: str) -> None:
         return None
 
-    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+    def observe_hidden(self, request_id: str, rows: TargetRows) -> None:
         return None
 
     def take_violations(self) -> list[IntegrityViolation]:

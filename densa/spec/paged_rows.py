@@ -132,6 +132,38 @@ def stale_page(pool: PagePool, seq: PagedSequence, request_id: str) -> Integrity
     return None
 
 
+class OwnPages(Generic[S]):
+    """A proposer's pages in a pool of its own: each request's sequence, its release, and the
+    stale pages found before a read (kept for the engine to count: `take_violations`)."""
+
+    def __init__(self, num_pages: int) -> None:
+        # Unmirrored: only the target pool's tags are mirrored into the worker's table; the
+        # proposer checks its own with stale_page.
+        self.pool = PagePool(num_pages, mirrored=False)
+        self.sequences: dict[str, S] = {}
+        self.violations: list[IntegrityViolation] = []  # since the last take_violations
+
+    def release(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None:
+            free_pages_from(self.pool, seq, 0)
+
+    def take_violations(self) -> list[IntegrityViolation]:
+        violations, self.violations = self.violations, []
+        return violations
+
+    def _dropped_if_stale(self, seq: S, request_id: str) -> bool:
+        """Whether a page of the request was freed behind its back; if so the violation is
+        kept (counted like the target's, docs/integrity.md) and the request's state released:
+        that ends its speculation, never the request (the target verifies every token)."""
+        violation = stale_page(self.pool, seq, request_id)
+        if violation is None:
+            return False
+        self.violations.append(violation)
+        self.release(request_id)
+        return True
+
+
 def positions_of(rows: Sequence[ChunkRow[Any]]) -> torch.Tensor:
     """[T] int64: every row's positions, row after row (on the host)."""
     positions = [p for row in rows for p in range(row.start_pos, row.end_pos)]

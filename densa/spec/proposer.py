@@ -24,6 +24,17 @@ class SpecInput:
     num_tokens: int  # how many tokens to propose at most (k for this request, >= 1)
 
 
+@dataclass(frozen=True)
+class TargetRows:
+    """What one step put in the target's KV for good, for one request: positions
+    [start_pos, start_pos + len(token_ids)), their tokens and the target's final hidden states
+    ([len(token_ids), H]): a chunk's own tokens and the proposals accepted."""
+
+    start_pos: int
+    token_ids: list[int]
+    hidden: torch.Tensor
+
+
 class Proposer(Protocol):
     """Keeps whatever per-request state it needs; `release` drops it.
 
@@ -44,8 +55,8 @@ class Proposer(Protocol):
         """The request finished, was aborted or preempted: drop its state."""
         ...
 
-    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
-        """MTP only: the target's last hidden states of the accepted tokens; others ignore it."""
+    def observe_hidden(self, request_id: str, rows: TargetRows) -> None:
+        """MTP only: the target's hidden states of the positions a step kept; others ignore it."""
         ...
 
     def take_violations(self) -> list[IntegrityViolation]:

@@ -34,7 +34,7 @@ from densa.cache.integrity import IntegrityViolation
 from densa.config import SpeculativeConfig
 from densa.request import Request
 from densa.sched.output import SchedulerOutput
-from densa.spec.proposer import Proposer, SpecInput
+from densa.spec.proposer import Proposer, SpecInput, TargetRows
 
 # One verify row's cost relative to a one-row decode step, measured in-process on the 2-core
 # AVX-512 dev machine (densa_bench/speculative/step_split.py, Qwen2.5-Coder-1.5B Q4_K_M, int8
@@ -100,6 +100,9 @@ class Speculator:
         self.num_proposed_tokens = 0
         self.num_accepted_tokens = 0
         self.num_paused_steps = 0  # steps on which the batch was too large to speculate
+        # Requests that never speculate (opted out, or a grammar): the proposer keeps no state
+        # for them (an MTP layer would fold their hidden states for nothing).
+        self._never: set[str] = set()
 
     def propose(self, running: Sequence[Request], max_model_len: int) -> None:
         """Set spec_token_ids for every decoding request that speculates next step."""
@@ -127,7 +130,11 @@ class Speculator:
         generate, the context."""
         params = request.sampling_params
         if not params.speculative or params.structured is not None:
-            return 0  # opted out; a grammar's matcher cannot take tokens back
+            # opted out; a grammar's matcher cannot take tokens back
+            if request.request_id not in self._never:
+                self._never.add(request.request_id)
+                self.proposer.release(request.request_id)
+            return 0
         acceptance = self._acceptance.setdefault(request.request_id, Acceptance())
         k = acceptance.num_tokens(self.config.num_tokens, cost_per_token)
         if k == 0:
@@ -164,11 +171,12 @@ class Speculator:
         Requests it saw are tracked here, so `keep_only` releases them too."""
         for item in step.scheduled:
             rows = hidden.get(item.request_id)
-            if rows is None:
+            if rows is None or item.request_id in self._never:
                 continue
-            num_kept = len(item.token_ids) + len(accepted.get(item.request_id, []))
+            kept = item.token_ids + accepted.get(item.request_id, [])
             self._acceptance.setdefault(item.request_id, Acceptance())
-            self.proposer.observe_hidden(item.request_id, rows[:num_kept])
+            target_rows = TargetRows(item.start_pos, kept, rows[: len(kept)])
+            self.proposer.observe_hidden(item.request_id, target_rows)
 
     def adopt(self, request_id: str) -> None:
         """A request whose proposer state arrived from elsewhere (a landed MTP state): tracked
@@ -181,6 +189,7 @@ class Speculator:
         live = set(live_request_ids)
         for request_id in [r for r in self._acceptance if r not in live]:
             self.release(request_id)
+        self._never &= live
 
     def release(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)

@@ -21,7 +21,7 @@ from densa.config import SpeculativeConfig
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
-from densa.spec.proposer import SpecInput
+from densa.spec.proposer import SpecInput, TargetRows
 from densa.spec.speculator import Speculator
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
@@ -60,7 +60,7 @@ class ScriptedProposer:
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
 
-    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+    def observe_hidden(self, request_id: str, rows: TargetRows) -> None:
         return None
 
     def take_violations(self) -> list[IntegrityViolation]:

@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention_backends import select_backend
-from densa.spec.mtp import MTPProposer, load_mtp_proposer
-from densa.spec.proposer import SpecInput
+from densa.spec.mtp import FOLD_ROWS, MTPProposer, load_mtp_proposer
+from densa.spec.proposer import SpecInput, TargetRows
 from tests.tiny_families import CONFIGS, save_tiny
 
 CPU = torch.device("cpu")
@@ -131,10 +131,15 @@ def _target_hidden(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
         return model.model(torch.tensor([token_ids])).last_hidden_state[0]
 
 
-def _proposer(model_dir: Path) -> MTPProposer:
+def _rows(token_ids: list[int], width: int, start_pos: int = 0) -> TargetRows:
+    """The target kept these tokens from start_pos on; any hidden states will do."""
+    return TargetRows(start_pos, token_ids, torch.randn(len(token_ids), width))
+
+
+def _proposer(model_dir: Path, num_pages: int = 32) -> MTPProposer:
     arch = ArchConfig.from_dir(model_dir)
     backend = select_backend("auto", CPU)
-    return load_mtp_proposer(model_dir, arch, "float32", 32, PAGE_SIZE, backend, CPU, 256)
+    return load_mtp_proposer(model_dir, arch, "float32", num_pages, PAGE_SIZE, backend, CPU, 256)
 
 
 def test_mtp_proposals_match_the_reference_across_rounds(
@@ -149,17 +154,59 @@ def test_mtp_proposals_match_the_reference_across_rounds(
     proposer = _proposer(mtp_model_dir)
     # Round 1: the prompt is in the target's KV (its hidden states observed), t_P sampled.
     n1 = len(prompt) + 1
-    proposer.observe_hidden("r", hidden[: n1 - 1])
+    proposer.observe_hidden("r", TargetRows(0, history[: n1 - 1], hidden[: n1 - 1]))
     got = proposer.propose([SpecInput("r", history[:n1], K)])
     assert got == [reference.propose(history[:n1], hidden, K)]
     # Round 2: two more positions accepted (whatever was proposed): only they are new rows.
     n2 = n1 + 2
-    proposer.observe_hidden("r", hidden[n1 - 1 : n2 - 1])
+    proposer.observe_hidden(
+        "r", TargetRows(n1 - 1, history[n1 - 1 : n2 - 1], hidden[n1 - 1 : n2 - 1])
+    )
     got = proposer.propose([SpecInput("r", history[:n2], K)])
     assert got == [reference.propose(history[:n2], hidden, K)]
     assert proposer.sequences["r"].num_exact == n2 - 1
     proposer.release("r")
     assert proposer.pool.num_free_pages == 32
+
+
+def test_a_request_that_waits_holds_few_hidden_states_and_proposes_exactly_later(
+    mtp_checkpoint: tuple[Path, Any],
+) -> None:
+    """A request that does not propose for many steps (its batch too large to speculate) has
+    its hidden states folded into exact rows every FOLD_ROWS positions, not kept until it
+    proposes; its proposals afterwards are the reference's over the whole history."""
+    mtp_model_dir, host = mtp_checkpoint
+    history = [int(t) for t in torch.randint(5, 4000, (12 + 2 * FOLD_ROWS + 9,))]
+    hidden = _target_hidden(mtp_model_dir, history)
+    proposer = _proposer(mtp_model_dir, num_pages=40)  # 160 positions
+    proposer.observe_hidden("r", TargetRows(0, history[:12], hidden[:12]))
+    held = []
+    for pos in range(12, len(history) - 1):  # one decode step each, nothing proposed
+        proposer.observe_hidden("r", TargetRows(pos, history[pos : pos + 1], hidden[pos : pos + 1]))
+        seq = proposer.sequences["r"]
+        held.append(sum(chunk.shape[0] for chunk in seq.hidden))
+    assert max(held) == FOLD_ROWS + 2  # the newest exact h, FOLD_ROWS + 1 waiting
+    # folded when positions 0..65 and 0..130 were seen: the rows of all but the newest exact
+    assert proposer.sequences["r"].num_exact == 2 * FOLD_ROWS + 2
+    got = proposer.propose([SpecInput("r", history, K)])
+    assert got == [ReferenceMTP(mtp_model_dir, host).propose(history, hidden, K)]
+
+
+def test_a_request_not_seen_from_its_first_position_gets_no_state(mtp_model_dir: Path) -> None:
+    """Its rows before the first position seen (a prefix-cache hit, a state dropped or never
+    landed) cannot be exact: it is ignored, and a gap in what it is shown drops its state."""
+    proposer = _proposer(mtp_model_dir)
+    width = ArchConfig.from_dir(mtp_model_dir).hidden_size
+    prompt = [5, 17, 230, 1234, 9, 88, 4021, 77, 301, 3000]
+    proposer.observe_hidden("hit", _rows(prompt[4:], width, start_pos=4))
+    assert "hit" not in proposer.sequences
+    assert proposer.propose([SpecInput("hit", prompt, K)]) == [[]]
+    proposer.observe_hidden("gap", _rows(prompt[:5], width))
+    assert len(proposer.propose([SpecInput("gap", prompt[:6], K)])[0]) == K
+    proposer.observe_hidden("gap", _rows(prompt[6:], width, start_pos=6))  # position 5 missing
+    assert "gap" not in proposer.sequences and proposer.pool.num_free_pages == 32
+    proposer.observe_hidden("gap", _rows(prompt[9:], width, start_pos=9))
+    assert "gap" not in proposer.sequences
 
 
 def test_without_the_targets_hidden_states_it_proposes_nothing(mtp_model_dir: Path) -> None:
@@ -174,7 +221,7 @@ def test_the_mtp_pool_queues_no_tag_updates_nobody_reads(mtp_model_dir: Path) ->
     width = ArchConfig.from_dir(mtp_model_dir).hidden_size
     prompt = [5, 17, 230, 1234, 9, 88, 4021, 77, 301, 3000]
     for request_id in ("a", "b"):
-        proposer.observe_hidden(request_id, torch.randn(len(prompt) - 1, width))
+        proposer.observe_hidden(request_id, _rows(prompt[:-1], width))
         assert len(proposer.propose([SpecInput(request_id, prompt, K)])[0]) == K
         proposer.release(request_id)
     assert proposer.pool.num_free_pages == 32
@@ -187,7 +234,7 @@ def test_a_stale_page_found_at_export_is_reported_and_sends_no_state(mtp_model_d
     proposer = _proposer(mtp_model_dir)
     width = ArchConfig.from_dir(mtp_model_dir).hidden_size
     prompt = [5, 17, 230, 1234, 9, 88, 4021, 77, 301, 3000]
-    proposer.observe_hidden("r", torch.randn(len(prompt), width))
+    proposer.observe_hidden("r", _rows(prompt, width))
     assert len(proposer.propose([SpecInput("r", prompt, K)])[0]) == K
     seq = proposer.sequences["r"]
     stale, tag = seq.page_ids[0], seq.page_tags[0]

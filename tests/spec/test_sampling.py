@@ -21,7 +21,7 @@ from densa.config import SpeculativeConfig
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
-from densa.spec.proposer import SpecInput
+from densa.spec.proposer import SpecInput, TargetRows
 from densa.spec.speculator import Speculator
 from densa.worker.sampler import Sampler, SampleRequest
 
@@ -156,7 +156,7 @@ class FixedProposer:
     def release(self, request_id: str) -> None:
         return None
 
-    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+    def observe_hidden(self, request_id: str, rows: TargetRows) -> None:
         return None
 
     def take_violations(self) -> list[IntegrityViolation]:

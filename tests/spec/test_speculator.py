@@ -11,7 +11,7 @@ from densa.config import SpeculativeConfig
 from densa.request import Request, RequestStatus
 from densa.sampling_params import SamplingParams, StructuredOutput
 from densa.sched.output import ScheduledChunk, SchedulerOutput
-from densa.spec.proposer import SpecInput
+from densa.spec.proposer import SpecInput, TargetRows
 from densa.spec.speculator import (
     PROBE_INTERVAL,
     VERIFY_ROW_COST,
@@ -30,6 +30,7 @@ class Fixed:
         self.cost_per_token = cost_per_token
         self.seen: list[SpecInput] = []
         self.released: list[str] = []
+        self.observed: list[tuple[str, int, list[int], int]] = []  # id, start, tokens, rows
 
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
         self.seen.extend(inputs)
@@ -38,8 +39,8 @@ class Fixed:
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
 
-    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
-        return None
+    def observe_hidden(self, request_id: str, rows: TargetRows) -> None:
+        self.observed.append((request_id, rows.start_pos, rows.token_ids, rows.hidden.shape[0]))
 
     def take_violations(self) -> list[IntegrityViolation]:
         return []
@@ -154,3 +155,24 @@ def test_requests_that_stop_running_are_released() -> None:
     assert proposer.released == ["a"]
     speculator.keep_only([])
     assert proposer.released == ["a", "b"]
+
+
+def test_hidden_states_go_with_their_positions_and_tokens_and_never_for_opt_outs() -> None:
+    """The proposer learns which positions and tokens the target kept (the chunk's own and the
+    proposals accepted, not the rejected rows); a request that never speculates is released
+    once and its states are not handed on (an MTP layer would fold them for nothing)."""
+    proposer = Fixed()
+    speculator = Speculator(proposer, SpeculativeConfig(num_tokens=4))
+    on, off = _decoding("on"), _decoding("off", speculative=False)
+    speculator.propose([on, off], MAX_MODEL_LEN)
+    assert on.spec_token_ids == [9, 9, 9, 9] and proposer.released == ["off"]
+    chunks = [ScheduledChunk("on", [7], 4, [], True, [9, 9, 9, 9]),
+              ScheduledChunk("off", [8], 4, [], True)]  # fmt: skip
+    rows = {"on": torch.zeros(5, 3), "off": torch.zeros(1, 3)}
+    speculator.observe_hidden(SchedulerOutput(chunks, [], [], []), {"on": [9, 9]}, rows)
+    assert proposer.observed == [("on", 4, [7, 9, 9], 3)]
+    speculator.propose([on, off], MAX_MODEL_LEN)
+    assert proposer.released == ["off"]  # once
+    speculator.keep_only(["on"])  # "off" stopped running (preempted): forgotten ...
+    speculator.propose([on, off], MAX_MODEL_LEN)
+    assert proposer.released == ["off", "off"]  # ... so its recomputed prompt is released again

@@ -17,7 +17,7 @@ from densa.config import SpeculativeConfig
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
-from densa.spec.proposer import SpecInput
+from densa.spec.proposer import SpecInput, TargetRows
 from densa.spec.speculator import Speculator
 from densa.worker import model_runner
 
@@ -46,7 +46,7 @@ class RepeatLast:
     def release(self, request_id: str) -> None:
         return None
 
-    def observe_hidden(self, request_id: str, hidden: torch.Tensor) -> None:
+    def observe_hidden(self, request_id: str, rows: TargetRows) -> None:
         return None
 
     def take_violations(self) -> list[IntegrityViolation]:
