@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,7 +20,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from densa.model.catalog import SETUP_COMMAND, find_model, missing_packages, resolve_model
+from densa.model.catalog import (
+    SETUP_COMMAND,
+    default_cache_dir,
+    find_model,
+    missing_packages,
+    resolve_model,
+)
 from densa.model.loader import resolve_model_dir
 from densa.setup.args import default_model_path
 
@@ -29,6 +36,30 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
+
+
+_SUITE_CACHE: Path | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite converts hundreds of GGUF files it writes (a config and tokenizer each) and
+    servers it starts convert them again: all of that goes to a cache of its own, removed at
+    the end, not into the user's ~/.cache/densa. Installed models (`scripts/setup.sh models`)
+    are linked in. DENSA_CACHE_DIR set by the caller is kept."""
+    global _SUITE_CACHE
+    if "DENSA_CACHE_DIR" in os.environ:
+        return
+    models = default_cache_dir() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    _SUITE_CACHE = Path(tempfile.mkdtemp(prefix="densa-suite-cache-"))
+    (_SUITE_CACHE / "models").symlink_to(models, target_is_directory=True)
+    os.environ["DENSA_CACHE_DIR"] = str(_SUITE_CACHE)  # servers the tests start inherit it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SUITE_CACHE is not None:
+        os.environ.pop("DENSA_CACHE_DIR", None)
+        shutil.rmtree(_SUITE_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -293,6 +293,7 @@ class LLMEngine:
             tiers.write_back()  # evicted between steps (a KV transfer's reservation)
             num_slots = self.config.scheduler.max_num_seqs - len(self.scheduler.running)
             tiers.fetch_for(self.scheduler.waiting, num_slots, bool(self.scheduler.running))
+        self._propose()
         sched_out = self.scheduler.schedule()
         if tiers is not None:
             tiers.write_back()  # what schedule() evicted, before the step writes those pages
@@ -334,14 +335,23 @@ class LLMEngine:
         self._speculate(sched_out, runner_out.accepted_token_ids, runner_out.hidden)
         return outputs
 
+    def _propose(self) -> None:
+        """The proposals the step about to be scheduled verifies. Asked here, before it, rather
+        than after the last one: the last step's tokens (a prompt's first among them) are
+        streamed before a draft model catches up on a prompt."""
+        if self.speculator is None:
+            return
+        running, config = self.scheduler.running, self.config.scheduler
+        prompt_queued = bool(self.scheduler.waiting) and len(running) < config.max_num_seqs
+        self.speculator.propose(running, config.max_model_len, prompt_queued)
+
     def _speculate(
         self,
         step: SchedulerOutput,
         accepted: dict[str, list[int]],
         hidden: dict[str, torch.Tensor],
     ) -> None:
-        """Count what the step verified, drop the state of requests that stopped running, and
-        ask for the next step's proposals."""
+        """Count what the step verified and drop the state of requests that stopped running."""
         if self.speculator is None:
             return
         self.speculator.observe(step, accepted)
@@ -351,7 +361,6 @@ class LLMEngine:
         # A prefill worker's finished prompt keeps its proposer state while its pages are held
         # for a transfer: its MTP layer's rows travel with them (docs/speculative.md).
         self.speculator.keep_only([*(r.request_id for r in running), *self.scheduler.held])
-        self.speculator.propose(running, self.config.scheduler.max_model_len)
         for violation in self.speculator.take_violations():
             self.integrity_stats.record(violation)
 

@@ -103,7 +103,7 @@ def find_model(name: str, catalog: Sequence[CatalogModel] = CATALOG) -> CatalogM
 
 
 def default_cache_dir() -> Path:
-    # The same root as model/gguf.py's (which imports torch, so it is not imported here).
+    # Models under models/, GGUF conversions (model/gguf.py) under gguf/.
     return Path(os.environ.get("DENSA_CACHE_DIR", Path.home() / ".cache" / "densa"))
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from densa.model.arch import ModelLoadError
+from densa.model.catalog import default_cache_dir
 from densa.model.gguf_archs import (
     GGUF_ARCHS,
     FileLayout,
@@ -53,10 +54,6 @@ _LINEAR_KEYS = tuple(
 )
 
 Progress = Callable[[int, int], None]
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("DENSA_CACHE_DIR", Path.home() / ".cache" / "densa"))
 
 
 def converted_dir_for(gguf_path: Path, cache_dir: Path | None = None) -> Path:

@@ -1,9 +1,9 @@
 """Which requests speculate this step, with how many tokens, and what it has earned.
 
-The engine asks the speculator after every step (`propose`): each running request that is
-decoding gets up to k proposed tokens in `Request.spec_token_ids`, which the scheduler puts in
-its next decode chunk for the target to verify (docs/speculative.md). Then `observe` counts
-what the step accepted.
+The engine asks the speculator before scheduling every step (`propose`): each running request
+that is decoding gets up to k proposed tokens in `Request.spec_token_ids`, which the scheduler
+puts in its next decode chunk for the target to verify (docs/speculative.md). After the step
+`observe` counts what it accepted.
 
 k per request follows its recent acceptance and what a proposal costs. A request whose
 proposals are accepted with per-token probability p emits on average
@@ -19,8 +19,10 @@ stops at the first rejection. Both counts decay, so k follows a request whose te
 character (a quoted file, then prose). When k falls to 0 (no k pays for itself) the request
 stops speculating and, every PROBE_INTERVAL steps, proposes one token to measure again.
 
-Speculation pauses for the whole step when more than max_batch requests decode: see
-SpeculativeConfig.max_batch (densa/config.py).
+Speculation pauses for the whole step when more than max_batch requests decode (see
+SpeculativeConfig.max_batch, densa/config.py), and when the step computes a prompt: a prefill
+chunk makes the step compute-bound, so verify rows cost it their full price, and a draft
+model would add its own catch-up on top (docs/speculative.md, "When it turns off").
 """
 
 from __future__ import annotations
@@ -99,15 +101,21 @@ class Speculator:
         # Lifetime totals, for /metrics: tokens proposed to and accepted by the target.
         self.num_proposed_tokens = 0
         self.num_accepted_tokens = 0
-        self.num_paused_steps = 0  # steps on which the batch was too large to speculate
+        # steps on which it paused: the batch was too large, or a prompt was to be computed
+        self.num_paused_steps = 0
         # Requests that never speculate (opted out, or a grammar): the proposer keeps no state
         # for them (an MTP layer would fold their hidden states for nothing).
         self._never: set[str] = set()
 
-    def propose(self, running: Sequence[Request], max_model_len: int) -> None:
-        """Set spec_token_ids for every decoding request that speculates next step."""
+    def propose(
+        self, running: Sequence[Request], max_model_len: int, prompt_queued: bool = False
+    ) -> None:
+        """Set spec_token_ids for every decoding request that speculates in the step about to
+        be scheduled; prompt_queued: a queued request may be admitted into it (its prompt would
+        share the step)."""
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
-        if len(decoding) > self.config.max_batch:
+        prefilling = prompt_queued or len(decoding) < len(running)
+        if len(decoding) > self.config.max_batch or (decoding and prefilling):
             self.num_paused_steps += 1
             return
         inputs: list[SpecInput] = []

@@ -129,11 +129,9 @@ def test_opt_outs_constraints_and_caps() -> None:
     near_context = _decoding(
         "long", num_output=94, max_tokens=500
     )  # 98 of 100 tokens: two positions left
-    prefilling = _decoding("prompt")
-    prefilling.num_computed_tokens = 2
-    requests = [opted_out, constrained, near_max_tokens, near_context, prefilling]
+    requests = [opted_out, constrained, near_max_tokens, near_context]
     speculator.propose(requests, MAX_MODEL_LEN)
-    assert [len(r.spec_token_ids) for r in requests] == [0, 0, 1, 2, 0]
+    assert [len(r.spec_token_ids) for r in requests] == [0, 0, 1, 2]
     assert [item.request_id for item in proposer.seen] == ["short", "long"]
     assert list(proposer.seen[0].token_ids) == near_max_tokens.all_token_ids
 
@@ -145,6 +143,22 @@ def test_a_large_batch_pauses_speculation() -> None:
     assert all(r.spec_token_ids == [] for r in requests) and speculator.num_paused_steps == 1
     speculator.propose(requests[:3], MAX_MODEL_LEN)
     assert all(r.spec_token_ids == [9, 9] for r in requests[:3])
+
+
+def test_a_step_that_computes_a_prompt_pauses_speculation() -> None:
+    """A prefill chunk makes the step compute-bound: verify rows would cost their full price
+    (and a draft its catch-up), so nobody speculates in it: neither beside a running request's
+    next chunk nor when a queued request may be admitted."""
+    speculator = Speculator(Fixed(), SpeculativeConfig(num_tokens=2))
+    decoding = _decoding("d")
+    prefilling = _decoding("p")
+    prefilling.num_computed_tokens = 2
+    speculator.propose([decoding, prefilling], MAX_MODEL_LEN)
+    assert decoding.spec_token_ids == [] and speculator.num_paused_steps == 1
+    speculator.propose([decoding], MAX_MODEL_LEN, prompt_queued=True)
+    assert decoding.spec_token_ids == [] and speculator.num_paused_steps == 2
+    speculator.propose([decoding], MAX_MODEL_LEN)
+    assert decoding.spec_token_ids == [9, 9]
 
 
 def test_requests_that_stop_running_are_released() -> None:
