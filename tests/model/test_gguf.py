@@ -3,7 +3,9 @@ back to exactly the original weights; bad files fail with a clear message."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,18 +43,28 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def copy_tokenizer_fields(writer, source: Path) -> None:  # type: ignore[no-untyped-def]
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(source: Path) -> dict[str, Any]:
+    """The tokenizer fields of a GGUF file, read once per process (a 49k-token vocabulary and
+    its merges take seconds to turn into Python lists, and the suite writes dozens of files)."""
     from gguf import GGUFReader
 
     fields = GGUFReader(str(source)).fields
-    writer.add_tokenizer_model(fields["tokenizer.ggml.model"].contents())
-    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"].contents())
-    writer.add_token_list(fields["tokenizer.ggml.tokens"].contents())
-    writer.add_token_types(fields["tokenizer.ggml.token_type"].contents())
-    writer.add_token_merges(fields["tokenizer.ggml.merges"].contents())
+    names = ("model", "pre", "tokens", "token_type", "merges")
+    found = {name: fields[f"tokenizer.ggml.{name}"].contents() for name in names}
+    return {**found, "chat_template": fields["tokenizer.chat_template"].contents()}
+
+
+def copy_tokenizer_fields(writer, source: Path) -> None:  # type: ignore[no-untyped-def]
+    fields = _tokenizer_fields(source)
+    writer.add_tokenizer_model(fields["model"])
+    writer.add_tokenizer_pre(fields["pre"])
+    writer.add_token_list(fields["tokens"])
+    writer.add_token_types(fields["token_type"])
+    writer.add_token_merges(fields["merges"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_chat_template(fields["tokenizer.chat_template"].contents())
+    writer.add_chat_template(fields["chat_template"])
 
 
 def write_gguf(hf_dir: Path, out_path: Path) -> None:
