@@ -23,7 +23,7 @@ positions are recomputed next call from the target's own states:
 A request that does not propose for a while (its batch too large to speculate, a low
 acceptance) would keep every h_p it is handed until it proposes again; once FOLD_ROWS of them
 wait, they are folded into exact rows at once (the same work a later catch-up would do), so a
-request holds at most FOLD_ROWS + 1 hidden states. A request whose positions were not all seen
+request holds at most FOLD_ROWS + 2 hidden states. A request whose positions were not all seen
 from 0 on (a prefix-cache hit, a state dropped or never landed) cannot have exact rows: the
 proposer ignores it and it decodes without MTP proposals.
 """
