@@ -102,6 +102,7 @@ class DraftModelProposer(OwnPages[DraftSequence]):
         # One draft decode step relative to the target's: set next to the target, which this
         # proposer does not see (setup/proposers.py). 0 until then.
         self.cost_per_token = 0.0
+        self.catch_up_cost_per_token = 0.0  # set next to the target too
         # Proposals beyond the target's vocabulary (a draft's padded rows) could not be verified.
         self.vocab_size = vocab_size
         super().__init__(num_pages)

@@ -27,6 +27,9 @@ class LookupFirstProposer:
         # The speculator picks k before it knows which of the two will answer: it prices every
         # guess as the draft's (the dearer), so a lookup match gets a k a draft would earn.
         self.cost_per_token = draft.cost_per_token
+        # Unpriced: a lookup needs no catch-up, and which of the two answers is not known
+        # before the request proposes.
+        self.catch_up_cost_per_token = 0.0
         # Requests answered per proposer (lifetime), to tell how often the draft was needed.
         self.num_lookup_answers = 0
         self.num_draft_answers = 0

@@ -218,6 +218,7 @@ class MTPProposer(OwnPages[MTPSequence]):
         # One pass of the layer relative to a target step: set next to the target
         # (setup/proposers.py). 0 until then.
         self.cost_per_token = 0.0
+        self.catch_up_cost_per_token = 0.0  # its rows are folded whether it proposes or not
 
     def observe_hidden(self, request_id: str, rows: TargetRows) -> None:
         """The target's final hidden states of the next positions it put in its KV; folded into

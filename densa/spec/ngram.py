@@ -27,6 +27,7 @@ class NgramProposer:
 
     name = "ngram"
     cost_per_token = 0.0  # a scan of token ids, nothing beside a decode step
+    catch_up_cost_per_token = 0.0
 
     def __init__(self, min_ngram: int = DEFAULT_MIN_NGRAM, max_ngram: int = DEFAULT_MAX_NGRAM):
         if not 1 <= min_ngram <= max_ngram:

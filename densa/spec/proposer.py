@@ -46,6 +46,10 @@ class Proposer(Protocol):
     # What proposing one token costs, relative to one decode step of the target (the speculator
     # weighs it against what the token is expected to gain): 0 for prompt lookup.
     cost_per_token: float
+    # What one context token it has not seen costs it, in target decode steps: a draft model
+    # prefills a new prompt (or what came while it was paused) before its first guess. 0 where
+    # catching up is free or happens anyway (prompt lookup, the MTP layer's folding).
+    catch_up_cost_per_token: float
 
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
         """0..num_tokens tokens per input, in the order of `inputs`."""

@@ -57,6 +57,7 @@ class Acceptance:
     accepted: float = PRIOR_TRIALS
     trials: float = PRIOR_TRIALS
     steps_since_probe: int = 0
+    seen_len: int = 0  # the request's length when it last proposed: the proposer has seen it
 
     @property
     def rate(self) -> float:
@@ -71,6 +72,11 @@ class Acceptance:
     def num_tokens(self, most: int, cost_per_token: float) -> int:
         """k for the next step: see the module docstring."""
         return best_num_tokens(self.rate, most, cost_per_token)
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens a step emits on average with k proposals: 1 + rate + ... + rate**k."""
+    return sum(rate**i for i in range(k + 1))
 
 
 def best_num_tokens(rate: float, most: int, cost_per_token: float) -> int:
@@ -123,7 +129,10 @@ class Speculator:
         cost = row_cost(len(decoding)) + self.proposer.cost_per_token
         for request in decoding:
             num_tokens = self._num_tokens(request, max_model_len, cost)
+            if num_tokens > 0 and not self._repays_catch_up(request, num_tokens, cost, decoding):
+                num_tokens = 0
             if num_tokens > 0:
+                self._acceptance[request.request_id].seen_len = request.num_tokens
                 inputs.append(SpecInput(request.request_id, request.all_token_ids, num_tokens))
                 targets.append(request)
         if not inputs:
@@ -155,6 +164,26 @@ class Speculator:
         # context (the stop rule would cut them, but their rows would be computed for nothing).
         left = params.max_tokens - request.num_output_tokens - 1
         return max(0, min(k, left, max_model_len - request.num_tokens))
+
+    def _repays_catch_up(
+        self, request: Request, k: int, cost_per_token: float, decoding: Sequence[Request]
+    ) -> bool:
+        """Whether what k proposals a step are expected to save over the tokens the request may
+        still generate repays the proposer's catch-up on the context it has not seen (a draft
+        model prefilling a new prompt, or all that came during a pause). Both in target decode
+        steps: saving = remaining x (1 - cost(k) / E(k)) of the request's share of a step."""
+        acceptance = self._acceptance[request.request_id]
+        unseen = request.num_tokens - acceptance.seen_len
+        price = self.proposer.catch_up_cost_per_token
+        if price == 0.0 or unseen <= self.config.num_tokens + 1:  # a step's usual catch-up
+            return True
+        gain = expected_tokens(acceptance.rate, k) / (1.0 + cost_per_token * k)
+        if gain <= 1.0:
+            return True  # a probe: it measures, and PROBE_INTERVAL bounds what it costs
+        remaining = request.sampling_params.max_tokens - request.num_output_tokens
+        batch = len(decoding)
+        share = (1.0 + VERIFY_ROW_COST * (batch - 1)) / batch
+        return remaining * (1.0 - 1.0 / gain) * share > unseen * price
 
     def observe(self, step: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
         """Count the step's verified proposals (requests that failed it count none)."""

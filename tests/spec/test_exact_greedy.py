@@ -40,6 +40,7 @@ class ScriptedProposer:
 
     name = "scripted"
     cost_per_token = 0.0
+    catch_up_cost_per_token = 0.0
 
     def __init__(self) -> None:
         self.full: dict[str, list[int]] = {}  # request id -> prompt + reference output

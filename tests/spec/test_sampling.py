@@ -146,6 +146,7 @@ class FixedProposer:
 
     name = "fixed"
     cost_per_token = 0.0
+    catch_up_cost_per_token = 0.0
 
     def __init__(self, token_id: int) -> None:
         self.token_id = token_id

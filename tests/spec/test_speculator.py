@@ -26,8 +26,9 @@ MAX_MODEL_LEN = 100
 class Fixed:
     name = "fixed"
 
-    def __init__(self, cost_per_token: float = 0.0) -> None:
+    def __init__(self, cost_per_token: float = 0.0, catch_up_cost_per_token: float = 0.0) -> None:
         self.cost_per_token = cost_per_token
+        self.catch_up_cost_per_token = catch_up_cost_per_token
         self.seen: list[SpecInput] = []
         self.released: list[str] = []
         self.observed: list[tuple[str, int, list[int], int]] = []  # id, start, tokens, rows
@@ -190,3 +191,30 @@ def test_hidden_states_go_with_their_positions_and_tokens_and_never_for_opt_outs
     speculator.keep_only(["on"])  # "off" stopped running (preempted): forgotten ...
     speculator.propose([on, off], MAX_MODEL_LEN)
     assert proposer.released == ["off", "off"]  # ... so its recomputed prompt is released again
+
+
+def test_a_draft_catches_up_only_where_the_tokens_left_repay_it() -> None:
+    """A proposer that must first compute the context it has not seen (a draft prefilling a
+    300-token prompt at 0.1 of a target step a token: 30 steps) starts only when what its
+    guesses are expected to save over the tokens the request may still generate is more; once
+    it proposes, a step's own catch-up (the tokens accepted) is not charged again."""
+    speculator = Speculator(Fixed(catch_up_cost_per_token=0.1), SpeculativeConfig(num_tokens=4))
+    prompt = list(range(300))
+    short = Request("short", prompt, SamplingParams(max_tokens=20))
+    long = Request("long", prompt, SamplingParams(max_tokens=500))
+    for request in (short, long):
+        request.output_token_ids = [7]
+        request.num_computed_tokens = request.num_tokens - 1
+        request.status = RequestStatus.RUNNING
+    # p = 1 (a fresh request), k = 4, two decoding: a verify row costs 0.29 of a request's
+    # share of the step, so 5 tokens for 2.16 shares save 0.57 share a token, a share being
+    # 0.585 of a step: 19 tokens left save 6.3 steps < 30, 499 save 166.
+    speculator.propose([short, long], MAX_MODEL_LEN + 400)
+    assert short.spec_token_ids == [] and long.spec_token_ids == [9, 9, 9, 9]
+    long.output_token_ids += [9, 9, 9, 9, 9]  # all accepted, and the bonus token
+    long.num_computed_tokens = long.num_tokens - 1
+    long.spec_token_ids = []
+    speculator.observe(*_verified(long, [9, 9, 9, 9]))
+    long.sampling_params = SamplingParams(max_tokens=len(long.output_token_ids) + 6)
+    speculator.propose([long], MAX_MODEL_LEN + 400)  # few tokens left, but nothing to catch up
+    assert long.spec_token_ids == [9, 9, 9, 9]
