@@ -17,7 +17,9 @@ trials, where a step that accepted a of k proposals made a + 1 trials (a success
 rejection) or a trials if all were accepted: the maximum-likelihood estimate for a run that
 stops at the first rejection. Both counts decay, so k follows a request whose text changes
 character (a quoted file, then prose). When k falls to 0 (no k pays for itself) the request
-stops speculating and, every PROBE_INTERVAL steps, proposes one token to measure again.
+stops speculating and, every PROBE_INTERVAL steps, proposes one token to measure again. A
+proposer that must first catch up on context it has not seen (a draft model on a new prompt)
+starts only where the request's remaining tokens repay that (`_repays_catch_up`).
 
 Speculation pauses for the whole step when more than max_batch requests decode (see
 SpeculativeConfig.max_batch, densa/config.py), and when the step computes a prompt: a prefill
