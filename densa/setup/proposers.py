@@ -56,8 +56,8 @@ def build_proposer(config: SpeculativeConfig | None, target: DraftTarget) -> Pro
     proposer = _build_proposer(config, target)
     if config.proposer_cost is not None:
         proposer.cost_per_token = config.proposer_cost
-        if proposer.catch_up_cost_per_token > 0:  # a prompt token in proportion to a guess
-            proposer.catch_up_cost_per_token = config.proposer_cost * PREFILL_TOKEN_SHARE
+    if isinstance(proposer, DraftModelProposer):  # a context token in proportion to a guess
+        proposer.catch_up_cost_per_token = proposer.cost_per_token * PREFILL_TOKEN_SHARE
     return proposer
 
 
@@ -67,7 +67,6 @@ def _build_proposer(config: SpeculativeConfig, target: DraftTarget) -> Proposer:
     if config.method in DRAFT_METHODS and config.model is not None:
         draft = build_draft_proposer(config.model, config.num_tokens, target)
         draft.cost_per_token = weight_share(draft.model, target)
-        draft.catch_up_cost_per_token = draft.cost_per_token * PREFILL_TOKEN_SHARE
         if config.method == "ngram+draft":
             return LookupFirstProposer(NgramProposer(), draft)
         return draft

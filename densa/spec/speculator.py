@@ -76,29 +76,36 @@ class Acceptance:
         return best_num_tokens(self.rate, most, cost_per_token)
 
 
-def expected_tokens(rate: float, k: int) -> float:
-    """Tokens a step emits on average with k proposals: 1 + rate + ... + rate**k."""
-    return sum(rate**i for i in range(k + 1))
+def step_gain(rate: float, k: int, cost_per_token: float) -> float:
+    """Expected tokens per unit of step cost with k proposals:
+    (1 + rate + ... + rate**k) / (1 + cost_per_token * k)."""
+    expected, reach = 1.0, 1.0
+    for _ in range(k):
+        reach *= rate
+        expected += reach
+    return expected / (1.0 + cost_per_token * k)
 
 
 def best_num_tokens(rate: float, most: int, cost_per_token: float) -> int:
-    """The k in 0..most with the most expected tokens per unit of step cost,
-    (1 + rate + ... + rate**k) / (1 + cost_per_token * k); the smallest on a tie."""
+    """The k in 0..most with the highest step_gain; the smallest on a tie."""
     best_k, best_gain = 0, 1.0
-    expected, reach = 1.0, 1.0
     for k in range(1, most + 1):
-        reach *= rate
-        expected += reach
-        gain = expected / (1.0 + cost_per_token * k)
+        gain = step_gain(rate, k, cost_per_token)
         if gain > best_gain + 1e-12:
             best_k, best_gain = k, gain
     return best_k
 
 
+def step_share(num_decoding: int) -> float:
+    """One request's share of a step of `num_decoding` rows, in one-row steps: the step costs
+    about 1 + VERIFY_ROW_COST * (rows - 1) of them, shared by them all."""
+    return (1.0 + VERIFY_ROW_COST * (num_decoding - 1)) / num_decoding
+
+
 def row_cost(num_decoding: int) -> float:
-    """A verify row's cost relative to one request's share of a step of `num_decoding` rows:
-    the step costs about 1 + VERIFY_ROW_COST * (rows - 1) one-row steps, shared by them all."""
-    return VERIFY_ROW_COST * num_decoding / (1.0 + VERIFY_ROW_COST * (num_decoding - 1))
+    """A verify row's cost relative to one request's share of a step of `num_decoding` rows
+    (0 when nobody decodes)."""
+    return VERIFY_ROW_COST / step_share(num_decoding) if num_decoding else 0.0
 
 
 class Speculator:
@@ -179,13 +186,12 @@ class Speculator:
         price = self.proposer.catch_up_cost_per_token
         if price == 0.0 or unseen <= self.config.num_tokens + 1:  # a step's usual catch-up
             return True
-        gain = expected_tokens(acceptance.rate, k) / (1.0 + cost_per_token * k)
+        gain = step_gain(acceptance.rate, k, cost_per_token)
         if gain <= 1.0:
             return True  # a probe: it measures, and PROBE_INTERVAL bounds what it costs
         remaining = request.sampling_params.max_tokens - request.num_output_tokens
-        batch = len(decoding)
-        share = (1.0 + VERIFY_ROW_COST * (batch - 1)) / batch
-        return remaining * (1.0 - 1.0 / gain) * share > unseen * price
+        saving = remaining * (1.0 - 1.0 / gain) * step_share(len(decoding))
+        return saving > unseen * price
 
     def observe(self, step: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
         """Count the step's verified proposals (requests that failed it count none)."""
