@@ -179,6 +179,10 @@ class DeviceConfig:
     cuda_graphs: bool = True
     # Decode-only steps through the fused C++ step (densa/model/fused_decode.py) where it runs.
     fused_decode: bool = True
+    # Every row attends as a decode row does, so tokens and logprobs are bit-identical whatever
+    # the batch, the chunking and the prefix-cache state (docs/architecture.md, "Deterministic
+    # mode"). Needs the fused C++ step; prompts cost a decode-style attention per row.
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)

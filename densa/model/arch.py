@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +88,10 @@ class ArchConfig:
             )
         try:
             cfg = json.loads(config_path.read_text())
-            return cls.from_hf_dict(cfg)
+            arch = cls.from_hf_dict(cfg)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"cannot read {config_path}: {exc!r}") from exc
+        return replace(arch, eos_token_ids=arch.eos_token_ids + _generation_eos(model_dir, arch))
 
     @property
     def q_size(self) -> int:
@@ -194,6 +195,20 @@ def _attention_bias(cfg: dict[str, Any], architecture: str) -> bool:
             return bool(cfg[key])
     # Qwen2 and Qwen2-MoE always have q/k/v biases; older configs do not say so.
     return architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+
+
+def _generation_eos(model_dir: Path, arch: ArchConfig) -> tuple[int, ...]:
+    """The end-of-generation tokens generation_config.json adds to config.json's (an instruct
+    model's config often names one, its generation config every token that ends a turn, as
+    Qwen2.5's does: [<|im_end|>, <|endoftext|>])."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        ids = _as_ids(json.loads(path.read_text()).get("eos_token_id"))
+    except (json.JSONDecodeError, TypeError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc!r}") from exc
+    return tuple(i for i in dict.fromkeys(ids) if i not in arch.eos_token_ids)
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

@@ -58,15 +58,18 @@ def projection_spec(module: nn.Module) -> ProjectionSpec:
     raise TypeError(f"{type(module).__name__} has no fused-decode form")
 
 
-def enable_fused_decode(model: Any, kv_caches: Sequence[object]) -> str | None:
+def enable_fused_decode(
+    model: Any, kv_caches: Sequence[object], deterministic: bool = False
+) -> str | None:
     """Run `model`'s decode-only steps through the fused C++ step if it can run them; returns
-    why not (None: enabled). The target's and a draft model's weights go through this one gate."""
+    why not (None: enabled). The target's and a draft model's weights go through this one gate.
+    `deterministic`: its other steps attend row by row as decode does (FusedDecoder)."""
     switch = model.fused_decode
     if switch is None:
         return f"{type(model).__name__} has none"
     reason = unsupported_reason(model, kv_caches)
     if reason is None:
-        switch.enable()
+        switch.enable(deterministic=deterministic)
     return reason
 
 
@@ -118,7 +121,9 @@ def _family_reason(model: Any) -> str | None:
 class FusedDecoder:
     """The C++ decoder for one model and one set of KV caches (built once, reused every step)."""
 
-    def __init__(self, model: Any, kv_caches: list[LayerKVCache]) -> None:
+    def __init__(
+        self, model: Any, kv_caches: list[LayerKVCache], deterministic: bool = False
+    ) -> None:
         reason = unsupported_reason(model, kv_caches)
         if reason is not None:
             raise ValueError(f"the fused decode step cannot run: {reason}")
@@ -148,6 +153,7 @@ class FusedDecoder:
             )  # fmt: skip
         self.key = cache_key(kv_caches)
         self.caches = list(kv_caches)
+        self.deterministic = deterministic
 
     def forward_layers(
         self,
@@ -159,27 +165,44 @@ class FusedDecoder:
     ) -> torch.Tensor:
         """Any step (prefill chunks, mixed): each layer's norms, projections, RoPE, K/V store
         and MLP in two C++ calls, its attention through `backend` (SDPA for prefill chunks, as
-        the eager model) -> final hidden states [T, hidden]."""
-        cfg = model.cfg
-        q_size, kv_size, head_dim = cfg.q_size, cfg.kv_size, cfg.head_dim
-        caches = self.caches
+        the eager model) -> final hidden states [T, hidden].
+
+        Deterministic, every row attends as a decode row at its position does (C++ `attend`
+        over `row_attention_inputs`), so a row computes the same whatever chunk, batch or cache
+        hit it came in."""
+        rows = row_attention_inputs(meta) if self.deterministic else None
         residual = model.embed_tokens(input_ids).contiguous()  # [T, hidden], updated in place
-        num_tokens = residual.shape[0]
-        for idx, cache in enumerate(caches):
+        for idx, cache in enumerate(self.caches):
             qkv = self._decoder.qkv(
                 idx, residual, positions, meta.slot_pages, meta.slot_offsets
             )  # [T, q + 2 kv]: rotated; K/V already stored
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            attn = attend_stored(
-                backend,
-                q.view(num_tokens, -1, head_dim),
-                k.view(num_tokens, -1, head_dim),
-                v.view(num_tokens, -1, head_dim),
-                cache, meta, head_dim**-0.5,
-            )  # fmt: skip
-            self._decoder.mlp(idx, attn.reshape(num_tokens, q_size).contiguous(), residual)
+            if rows is not None:
+                attn = self._decoder.attend(idx, qkv, *rows)  # [T, q]
+            else:
+                attn = self._backend_attention(model.cfg, qkv, cache, meta, backend)
+            self._decoder.mlp(idx, attn.contiguous(), residual)
         out: torch.Tensor = self._decoder.final_norm(residual)
         return out
+
+    @staticmethod
+    def _backend_attention(
+        cfg: Any,
+        qkv: torch.Tensor,
+        cache: LayerKVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """qkv [T, q + 2 kv] -> the backend's attention [T, q] (the stored K/V read back)."""
+        num_tokens, head_dim = qkv.shape[0], cfg.head_dim
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        attn = attend_stored(
+            backend,
+            q.view(num_tokens, -1, head_dim),
+            k.view(num_tokens, -1, head_dim),
+            v.view(num_tokens, -1, head_dim),
+            cache, meta, head_dim**-0.5,
+        )  # fmt: skip
+        return attn.reshape(num_tokens, cfg.q_size)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -196,6 +219,30 @@ class FusedDecoder:
         return out
 
 
+def row_attention_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of a step as a decode row: (page table [T, max_pages] int32, seq_lens [T]
+    int32), row t seeing its own sequence's pages up to and including its position.
+
+        prefill sequence i, query_len q, seq_len L:  rows j = 0..q-1 see L - q + j + 1 tokens
+        decode row:                                   sees its seq_len, as in a decode step
+
+    Every prompt position then attends to the same stored (for FP8 / INT8: quantized) K/V by
+    the same kernel, in the same order, as it would alone, in another chunk or after a prefix
+    hit: the cost is a decode-style read of its context per prompt row."""
+    groups = [g for g in (meta.decode, meta.prefill) if g is not None]  # the rows' order
+    width = max(g.page_table.shape[1] for g in groups)
+    tables, lens = [], []
+    for group in groups:
+        query_lens = group.query_lens.long()
+        seq = torch.repeat_interleave(torch.arange(group.num_seqs), query_lens)
+        starts = torch.cumsum(query_lens, 0) - query_lens
+        j = torch.arange(seq.numel()) - starts[seq]
+        lens.append((group.seq_lens.long() - query_lens)[seq] + j + 1)
+        table = group.page_table[seq]
+        tables.append(torch.nn.functional.pad(table, (0, width - table.shape[1])))
+    return torch.cat(tables).int().contiguous(), torch.cat(lens).int().contiguous()
+
+
 def cache_key(kv_caches: list[LayerKVCache]) -> tuple[int, ...]:
     """Identifies a set of KV tensors: the decoder holds pointers into exactly these."""
     return tuple(t.data_ptr() for c in kv_caches for t in (c.k, c.v))
@@ -209,10 +256,13 @@ class FusedDecodeSwitch:
 
     def __init__(self) -> None:
         self.enabled = False
+        self.deterministic = False  # every row attends as a decode row (--deterministic)
         self._decoder: FusedDecoder | None = None
 
-    def enable(self, on: bool = True) -> None:
+    def enable(self, on: bool = True, deterministic: bool = False) -> None:
         self.enabled = on
+        if deterministic != self.deterministic:
+            self.deterministic, self._decoder = deterministic, None
 
     def reset(self) -> None:
         """Forget the built decoder: the next decode step builds one from the model as it is
@@ -224,5 +274,5 @@ class FusedDecodeSwitch:
         if not self.enabled:
             return None
         if self._decoder is None or self._decoder.key != cache_key(kv_caches):
-            self._decoder = FusedDecoder(model, kv_caches)
+            self._decoder = FusedDecoder(model, kv_caches, self.deterministic)
         return self._decoder

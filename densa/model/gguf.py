@@ -66,6 +66,20 @@ def converted_dir_for(gguf_path: Path, cache_dir: Path | None = None) -> Path:
 
 QUANTIZATION_FILE = "gguf_quantization.json"
 SOURCE_FILE = "gguf_source.json"  # the file a converted directory's weights are read from
+GENERATION_FILE = "generation_config.json"  # the end-of-generation tokens (HF's own file)
+
+# Added tokens that end generation wherever a vocabulary has them, as llama.cpp reads them: a
+# GGUF names one eos token, but an instruct model also ends turns with the others it was trained
+# on (Qwen2.5-Coder writes `</tool_call>\n<|endoftext|>` after a call, never `<|im_end|>`; an
+# engine that stops only at the file's eos writes a second call instead). The FIM tokens end a
+# fill-in-the-middle answer at a file or repository boundary.
+END_OF_GENERATION_TEXTS = frozenset(
+    {
+        "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>",
+        "<end_of_turn>", "<EOT>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>",
+        "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+    }
+)  # fmt: skip
 
 
 def ensure_converted(gguf_path: Path, progress: Progress | None = None) -> Path:
@@ -76,6 +90,8 @@ def ensure_converted(gguf_path: Path, progress: Progress | None = None) -> Path:
             _write_quantization(_open_reader(gguf_path), out_dir)
         if not (out_dir / SOURCE_FILE).is_file():
             _write_source(gguf_path, out_dir)
+        if not (out_dir / GENERATION_FILE).is_file():
+            write_generation_config(out_dir)
         return out_dir
     logger.info("reading %s's config and tokenizer into %s (once)", gguf_path.name, out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -162,6 +178,7 @@ def convert_gguf(
     _write_quantization(reader, out_dir)
     _write_source(gguf_path, out_dir)
     _save_tokenizer(gguf_path, out_dir)
+    write_generation_config(out_dir)
 
 
 def _save_streamed(
@@ -191,6 +208,26 @@ def _save_streamed(
             if list(value.shape) != header[name]["shape"]:
                 raise ModelLoadError(f"GGUF tensor {name} dequantized to an unexpected shape")
             out.write(value.contiguous().numpy().tobytes())
+
+
+def write_generation_config(model_dir: Path) -> None:
+    """generation_config.json naming every end-of-generation token of a converted directory:
+    config.json's eos first, then the added tokens of END_OF_GENERATION_TEXTS (read from the
+    saved tokenizer.json, so an older conversion gains the file without re-reading the GGUF)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    tokenizer_path = model_dir / "tokenizer.json"
+    added = (
+        json.loads(tokenizer_path.read_text()).get("added_tokens", [])
+        if tokenizer_path.is_file()
+        else []
+    )
+    ids += sorted(t["id"] for t in added if t.get("content") in END_OF_GENERATION_TEXTS)
+    generation = {"eos_token_id": list(dict.fromkeys(ids))}  # the file's own eos stays first
+    if config.get("bos_token_id") is not None:
+        generation["bos_token_id"] = config["bos_token_id"]
+    (model_dir / GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def _write_source(gguf_path: Path, out_dir: Path) -> None:

@@ -225,12 +225,14 @@ async def _ask_models(request: Request, path: str) -> Response:
 
 
 async def _health(request: Request) -> Response:
+    """Open to any client, so it says only whether the router can serve, and what: the workers'
+    addresses are the internal plane's topology (GET /densa/workers lists them, with the
+    admin token)."""
     state = _state(request)
-    workers = {url: w.is_healthy for url, w in state.router.pool.workers.items()}
     if not state.router.targets():
         return no_worker_available().to_response()
     model = state.router.model.name if state.router.model is not None else None
-    return JSONResponse({"status": "ok", "model": model, "workers": workers})
+    return JSONResponse({"status": "ok", "model": model})
 
 
 async def _metrics(request: Request) -> Response:

@@ -117,10 +117,13 @@ async def _close(starts: Sequence[tuple[RequestOutput, Outputs]]) -> None:
 
 
 def _count(record: RequestRecord, finals: Sequence[RequestOutput]) -> None:
-    """The record (log line, /metrics) counts every choice's tokens: the prompt was computed or
-    found in the cache once per choice."""
+    """The record (log line, /metrics) counts as the usage does: the prompt once, with the
+    tokens the cache held when the request came (the first choice's: the other choices find the
+    prompt the first one cached, which is this request's own work, not a hit), and every
+    choice's completion tokens. So cached never exceeds prompt (before: summed over choices)."""
+    record.num_prompt_tokens = finals[0].num_prompt_tokens
+    record.num_cached_tokens = finals[0].num_cached_tokens
     record.num_output_tokens = sum(final.num_output_tokens for final in finals)
-    record.num_cached_tokens = sum(final.num_cached_tokens for final in finals)
 
 
 def _usage(finals: Sequence[RequestOutput]) -> Usage:

@@ -84,6 +84,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     # Decode-only steps through the fused C++ step (densa/model/fused_decode.py) where it runs.
     fused_decode: bool = True
+    # Bit-identical tokens and logprobs whatever the batch, chunking and cache state.
+    deterministic: bool = False
     device: str = "cpu"
     # On a GPU, replay all-decode steps of up to 64 requests from CUDA graphs (Triton backend).
     cuda_graphs: bool = True
@@ -147,7 +149,11 @@ class EngineArgs:
             ),
             speculative=self.speculative_config(),
             device=DeviceConfig(
-                self.device, self.attention_backend, self.cuda_graphs, self.fused_decode
+                self.device,
+                self.attention_backend,
+                self.cuda_graphs,
+                self.fused_decode,
+                self.deterministic,
             ),
             disagg=self.disagg_config(),
             tiers=TiersConfig(self.kv_tiers, self.cluster_secret_file),

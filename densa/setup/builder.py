@@ -17,6 +17,7 @@ from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionBackend, LayerKVCache
 from densa.model.attention_backends import select_backend
 from densa.model.fused_decode import enable_fused_decode as enable_fused
+from densa.model.fused_decode import unsupported_reason
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
@@ -146,8 +147,15 @@ def build_runner(
     # The fused step attends in C++ for decodes: with another backend asked for by name (torch,
     # triton), that backend is what runs.
     fused: list[bool] = []  # per weight set: whether its decode-only steps run fused
+    deterministic = config.device.deterministic
     if config.device.fused_decode and backend.capabilities.fused_decode:
-        fused = [enable_fused_decode(w, kv_caches) for w in (model, decode_model) if w is not None]
+        fused = [
+            enable_fused_decode(w, kv_caches, deterministic)
+            for w in (model, decode_model)
+            if w is not None
+        ]
+    if deterministic and not (fused and all(fused)):
+        raise ValueError(deterministic_refusal(config, backend, model, kv_caches))
     graphs = build_decode_graphs(
         config.device, config.cache, config.scheduler, decode_model or model, kv_caches, backend
     )
@@ -187,9 +195,27 @@ def _log_kv_cache(
     )  # fmt: skip
 
 
-def enable_fused_decode(model: CausalLM, kv_caches: list[LayerCache]) -> bool:
+def deterministic_refusal(
+    config: EngineConfig, backend: AttentionBackend, model: CausalLM, kv_caches: list[LayerCache]
+) -> str:
+    """Why --deterministic cannot run here: it is the fused C++ step's row-by-row attention."""
+    if not config.device.fused_decode:
+        why = "--no-fused-decode was given"
+    elif not backend.capabilities.fused_decode:
+        why = f"the {backend.name!r} attention backend is not the CPU's"
+    else:
+        why = unsupported_reason(model, kv_caches) or "the decode model's weights cannot run it"
+    return (
+        f"--deterministic needs the fused C++ CPU step, which cannot run here: {why} "
+        "(docs/architecture.md, 'Deterministic mode')"
+    )
+
+
+def enable_fused_decode(
+    model: CausalLM, kv_caches: list[LayerCache], deterministic: bool = False
+) -> bool:
     """Decode-only steps of `model` run through the fused C++ step, if it can run them (True)."""
-    reason = enable_fused(model, kv_caches)
+    reason = enable_fused(model, kv_caches, deterministic)
     if reason is not None:
         logger.info("fused decode off: %s; eager steps", reason)
         return False

@@ -183,6 +183,14 @@ def _device_options(g: argparse._ArgumentGroup, d: EngineArgs) -> None:
         help="run decode-only steps through the fused C++ step where it runs (float32 "
         "compute, dense / w4a8 / w8a8 weights, CPU; otherwise the eager model)",
     )
+    g.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=d.deterministic,
+        help="bit-identical tokens and logprobs whatever the batch, the prompt's chunks and the "
+        "prefix-cache state: every prompt row attends as a decode row does (CPU, float32, a "
+        "model the fused C++ step runs; prompts cost more: docs/architecture.md)",
+    )
     g.add_argument("--seed", type=int, default=d.seed)
 
 

@@ -58,6 +58,7 @@ class TextStream:
             params.kept_special_token_ids,
         )
         self._token_ids: list[int] = []
+        self._shows_ending_token = params.include_stop_str_in_output
         self.stopped = False  # a stop string ended it: abort the engine request
         self.finished = False
 
@@ -66,14 +67,20 @@ class TextStream:
         a request stopped by a stop string are dropped)."""
         if self.finished:
             return None
-        accepted = self._take_tokens(delta.new_token_ids)
+        ending = self._ending_token(delta)
+        token_ids = delta.new_token_ids[:-1] if ending is not None else delta.new_token_ids
+        accepted = self._take_tokens(token_ids)
+        logprobs = delta.new_logprobs[: len(accepted)]
+        if ending is not None and not self.stopped:
+            accepted.append(ending)  # counted in the usage; no text and no logprobs entry
+            self._token_ids.append(ending)
         self.finished = self.stopped or delta.finished
         reason = "stop" if self.stopped else delta.finish_reason
         output = RequestOutput(
             request_id=self.request_id,
             new_token_ids=accepted,
             new_text=self._detokenizer.take_delta(self.finished),
-            new_logprobs=delta.new_logprobs[: len(accepted)],
+            new_logprobs=logprobs,
             finished=self.finished,
             finish_reason=reason if self.finished else None,
             error=None if self.stopped else delta.error,
@@ -87,6 +94,15 @@ class TextStream:
             output.text = self._detokenizer.text
             output.token_ids = list(self._token_ids)
         return output
+
+    def _ending_token(self, delta: RequestDelta) -> int | None:
+        """The stop token (EOS or a stop_token_ids entry) that ended the request in this delta:
+        the engine ends a request "stop" only on such a token, its last. As OpenAI does, it is
+        not part of the answer -- neither its text nor its logprobs, so `logprobs.content`
+        joins to the content -- unless the client asked for stop text in the output."""
+        if self._shows_ending_token or not (delta.finished and delta.finish_reason == "stop"):
+            return None
+        return delta.new_token_ids[-1] if delta.new_token_ids else None
 
     def _take_tokens(self, token_ids: list[int]) -> list[int]:
         """Detokenize tokens one at a time; stop after the one that completes a stop string."""

@@ -36,8 +36,9 @@ def build_report(waves: list[Wave], settings: dict[str, Any]) -> BenchReport:
         notes=list(NOTES),
     )
     report.tables = [_main_table(summary), _kv_table(summary)]
-    if ratios:
-        report.tables.append(_ratio_table(ratios))
+    for name, title in RATIO_TITLES.items():
+        if any(name in r for r in ratios):
+            report.tables.append(_ratio_table(ratios, name, title))
     report.plots = _plots(summary)
     return report
 
@@ -86,22 +87,28 @@ def _summarize(key: tuple[str, int], waves: list[Wave]) -> dict[str, Any]:
     return row
 
 
+# (engine, over engine) pairs whose output tok/s are compared, each ratio's name.
+RATIOS = {
+    ("densa", "hf"): "densa_over_hf_output_tok_s",
+    ("densa-deterministic", "densa"): "deterministic_over_default_output_tok_s",
+}
+RATIO_TITLES = {
+    "densa_over_hf_output_tok_s": "densa / HF",
+    "deterministic_over_default_output_tok_s": "densa --deterministic / densa",
+}
+
+
 def _ratios(groups: dict[tuple[str, int], list[Wave]]) -> list[dict[str, Any]]:
-    """densa / HF output tok/s at each concurrency, paired by repetition."""
+    """densa / HF (and densa --deterministic / densa) output tok/s at each concurrency, paired by
+    repetition."""
     rows = []
-    for (engine, concurrency), densa_waves in groups.items():
-        hf_waves = groups.get(("hf", concurrency))
-        if engine != "densa" or not hf_waves:
-            continue
-        pairs = zip(densa_waves, hf_waves, strict=True)
-        values = [d.output_tok_s / h.output_tok_s for d, h in pairs]
-        rows.append(
-            {
-                "kind": "ratio",
-                "concurrency": concurrency,
-                "densa_over_hf_output_tok_s": spread(values),
-            }
-        )
+    for (engine, concurrency), waves in groups.items():
+        for (top, bottom), name in RATIOS.items():
+            other = groups.get((bottom, concurrency))
+            if engine != top or not other:
+                continue
+            values = [a.output_tok_s / b.output_tok_s for a, b in zip(waves, other, strict=True)]
+            rows.append({"kind": "ratio", "concurrency": concurrency, name: spread(values)})
     return rows
 
 
@@ -184,12 +191,13 @@ def _kv_table(summary: list[dict[str, Any]]) -> Table:
     return Table("densa KV cache (worst wave)", columns, rows)
 
 
-def _ratio_table(ratios: list[dict[str, Any]]) -> Table:
+def _ratio_table(ratios: list[dict[str, Any]], name: str, title: str) -> Table:
     rows = [
-        [str(r["concurrency"]), format_spread(r["densa_over_hf_output_tok_s"], digits=2)]
+        [str(r["concurrency"]), format_spread(r[name], digits=2)]
         for r in sorted(ratios, key=lambda r: r["concurrency"])
+        if name in r
     ]
-    return Table("densa / HF output tokens/s (per-repetition ratio)", ["c", "ratio"], rows)
+    return Table(f"{title} output tokens/s (per-repetition ratio)", ["c", "ratio"], rows)
 
 
 def _plots(summary: list[dict[str, Any]]) -> list[LinePlot]:

@@ -10,6 +10,7 @@ prefix page, so densa's prefix cache cannot help, and the text content does not 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import asdict
@@ -33,6 +34,7 @@ from densa_bench.serving.settings import ServingSettings
 
 logger = get_logger(__name__)
 
+DETERMINISTIC = "densa-deterministic"  # the engine name of densa --deterministic
 # Ids below this are special and byte-level tokens in common BPE vocabularies; keep prompts plain.
 FIRST_PROMPT_TOKEN_ID = 256
 
@@ -40,10 +42,9 @@ FIRST_PROMPT_TOKEN_ID = 256
 class DensaEngine:
     """densa's in-process LLMEngine as a ServingEngine, driven with `step()`."""
 
-    name = "densa"
-
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, name: str = "densa") -> None:
         self.engine = engine
+        self.name = name
         self._stats: dict[str, int] = {}
 
     def run_wave(self, prompts: list[list[int]], output_len: int) -> list[RequestTiming]:
@@ -97,6 +98,14 @@ def load_engines(settings: ServingSettings, engine_args: EngineArgs) -> list[Ser
     """densa (and the HF peer on the same weights), each loaded once for the whole run."""
     logger.info("loading densa engine")
     engines: list[ServingEngine] = [DensaEngine(LLMEngine.from_args(engine_args))]
+    if settings.deterministic_pair:
+        logger.info("loading densa engine with --deterministic")
+        plain = dataclasses.replace(engine_args, deterministic=False)
+        engines = [
+            DensaEngine(LLMEngine.from_args(plain)),
+            DensaEngine(LLMEngine.from_args(dataclasses.replace(plain, deterministic=True)),
+                        DETERMINISTIC),
+        ]  # fmt: skip
     if settings.include_hf:
         from densa_bench.serving.hf_baseline import (
             HFGenerate,  # transformers loads only when asked for

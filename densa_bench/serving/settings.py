@@ -23,6 +23,10 @@ class ServingSettings:
     warmup: int = option(1, "untimed waves per variant first")
     prompt_seed: int = option(0, "seed of the random prompts")
     include_hf: bool = option(True, "measure densa only", flag="--skip-hf", negate=True)
+    # densa --deterministic beside densa (the same engine arguments otherwise): its cost.
+    deterministic_pair: bool = option(
+        False, "also run densa with --deterministic, interleaved (its cost)", toggle=True
+    )
 
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:

@@ -168,6 +168,24 @@ def test_serving_smoke_run(
         assert (out_dir / f"{name}.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
+def test_serving_measures_the_deterministic_mode_beside_the_default(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out_dir = tmp_path / "deterministic"
+    argv = ["bench", "serving", "--model", str(tiny_model_dir), "--kv-cache-memory", "16MiB",
+            "--concurrency", "2", "--prompt-len", "40", "--output-len", "4", "--repeats", "2",
+            "--warmup", "0", "--skip-hf", "--deterministic-pair", "--out", str(out_dir)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["densa", *argv])
+    assert main(argv) == 0
+    data = json.loads((out_dir / "results.json").read_text())
+    order = [(s["engine"], s["repeat_idx"]) for s in data["samples"]]
+    assert order == [("densa", 0), ("densa-deterministic", 0), ("densa", 1),
+                     ("densa-deterministic", 1)]  # fmt: skip
+    [ratio] = [row for row in data["summary"] if row["kind"] == "ratio"]
+    assert ratio["deterministic_over_default_output_tok_s"]["median"] > 0
+    assert "densa --deterministic / densa output tokens/s" in (out_dir / "README.md").read_text()
+
+
 def test_a_servers_peak_rss_includes_its_child_processes(tmp_path: Path) -> None:
     """densa serves from two processes (HTTP front, engine): the figure covers both."""
     import subprocess

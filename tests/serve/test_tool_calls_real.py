@@ -66,19 +66,28 @@ def server(qwen_dir: Path) -> Iterator[RunningServer]:
 
 
 def _ask(server: RunningServer, **kwargs: Any) -> Any:
-    # One call (with parallel calls the model goes on to a second one, cut by max_tokens).
+    # parallel_tool_calls is left at its default (true), as the SDKs and agents leave it.
     settings: dict[str, Any] = {"model": MODEL_NAME, "messages": ASK, "tools": [WEATHER],
-                                "tool_choice": "required", "parallel_tool_calls": False,
-                                "temperature": 0, "max_tokens": 60}  # fmt: skip
+                                "tool_choice": "required", "temperature": 0,
+                                "max_tokens": 60}  # fmt: skip
     return server.client().chat.completions.create(**(settings | kwargs))
 
 
 @pytest.mark.parametrize(
-    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
-)
-def test_a_forced_call_on_the_real_model(server: RunningServer, tool_choice: Any) -> None:
-    choice = _ask(server, tool_choice=tool_choice).choices[0]
+    ("tool_choice", "parallel"),
+    [("required", None), ("required", False),
+     ({"type": "function", "function": {"name": "get_weather"}}, None)],
+)  # fmt: skip
+def test_a_forced_call_on_the_real_model(
+    server: RunningServer, tool_choice: Any, parallel: bool | None
+) -> None:
+    """The call, then the end of the turn: before the fix "required" with parallel calls wrote
+    calls until max_tokens (the grammar allowed the end only right after `</tool_call>`, where
+    Qwen writes a newline first, and <|endoftext|> did not end the turn)."""
+    extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+    choice = _ask(server, tool_choice=tool_choice, **extra).choices[0]
     assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"
     arguments = json.loads(call.function.arguments)
@@ -101,6 +110,68 @@ def test_a_streamed_forced_call_on_the_real_model(server: RunningServer) -> None
     assert name == whole.message.tool_calls[0].function.name == "get_weather"
     assert arguments == whole.message.tool_calls[0].function.arguments
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_cut_by_max_tokens_returns_no_markup(
+    server: RunningServer, stream: bool
+) -> None:
+    """max_tokens ends the answer inside the call: finish_reason "length", and no call markup
+    as content (before: `content` held the cut `<tool_call>\\n{"name": "`)."""
+    if not stream:
+        choice = _ask(server, max_tokens=4).choices[0]
+        assert choice.finish_reason == "length"
+        assert not choice.message.content
+        assert not choice.message.tool_calls  # the call's name was never written
+        return
+    content, finish = "", None
+    for chunk in _ask(server, max_tokens=4, stream=True):
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length" and content == ""
+
+
+def test_a_required_call_through_the_responses_api(server: RunningServer) -> None:
+    """/v1/responses, tool_choice "required", parallel calls allowed: one function_call item,
+    the response completed (not cut at max_output_tokens), no message item with markup."""
+    flat = {"type": "function", **WEATHER["function"]}
+    for stream in (False, True):
+        kwargs: dict[str, Any] = {"model": MODEL_NAME, "input": ASK, "tools": [flat],
+                                  "tool_choice": "required", "temperature": 0,
+                                  "max_output_tokens": 60}  # fmt: skip
+        if stream:
+            with server.client().responses.stream(**kwargs) as events:
+                list(events)
+                response = events.get_final_response()
+        else:
+            response = server.client().responses.create(**kwargs)
+        assert response.status == "completed", response
+        [item] = response.output
+        assert item.type == "function_call" and item.name == "get_weather"
+        jsonschema.validate(json.loads(item.arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_required_call_through_the_messages_api(server: RunningServer) -> None:
+    """/v1/messages with tool_choice {"type": "any"} through the Anthropic SDK: one tool_use
+    block and stop_reason "tool_use", streamed the same."""
+    import anthropic
+
+    tool = {"name": "get_weather", "description": WEATHER["function"]["description"],
+            "input_schema": WEATHER["function"]["parameters"]}  # fmt: skip
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="test-key", max_retries=0)
+    kwargs: dict[str, Any] = {"model": MODEL_NAME, "messages": ASK, "tools": [tool],
+                              "tool_choice": {"type": "any"}, "max_tokens": 60,
+                              "extra_body": {"temperature": 0}}  # fmt: skip
+    message = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        streamed = stream.get_final_message()
+    for answer in (message, streamed):
+        assert answer.stop_reason == "tool_use", answer
+        [block] = answer.content
+        assert block.type == "tool_use" and block.name == "get_weather"
+        jsonschema.validate(block.input, tool["input_schema"])
+    assert streamed.content[0].input == message.content[0].input
 
 
 @pytest.mark.parametrize("stream", [False, True])

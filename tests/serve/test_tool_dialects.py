@@ -241,6 +241,28 @@ def test_a_forced_call_matches_the_marker_tokens(family: Family, tokenizer: Toke
     compiler.shutdown()
 
 
+def test_a_required_call_may_end_the_turn_after_each_call(
+    family: Family, tokenizer: Tokenizer
+) -> None:
+    """tool_choice "required" with parallel calls: after each complete call, and after the
+    newline a model writes there (Qwen2.5-Coder writes "</tool_call>\\n" then its end token),
+    the end of the turn is allowed, so the model may stop instead of writing calls until
+    max_tokens. The grammar stays closed: no text other than whitespace after the calls."""
+    fmt = format_for(family.dialect, tokenizer.added_tokens)
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    grammar = compiler.compile_now(fmt.call_grammar(TOOLS, parallel=True))
+    for trailing in ("", "\n", "\n\n"):
+        for num_calls in (1, 2):
+            matcher = grammar.new_matcher()
+            text = fmt.render_calls(CALLS[:num_calls]) + trailing
+            assert matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+            assert matcher.is_accepting(), (num_calls, text)
+        matcher = grammar.new_matcher()
+        text = fmt.render_calls(CALLS[:1]) + trailing + "Done."
+        assert not matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+    compiler.shutdown()
+
+
 def test_marker_tokens_that_are_special_reach_the_parser(smollm2_dir: Path) -> None:
     """Mistral's markers are special tokens, which a response's text leaves out: the plan keeps
     them in (the end-of-sequence token stays out), so the calls are read."""
@@ -276,7 +298,12 @@ EDGES = [
      "ok", [("f", '{"a": [1, "`"]}')]),
     ("mistral", 'Hi[TOOL_CALLS]f[CALL_ID]abc123XYZ[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{}', "Hi",
      [("f", '{"a": 1}'), ("g", "{}")]),
-    ("mistral_json", "[TOOL_CALLS] [not json", "[TOOL_CALLS] [not json", []),
+    # The text ends inside a block: markup cut short (by max_tokens), never content.
+    ("mistral_json", "[TOOL_CALLS] [not json", "", []),
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "', "Let me check.", []),
+    ("qwen3_coder", "Sure.\n<tool_call>\n<funct", "Sure.", []),
+    # A closed block that is no call stays content, byte for byte.
+    ("hermes", "<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
 ]  # fmt: skip
 
 

@@ -95,6 +95,18 @@ def json_rule(schema: Mapping[str, Any]) -> str:
     return f"%json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}"
 
 
+# Whitespace a model may write after its last call before it ends the turn: Qwen2.5-Coder writes
+# "</tool_call>\n" and then its end token. A grammar that ends right after the last marker
+# leaves such a model the choice between another call and nothing: it wrote calls until
+# max_tokens. (The parser drops whitespace after the calls: it is not an answer.)
+TRAILING_SPACE = "/[ \\t\\r\\n]{0,4}/"
+
+
+def start_rule(calls: str) -> str:
+    """The grammar's start rule: `calls` (a Lark expression), then the end of the turn."""
+    return f"start: {calls} {TRAILING_SPACE}"
+
+
 def repeat(rule: str, separator: str, parallel: bool) -> str:
     """`rule` once, or up to MAX_PARALLEL_CALLS times with `separator` (a Lark expression)."""
     if not parallel:

@@ -23,7 +23,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from densa.openai.tools.base import Schemas, ToolCallFormat, json_rule, parameters, repeat
+from densa.openai.tools.base import (
+    Schemas,
+    ToolCallFormat,
+    json_rule,
+    parameters,
+    repeat,
+    start_rule,
+)
 from densa.openai.tools.events import CallParser
 from densa.openai.tools.json_calls import partial_suffix
 from densa.openai.tools.marked import CallRead, MarkedCallParser, Markers
@@ -58,8 +65,10 @@ class DeepSeekFormat(ToolCallFormat):
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> StructuredOutput:
         separator = self.literal("\n") if self.fenced else ""
         lines = [
-            f"start: {self.literal(SECTION_OPEN)} {repeat('call', separator, parallel)} "
-            f"{self.literal(SECTION_CLOSE)}",
+            start_rule(
+                f"{self.literal(SECTION_OPEN)} {repeat('call', separator, parallel)} "
+                f"{self.literal(SECTION_CLOSE)}"
+            ),
             "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
         ]
         for idx, tool in enumerate(tools):

@@ -35,7 +35,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from densa.openai.tools.base import Schemas, ToolCallFormat, json_rule, parameters, repeat
+from densa.openai.tools.base import (
+    Schemas,
+    ToolCallFormat,
+    json_rule,
+    parameters,
+    repeat,
+    start_rule,
+)
 from densa.openai.tools.events import (
     CallArguments,
     CallParser,
@@ -80,7 +87,7 @@ class JsonCallFormat(ToolCallFormat):
         body = json_rule({"anyOf": [self._call_schema(tool) for tool in tools]})
         call = seq(self.literal(self.open_marker), "body", self.literal(self.close_marker))
         start = repeat("call", self.literal(self.separator), parallel)
-        return StructuredOutput("lark", f"start: {start}\ncall: {call}\nbody: {body}\n")
+        return StructuredOutput("lark", f"{start_rule(start)}\ncall: {call}\nbody: {body}\n")
 
     def new_parser(self) -> CallParser:
         return JsonCallParser(self)
@@ -196,11 +203,13 @@ class JsonCallParser:
         return events
 
     def finish(self) -> list[Event]:
-        """The end of the text: release held-back text; a call cut short keeps what it had."""
+        """The end of the text: release held-back text; a call cut short keeps what it had.
+        A marked block (`<tool_call>`) the text ended in before its name is markup cut short:
+        dropped, never content. An unclosed fence or bare JSON object is a text: content."""
         events: list[Event] = []
         if self._mode == _BODY and self._args_start is not None:
             self._stream_arguments(events, final=True)
-        elif self._mode == _BODY:
+        elif self._mode == _BODY and (self._fenced or not self._open_marker):
             self._emit_content(events, self._opener + self._body)
         elif self._mode in (_OPEN, _PLAIN) and (self._pending.strip() or not self.calls):
             self._emit_content(events, self._pending)

@@ -15,7 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from densa.openai.tools.base import Schemas, ToolCallFormat, json_rule, parameters, repeat
+from densa.openai.tools.base import (
+    Schemas,
+    ToolCallFormat,
+    json_rule,
+    parameters,
+    repeat,
+    start_rule,
+)
 from densa.openai.tools.events import CallParser
 from densa.openai.tools.marked import CallRead, MarkedCallParser, Markers
 from densa.sampling_params import StructuredOutput
@@ -46,8 +53,10 @@ class KimiK2Format(ToolCallFormat):
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> StructuredOutput:
         lines = [
-            f"start: {self.literal(SECTION_OPEN)} {repeat('call', '', parallel)} "
-            f"{self.literal(SECTION_CLOSE)}",
+            start_rule(
+                f"{self.literal(SECTION_OPEN)} {repeat('call', '', parallel)} "
+                f"{self.literal(SECTION_CLOSE)}"
+            ),
             "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
             "INDEX: /[0-9]{1,3}/",
         ]

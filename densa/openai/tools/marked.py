@@ -76,8 +76,8 @@ class MarkedCallParser:
         events: list[Event] = []
         if self._mode == _CONTENT and (self._pending.strip() or not self.calls):
             _emit(events, self._pending)  # (whitespace after the calls is not an answer)
-        elif self._mode == _CALL:
-            self._complete(events, self._pending)
+        elif self._mode == _CALL:  # a block the text ended in: a call, or markup cut short
+            self._complete(events, self._pending, cut=True)
         self._pending, self._mode = "", _CONTENT
         return events
 
@@ -129,9 +129,12 @@ class MarkedCallParser:
         self._searched = 0
 
     # ---- calls ---------------------------------------------------------------------------------
-    def _complete(self, events: list[Event], body: str) -> None:
+    def _complete(self, events: list[Event], body: str, cut: bool = False) -> None:
+        """The calls of a block that ended (`cut`: the text ended inside it). A closed block that
+        is no call is content, byte for byte; an unclosed one is markup cut short (by max_tokens
+        or the model's end), never returned as an answer."""
         reads = self.reader.read(body, final=True)
-        if reads is None and not self._block_started:  # not a call after all: it is content
+        if reads is None and not self._block_started and not cut:
             m = self.markers
             _emit(events, m.call_open + body + m.call_close)
         for idx, read in enumerate(reads or []):

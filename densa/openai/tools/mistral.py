@@ -27,6 +27,7 @@ from densa.openai.tools.base import (
     json_rule,
     parameters,
     repeat,
+    start_rule,
 )
 from densa.openai.tools.events import CallParser
 from densa.openai.tools.marked import CallRead, MarkedCallParser, Markers
@@ -55,7 +56,7 @@ class MistralFormat(ToolCallFormat):
 
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> StructuredOutput:
         lines = [
-            f"start: {repeat('call', '', parallel)}",
+            start_rule(repeat("call", "", parallel)),
             "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
         ]
         for idx, tool in enumerate(tools):
@@ -100,7 +101,8 @@ class MistralJsonFormat(ToolCallFormat):
         }
         array = {"type": "array", "items": call, "minItems": 1}
         array["maxItems"] = MAX_PARALLEL_CALLS if parallel else 1
-        lark = f'start: {self.literal(CALLS)} " " calls\ncalls: {json_rule(array)}\n'
+        start = start_rule(f'{self.literal(CALLS)} " " calls')
+        lark = f"{start}\ncalls: {json_rule(array)}\n"
         return StructuredOutput("lark", lark)
 
     def new_parser(self) -> CallParser:

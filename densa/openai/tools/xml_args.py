@@ -35,7 +35,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from densa.openai.tools.base import Schemas, ToolCallFormat, json_rule, parameters, repeat
+from densa.openai.tools.base import (
+    Schemas,
+    ToolCallFormat,
+    json_rule,
+    parameters,
+    repeat,
+    start_rule,
+)
 from densa.openai.tools.events import CallParser
 from densa.openai.tools.marked import CallRead, MarkedCallParser, Markers
 from densa.sampling_params import StructuredOutput
@@ -93,7 +100,7 @@ class XmlArgsFormat(ToolCallFormat):
     def call_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> StructuredOutput:
         lay = self.layout
         lines = [
-            f"start: {repeat('call', self.literal(lay.separator), parallel)}",
+            start_rule(repeat("call", self.literal(lay.separator), parallel)),
             "call: " + " | ".join(f"call_{i}" for i in range(len(tools))),
             _TEXT_RULE,
         ]

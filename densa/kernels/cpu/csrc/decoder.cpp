@@ -491,6 +491,28 @@ at::Tensor run_qkv(const Decoder& dec, int64_t layer, at::Tensor& x, const int64
   return qkv;
 }
 
+// The fused step's decode attention for any rows: row t attends to the first seq_lens[t]
+// positions of page_table row t, its queries scaled as `run` scales them. Prefill rows given
+// this way (one row per prompt position) compute exactly what a decode row at that position
+// computes: the deterministic mode's prefill attention.
+template <class Ops>
+at::Tensor run_attend(const Decoder& dec, int64_t layer, const at::Tensor& qkv,
+                      const int32_t* page_table, int64_t max_pages, const int32_t* seq_lens) {
+  const Config& cfg = dec.config;
+  const int64_t rows = qkv.size(0), d = cfg.head_dim;
+  const int64_t q_size = cfg.num_heads * d, qkv_size = q_size + 2 * cfg.num_kv_heads * d;
+  Buffers& buf = buffers_for(cfg, rows);
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const float* in = qkv.data_ptr<float>();
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t i = 0; i < q_size; ++i) buf.q[t * q_size + i] = in[t * qkv_size + i] * scale;
+  at::Tensor out = at::empty({rows, q_size}, at::TensorOptions().dtype(at::kFloat));
+  const Layer& L = dec.layers[layer];
+  decode_attention<Ops>(cfg, L.k, L.v, buf.q.data(), page_table, max_pages, seq_lens, rows,
+                        dec.fp8_table, buf.scratch, out.data_ptr<float>());
+  return out;
+}
+
 template <class Ops>
 void run_mlp(const Decoder& dec, int64_t layer, const at::Tensor& attn, at::Tensor& x) {
   const int64_t rows = x.size(0);
@@ -536,6 +558,15 @@ at::Tensor Decoder::qkv(int64_t layer, at::Tensor& x, const int64_t* positions,
   if (isa == Isa::kAvx512Vnni)
     return run_qkv<Avx512>(*this, layer, x, positions, slot_pages, slot_offsets);
   return run_qkv<Avx2>(*this, layer, x, positions, slot_pages, slot_offsets);
+}
+
+at::Tensor Decoder::attend(int64_t layer, const at::Tensor& qkv, const int32_t* page_table,
+                          int64_t max_pages, const int32_t* seq_lens) const {
+  TORCH_CHECK(config.head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+  TORCH_CHECK(config.num_heads / config.num_kv_heads <= kMaxGroup, "GQA group above ", kMaxGroup);
+  if (isa == Isa::kAvx512Vnni)
+    return run_attend<Avx512>(*this, layer, qkv, page_table, max_pages, seq_lens);
+  return run_attend<Avx2>(*this, layer, qkv, page_table, max_pages, seq_lens);
 }
 
 void Decoder::mlp(int64_t layer, const at::Tensor& attn, at::Tensor& x) const {

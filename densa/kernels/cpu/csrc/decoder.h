@@ -100,6 +100,11 @@ struct Decoder {
   at::Tensor qkv(int64_t layer, at::Tensor& x, const int64_t* positions, const int64_t* slot_pages,
                  const int64_t* slot_offsets) const;
   void mlp(int64_t layer, const at::Tensor& attn, at::Tensor& x) const;
+  // forward()'s attention for rows computed by qkv(): row t reads the first seq_lens[t]
+  // positions of page_table row t ([rows, max_pages]) -> [rows, q] (the deterministic mode's
+  // attention for prefill rows, one row per prompt position).
+  at::Tensor attend(int64_t layer, const at::Tensor& qkv, const int32_t* page_table,
+                    int64_t max_pages, const int32_t* seq_lens) const;
   at::Tensor final(const at::Tensor& x) const;
 };
 

@@ -277,6 +277,30 @@ class PyDecoder {
                     slot_offsets.data_ptr<int64_t>());
   }
 
+  at::Tensor attend(int64_t layer, const at::Tensor& qkv, const at::Tensor& page_table,
+                    const at::Tensor& seq_lens) const {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "layer out of range");
+    const Config& c = dec_.config;
+    TORCH_CHECK(qkv.dim() == 2, "qkv: float32 [rows, q + 2 kv]");
+    const int64_t rows = qkv.size(0);
+    check(qkv, at::kFloat, rows * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, "qkv");
+    check(seq_lens, at::kInt, rows, "seq_lens");
+    TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == rows &&
+                    page_table.scalar_type() == at::kInt && page_table.is_contiguous(),
+                "page_table: int32 [rows, max_pages]");
+    if (rows > 0) {  // the kernel does no bounds checks: validate every index it will follow
+      const KVSide& kv = dec_.layers[layer].k;
+      TORCH_CHECK(page_table.min().item<int32_t>() >= 0 &&
+                      page_table.max().item<int32_t>() < kv.tensor.size(0),
+                  "page id out of range");
+      TORCH_CHECK(seq_lens.min().item<int32_t>() >= 1 &&
+                      seq_lens.max().item<int32_t>() <= page_table.size(1) * kv.page_size,
+                  "seq_lens out of range");
+    }
+    return dec_.attend(layer, qkv, page_table.data_ptr<int32_t>(), page_table.size(1),
+                       seq_lens.data_ptr<int32_t>());
+  }
+
   void mlp(int64_t layer, const at::Tensor& attn, at::Tensor x) const {
     check_stream(layer, x);
     check(attn, at::kFloat, x.size(0) * dec_.config.num_heads * dec_.config.head_dim, "attn");
@@ -390,6 +414,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("add_layer", &PyDecoder::add_layer)
       .def("forward", &PyDecoder::forward, Release())
       .def("qkv", &PyDecoder::qkv, Release())
+      .def("attend", &PyDecoder::attend, Release())
       .def("mlp", &PyDecoder::mlp, Release())
       .def("final_norm", &PyDecoder::final_norm, Release())
       .def_property_readonly("num_layers", &PyDecoder::num_layers);
