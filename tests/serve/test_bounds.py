@@ -1,6 +1,6 @@
 """Bounded requests, tried as an attacker would, against a real worker and a real router in front
 of it (both on loopback): text too long for any prompt is refused before anything renders or
-tokenizes it, wherever in the body it hides.
+tokenizes it, wherever in the body it hides; stop_token_ids are bounded.
 
 The size check sums every part of a body that becomes prompt text (docs/serving.md "Errors"):
 message content, names, reasoning and tool calls, tool definitions, template variables, and
@@ -20,6 +20,7 @@ import pytest
 from densa.openai.prepare import max_prompt_bytes
 from densa.router.app import build_router_app
 from densa.router.config import RouterConfig
+from densa.sampling_params import MAX_STOP_TOKEN_IDS
 from densa.serve.process import serve_in_thread
 from densa.text.tokenizer import Tokenizer
 
@@ -162,3 +163,24 @@ def test_the_same_bodies_with_short_text_are_served(
     for base in (server.base_url, router_url) if endpoint in ROUTED else (server.base_url,):
         response = httpx.post(base + endpoint, json=body("a few words"), timeout=60)
         assert response.status_code == 200, (base, response.text)
+
+
+# ---- stop_token_ids ------------------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", [CHAT, COMPLETIONS])
+def test_stop_token_ids_past_the_bound_are_a_400_naming_the_field(
+    server: RunningServer, endpoint: str
+) -> None:
+    base = {"model": MODEL_NAME, "max_tokens": 2, "temperature": 0}
+    base |= {"messages": [USER]} if endpoint == CHAT else {"prompt": "Hi"}
+    at_bound = httpx.post(server.base_url + endpoint, timeout=30,
+                          json={**base, "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS))})  # fmt: skip
+    assert at_bound.status_code == 200, at_bound.text
+    server.wait_idle()
+    engine_before = server.stats
+    for num_ids in (MAX_STOP_TOKEN_IDS + 1, 450_000):  # the issue's: a 900 kB body
+        body = {**base, "stop_token_ids": [7] * num_ids, "n": 4, "stream": True}
+        response = httpx.post(server.base_url + endpoint, json=body, timeout=30)
+        assert response.status_code == 400, response.text[:300]
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_value", "stop_token_ids"), error
+    assert server.stats == engine_before
