@@ -98,14 +98,20 @@ async def read_json(
 ) -> Any:
     """The body as JSON, refusing oversized (413), slow (408), non-UTF-8 and malformed (400)
     bodies, and bodies holding text no UTF-8 encoder can write (400 naming the field)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
+    declared = _declared_length(request)
+    if declared is not None and declared > max_bytes:
         raise _too_large(max_bytes)
-    large = not declared.isdigit() or int(declared) > LARGE_BODY_BYTES
+    large = declared is None or declared > LARGE_BODY_BYTES
     if large and large_bodies is not None:
         async with large_bodies.admit():  # `then` too: validating a huge body costs as much
             return then(await _read_json(request, max_bytes, timeout))
     return then(await _read_json(request, max_bytes, timeout))
+
+
+def _declared_length(request: Request) -> int | None:
+    """Content-Length, if it is a decimal number (ASCII digits: "²".isdigit() is true too)."""
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isascii() and declared.isdigit() else None
 
 
 async def read_request(

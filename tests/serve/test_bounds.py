@@ -1,6 +1,7 @@
 """Bounded requests, tried as an attacker would, against a real worker and a real router in front
 of it (both on loopback): text too long for any prompt is refused before anything renders or
-tokenizes it, wherever in the body it hides; stop_token_ids are bounded.
+tokenizes it, wherever in the body it hides; stop_token_ids are bounded; a header that is
+almost a number is not a 500.
 
 The size check sums every part of a body that becomes prompt text (docs/serving.md "Errors"):
 message content, names, reasoning and tool calls, tool definitions, template variables, and
@@ -10,6 +11,7 @@ what Anthropic's and the Responses API's fields translate to.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -184,3 +186,17 @@ def test_stop_token_ids_past_the_bound_are_a_400_naming_the_field(
         error = response.json()["error"]
         assert (error["code"], error["param"]) == ("invalid_value", "stop_token_ids"), error
     assert server.stats == engine_before
+
+
+# ---- headers that are almost numbers ------------------------------------------------------------
+@pytest.mark.parametrize("length", ["\u00b2", "\u0661\u0662"])  # str.isdigit() says yes to both
+def test_a_content_length_of_non_ascii_digits_is_refused_not_a_500(
+    server: RunningServer, length: str
+) -> None:
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"content-type: application/json\r\ncontent-length: " + length.encode()
+                     + b"\r\n\r\n{}")  # fmt: skip
+        status = sock.recv(4096).split(b"\r\n", 1)[0]
+    assert status.split()[1].startswith(b"4"), status
