@@ -31,12 +31,32 @@ def test_a_short_secret_is_refused_and_the_secret_never_prints() -> None:
 
 def test_the_secret_file_is_written_owner_only_and_read_back(tmp_path: Path) -> None:
     path = tmp_path / "secret"
-    path.write_text("old contents")
-    os.chmod(path, 0o644)
     secret = ClusterSecret.generate()
-    secret.write(path)
+    old_umask = os.umask(0)  # the mode is set on the descriptor, whatever the umask
+    try:
+        secret.write(path)
+    finally:
+        os.umask(old_umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert load_secret(str(path)) == secret
+
+
+def test_the_secret_is_never_written_into_a_planted_file_or_through_a_symlink(
+    tmp_path: Path,
+) -> None:
+    """What another user plants where the secret goes gets nothing: an existing file stays as
+    it was, and a symlink is not followed to the file it names."""
+    planted = tmp_path / "planted"
+    planted.write_text("theirs")
+    os.chmod(planted, 0o644)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "target-they-read")
+    secret = ClusterSecret.generate()
+    for path in (planted, link):
+        with pytest.raises(SecretError, match="exists already"):
+            secret.write(path)
+    assert planted.read_text() == "theirs" and stat.S_IMODE(planted.stat().st_mode) == 0o644
+    assert not (tmp_path / "target-they-read").exists()
 
 
 def test_load_secret_takes_the_file_then_the_environment(
