@@ -119,7 +119,8 @@ def test_frame_macs_bind_the_session_the_direction_and_every_byte() -> None:
     assert session.to_prefill.verify(sealed)
     assert not session.to_decode.verify(sealed)  # reflected back: another direction
     assert not keys.session(nonce_d, new_nonce()).to_prefill.verify(sealed)  # another session
-    assert not LinkKeys(None).session(nonce_d, nonce_p).to_prefill.verify(sealed)
+    other_cluster = LinkKeys(ClusterSecret.generate())
+    assert not other_cluster.session(nonce_d, nonce_p).to_prefill.verify(sealed)
     damaged = [b"header", b"page bytez", sealed[-1]]
     assert not session.to_prefill.verify(damaged)
     # Frame boundaries count: the same bytes split differently are another message.
