@@ -1,7 +1,7 @@
 """Bounded requests, tried as an attacker would, against a real worker and a real router in front
 of it (both on loopback): text too long for any prompt is refused before anything renders or
 tokenizes it, wherever in the body it hides; stop_token_ids are bounded; a header that is
-almost a number is not a 500.
+almost a number is not a 500; a constraint that matches nothing is the client's 400.
 
 The size check sums every part of a body that becomes prompt text (docs/serving.md "Errors"):
 message content, names, reasoning and tool calls, tool definitions, template variables, and
@@ -200,3 +200,20 @@ def test_a_content_length_of_non_ascii_digits_is_refused_not_a_500(
                      + b"\r\n\r\n{}")  # fmt: skip
         status = sock.recv(4096).split(b"\r\n", 1)[0]
     assert status.split()[1].startswith(b"4"), status
+
+
+# ---- a constraint that matches nothing ---------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("regex", ["[^\\s\\S]", "[a&&b]", "ab[^\\x00-\\x{10FFFF}]"])
+def test_a_regex_no_text_matches_is_the_clients_400_not_a_500(
+    server: RunningServer, regex: str, stream: bool
+) -> None:
+    body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 4, "stream": stream,
+            "structured_outputs": {"regex": regex}}  # fmt: skip
+    response = httpx.post(server.base_url + COMPLETIONS, json=body, timeout=30)
+    if stream and response.status_code == 200:  # refused after the stream began: an event
+        error = json.loads(response.text.split("data: ", 1)[1].split("\n", 1)[0])["error"]
+    else:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+    assert error["code"] == "invalid_grammar", error
