@@ -71,7 +71,7 @@ class ClusterSecret:
 
 def load_secret(path: str | None = None) -> ClusterSecret | None:
     """The secret from `path` if given, else from DENSA_CLUSTER_SECRET, else None (no internal
-    plane: a worker's KV port then binds only to loopback)."""
+    plane: no KV link, so --role prefill and --role decode refuse to start)."""
     if path:
         return ClusterSecret.from_file(path)
     value = os.environ.get(SECRET_ENV, "").strip()
