@@ -254,10 +254,12 @@ MALFORMED_TOKENS = [
 def test_a_malformed_placement_token_is_a_403_with_one_log_line(
     decode: RunningServer, token: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
-    densa_logger = logging.getLogger("densa")  # configure_logging stops it propagating
+    # configure_logging (a CLI run in this process) may have stopped "densa" propagating and
+    # raised its level: listen on it directly, at INFO, for this test.
+    densa_logger = logging.getLogger("densa")
     if not densa_logger.propagate:
         densa_logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO)
+    caplog.set_level(logging.INFO, logger="densa")
     try:
         headers = {PREFILL_HEADER: b"http://127.0.0.1:9", PLACEMENT_HEADER: token}
         response = httpx.post(decode.base_url + "/v1/completions", headers=headers, timeout=30,
