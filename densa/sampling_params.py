@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
 MAX_STOP_STRINGS = 16  # a request may not make the engine scan for an unbounded number of strings
+# Nor hold an unbounded stop set: it crosses to the engine with the request, and below min_tokens
+# the sampler masks every one of its ids each step.
+MAX_STOP_TOKEN_IDS = 16
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # Below this temperature sampling is greedy: it is the limit of sampling as the temperature falls,
 # and dividing logits by a smaller number overflows float32 (1e-45 turned every logit into inf).
@@ -116,6 +120,10 @@ class SamplingParams:
         _check(0 <= self.min_tokens <= MAX_COUNT, f"min_tokens must be in [0, {MAX_COUNT}]")
         _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
+        _check(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids",
+        )
         _check(all(0 <= t <= MAX_COUNT for t in self.stop_token_ids), "stop_token_ids must be >= 0")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]")
@@ -137,6 +145,12 @@ class SamplingParams:
             all(low <= b <= high for _, b in self.logit_bias),
             f"logit_bias values must be in [{low:g}, {high:g}]",
         )
+
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """stop_token_ids as a set, built once per request: the stop rule reads it after every
+        sampled token (sched/stop.py)."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def is_greedy(self) -> bool:

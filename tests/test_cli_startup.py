@@ -3,6 +3,7 @@ the traceback only with --debug."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -10,11 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from densa.auth.secret import SECRET_ENV
+
 
 def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}  # no secret unless given
     return subprocess.run(
-        [sys.executable, "-m", "densa.cli", *args], capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-m", "densa.cli", *args], capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -39,8 +44,12 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
         (["--kv-cache-memory", "1.5"], ["(0, 1]", "1.5GiB"]),
         (["--kv-cache-memory", "1000"], ["no unit"]),
         (["--max-num-seqs", "0"], ["--max-num-seqs"]),
-        # The trust boundary (docs/security.md): a KV port open to other hosts needs the secret.
-        (["--role", "prefill", "--kv-listen", "tcp://0.0.0.0:0"], ["--kv-listen", "secret"]),
+        # The trust boundary (docs/security.md): no cluster secret, no KV link -- not even on
+        # loopback, where any local process could run prompts under any cache scope.
+        (["--role", "prefill"], ["--role prefill needs the cluster secret"]),
+        (["--role", "prefill", "--kv-listen", "tcp://127.0.0.1:0"], ["--role prefill", "secret"]),
+        (["--role", "prefill", "--kv-listen", "tcp://0.0.0.0:0"], ["--role prefill", "secret"]),
+        (["--role", "decode"], ["--role decode needs the cluster secret"]),
         (["--role", "decode", "--prefill-peer", "http://p:1/x"], ["--prefill-peer", "a path"]),
         (["--cluster-secret-file", "/no/such/secret"], ["cannot read the cluster secret"]),
         (["--reasoning-parser", "o1"], ["--reasoning-parser 'o1'", "deepseek_r1, glm45"]),

@@ -22,9 +22,10 @@ another, and the two directions use different labels, so a message cannot be ref
 Replays inside one session are not refused by the MAC (the transport may duplicate and reorder
 on purpose); the state machines drop duplicates by transfer id, as they always did.
 
-where K(x) = HMAC(link key, x) and the link key is ClusterSecret.key("kv-link"). Without a
-secret, the link key is a public constant: the MACs still detect damage but authenticate nothing,
-which is why a KV port without a secret may bind only to loopback (engine/disagg_port.py).
+where K(x) = HMAC(link key, x) and the link key is ClusterSecret.key("kv-link"). There is no
+link without a secret (`link_secret`): a key anyone could compute would authenticate nothing, and
+whoever reached the port, even from this host, could run prompts under any cache scope and read
+the pages and cached-token counts. An in-process pair (no port) shares a secret made for it.
 """
 
 from __future__ import annotations
@@ -40,14 +41,23 @@ MAC_BYTES = 32
 NONCE_BYTES = 16
 D_TO_P = b"d->p"
 P_TO_D = b"p->d"
-# Public, so it authenticates nothing: only for a KV link bound to loopback, without a secret.
-_NO_SECRET_KEY = hashlib.sha256(b"densa/v1/kv-link/no-secret").digest()
 
 Frame = bytes | memoryview
 
 
-def link_key(secret: ClusterSecret | None) -> bytes:
-    return _NO_SECRET_KEY if secret is None else secret.key("kv-link")
+def link_secret(role: str, secret: ClusterSecret | None) -> ClusterSecret:
+    """The secret a worker of `role` ("prefill" or "decode") authenticates its KV link with;
+    ValueError without one: no secret, no KV port (fail closed, as the decode side refuses an
+    unsigned placement)."""
+    if secret is None:
+        raise ValueError(
+            f"--role {role} needs the cluster secret (--cluster-secret-file FILE or "
+            "$DENSA_CLUSTER_SECRET): its KV link runs prompts and moves KV pages only between "
+            "workers that prove the secret, and without one it could prove nothing. Make one "
+            "with `umask 077; openssl rand -hex 32 > FILE` and give the same file to the "
+            "router and every worker"
+        )
+    return secret
 
 
 def new_nonce() -> bytes:
@@ -76,11 +86,10 @@ class FrameKey:
 
 
 class LinkKeys:
-    """The keys of one worker's KV link, derived from the cluster secret (or none)."""
+    """The keys of one worker's KV link, derived from the cluster secret."""
 
-    def __init__(self, secret: ClusterSecret | None) -> None:
-        self._key = link_key(secret)
-        self.authenticated = secret is not None
+    def __init__(self, secret: ClusterSecret) -> None:
+        self._key = secret.key("kv-link")
 
     def _derive(self, *parts: bytes) -> bytes:
         return hmac.new(self._key, b"|".join(parts), hashlib.sha256).digest()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -66,20 +67,27 @@ class PlacementVerifier:
         self._clock = clock
 
     def verify(self, token: str, prefill_url: str) -> None:
-        """Raise PlacementError unless `token` authorizes `prefill_url` now."""
-        placement_id, expiry = self._parse(token)
-        mac = token.rsplit(".", 1)[1]
-        if not hmac.compare_digest(mac, _mac(self._key, placement_id, expiry, prefill_url)):
+        """Raise PlacementError unless `token` authorizes `prefill_url` now. Any text at all
+        is either a token or a PlacementError: nothing a client sends raises anything else."""
+        placement_id, expiry, mac = _parse(token)
+        expected = _mac(self._key, placement_id, expiry, prefill_url)
+        if not hmac.compare_digest(mac.encode(), expected.encode()):  # both ASCII (_TOKEN)
             raise PlacementError("bad_signature")
         if expiry < self._clock():
             raise PlacementError("expired")
 
-    @staticmethod
-    def _parse(token: str) -> tuple[str, int]:
-        parts = token.split(".")
-        if len(token) > _MAX_TOKEN_LEN or len(parts) != 4 or parts[0] != _VERSION:
-            raise PlacementError("malformed")
-        _, placement_id, expiry, mac = parts
-        if not (placement_id.isalnum() and expiry.isdigit() and len(mac) == 64):
-            raise PlacementError("malformed")
-        return placement_id, int(expiry)
+
+# Exactly what sign_placement writes, in ASCII only: str.isdigit() and isalnum() also accept
+# "²" or "é", which int() and compare_digest then refused with a 500.
+_TOKEN = re.compile(
+    rf"{_VERSION}\.([0-9A-Za-z]{{1,64}})\.([0-9]{{1,12}})\.([0-9a-f]{{64}})", re.ASCII
+)
+
+
+def _parse(token: str) -> tuple[str, int, str]:
+    """(placement_id, expiry, mac) of a well-formed token; PlacementError("malformed") else."""
+    match = _TOKEN.fullmatch(token) if len(token) <= _MAX_TOKEN_LEN else None
+    if match is None:
+        raise PlacementError("malformed")
+    placement_id, expiry, mac = match.groups()
+    return placement_id, int(expiry), mac

@@ -16,6 +16,8 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from densa.utils.private_files import create_private_file
+
 SECRET_ENV = "DENSA_CLUSTER_SECRET"
 MIN_SECRET_BYTES = 16  # shorter secrets are refused: they could be guessed offline
 _KEY_LABEL = b"densa/v1/"
@@ -54,16 +56,22 @@ class ClusterSecret:
         return cls(text.encode())
 
     def write(self, path: str | Path) -> None:
-        """Write the secret to a new file only its owner can read."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(self.value.decode() + "\n")
-        os.chmod(path, 0o600)  # O_CREAT's mode does not apply to a file that existed
+        """Write the secret to a new file only its owner can read (mode 0600). Never into an
+        existing file, never through a symlink: a file or link someone planted at `path` is a
+        SecretError, not a copy of the secret for them. Put it in a private_dir."""
+        try:
+            create_private_file(path, self.value + b"\n")
+        except FileExistsError as exc:
+            raise SecretError(f"{path} exists already: the cluster secret is written only to "
+                              "a new file (remove the old one first)") from exc  # fmt: skip
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise SecretError(f"cannot write the cluster secret file {path}: {reason}") from exc
 
 
 def load_secret(path: str | None = None) -> ClusterSecret | None:
     """The secret from `path` if given, else from DENSA_CLUSTER_SECRET, else None (no internal
-    plane: a worker's KV port then binds only to loopback)."""
+    plane: no KV link, so --role prefill and --role decode refuse to start)."""
     if path:
         return ClusterSecret.from_file(path)
     value = os.environ.get(SECRET_ENV, "").strip()

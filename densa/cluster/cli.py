@@ -8,6 +8,7 @@ import threading
 from types import FrameType
 
 from densa.cluster.config import ClusterConfig, load_config
+from densa.cluster.processes import default_log_dir
 
 
 def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
@@ -19,8 +20,12 @@ def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(title="actions", metavar="ACTION", dest="action")
     up = actions.add_parser("up", help="start the cluster and keep it running until Ctrl-C")
     up.add_argument("--config", required=True, help="cluster.yaml (docs/cluster.md)")
-    up.add_argument("--log-dir", default="/tmp/densa-cluster",
-                    help="each process's log, on the node it runs on")  # fmt: skip
+    up.add_argument(
+        "--log-dir",
+        default=str(default_log_dir()),
+        help="each process's log, on the node it runs on, and a new cluster secret: a directory "
+        "of this user's alone, made 0700 (default: %(default)s)",
+    )
     up.set_defaults(handler=run_up)
     check = actions.add_parser("check", help="validate cluster.yaml and print the plan")
     check.add_argument("--config", required=True)

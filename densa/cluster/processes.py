@@ -32,6 +32,7 @@ from pathlib import Path
 from densa.auth.secret import SECRET_ENV, ClusterSecret
 from densa.cluster.config import RestartPolicy
 from densa.utils.logging import get_logger
+from densa.utils.private_files import open_private_log, private_dir, user_temp_dir
 
 logger = get_logger(__name__)
 RESET_AFTER_S = 60.0  # a life this long means the last crash is forgotten
@@ -47,7 +48,7 @@ class ProcessSpec:
     host: str
     port: int | None = None  # None: a free port; else exactly this one (the router's)
     env: tuple[tuple[str, str], ...] = ()
-    log_dir: str = "/tmp/densa-cluster"
+    log_dir: str = field(default_factory=lambda: str(default_log_dir()))  # this user's alone
     secret: ClusterSecret | None = field(default=None, repr=False)  # into the child's env
 
 
@@ -59,6 +60,12 @@ class ProcessStatus:
     generation: int  # lives started so far (1 for the first)
     alive: bool
     last_exit_code: int | None
+
+
+def default_log_dir() -> Path:
+    """Where `densa cluster up` writes logs (and a new cluster secret) by default: a directory
+    of this user's under the system's temporary one, on each node (utils/private_files.py)."""
+    return user_temp_dir("densa-cluster")
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -108,6 +115,7 @@ class SupervisedProcess:
     def start(self) -> None:
         """Start the first life (from the watcher thread: PR_SET_PDEATHSIG follows the thread
         that forked, so every life is forked by the one thread that lives as long as we do)."""
+        private_dir(self.spec.log_dir)  # refused here, loudly, not in the watcher thread
         self._restart_at = self.clock()
         self._watcher.start()
         self._first_life.wait(30)
@@ -141,12 +149,13 @@ class SupervisedProcess:
                            self.spec.name, old, self.port)  # fmt: skip
         self.generation += 1
         argv = [a.format(host=self.spec.host, port=self.port) for a in self.spec.argv]
-        log = Path(self.spec.log_dir) / f"{self.spec.name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
+        # A private directory and no symlink followed: logs hold what a server said about its
+        # requests, and another local user must not read them or point them elsewhere.
+        log = private_dir(self.spec.log_dir) / f"{self.spec.name}.log"
         env = {**os.environ, **dict(self.spec.env)}
         if self.spec.secret is not None:
             env[SECRET_ENV] = self.spec.secret.value.decode()
-        with log.open("ab") as out:
+        with os.fdopen(open_private_log(log), "ab") as out:
             out.write(f"--- life {self.generation}: {' '.join(argv)}\n".encode())
             out.flush()
             self._process = subprocess.Popen(

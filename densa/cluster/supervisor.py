@@ -11,10 +11,11 @@ The supervisor holds no request state: if it dies, the actors and the router kee
 membership stops following changes until it is started again.
 
 The cluster secret (densa/auth/secret.py) is config.secret_file's, else $DENSA_CLUSTER_SECRET's,
-else a new one written 0600 to <log dir>/cluster-secret (for members started by hand). Every
-process gets it in its environment, through its actor's spec: never on a command line. Ray carries
-that spec to the actor's node (and keeps it to restart the actor), so whoever can use the Ray
-cluster can read the secret: Ray's members are inside the boundary.
+else a new one written 0600 to <log dir>/cluster-secret (for members started by hand; the log
+dir must be this user's alone: utils/private_files.py). Every process gets it in its
+environment, through its actor's spec: never on a command line. Ray carries that spec to the
+actor's node (and keeps it to restart the actor), so whoever can use the Ray cluster can read
+the secret: Ray's members are inside the boundary.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from densa.cluster.actors import RemoteProcessActor
 from densa.cluster.config import ClusterConfig, PoolConfig
 from densa.cluster.processes import ProcessSpec, ProcessStatus
 from densa.router.membership import ADMIN_TOKEN_ENV
+from densa.utils.private_files import private_dir
 
 FOLLOW_INTERVAL_S = 0.5
 OBJECT_STORE_BYTES = 128 * 1024 * 1024  # a local instance's (Ray's minimum is 75 MiB)
@@ -60,7 +62,7 @@ class Cluster:
     def __init__(self, config: ClusterConfig, log_dir: str,
                  say: Callable[[str], None] = print) -> None:  # fmt: skip
         self.config = config
-        self.log_dir = log_dir
+        self.log_dir = str(private_dir(log_dir))  # another user's directory: refused, before Ray
         self.say = say
         self.token = secrets.token_urlsafe(24)
         self.secret_path: Path | None = None  # where a secret made here was written
@@ -77,8 +79,10 @@ class Cluster:
         if secret is not None:
             return secret
         secret = ClusterSecret.generate()
+        # The log dir is this user's alone (checked above), so the old secret unlinked below is
+        # ours, and the new one is created where nobody can plant a file or a symlink first.
         self.secret_path = Path(self.log_dir) / "cluster-secret"
-        self.secret_path.parent.mkdir(parents=True, exist_ok=True)
+        self.secret_path.unlink(missing_ok=True)  # the last run's: members need this run's
         secret.write(self.secret_path)
         self.say(f"new cluster secret in {self.secret_path} (mode 0600; give it to members "
                  f"started by hand with --cluster-secret-file)")  # fmt: skip

@@ -55,12 +55,13 @@ class DecodeAgent:
         model: m.PeerModel,
         timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
-        keys: LinkKeys | None = None,
+        *,
+        keys: LinkKeys,  # from the cluster secret: there is no link without one
     ) -> None:
         self.engine = engine
         self.transport = transport
         self.model = model
-        self.keys = keys or LinkKeys(None)
+        self.keys = keys
         vocab_size = model.architecture.get("vocab_size")
         self.vocab_size = vocab_size if isinstance(vocab_size, int) else 0
         self.timeout_s = timeout_s

@@ -75,12 +75,13 @@ class PrefillAgent:
         model: m.PeerModel,
         timeout_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
-        keys: LinkKeys | None = None,
+        *,
+        keys: LinkKeys,  # from the cluster secret: there is no link without one
     ) -> None:
         self.engine = engine
         self.transport = transport
         self.model = model
-        self.keys = keys or LinkKeys(None)
+        self.keys = keys
         self.timeout_s = timeout_s
         self.clock = clock
         self.stats = AgentStats()

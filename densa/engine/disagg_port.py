@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import zmq
 
-from densa.auth.frames import LinkKeys
+from densa.auth.frames import LinkKeys, link_secret
 from densa.auth.secret import ClusterSecret
 from densa.disagg import wire
 from densa.disagg.decode_side import DecodeAgent
@@ -31,7 +31,6 @@ from densa.model.loader import resolve_model_dir
 from densa.sched.output import KVLanding
 from densa.spec.mtp import MTPProposer, PromptState
 from densa.utils.logging import get_logger
-from densa.utils.net import check_kv_listen
 from densa.worker import kv_io
 from densa.worker.kv_cache import page_bytes
 
@@ -171,8 +170,8 @@ class KVAgents:
     """The agents of one engine, by role ("both" has none).
 
     The KV link is authenticated with keys derived from the cluster secret (densa/auth/frames.py);
-    without a secret its MACs authenticate nothing, so a prefill worker then refuses to listen
-    anywhere but loopback (docs/security.md)."""
+    without one there is no link at all, not even on loopback (docs/security.md): construction
+    raises ValueError. An in-process pair (no port) passes a secret made for the pair."""
 
     def __init__(
         self,
@@ -191,12 +190,10 @@ class KVAgents:
         self.prefill: PrefillAgent | None = None
         if transport is None:
             return
+        keys = LinkKeys(link_secret(role, secret))  # before any port is bound
         layer_caches(engine)  # refuse a model whose pages cannot travel, at start-up
         model = describe(engine, role)
-        keys = LinkKeys(secret)
         if role == "prefill":
-            if listen:  # None: the transport's own default (loopback, or in-process)
-                check_kv_listen(listen, secret is not None)
             self.address = transport.listen(listen)
             port = PrefillPort(engine)
             self.prefill = PrefillAgent(port, transport, model, timeout_s, keys=keys)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from densa.auth.secret import ClusterSecret
 from densa.disagg.transport import InProcessHub, InProcessTransport
 from densa.engine.disagg_port import KVAgents
 from densa.engine.llm_engine import LLMEngine
@@ -42,8 +43,11 @@ class InProcessPair:
         hub = InProcessHub()
         self.prefill = prefill
         self.decode = decode
-        self.p_agents = KVAgents(prefill, "prefill", InProcessTransport(hub), timeout_s)
-        self.d_agents = KVAgents(decode, "decode", InProcessTransport(hub), timeout_s)
+        secret = ClusterSecret.generate()  # this pair's own: no other process holds it
+        self.p_agents = KVAgents(prefill, "prefill", InProcessTransport(hub), timeout_s,
+                                 secret=secret)  # fmt: skip
+        self.d_agents = KVAgents(decode, "decode", InProcessTransport(hub), timeout_s,
+                                 secret=secret)  # fmt: skip
         self._ids = itertools.count()
 
     def handoff(self, prompt_ids: list[int], cache_scope: str) -> Handoff:

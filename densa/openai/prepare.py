@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 from densa.cache.scope import CacheScope
 from densa.ipc.messages import ServedModel
 from densa.openai.errors import APIError, ClientDisconnected, bad_request, from_validation_error
-from densa.openai.protocol import ChatCompletionRequest, CompletionRequest
+from densa.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from densa.openai.templates import template_variables
 from densa.openai.tools.formats import HERMES, ToolCallFormat
 from densa.openai.tools.plan import (
@@ -98,14 +98,20 @@ async def read_json(
 ) -> Any:
     """The body as JSON, refusing oversized (413), slow (408), non-UTF-8 and malformed (400)
     bodies, and bodies holding text no UTF-8 encoder can write (400 naming the field)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
+    declared = _declared_length(request)
+    if declared is not None and declared > max_bytes:
         raise _too_large(max_bytes)
-    large = not declared.isdigit() or int(declared) > LARGE_BODY_BYTES
+    large = declared is None or declared > LARGE_BODY_BYTES
     if large and large_bodies is not None:
         async with large_bodies.admit():  # `then` too: validating a huge body costs as much
             return then(await _read_json(request, max_bytes, timeout))
     return then(await _read_json(request, max_bytes, timeout))
+
+
+def _declared_length(request: Request) -> int | None:
+    """Content-Length, if it is a decimal number (ASCII digits: "²".isdigit() is true too)."""
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isascii() and declared.isdigit() else None
 
 
 async def read_request(
@@ -263,8 +269,7 @@ async def chat_prompt(
     if len(body.messages) > max_model_len:
         message = f"{len(body.messages)} messages cannot fit a {max_model_len}-token context"
         raise bad_request(message, code="context_length_exceeded", param="messages")
-    num_bytes = sum(len((m.content or "").encode()) + len(m.name or "") for m in body.messages)
-    _check_text_size(tokenizer, num_bytes, max_model_len, "messages")
+    check_chat_size(tokenizer, chat_text_bytes(body, plan.tools), max_model_len)
     renders_tools = tokenizer.template_renders_tools
     messages = render_messages(
         [m.to_template() for m in body.messages], plan.tools, fmt, renders_tools,
@@ -288,7 +293,7 @@ async def completion_prompt(
     tokenizer: Tokenizer, body: CompletionRequest, max_model_len: int, offload: bool = True
 ) -> list[int]:
     if isinstance(body.prompt, str):
-        _check_text_size(tokenizer, len(body.prompt.encode()), max_model_len, "prompt")
+        check_text_size(tokenizer, len(body.prompt.encode()), max_model_len, "prompt")
         prompt_ids = await _run(offload, tokenizer.encode, body.prompt)
     else:
         prompt_ids = body.prompt
@@ -301,7 +306,7 @@ async def _run(offload: bool, function: Callable[..., list[int]], *args: Any) ->
     return await asyncio.to_thread(function, *args) if offload else function(*args)
 
 
-def _check_text_size(tokenizer: Tokenizer, num_bytes: int, max_model_len: int, param: str) -> None:
+def check_text_size(tokenizer: Tokenizer, num_bytes: int, max_model_len: int, param: str) -> None:
     """Refuse text that cannot fit before paying to tokenize it (a 4 MB prompt takes seconds of
     CPU and a gigabyte of tokenizer memory just to learn it is too long)."""
     limit = max_prompt_bytes(max_model_len, tokenizer.max_token_bytes)
@@ -311,6 +316,52 @@ def _check_text_size(tokenizer: Tokenizer, num_bytes: int, max_model_len: int, p
             f"{max_model_len}-token context can take (at most {limit} bytes); shorten the {param}"
         )
         raise bad_request(message, code="context_length_exceeded", param=param)
+
+
+def check_chat_size(tokenizer: Tokenizer, parts: dict[str, int], max_model_len: int) -> None:
+    """check_text_size over every part of a chat body that becomes prompt text, together: the
+    error names the largest part (`parts`: chat_text_bytes)."""
+    limit = max_prompt_bytes(max_model_len, tokenizer.max_token_bytes)
+    num_bytes = sum(parts.values())
+    if num_bytes > limit:
+        largest = max(parts, key=lambda name: parts[name])
+        message = (
+            f"the prompt text of this request holds {num_bytes} bytes ({largest}: "
+            f"{parts[largest]}), more than this model's {max_model_len}-token context can take "
+            f"(at most {limit} bytes); shorten the {largest}"
+        )
+        raise bad_request(message, code="context_length_exceeded", param=largest)
+
+
+def chat_text_bytes(body: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str, int]:
+    """The bytes of text each part of a chat body can put into the prompt, before rendering.
+
+    Everything a chat template is given counts: each message's content, name, tool_call_id,
+    reasoning and tool calls (ids, names, arguments), the tool definitions the prompt shows (as
+    compact JSON, the least text a template can make of them) and the template variables.
+    Anthropic's `system` and `tools` and the Responses API's `instructions` and items reach
+    here as these same fields (their to_chat translations). A part the template then leaves
+    out still counts: a body with more text than any prompt can hold is refused either way.
+    """
+    return {
+        "messages": sum(_message_text_bytes(message) for message in body.messages),
+        "tools": _json_bytes(tools) if tools else 0,
+        "chat_template_kwargs": (
+            _json_bytes(body.chat_template_kwargs) if body.chat_template_kwargs else 0
+        ),
+    }
+
+
+def _message_text_bytes(message: ChatMessage) -> int:
+    texts = (message.content, message.name, message.tool_call_id, message.reasoning_content)
+    num_bytes = sum(len(text.encode()) for text in texts if text)
+    if message.tool_calls:
+        num_bytes += _json_bytes([call.model_dump() for call in message.tool_calls])
+    return num_bytes
+
+
+def _json_bytes(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode())
 
 
 def check_token_ids(served: ServedModel, prompt_ids: list[int], params: SamplingParams) -> None:

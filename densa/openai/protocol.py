@@ -41,6 +41,7 @@ from densa.openai.tools.models import (
 from densa.sampling_params import (
     MAX_COUNT,
     MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
     REPETITION_PENALTY_RANGE,
     SamplingParams,
     StructuredOutput,
@@ -149,7 +150,7 @@ class SamplingFields(_RequestBody):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT), INTEGRAL] = 0
     stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_COUNT), INTEGRAL]] = Field(
-        default_factory=list
+        default_factory=list, max_length=MAX_STOP_TOKEN_IDS
     )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -176,7 +176,9 @@ class Proxy:
         except httpx.TransportError as exc:  # bytes already sent: no retry, an explicit error
             self.router.pool.report_failure(placement.worker, "lost_mid_stream",
                                             type(exc).__name__)  # fmt: skip
-            yield _worker_lost_event(placement.worker.url)
+            request_log.warning("stream from %s lost mid-answer (%s)", placement.worker.url,
+                                type(exc).__name__)  # fmt: skip
+            yield _WORKER_LOST_EVENT
         finally:
             await upstream.aclose()
             done(counter.num_output_tokens())
@@ -251,10 +253,11 @@ def _completion_tokens(content: bytes) -> int | None:
     return int(found[-1]) if found else None
 
 
-def _worker_lost_event(url: str) -> bytes:
-    error = {"message": f"the worker serving this stream ({url}) was lost; retry the request",
-             "type": "server_error", "param": None, "code": "worker_lost"}  # fmt: skip
-    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+# Names no worker: the workers' addresses are the internal plane's (only --debug-headers shows
+# them); the router's log says which one it was.
+_WORKER_LOST_EVENT = b"data: " + json.dumps({"error": {
+    "message": "the worker serving this stream was lost; retry the request",
+    "type": "server_error", "param": None, "code": "worker_lost"}}).encode() + b"\n\n"  # fmt: skip
 
 
 def _is_dropped(name: str) -> bool:

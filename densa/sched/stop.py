@@ -24,16 +24,25 @@ class StopRule:
         return cls(config.eos_token_ids, config.max_model_len)
 
     def ending_tokens(self, params: SamplingParams) -> frozenset[int]:
-        """The tokens that end a request with these parameters (once min_tokens is reached)."""
-        eos = () if params.ignore_eos else self.eos_token_ids
-        return frozenset((*params.stop_token_ids, *eos))
+        """The tokens that end a request with these parameters (once min_tokens is reached):
+        what the sampler keeps out below min_tokens."""
+        if params.ignore_eos:
+            return params.stop_token_set
+        return params.stop_token_set | frozenset(self.eos_token_ids)
+
+    def is_ending(self, params: SamplingParams, token_id: int) -> bool:
+        """Does `token_id` end the request? Asked after every sampled token, so it builds
+        nothing: the request's stop set is built once (SamplingParams.stop_token_set)."""
+        if token_id in params.stop_token_set:
+            return True
+        return not params.ignore_eos and token_id in self.eos_token_ids
 
     def status(
         self, params: SamplingParams, num_output: int, num_tokens: int, token_id: int
     ) -> RequestStatus | None:
         """Why a request with `num_output` tokens out (`num_tokens` in all, the new `token_id`
         included) ends now, or None if it goes on."""
-        if num_output >= params.min_tokens and token_id in self.ending_tokens(params):
+        if num_output >= params.min_tokens and self.is_ending(params, token_id):
             return RequestStatus.FINISHED_STOPPED
         if num_output >= params.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH

@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from densa.auth.frames import link_secret
 from densa.auth.secret import load_secret
 from densa.engine.client import ClientOptions, EngineClient
 from densa.engine.launch import ProcessLauncher
@@ -32,7 +33,7 @@ from densa.serve.disagg import PlacementPolicy, peer_base_url
 from densa.serve.state import ApiOptions
 from densa.setup.args import EngineArgs
 from densa.utils.logging import configure_logging, get_logger
-from densa.utils.net import bind_listener, check_kv_listen, tcp_socket
+from densa.utils.net import bind_listener, tcp_socket
 
 logger = get_logger(__name__)
 
@@ -90,13 +91,13 @@ def placement_policy(engine_args: EngineArgs, options: ServerOptions) -> Placeme
     """Who may name a prefill worker: checked before the model loads, so a bad secret file or
     allowlist entry fails in milliseconds."""
     secret = load_secret(engine_args.cluster_secret_file)
-    if engine_args.role == "prefill":
-        check_kv_listen(engine_args.kv_listen, secret is not None)
     for url in options.prefill_peers:
         try:
             peer_base_url(url)
         except ValueError as exc:
             raise ValueError(f"--prefill-peer {url!r} is not scheme://host:port ({exc})") from exc
+    if engine_args.role != "both":
+        link_secret(engine_args.role, secret)  # no secret, no KV link (the engine checks again)
     return PlacementPolicy(secret, options.prefill_peers)
 
 

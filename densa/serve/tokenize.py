@@ -127,11 +127,8 @@ async def _text_ids(
     tokenizer: Tokenizer, text: TokenizeCompletionRequest, max_model_len: int
 ) -> list[int]:
     """Text too long for any prompt is refused before it costs a tokenizer pass (a 4 MB text
-    takes seconds); tokenizing runs off the event loop."""
-    limit = prepare.max_prompt_bytes(max_model_len, tokenizer.max_token_bytes)
-    if len(text.prompt.encode()) > limit:
-        message = f"the prompt is longer than any prompt of this model can be ({limit} bytes)"
-        raise bad_request(message, code="context_length_exceeded", param="prompt")
+    takes seconds), as /v1/completions refuses it; tokenizing runs off the event loop."""
+    prepare.check_text_size(tokenizer, len(text.prompt.encode()), max_model_len, "prompt")
     return await asyncio.to_thread(tokenizer.encode, text.prompt, text.add_special_tokens)
 
 

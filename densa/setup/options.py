@@ -214,7 +214,7 @@ def _disagg_options(g: argparse._ArgumentGroup, d: EngineArgs) -> None:
         "--cluster-secret-file", default=d.cluster_secret_file, metavar="FILE",
         help="the cluster secret shared by the router and the workers (else the environment "
         "variable DENSA_CLUSTER_SECRET): authenticates the KV link and the router's signed "
-        "placements; without it a prefill worker's --kv-listen must be loopback",
+        "placements; --role prefill and --role decode need it",
     )  # fmt: skip
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 
 
@@ -30,21 +29,3 @@ def bind_listener(host: str, port: int) -> socket.socket:
         reason = exc.strerror or str(exc)
         raise OSError(f"cannot listen on {host}:{port}: {reason}; pick another --port") from exc
     return sock
-
-
-def check_kv_listen(endpoint: str, has_secret: bool) -> None:
-    """A KV port without the cluster secret may bind only to loopback (or ipc://): its MACs
-    then authenticate nothing, and anyone who reached it could run prompts and read pages."""
-    if has_secret or endpoint.startswith("ipc://"):
-        return
-    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise ValueError(
-            f"--kv-listen {endpoint} is reachable from other hosts, and without a cluster secret "
-            "anyone who reaches it could run prompts and read KV pages: give every worker the "
-            "same --cluster-secret-file (or DENSA_CLUSTER_SECRET), or listen on 127.0.0.1"
-        )

@@ -104,6 +104,7 @@ class GrammarCompiler:
         matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
         if matcher.is_error():
             raise GrammarError(_first_line(matcher.get_error()))
+        _check_can_start(matcher)
         with self._lock:
             self.num_compiled += 1
         return CompiledGrammar(spec, matcher)
@@ -117,6 +118,16 @@ class GrammarCompiler:
                     self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos_token_ids
                 )
             return self._ll_tokenizer
+
+
+def _check_can_start(matcher: Any) -> None:
+    """A grammar whose language is empty (the regex `[^\\s\\S]`) compiles, then allows no first
+    token: found here, on a copy, so the request is refused (400) before it reaches a step."""
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error():
+        reason = _first_line(probe.get_error())
+        raise GrammarError(f"the output constraint matches no text at all ({reason})")
 
 
 def _failed(future: Future[CompiledGrammar]) -> bool:

@@ -368,12 +368,15 @@ class ModelRunner:
                 first = last
 
     def _sample_request(self, item: ScheduledRequest) -> SampleRequest:
+        params = item.sampling_params
+        # Only a request still below min_tokens has its ending tokens masked (apply_min_tokens).
+        below_min = len(item.output_token_ids) < params.min_tokens
         return SampleRequest(
             item.request_id,
-            item.sampling_params,
+            params,
             item.prompt_token_ids,
             item.output_token_ids,
-            self.stop_rule.ending_tokens(item.sampling_params),
+            self.stop_rule.ending_tokens(params) if below_min else frozenset(),
             tuple(item.spec_token_ids),
         )
 

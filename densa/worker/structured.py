@@ -135,13 +135,14 @@ def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) ->
 
 
 def _cannot_proceed(matcher: Any) -> str:
+    # Either way the client's constraint is at fault, not the server: a 400 (invalid_grammar).
     reason = _reason(matcher)
     if _LIMIT.search(reason):  # the request's constraint outgrew the engine's bounds
         return (
             "invalid_grammar: the output constraint is too complex to follow at this point "
             f"({reason}); simplify the schema"
         )
-    return f"grammar_error: the output constraint allows no next token ({reason})"
+    return f"invalid_grammar: the output constraint allows no next token here ({reason})"
 
 
 def _nothing_allowed(token_id: int) -> str:

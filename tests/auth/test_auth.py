@@ -31,12 +31,32 @@ def test_a_short_secret_is_refused_and_the_secret_never_prints() -> None:
 
 def test_the_secret_file_is_written_owner_only_and_read_back(tmp_path: Path) -> None:
     path = tmp_path / "secret"
-    path.write_text("old contents")
-    os.chmod(path, 0o644)
     secret = ClusterSecret.generate()
-    secret.write(path)
+    old_umask = os.umask(0)  # the mode is set on the descriptor, whatever the umask
+    try:
+        secret.write(path)
+    finally:
+        os.umask(old_umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert load_secret(str(path)) == secret
+
+
+def test_the_secret_is_never_written_into_a_planted_file_or_through_a_symlink(
+    tmp_path: Path,
+) -> None:
+    """What another user plants where the secret goes gets nothing: an existing file stays as
+    it was, and a symlink is not followed to the file it names."""
+    planted = tmp_path / "planted"
+    planted.write_text("theirs")
+    os.chmod(planted, 0o644)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "target-they-read")
+    secret = ClusterSecret.generate()
+    for path in (planted, link):
+        with pytest.raises(SecretError, match="exists already"):
+            secret.write(path)
+    assert planted.read_text() == "theirs" and stat.S_IMODE(planted.stat().st_mode) == 0o644
+    assert not (tmp_path / "target-they-read").exists()
 
 
 def test_load_secret_takes_the_file_then_the_environment(
@@ -67,8 +87,12 @@ def test_a_signed_placement_verifies_only_for_its_url_and_until_it_expires() -> 
 
 @pytest.mark.parametrize(
     "token",
-    ["", "v1", "v2.abc.99999999999.00", "v1.a-b.1.x", "v1.ab.12x." + "0" * 64, "v1." * 200],
-)
+    ["", "v1", "v2.abc.99999999999.00", "v1.a-b.1.x", "v1.ab.12x." + "0" * 64, "v1." * 200,
+     # Text str.isdigit() / isalnum() accept, which int() and compare_digest did not (a 500):
+     "v1.ab.\u00b2." + "0" * 64, "v1.ab.\u0661\u0662." + "0" * 64, "v1.\u00e9b.12." + "0" * 64,
+     "v1.ab.12." + "\u00e9" * 64, "v1.ab.12." + "0" * 63 + "\u00ff", "v1.ab.12." + "A" * 64,
+     "v1.ab.12." + "0" * 64 + "\n"],
+)  # fmt: skip
 def test_malformed_tokens_are_refused_without_repeating_them(token: str) -> None:
     with pytest.raises(PlacementError) as info:
         PlacementVerifier(SECRET).verify(token, URL)
@@ -95,7 +119,8 @@ def test_frame_macs_bind_the_session_the_direction_and_every_byte() -> None:
     assert session.to_prefill.verify(sealed)
     assert not session.to_decode.verify(sealed)  # reflected back: another direction
     assert not keys.session(nonce_d, new_nonce()).to_prefill.verify(sealed)  # another session
-    assert not LinkKeys(None).session(nonce_d, nonce_p).to_prefill.verify(sealed)
+    other_cluster = LinkKeys(ClusterSecret.generate())
+    assert not other_cluster.session(nonce_d, nonce_p).to_prefill.verify(sealed)
     damaged = [b"header", b"page bytez", sealed[-1]]
     assert not session.to_prefill.verify(damaged)
     # Frame boundaries count: the same bytes split differently are another message.

@@ -114,7 +114,7 @@ class FakePrefillEngine:
 class HandPeer:
     """A peer driven by the test, message by message, holding `secret` (or a wrong one)."""
 
-    def __init__(self, hub: InProcessHub, role: str, secret: ClusterSecret | None) -> None:
+    def __init__(self, hub: InProcessHub, role: str, secret: ClusterSecret) -> None:
         self.transport = InProcessTransport(hub)
         self.address = self.transport.listen()
         self.keys = LinkKeys(secret)
@@ -169,7 +169,7 @@ class DecodeSide:
         self.agent.start(request_id, address)
 
 
-def decode_side(secret: ClusterSecret | None = SECRET) -> DecodeSide:
+def decode_side(secret: ClusterSecret = SECRET) -> DecodeSide:
     hub, clock, engine = InProcessHub(), FakeClock(), FakeDecodeEngine()
     agent = DecodeAgent(engine, InProcessTransport(hub), peer_model("decode"), timeout_s=5.0,
                         clock=clock, keys=LinkKeys(secret))  # fmt: skip
@@ -185,7 +185,7 @@ class PrefillSide:
     clock: FakeClock
 
 
-def prefill_side(secret: ClusterSecret | None = SECRET) -> PrefillSide:
+def prefill_side(secret: ClusterSecret = SECRET) -> PrefillSide:
     hub, clock, engine = InProcessHub(), FakeClock(), FakePrefillEngine()
     transport = InProcessTransport(hub)
     agent = PrefillAgent(engine, transport, peer_model("prefill"), timeout_s=5.0, clock=clock,

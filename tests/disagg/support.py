@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from densa.auth.secret import ClusterSecret
 from densa.disagg.transport import InProcessHub, InProcessTransport, KVTransport
 from densa.engine.disagg_port import KVAgents
 from densa.engine.llm_engine import LLMEngine
@@ -119,8 +120,9 @@ def make_pair(
     d_transport: KVTransport = InProcessTransport(hub)
     if wrap is not None:
         p_transport, d_transport = wrap(p_transport, "prefill"), wrap(d_transport, "decode")
-    p_agents = KVAgents(prefill, "prefill", p_transport, timeout_s)
-    d_agents = KVAgents(decode, "decode", d_transport, timeout_s)
+    secret = ClusterSecret.generate()  # the pair's own (no KV link runs without a secret)
+    p_agents = KVAgents(prefill, "prefill", p_transport, timeout_s, secret=secret)
+    d_agents = KVAgents(decode, "decode", d_transport, timeout_s, secret=secret)
     for agents in (p_agents, d_agents):
         agent = agents.prefill or agents.decode
         assert agent is not None

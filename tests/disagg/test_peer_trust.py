@@ -7,6 +7,8 @@ faulty or compromised member could (wrong layouts, tokens, counts, floods, neste
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import msgspec
 import pytest
 import zmq
@@ -15,7 +17,8 @@ from densa.disagg import messages as m
 from densa.disagg.decode_peers import MAX_PEERS
 from densa.disagg.decode_side import MAX_RESENDS
 from densa.disagg.decode_transfer import DecodeState
-from densa.disagg.transport import TransportError, ZmqTransport
+from densa.disagg.transport import InProcessHub, InProcessTransport, TransportError, ZmqTransport
+from densa.engine.disagg_port import KVAgents
 from densa.ipc.messages import RequestDelta
 from tests.disagg.peers import (
     ATTACKER_SECRET,
@@ -385,3 +388,16 @@ def test_an_engine_fault_fails_that_prefill_only() -> None:
     peer.send(side.address, prefill_request("t2"), peer.session.to_prefill)  # type: ignore[union-attr]
     side.agent.poll()
     assert "pd-t2" in side.engine.started
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_without_the_secret_there_is_no_kv_link_at_all(role: str) -> None:
+    """Fail closed: no key anyone could compute, no port bound (not even on loopback, where
+    any local process could otherwise run prompts under a scope it names)."""
+    hub = InProcessHub()
+    transport = InProcessTransport(hub)
+    listened: list[str | None] = []
+    transport.listen = lambda address=None: listened.append(address) or "x"  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=f"--role {role} needs the cluster secret"):
+        KVAgents(cast(Any, None), role, transport, 1.0, "tcp://127.0.0.1:0", secret=None)
+    assert listened == []

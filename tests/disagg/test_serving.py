@@ -5,6 +5,7 @@ afterwards every page free on both sides, no integrity violation."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from densa.auth.placement import PLACEMENT_HEADER
 from densa.serve.disagg import PREFILL_HEADER
 from tests.serve.support import MODEL_NAME, RunningServer
 
@@ -235,6 +237,44 @@ def test_a_client_cannot_make_the_decode_worker_connect_anywhere(
         assert response.json()["error"]["param"] == PREFILL_HEADER
         with pytest.raises(TimeoutError):
             trap.accept()  # nobody connected
+
+
+# Tokens a client may send that str.isdigit() / isalnum() took for well-formed (they were a 500
+# with a 9 KB traceback each): as header bytes, which the server reads as Latin-1.
+MALFORMED_TOKENS = [
+    b"v1.ab12.\xb2." + b"0" * 64,  # the expiry "\u00b2"
+    b"v1.ab12.1." + b"\xe9" * 64,  # a non-ASCII MAC
+    b"v1.\xe9b12.1." + b"0" * 64,  # a non-ASCII placement id
+    b"v1.ab12.99999999999." + b"0" * 63 + b"\xff",
+    "v1.ab12.\u0661\u0662.".encode() + b"0" * 64,  # Arabic-Indic digits, as UTF-8 bytes
+]
+
+
+@pytest.mark.parametrize("token", MALFORMED_TOKENS)
+def test_a_malformed_placement_token_is_a_403_with_one_log_line(
+    decode: RunningServer, token: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    # configure_logging (a CLI run in this process) may have stopped "densa" propagating and
+    # raised its level: listen on it directly, at INFO, for this test.
+    densa_logger = logging.getLogger("densa")
+    if not densa_logger.propagate:
+        densa_logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="densa")
+    try:
+        headers = {PREFILL_HEADER: b"http://127.0.0.1:9", PLACEMENT_HEADER: token}
+        response = httpx.post(decode.base_url + "/v1/completions", headers=headers, timeout=30,
+                              json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})  # fmt: skip
+        decode.wait_idle()
+    finally:
+        densa_logger.removeHandler(caplog.handler)
+    assert response.status_code == 403, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("placement_not_authorized", PREFILL_HEADER)
+    assert "malformed" in error["message"]
+    request_id = response.headers["x-request-id"]
+    lines = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "status=403" in lines[0], lines
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 
 
 def test_landed_pages_are_reused_by_the_same_tenant_never_by_another(

@@ -163,10 +163,13 @@ def test_a_worker_lost_mid_stream_ends_the_stream_with_an_explicit_error(
         with router(workers=(url,)) as base:
             client = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
             texts = []
-            with pytest.raises(openai.APIError, match="was lost"):
+            with pytest.raises(openai.APIError, match="was lost") as lost:
                 for chunk in client.chat.completions.create(**CHAT, stream=True):  # type: ignore[call-overload]
                     texts.append(chunk.choices[0].delta.content)
             assert texts == ["t0 ", "t1 "]
+            # The workers' addresses are the internal plane's: the client learns none of them.
+            host_port = url.removeprefix("http://")
+            assert host_port not in str(lost.value) and host_port not in str(lost.value.body)
 
 
 def test_pd_mode_forwards_to_the_decode_worker_naming_the_prefill_worker_signed(

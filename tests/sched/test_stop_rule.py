@@ -3,8 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import pytest
+
+from densa import sampling_params
 from densa.request import RequestStatus
-from densa.sampling_params import SamplingParams
+from densa.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from densa.sched import stop
 from densa.sched.stop import StopRule
 
 RULE = StopRule(eos_token_ids=(2, 7), max_model_len=20)
@@ -35,3 +41,32 @@ def test_status_of_the_new_token() -> None:
     assert RULE.status(SamplingParams(max_tokens=99), 3, 20, 9) == RequestStatus.FINISHED_LENGTH
     ignoring = SamplingParams(max_tokens=9, ignore_eos=True)
     assert RULE.status(ignoring, num_output=3, num_tokens=11, token_id=2) is None
+
+
+def test_the_stop_set_is_built_once_per_request_not_per_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scheduler asks after every sampled token of every request: a set rebuilt from the
+    request's stop ids each time cost one tenant's decode in proportion to another's list."""
+    stop_ids = frozenset(range(100, 100 + MAX_STOP_TOKEN_IDS))
+    builds: list[int] = []
+
+    def counting(items: Iterable[int] = ()) -> frozenset[int]:
+        built = frozenset(items)
+        builds.extend([1] if built >= stop_ids else [])
+        return built
+
+    for module in (sampling_params, stop):
+        monkeypatch.setattr(module, "frozenset", counting, raising=False)
+    params = SamplingParams(max_tokens=10_000, stop_token_ids=sorted(stop_ids))
+    rule = StopRule(eos_token_ids=(2,), max_model_len=100_000)
+    for num_output in range(1, 1001):
+        assert rule.status(params, num_output, num_output + 10, token_id=9) is None
+    assert rule.status(params, 1001, 1011, token_id=100 + MAX_STOP_TOKEN_IDS - 1) is not None
+    assert len(builds) == 1
+
+
+def test_stop_token_ids_are_bounded_like_stop_strings() -> None:
+    SamplingParams(stop_token_ids=range(MAX_STOP_TOKEN_IDS))
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"):
+        SamplingParams(stop_token_ids=range(MAX_STOP_TOKEN_IDS + 1))
