@@ -35,25 +35,19 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
-from densa.auth.secret import load_secret
 from densa.cache.kv_manager import KVCacheManager
 from densa.cache.prefix_index import BlockHash
-from densa.cache.tiers.block import BlockCodec, fingerprint_of
-from densa.cache.tiers.disk import DiskTier
-from densa.cache.tiers.host import HostTier
-from densa.cache.tiers.tier import KVTier, TierSpec, logger, parse_tier_spec
+from densa.cache.tiers.shared import SharedTier
+from densa.cache.tiers.tier import KVTier, logger
 from densa.cache.tiers.writer import TierWriter
 from densa.formats.kv_format import KVFormat
-from densa.model.arch import ArchConfig
 from densa.request import Request
 from densa.sched.output import PackedPages
 from densa.worker import kv_io
 from densa.worker.model_runner import ModelRunner
 
 MAX_OFFERED_KEYS = 1 << 17  # blocks remembered as already sent down (skips re-copying a prefix)
-TIER_KEY_PURPOSE = "kv-tier"  # ClusterSecret.key(...) for the shared tier's MAC
 
 
 @dataclass(frozen=True)
@@ -284,8 +278,7 @@ class KVTiers:
     @property
     def shared_store_id(self) -> str:
         """The shared tier's store id (SharedTier.store_id), '' without one."""
-        # Duck-typed: importing shared.py imports the Redis client, which only its users need.
-        return next((t.store_id for t in self.tiers if hasattr(t, "store_id")), "")
+        return next((t.store_id for t in self.tiers if isinstance(t, SharedTier)), "")
 
     def flush(self) -> None:
         self.writer.flush()
@@ -297,43 +290,6 @@ class KVTiers:
         self.writer.close()
         for tier in self.tiers:
             tier.close()
-
-
-def build_tiers(specs: Sequence[str], fingerprint: bytes, secret_file: str | None) -> list[KVTier]:
-    """The tiers `--kv-tier` names, in the order given."""
-    tiers: list[KVTier] = []
-    for spec in map(parse_tier_spec, specs):
-        tiers.append(_build_one(spec, fingerprint, secret_file))
-    return tiers
-
-
-def _build_one(spec: TierSpec, fingerprint: bytes, secret_file: str | None) -> KVTier:
-    if spec.kind == "disk":
-        return DiskTier(spec.path, spec.size_bytes, BlockCodec(fingerprint))
-    if spec.kind == "host":
-        return HostTier(spec.size_bytes, BlockCodec(fingerprint))
-    from densa.cache.tiers.shared import SharedTier  # imports the redis client only when used
-
-    secret = load_secret(secret_file)
-    if secret is None:
-        raise ValueError(
-            "--kv-tier shared:... needs the cluster secret (--cluster-secret-file or "
-            "DENSA_CLUSTER_SECRET): every value in the shared store is sealed with it"
-        )
-    return SharedTier(spec.url, BlockCodec(fingerprint, secret.key(TIER_KEY_PURPOSE)))
-
-
-def engine_fingerprint(model_path: str, weight_format: str, kv_format: str, page: PackedPages,
-                       arch: ArchConfig, key_encoding: str) -> bytes:  # fmt: skip
-    """What must match for a stored page to be this engine's: the model file (by name and
-    size, so two machines with the same file agree), its weight format, the KV format with its
-    static scales and how it holds K (centered or not), the page geometry and architecture."""
-    path = Path(model_path)
-    size = path.stat().st_size if path.is_file() else 0
-    architecture = repr(sorted(arch.signature().items()))
-    return fingerprint_of(path.name, str(size), weight_format, kv_format, page.kv_dtype,
-                          page.kv_scales, repr(page.static_scales), repr(page.shape[:2]),
-                          repr(page.shape[3:]), architecture, key_encoding)  # fmt: skip
 
 
 def _count_fetch(tier: KVTier, seconds: float) -> None:

@@ -1,7 +1,8 @@
 """KV tiers through the engine (bundled SmolLM2-135M, greedy): a prefix evicted from a tiny
 device pool comes back from the disk tier instead of being recomputed, with tokens identical to a
-run without tiers; a corrupted or truncated block is a miss (same tokens); another tenant never
-hits what one tenant's requests stored."""
+run without tiers; a corrupted, truncated or forged block is a miss (same tokens); another
+tenant never hits what one tenant's requests stored; a store that drips its answers costs the
+request that asked only its hits, and never delays another tenant's request."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def test_an_evicted_prefix_comes_back_from_disk(tmp_path: Path, reference, make_
     assert engine.kv_tiers.num_fetched_pages == 6
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "forge"])
 def test_a_damaged_block_is_a_miss_with_identical_output(
     tmp_path: Path, reference, make_engine, damage: str
 ) -> None:
@@ -127,8 +128,10 @@ def test_a_damaged_block_is_a_miss_with_identical_output(
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[-1000] ^= 0x01
-    else:
+    elif damage == "truncate":
         del data[len(data) // 2 :]
+    else:  # chosen K/V (zeros) under the file's own header: a hit before tiers were keyed
+        data = bytearray(forged_like(bytes(data)))
     path.write_bytes(bytes(data))
     again, _ = runner.run(first)
     assert again.token_ids == reference[1].token_ids
@@ -179,6 +182,18 @@ def test_tiers_on_and_off_give_the_same_tokens_under_pressure(tmp_path: Path, ma
     assert on_cached > off_cached
 
 
+def forged_like(genuine: bytes) -> bytes:
+    """What anyone who can write the directory could make of a block: its header (key and
+    fingerprint are in the clear), a payload of their choice and a plain BLAKE2b over both."""
+    import hashlib
+
+    from densa.cache.tiers.block import BLOCK_OVERHEAD, CHECKSUM_BYTES, HEADER_BYTES
+
+    header, payload = genuine[:HEADER_BYTES], bytes(len(genuine) - BLOCK_OVERHEAD)
+    checksum = hashlib.blake2b(header + payload, digest_size=CHECKSUM_BYTES).digest()
+    return header + checksum + payload
+
+
 def engine_request(engine: LLMEngine, prompt: list[int]):
     """A throwaway Request with `prompt` in the default scope, to compute its block hashes."""
     from densa.request import Request
@@ -224,7 +239,7 @@ def test_the_shared_tier_serves_each_tenant_its_own_and_survives_the_store_dying
             runner.run(other)
         again, _ = runner.run(first)
         assert again.num_cached_tokens == 96 and again.token_ids == reference[1].token_ids
-        stats = engine.kv_tiers.stats()[f"shared:{server.url}"]
+        stats = engine.kv_tiers.stats()[f"shared:redis://127.0.0.1:{server.port}"]
         assert stats["rejected"] == 0 and stats["hits"] >= 12  # the others come back too
 
 
@@ -278,3 +293,49 @@ def test_an_evicted_prefix_comes_back_from_host_memory(reference, make_engine) -
     assert again.num_cached_tokens == 96
     assert computed == reference[2] - 96
     assert engine.kv_tiers.stats()["host"]["hits"] == 6
+
+
+def test_the_engine_refuses_a_disk_tier_others_may_use(tmp_path: Path) -> None:
+    """Through build_tiers, as the engine starts: an error that says what to do, not a tier
+    quietly turned off (no model needed)."""
+    from densa.cache.tiers.tier import TierSetupError
+    from densa.engine.kv_tier_setup import build_tiers
+
+    directory = tmp_path / "kv"
+    directory.mkdir()
+    directory.chmod(0o755)
+    with pytest.raises(TierSetupError, match=f"chmod 700 {directory}"):
+        build_tiers(["host:1MiB", f"disk:{directory}:1MiB"], bytes(16), None)
+
+
+def test_the_stores_password_comes_from_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No model needed: the tiers build_tiers makes against a redis-server that requires a
+    password, given as --kv-tier-password-file or DENSA_KV_TIER_PASSWORD (never in argv)."""
+    from densa.auth.secret import SECRET_ENV, ClusterSecret
+    from densa.engine.kv_tier_setup import STORE_PASSWORD_ENV, build_tiers
+    from densa_bench.common.redis_server import INSTALL_HINT, RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip(INSTALL_HINT)
+    monkeypatch.setenv(SECRET_ENV, ClusterSecret.generate().value.decode())
+    password = "from-a-file-or-the-environment"
+    password_file = tmp_path / "store-password"
+    password_file.write_text(password + "\n")
+    key, page = bytes(range(16)), b"p" * 1000
+    with RedisServer(maxmemory="32mb", password=password) as server:
+        spec = f"shared:redis://127.0.0.1:{server.port}/0"
+        (by_file,) = build_tiers([spec], bytes(16), None, str(password_file))
+        by_file.put(key, page)
+        monkeypatch.setenv(STORE_PASSWORD_ENV, password)
+        (by_env,) = build_tiers([spec], bytes(16), None)
+        assert bytes(by_env.get(key) or b"") == page  # both authenticated: one store, one key
+        monkeypatch.delenv(STORE_PASSWORD_ENV)
+        (without,) = build_tiers([spec], bytes(16), None)
+        assert without.get(key) is None  # NOAUTH: a miss, never an error
+        with pytest.raises(ValueError, match="given twice"):
+            build_tiers([f"shared:redis://:x@127.0.0.1:{server.port}/0"], bytes(16), None,
+                        str(password_file))  # fmt: skip
+        for tier in (by_file, by_env, without):
+            tier.close()
