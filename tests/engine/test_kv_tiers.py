@@ -250,6 +250,10 @@ def test_a_fetch_runs_beside_the_running_requests(
     A is held (not admitted, not computed) until the lookup ends, then hits all 6 blocks."""
     import threading
 
+    from densa.engine import kv_tiers
+
+    # The test decides when the lookup ends: no deadline may end it first on a loaded machine.
+    monkeypatch.setattr(kv_tiers, "LOOKUP_DEADLINE_S", 120.0)
     engine = make_engine((f"disk:{tmp_path}:64MiB",))
     runner = Runner(engine)
     first, *others = prompts(0)
@@ -293,6 +297,98 @@ def test_an_evicted_prefix_comes_back_from_host_memory(reference, make_engine) -
     assert again.num_cached_tokens == 96
     assert computed == reference[2] - 96
     assert engine.kv_tiers.stats()["host"]["hits"] == 6
+
+
+# ---- a slow tier costs only the request that asked ------------------------------------------------
+SHORT_PROMPT = [300, 301, 302]  # no full page: nothing to look up in any tier
+
+
+@pytest.fixture
+def dripping_store(monkeypatch: pytest.MonkeyPatch):
+    """A shared tier whose store answers every GET one byte at a time (for up to a minute)."""
+    from densa.auth.secret import SECRET_ENV, ClusterSecret
+    from densa_bench.common.drip_store import DripStore
+
+    monkeypatch.setenv(SECRET_ENV, ClusterSecret.generate().value.decode())
+    with DripStore(drip_interval_s=0.05, max_drip_s=60) as store:
+        yield store
+
+
+def run_until(engine: LLMEngine, collector: Collector, request_id: str, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while request_id not in collector.finals:
+        assert time.monotonic() < deadline, f"{request_id} not served within {limit_s} s"
+        collector.add(engine.step())
+        engine.check_invariants()
+
+
+def test_a_dripping_store_never_delays_another_tenants_request(
+    reference, make_engine, dripping_store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tenant A's lookup waits on a GET the store drips (deadlines set far out, so only the
+    engine's design keeps B from waiting): B's 3-token request, which needs nothing from the
+    tier, is served while A's answer is still dripping, and A then computes its prefix."""
+    from densa.cache.tiers import shared
+    from densa.engine import kv_tiers
+
+    monkeypatch.setattr(shared, "CALL_TIMEOUT_S", 120.0)
+    monkeypatch.setattr(kv_tiers, "LOOKUP_DEADLINE_S", 120.0)
+    engine = make_engine((f"shared:{dripping_store.url}",))
+    collector = Collector()
+    first = prompts(0)[0]
+    a_id = engine.add_request(first, GREEDY, cache_scope="tenant-a")
+    started = time.monotonic()
+    collector.add(engine.step())  # A's lookup starts; with nothing running the step waits briefly
+    assert time.monotonic() - started < 10  # (it used to wait for the lookup: the whole drip)
+    assert a_id in engine.scheduler.fetching and dripping_store.num_dripping == 1
+    b_id = engine.add_request(SHORT_PROMPT, GREEDY, cache_scope="tenant-b")
+    run_until(engine, collector, b_id, limit_s=40)  # the drip lasts a minute
+    assert a_id in engine.scheduler.fetching and dripping_store.num_dripping == 1  # still stalled
+    assert engine.scheduler.requests[a_id].num_computed_tokens == 0
+    dripping_store.stop_dripping()  # the store gives up on A's answer: A's lookup fails
+    run_until(engine, collector, a_id, limit_s=120)
+    assert collector.finals[a_id].num_cached_tokens == 0  # A lost its hits, nothing else
+    assert collector.finals[a_id].token_ids == reference[1].token_ids
+    assert len(collector.finals[b_id].token_ids) == GREEDY.max_tokens
+
+
+def test_a_dripping_store_is_cut_at_the_calls_deadline(
+    reference, make_engine, dripping_store
+) -> None:
+    """With the real deadline (CALL_TIMEOUT_S), A's lookup ends in a fraction of a second of
+    the drip's minute: A computes its prefix, the timeout is counted, the store is skipped."""
+    engine = make_engine((f"shared:{dripping_store.url}",))
+    runner = Runner(engine)
+    started = time.monotonic()
+    final, computed = runner.run(prompts(0)[0])
+    assert time.monotonic() - started < 45  # a prompt's compute, not the drip's 60 s
+    assert final.num_cached_tokens == 0 and final.token_ids == reference[1].token_ids
+    assert computed == reference[2]  # the whole prompt, as without tiers
+    (stats,) = engine.kv_tiers.stats().values()
+    assert stats["timeouts"] == 1 and stats["hits"] == 0
+
+
+def test_a_lookup_stuck_inside_a_tier_call_is_given_up(
+    tmp_path: Path, reference, make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tier call that never returns (a hung network file system, where no socket deadline
+    applies): the engine stops holding the request at the lookup's deadline, and it computes."""
+    import threading
+
+    from densa.engine import kv_tiers
+
+    monkeypatch.setattr(kv_tiers, "LOOKUP_DEADLINE_S", 0.3)
+    monkeypatch.setattr(kv_tiers, "ABANDON_GRACE_S", 0.2)
+    engine = make_engine((f"disk:{tmp_path}:64MiB",))
+    tier = engine.kv_tiers.tiers[0]
+    hung = threading.Event()
+    monkeypatch.setattr(tier, "get", lambda key: hung.wait(60) and None)
+    runner = Runner(engine)
+    final, _ = runner.run(prompts(0)[0])
+    assert final.num_cached_tokens == 0 and final.token_ids == reference[1].token_ids
+    assert engine.kv_tiers.num_abandoned_lookups == 1
+    assert engine.kv_tiers.stats()[tier.name]["abandoned_lookups"] == 1
+    hung.set()  # let the reader thread go, so the tiers close
 
 
 def test_the_engine_refuses_a_disk_tier_others_may_use(tmp_path: Path) -> None:
