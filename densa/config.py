@@ -211,7 +211,10 @@ class TiersConfig:
     "shared:redis://HOST:PORT[/DB]" (needs the cluster secret). Empty: the device pool only."""
 
     specs: tuple[str, ...] = ()
+    # The MAC key of every tier where there is a secret (else each tier keys itself).
     cluster_secret_file: str | None = None  # else DENSA_CLUSTER_SECRET
+    # The shared store's password (else DENSA_KV_TIER_PASSWORD), never an option's value.
+    store_password_file: str | None = None
 
 
 @dataclass(frozen=True)

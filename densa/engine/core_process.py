@@ -1,8 +1,11 @@
-"""The engine core's own process: `python -m densa.engine.core_process --engine-args JSON ...`.
+"""The engine core's own process: `python -m densa.engine.core_process --engine-args-fd N ...`.
 
-Started by the front (engine/launch.py ProcessLauncher), or by hand on another host with tcp://
-addresses. It loads the model, says Hello, and serves until Shutdown. If loading fails it sends
-EngineFailed with a one-line reason (the front shows it and exits) and exits 2.
+Started by the front (engine/launch.py ProcessLauncher), which hands it its options as JSON
+through an inherited pipe (`--engine-args-fd`): they may hold secrets, and a command line is
+readable by every user of the host. By hand on another host, with tcp:// addresses, give them
+as `--engine-args JSON` (or `--engine-args-fd 0` with the JSON on standard input). It loads
+the model, says Hello, and serves until Shutdown. If loading fails it sends EngineFailed with a
+one-line reason (the front shows it and exits) and exits 2.
 
 Signals: SIGINT is ignored (Ctrl-C reaches the whole process group; the front drains first, then
 sends Shutdown); SIGTERM ends the process at once. If the front dies, the heartbeat thread notices
@@ -38,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     addresses = transport.Addresses(ns.requests, ns.outputs)
     context = zmq.Context()
     try:
-        engine_args = json.loads(ns.engine_args)
+        engine_args = json.loads(_engine_args_text(ns))
         engine = _load(engine_args, addresses, context)
         if engine is None:
             return 2
@@ -73,9 +76,20 @@ def _load(
         return None
 
 
+def _engine_args_text(ns: argparse.Namespace) -> str:
+    if ns.engine_args is not None:
+        return str(ns.engine_args)
+    with os.fdopen(ns.engine_args_fd, "rb") as pipe:  # read to the end: the front closes it
+        return pipe.read().decode("utf-8")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="densa-engine-core", description=__doc__)
-    parser.add_argument("--engine-args", required=True, help="EngineArgs fields as JSON")
+    options = parser.add_mutually_exclusive_group(required=True)
+    options.add_argument("--engine-args", help="EngineArgs fields as JSON (seen by `ps`)")
+    options.add_argument(
+        "--engine-args-fd", type=int, metavar="FD", help="read the JSON from this descriptor"
+    )
     parser.add_argument("--requests", required=True, help="address the front sends requests to")
     parser.add_argument("--outputs", required=True, help="address the front reads outputs from")
     parser.add_argument("--parent-pid", type=int, default=os.getppid(), help="exit if it exits")

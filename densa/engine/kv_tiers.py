@@ -13,13 +13,19 @@ up when a waiting request's prefix misses the device pool but a tier holds it.
                                     blocks after their device hit are looked up tier by tier
                                     (first tier that verifies wins, the chain stops at the first
                                     block no tier has) on a reader thread, while the engine keeps
-                                    stepping the running requests; the request is held (not
-                                    admitted, and the queue behind it waits, as for room) until
-                                    the lookup ends. Then, on the engine thread, found blocks
-                                    land in freshly allocated pages (kv_io.land), are indexed
-                                    under their block hash and freed, so admission hits them
-                                    like any cached page. With nothing running there is nothing
-                                    to overlap: the engine waits for the lookup instead.
+                                    stepping; the request is held (not admitted) until the
+                                    lookup ends, and the requests behind it are admitted
+                                    meanwhile. Then, on the engine thread, found blocks land in
+                                    freshly allocated pages (kv_io.land), are indexed under their
+                                    block hash and freed, so admission hits them like any cached
+                                    page.
+
+A slow tier costs only the request that asked: the engine thread never waits on a lookup for
+longer than IDLE_WAIT_S (and only with nothing else to run); a lookup starts no tier call after
+its deadline (LOOKUP_DEADLINE_S: what it found by then lands), and one stuck inside a call past
+that (a store that drips its answer, a hung network file system) is given up ABANDON_GRACE_S
+later: the request computes its prefix. Lookups run on MAX_READERS threads, so one stuck call
+does not queue every other request's lookup behind it.
 
 Page bytes are kv_io's (PackedPages): values [L, parts, n, H, P, D] then row scales
 [L, parts, n, H, P]. One page's payload is its slice of every (layer, part) row, in order:
@@ -30,30 +36,33 @@ Page bytes are kv_io's (PackedPages): values [L, parts, n, H, P, D] then row sca
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from pathlib import Path
 
-from densa.auth.secret import load_secret
 from densa.cache.kv_manager import KVCacheManager
 from densa.cache.prefix_index import BlockHash
-from densa.cache.tiers.block import BlockCodec, fingerprint_of
-from densa.cache.tiers.disk import DiskTier
-from densa.cache.tiers.host import HostTier
-from densa.cache.tiers.tier import KVTier, TierSpec, logger, parse_tier_spec
+from densa.cache.tiers.shared import SharedTier
+from densa.cache.tiers.tier import KVTier, logger
 from densa.cache.tiers.writer import TierWriter
 from densa.formats.kv_format import KVFormat
-from densa.model.arch import ArchConfig
 from densa.request import Request
 from densa.sched.output import PackedPages
 from densa.worker import kv_io
 from densa.worker.model_runner import ModelRunner
 
 MAX_OFFERED_KEYS = 1 << 17  # blocks remembered as already sent down (skips re-copying a prefix)
-TIER_KEY_PURPOSE = "kv-tier"  # ClusterSecret.key(...) for the shared tier's MAC
+MAX_READERS = 4  # lookups at once: a call stuck on one tier holds one reader, not all lookups
+# A lookup starts no tier call after this long: what it found by then lands, the rest is
+# computed (a prefix that takes longer to read than this is not worth holding a request for).
+LOOKUP_DEADLINE_S = 2.0
+ABANDON_GRACE_S = 0.5  # past the deadline by this much, a lookup stuck in a call is given up
+IDLE_WAIT_S = 0.01  # nothing to run: how long a step waits for a lookup before it returns
+CLOSE_WAIT_S = 5.0  # closing: how long to wait for readers still inside a tier call
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,12 @@ class Lookup:
     start: int  # the request's device hit, in blocks, when the lookup started
     keys: list[BlockHash]  # the block keys after it, in chain order
     future: Future[list[memoryview]]  # the payloads of the leading keys some tier had
+    deadline: float  # monotonic: no tier call starts after it
+
+    @property
+    def is_stuck(self) -> bool:
+        """Still inside a tier call well past its deadline: give it up."""
+        return not self.future.done() and time.monotonic() > self.deadline + ABANDON_GRACE_S
 
 
 class KVTiers:
@@ -131,8 +146,12 @@ class KVTiers:
         # waiting requests it must not admit yet) until they land.
         self._lookups: dict[str, Lookup] = {}
         self.fetching = fetching
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-read")
+        self._reader = ThreadPoolExecutor(MAX_READERS, thread_name_prefix="kv-tier-read")
         self.num_fetched_pages = 0
+        self.num_abandoned_lookups = 0  # given up while stuck in a tier call
+        # Lookups not ended yet, abandoned ones too (for close): the reader threads remove theirs.
+        self._submitted: set[Future[list[memoryview]]] = set()
+        self._submitted_lock = threading.Lock()
         kv.record_evictions()
 
     # ---- down: write-back ----------------------------------------------------------------------
@@ -159,15 +178,20 @@ class KVTiers:
     def fetch_for(self, waiting: Sequence[Request], max_requests: int, overlap: bool) -> None:
         """Land the lookups that ended, and start them for the first `max_requests` waiting
         requests (each looked up once). `overlap`: the engine has a step to run meanwhile; if
-        not, wait for the lookups here instead of spinning on held requests."""
-        self._land_ended(wait=False)
-        for request in list(waiting)[:max_requests]:
+        not, wait up to IDLE_WAIT_S for a lookup to end rather than spin on held requests
+        (never longer: a request that arrives meanwhile is not to wait on a tier)."""
+        self._land_ended()
+        # Held requests are passed over by admission, so they do not use up the slots either.
+        candidates = (r for r in waiting if r.request_id not in self.fetching)
+        for request in list(itertools.islice(candidates, max_requests)):
             if request.num_computed_tokens or request.request_id in self._checked:
                 continue
             self._checked.add(request.request_id)
             self._start_lookup(request)
-        if not overlap:
-            self._land_ended(wait=True)
+        if not overlap and self._lookups:
+            futures = [lookup.future for lookup in self._lookups.values()]
+            wait(futures, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+            self._land_ended()
 
     def forget(self, request_id: str) -> None:
         """The request ended (or was aborted): drop its lookup, if one is under way."""
@@ -180,9 +204,19 @@ class KVTiers:
     def _start_lookup(self, request: Request) -> None:
         hit_pages, wanted = self._wanted(request)
         if wanted:
-            future = self._reader.submit(self._lookup, wanted)
-            self._lookups[request.request_id] = Lookup(request, len(hit_pages), wanted, future)
+            deadline = time.monotonic() + LOOKUP_DEADLINE_S
+            future = self._reader.submit(self._lookup, wanted, deadline)
+            with self._submitted_lock:
+                self._submitted.add(future)
+            future.add_done_callback(self._lookup_done)
+            self._lookups[request.request_id] = Lookup(
+                request, len(hit_pages), wanted, future, deadline
+            )
             self.fetching.add(request.request_id)
+
+    def _lookup_done(self, future: Future[list[memoryview]]) -> None:
+        with self._submitted_lock:
+            self._submitted.discard(future)
 
     def _wanted(self, request: Request) -> tuple[list[int], list[BlockHash]]:
         """(the device hit's pages, the block keys after it that fit in the pool now)."""
@@ -193,24 +227,40 @@ class KVTiers:
         room -= self.kv.num_pages_for(request.num_tokens) - len(hit_pages) - len(wanted)
         return hit_pages, wanted[: max(room, 0)]
 
-    def _land_ended(self, wait: bool) -> None:
-        """Land every lookup that has ended (all of them, waiting for each, if `wait`)."""
+    def _land_ended(self) -> None:
+        """Land every lookup that has ended; give up those stuck in a tier call (their requests
+        compute their prefix)."""
         for request_id, lookup in list(self._lookups.items()):
-            if not wait and not lookup.future.done():
-                continue
-            del self._lookups[request_id]
-            self.fetching.discard(request_id)
-            try:
-                found = lookup.future.result()
-            except Exception:  # a tier's bug: a miss, never a failed request
-                logger.exception("KV tier lookup failed; computing the prefix instead")
-                continue
-            if len(found) < len(lookup.keys):
-                # Sent down once but not there now (a tier's LRU, a store restarted): offer the
-                # rest of the chain again when the device frees it.
-                for lost in lookup.keys[len(found) :]:
-                    self._offered.pop(lost, None)
-            self._land_found(lookup, found)
+            if lookup.is_stuck:
+                self._end_lookup(request_id)
+                self._abandon(lookup)
+            elif lookup.future.done():
+                self._end_lookup(request_id)
+                self._land_result(lookup)
+
+    def _end_lookup(self, request_id: str) -> None:
+        del self._lookups[request_id]
+        self.fetching.discard(request_id)
+
+    def _abandon(self, lookup: Lookup) -> None:
+        self.num_abandoned_lookups += 1
+        logger.warning("KV tier lookup for request %s still inside a tier call %.1f s after its "
+                       "deadline; computing its prefix instead (abandoned lookups so far: %d)",
+                       lookup.request.request_id, ABANDON_GRACE_S,
+                       self.num_abandoned_lookups)  # fmt: skip
+
+    def _land_result(self, lookup: Lookup) -> None:
+        try:
+            found = lookup.future.result()
+        except Exception:  # a tier's bug: a miss, never a failed request
+            logger.exception("KV tier lookup failed; computing the prefix instead")
+            return
+        if len(found) < len(lookup.keys):
+            # Sent down once but not there now (a tier's LRU, a store restarted, a deadline):
+            # offer the rest of the chain again when the device frees it.
+            for lost in lookup.keys[len(found) :]:
+                self._offered.pop(lost, None)
+        self._land_found(lookup, found)
 
     def _land_found(self, lookup: Lookup, found: list[memoryview]) -> None:
         """Land what a lookup found, as far as it still continues the request's device hit
@@ -224,22 +274,27 @@ class KVTiers:
         if count:
             self._land(hit_pages, keys[:count], found[:count])
 
-    def _lookup(self, keys: Sequence[BlockHash]) -> list[memoryview]:
-        """Payloads of the leading keys found in some tier (first tier wins), in order. Runs
-        on the reader thread: touches only the tiers."""
+    def _lookup(self, keys: Sequence[BlockHash], deadline: float) -> list[memoryview]:
+        """Payloads of the leading keys found in some tier (first tier wins), in order, as far
+        as the deadline lets it go. Runs on a reader thread: touches only the tiers."""
         found: list[memoryview] = []
         for key in keys:
-            payload = None
-            for tier in self.tiers:
-                started = time.perf_counter()
-                payload = tier.get(key)
-                _count_fetch(tier, time.perf_counter() - started)
-                if payload is not None:
-                    break
+            payload = self._first_hit(key, deadline)
             if payload is None or len(payload) != self.layout.payload_bytes:
                 break
             found.append(payload)
         return found
+
+    def _first_hit(self, key: BlockHash, deadline: float) -> memoryview | None:
+        for tier in self.tiers:
+            if time.monotonic() >= deadline:
+                return None
+            started = time.perf_counter()
+            payload = tier.get(key)
+            _count_fetch(tier, time.perf_counter() - started)
+            if payload is not None:
+                return payload
+        return None
 
     def _land(
         self, hit_pages: list[int], keys: list[BlockHash], payloads: list[memoryview]
@@ -277,63 +332,36 @@ class KVTiers:
 
     def stats(self) -> dict[str, dict[str, float]]:
         out = {tier.name: tier.counters.as_dict() for tier in self.tiers}
-        for counters in out.values():
+        for counters in out.values():  # the engine's own, shown with every tier
             counters["dropped_write_jobs"] = self.writer.num_dropped_jobs
+            counters["abandoned_lookups"] = self.num_abandoned_lookups
         return out
 
     @property
     def shared_store_id(self) -> str:
         """The shared tier's store id (SharedTier.store_id), '' without one."""
-        # Duck-typed: importing shared.py imports the Redis client, which only its users need.
-        return next((t.store_id for t in self.tiers if hasattr(t, "store_id")), "")
+        return next((t.store_id for t in self.tiers if isinstance(t, SharedTier)), "")
 
     def flush(self) -> None:
         self.writer.flush()
 
     def close(self) -> None:
+        """Stop reading and writing, then close the tiers, unless a reader is still inside a
+        tier call after CLOSE_WAIT_S (a hung file system): its tier is then left open, since
+        closing a directory descriptor under a running read could let it read another file."""
         for request_id in list(self._lookups):
             self.forget(request_id)
-        self._reader.shutdown(wait=True)
+        self._reader.shutdown(wait=False, cancel_futures=True)
+        with self._submitted_lock:
+            submitted = list(self._submitted)
+        _, stuck = wait(submitted, timeout=CLOSE_WAIT_S)
         self.writer.close()
+        if stuck:
+            logger.warning("KV tiers closed with %d lookups still inside a tier call; the "
+                           "tiers are left open for them", len(stuck))  # fmt: skip
+            return
         for tier in self.tiers:
             tier.close()
-
-
-def build_tiers(specs: Sequence[str], fingerprint: bytes, secret_file: str | None) -> list[KVTier]:
-    """The tiers `--kv-tier` names, in the order given."""
-    tiers: list[KVTier] = []
-    for spec in map(parse_tier_spec, specs):
-        tiers.append(_build_one(spec, fingerprint, secret_file))
-    return tiers
-
-
-def _build_one(spec: TierSpec, fingerprint: bytes, secret_file: str | None) -> KVTier:
-    if spec.kind == "disk":
-        return DiskTier(spec.path, spec.size_bytes, BlockCodec(fingerprint))
-    if spec.kind == "host":
-        return HostTier(spec.size_bytes, BlockCodec(fingerprint))
-    from densa.cache.tiers.shared import SharedTier  # imports the redis client only when used
-
-    secret = load_secret(secret_file)
-    if secret is None:
-        raise ValueError(
-            "--kv-tier shared:... needs the cluster secret (--cluster-secret-file or "
-            "DENSA_CLUSTER_SECRET): every value in the shared store is sealed with it"
-        )
-    return SharedTier(spec.url, BlockCodec(fingerprint, secret.key(TIER_KEY_PURPOSE)))
-
-
-def engine_fingerprint(model_path: str, weight_format: str, kv_format: str, page: PackedPages,
-                       arch: ArchConfig, key_encoding: str) -> bytes:  # fmt: skip
-    """What must match for a stored page to be this engine's: the model file (by name and
-    size, so two machines with the same file agree), its weight format, the KV format with its
-    static scales and how it holds K (centered or not), the page geometry and architecture."""
-    path = Path(model_path)
-    size = path.stat().st_size if path.is_file() else 0
-    architecture = repr(sorted(arch.signature().items()))
-    return fingerprint_of(path.name, str(size), weight_format, kv_format, page.kv_dtype,
-                          page.kv_scales, repr(page.static_scales), repr(page.shape[:2]),
-                          repr(page.shape[3:]), architecture, key_encoding)  # fmt: skip
 
 
 def _count_fetch(tier: KVTier, seconds: float) -> None:

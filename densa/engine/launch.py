@@ -9,6 +9,7 @@ the socket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -71,7 +72,14 @@ class ProcessHandle:
 
 @dataclass
 class ProcessLauncher:
-    """The engine core in its own process on this host (`python -m densa.engine.core_process`)."""
+    """The engine core in its own process on this host (`python -m densa.engine.core_process`).
+
+    Its options travel through a pipe it inherits (`--engine-args-fd`), not its command line:
+    they may hold secrets (a shared KV tier's URL with the store's password), and every user of
+    the host can read any process's command line (`ps`, /proc/PID/cmdline). The environment
+    (DENSA_CLUSTER_SECRET, DENSA_KV_TIER_PASSWORD) is inherited as usual: only its owner and
+    root can read /proc/PID/environ.
+    """
 
     engine_args: dict[str, Any]  # EngineArgs fields
     debug_controls: bool = False  # let tests slow steps down (SetStepDelay)
@@ -82,15 +90,31 @@ class ProcessLauncher:
         return transport.Addresses.ipc()
 
     def start(self, addresses: transport.Addresses, context: zmq.Context) -> EngineHandle:
+        read_fd, write_fd = os.pipe()
         command = [
             sys.executable, "-m", "densa.engine.core_process",
-            "--engine-args", json.dumps(self.engine_args),
+            "--engine-args-fd", str(read_fd),
             "--requests", addresses.requests, "--outputs", addresses.outputs,
             "--parent-pid", str(os.getpid()), "--log-level", self.log_level,
         ]  # fmt: skip
         if self.debug_controls:
             command.append("--debug-controls")
-        return ProcessHandle(subprocess.Popen(command))
+        try:
+            process = subprocess.Popen(command, pass_fds=(read_fd,))
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)  # the child holds its own copy
+        _send_and_close(write_fd, json.dumps(self.engine_args).encode())
+        return ProcessHandle(process)
+
+
+def _send_and_close(fd: int, data: bytes) -> None:
+    """Write `data` into the pipe and close it (the child reads to the end first thing, so this
+    returns at once; a child that died before reading leaves nothing to tell)."""
+    with contextlib.suppress(BrokenPipeError), os.fdopen(fd, "wb") as pipe:
+        pipe.write(data)
 
 
 class OutputReceiver:

@@ -20,7 +20,8 @@ from densa.config import EngineConfig
 from densa.engine.admission import check_request
 from densa.engine.confinement import execute_confined
 from densa.engine.grammar_gate import GrammarGate
-from densa.engine.kv_tiers import KVTiers, build_tiers, engine_fingerprint
+from densa.engine.kv_tier_setup import build_tiers, engine_fingerprint
+from densa.engine.kv_tiers import KVTiers
 from densa.ipc.messages import RequestDelta, TokenLogprobs
 from densa.model.arch import ArchConfig
 from densa.request import Request, RequestStatus
@@ -108,10 +109,15 @@ class LLMEngine:
         )  # fmt: skip
         tiers = parts.config.tiers
         if tiers.specs:
-            engine.attach_tiers(tiers.specs, tiers.cluster_secret_file)
+            engine.attach_tiers(tiers.specs, tiers.cluster_secret_file, tiers.store_password_file)
         return engine
 
-    def attach_tiers(self, specs: tuple[str, ...] | list[str], secret_file: str | None) -> None:
+    def attach_tiers(
+        self,
+        specs: tuple[str, ...] | list[str],
+        secret_file: str | None,
+        password_file: str | None = None,
+    ) -> None:
         """Keep full prefix pages below the device too, in the tiers `specs` name (in order)."""
         from densa.model.key_centering import key_encoding
         from densa.worker.kv_io import pack
@@ -120,7 +126,7 @@ class LLMEngine:
         fingerprint = engine_fingerprint(model.model, self.weight_format, self.kv_format,
                                          pack(self.runner.kv_caches, []), self.arch,
                                          key_encoding(self.runner.model))  # fmt: skip
-        tiers = build_tiers(specs, fingerprint, secret_file)
+        tiers = build_tiers(specs, fingerprint, secret_file, password_file)
         self.detach_tiers()
         self.kv_tiers = KVTiers(tiers, self.kv_manager, self.runner, self.scheduler.fetching)
 

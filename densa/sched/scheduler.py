@@ -6,7 +6,9 @@ Policy (first come, first served; never deadlocks, never starves):
    preempted (pages freed, recomputed later) until it fits -- or it is itself the newest and waits.
 2. If nobody was preempted, waiting requests are admitted in arrival order (prefix hits first),
    each with as large a prefill chunk as the budget leaves, while pages and sequence slots last.
-   The queue head is never skipped, so a large request cannot be starved by small ones.
+   The queue head is never skipped for lack of room, so a large request cannot be starved by
+   small ones. The one exception: a request whose prefix is being read from a KV tier (held in
+   `fetching`, for a bounded time) is passed over, so a slow tier never delays anyone else.
 
 Since the pool always holds at least one max_model_len request (checked at start-up), the oldest
 request can always make progress.
@@ -57,7 +59,8 @@ class Scheduler:
         # and pages of finished requests that a transfer may still touch.
         self.remote = RemoteRequests(kv_manager)
         # Waiting requests not to admit yet: their prefix pages are on the way up from a KV tier
-        # (engine/kv_tiers.py). The queue waits behind such a head as it waits for room.
+        # (engine/kv_tiers.py). Admission passes over them, keeping their place in the queue:
+        # a tier lookup delays only the request that asked (it ends by a deadline).
         self.fetching: set[str] = set()
 
     # ---- request lifecycle ---------------------------------------------------------------------
@@ -253,17 +256,20 @@ class Scheduler:
                 return False
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledChunk]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        max_num_seqs = self.config.max_num_seqs
+        idx = 0  # the first waiting request not passed over (those before it are fetching)
+        while idx < len(self.waiting) and budget > 0 and len(self.running) < max_num_seqs:
+            request = self.waiting[idx]
             if request.request_id in self.fetching:
-                return
+                idx += 1  # its prefix is on the way up from a tier: the ones behind go first
+                continue
             try:
-                num_new = self._admit(request, budget)
+                num_new = self._admit(request, budget)  # leaves the queue unless None
             except Exception:
                 self._fail_alone(request, "admitting")
                 continue
             if num_new is None:
-                return  # no room for the queue head; later arrivals wait behind it
+                return  # no room for this one; later arrivals wait behind it
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
@@ -275,7 +281,7 @@ class Scheduler:
         num_new = min(request.num_tokens - num_hit_tokens, budget)
         if self.kv.allocate_slots(request, num_new, hit) is None:
             return None
-        self.waiting.popleft()
+        self._unqueue(request)  # the queue head, or behind requests held for a KV tier
         if request.num_preemptions == 0:
             self.kv.record_prefix_query(request, hit)
             request.num_cached_tokens = num_hit_tokens

@@ -102,6 +102,9 @@ class EngineArgs:
     # KV tiers below the device pool, in order (docs/kv-cache.md): "disk:PATH:SIZE",
     # "shared:redis://HOST:PORT[/DB]" (needs the cluster secret). Empty: the device pool only.
     kv_tiers: tuple[str, ...] = ()
+    # A file holding the shared store's password (else DENSA_KV_TIER_PASSWORD): never a value
+    # on the command line, where `ps` shows it.
+    kv_tier_password_file: str | None = None
     # Start without checking that weights + KV + activations fit in available memory
     # (densa/setup/memory_plan.py), for operators who know better (also DENSA_SKIP_MEMORY_CHECK=1).
     skip_memory_check: bool = False
@@ -156,7 +159,7 @@ class EngineArgs:
                 self.deterministic,
             ),
             disagg=self.disagg_config(),
-            tiers=TiersConfig(self.kv_tiers, self.cluster_secret_file),
+            tiers=TiersConfig(self.kv_tiers, self.cluster_secret_file, self.kv_tier_password_file),
             skip_memory_check=self.skip_memory_check,
         )
 

@@ -228,6 +228,11 @@ def _tier_options(g: argparse._ArgumentGroup) -> None:
         "shared:redis://HOST:PORT[/DB] (a Redis server all workers reach; needs the cluster "
         "secret). Every block read back is verified; a failing one is a miss",
     )  # fmt: skip
+    g.add_argument(
+        "--kv-tier-password-file", default=None, metavar="FILE",
+        help="a file holding the shared tier's Redis password (else the environment variable "
+        "DENSA_KV_TIER_PASSWORD); keeps it out of the URL, which `ps` shows to every user",
+    )  # fmt: skip
 
 
 def _memory_check_option(g: argparse._ArgumentGroup, d: EngineArgs) -> None:

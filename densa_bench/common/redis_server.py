@@ -25,13 +25,16 @@ def redis_server_binary() -> str | None:
 
 
 class RedisServer:
-    def __init__(self, maxmemory: str = "256mb", port: int | None = None) -> None:
+    def __init__(
+        self, maxmemory: str = "256mb", port: int | None = None, password: str = ""
+    ) -> None:
         binary = redis_server_binary()
         if binary is None:
             raise RuntimeError(INSTALL_HINT)
         self.binary = binary
         self.maxmemory = maxmemory
         self.port = port or _free_port()
+        self.password = password  # --requirepass (given in its config on stdin, not its argv)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -39,13 +42,19 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
+        # "-": the config comes on stdin, so a password is in no process' command line.
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.binary, "-", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--maxmemory", self.maxmemory,
              "--maxmemory-policy", "allkeys-lru", "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        client = redis.Redis(port=self.port, socket_timeout=0.5, socket_connect_timeout=0.5)
+        assert self.proc.stdin is not None
+        config = f'requirepass "{self.password}"\n' if self.password else ""
+        self.proc.stdin.write(config.encode())
+        self.proc.stdin.close()
+        client = redis.Redis(port=self.port, password=self.password or None, socket_timeout=0.5,
+                             socket_connect_timeout=0.5)  # fmt: skip
         deadline = time.monotonic() + 10
         while True:
             try:

@@ -12,11 +12,12 @@ from densa.setup.memory_plan import MemoryPlan, WeightPlan, host_tier_bytes
 
 FP = fingerprint_of("model-a", "int8")
 KEYS = [bytes([i]) * 16 for i in range(4)]
+MAC_KEY = b"m" * 32
 
 
 def test_round_trip_and_the_cap_drops_the_least_recently_used() -> None:
     block = BLOCK_OVERHEAD + 1000
-    tier = HostTier(3 * block, BlockCodec(FP))
+    tier = HostTier(3 * block, FP)
     for i, key in enumerate(KEYS[:3]):
         tier.put(key, bytes([i]) * 1000)
     assert bytes(tier.get(KEYS[0]) or b"") == bytes([0]) * 1000  # refreshes KEYS[0]
@@ -29,21 +30,21 @@ def test_round_trip_and_the_cap_drops_the_least_recently_used() -> None:
 
 
 def test_a_damaged_or_foreign_block_is_a_miss() -> None:
-    tier = HostTier(1 << 20, BlockCodec(FP))
+    tier = HostTier(1 << 20, FP)
     tier.put(KEYS[0], b"a" * 500)
     stored = bytearray(tier._blocks[KEYS[0]])
     stored[-10] ^= 0x01  # a stray write into the stored bytes
     tier._blocks[KEYS[0]] = bytes(stored)
     assert tier.get(KEYS[0]) is None
-    other_model = HostTier(1 << 20, BlockCodec(fingerprint_of("model-b", "int8")))
-    other_model._blocks[KEYS[1]] = BlockCodec(FP).encode(KEYS[1], b"b" * 500)
+    other_model = HostTier(1 << 20, fingerprint_of("model-b", "int8"), MAC_KEY)
+    other_model._blocks[KEYS[1]] = BlockCodec(FP, MAC_KEY).encode(KEYS[1], b"b" * 500)
     assert other_model.get(KEYS[1]) is None
     assert tier.counters.rejected_reasons == {"checksum": 1}
     assert other_model.counters.rejected_reasons == {"fingerprint": 1}
 
 
 def test_a_block_larger_than_the_tier_is_not_kept() -> None:
-    tier = HostTier(100, BlockCodec(FP))
+    tier = HostTier(100, FP)
     tier.put(KEYS[0], b"x" * 1000)
     assert not tier.contains(KEYS[0]) and tier.total_bytes == 0
 

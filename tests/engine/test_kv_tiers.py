@@ -1,7 +1,8 @@
 """KV tiers through the engine (bundled SmolLM2-135M, greedy): a prefix evicted from a tiny
 device pool comes back from the disk tier instead of being recomputed, with tokens identical to a
-run without tiers; a corrupted or truncated block is a miss (same tokens); another tenant never
-hits what one tenant's requests stored."""
+run without tiers; a corrupted, truncated or forged block is a miss (same tokens); another
+tenant never hits what one tenant's requests stored; a store that drips its answers costs the
+request that asked only its hits, and never delays another tenant's request."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def test_an_evicted_prefix_comes_back_from_disk(tmp_path: Path, reference, make_
     assert engine.kv_tiers.num_fetched_pages == 6
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "forge"])
 def test_a_damaged_block_is_a_miss_with_identical_output(
     tmp_path: Path, reference, make_engine, damage: str
 ) -> None:
@@ -127,8 +128,10 @@ def test_a_damaged_block_is_a_miss_with_identical_output(
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[-1000] ^= 0x01
-    else:
+    elif damage == "truncate":
         del data[len(data) // 2 :]
+    else:  # chosen K/V (zeros) under the file's own header: a hit before tiers were keyed
+        data = bytearray(forged_like(bytes(data)))
     path.write_bytes(bytes(data))
     again, _ = runner.run(first)
     assert again.token_ids == reference[1].token_ids
@@ -179,6 +182,18 @@ def test_tiers_on_and_off_give_the_same_tokens_under_pressure(tmp_path: Path, ma
     assert on_cached > off_cached
 
 
+def forged_like(genuine: bytes) -> bytes:
+    """What anyone who can write the directory could make of a block: its header (key and
+    fingerprint are in the clear), a payload of their choice and a plain BLAKE2b over both."""
+    import hashlib
+
+    from densa.cache.tiers.block import BLOCK_OVERHEAD, CHECKSUM_BYTES, HEADER_BYTES
+
+    header, payload = genuine[:HEADER_BYTES], bytes(len(genuine) - BLOCK_OVERHEAD)
+    checksum = hashlib.blake2b(header + payload, digest_size=CHECKSUM_BYTES).digest()
+    return header + checksum + payload
+
+
 def engine_request(engine: LLMEngine, prompt: list[int]):
     """A throwaway Request with `prompt` in the default scope, to compute its block hashes."""
     from densa.request import Request
@@ -224,7 +239,7 @@ def test_the_shared_tier_serves_each_tenant_its_own_and_survives_the_store_dying
             runner.run(other)
         again, _ = runner.run(first)
         assert again.num_cached_tokens == 96 and again.token_ids == reference[1].token_ids
-        stats = engine.kv_tiers.stats()[f"shared:{server.url}"]
+        stats = engine.kv_tiers.stats()[f"shared:redis://127.0.0.1:{server.port}"]
         assert stats["rejected"] == 0 and stats["hits"] >= 12  # the others come back too
 
 
@@ -235,6 +250,10 @@ def test_a_fetch_runs_beside_the_running_requests(
     A is held (not admitted, not computed) until the lookup ends, then hits all 6 blocks."""
     import threading
 
+    from densa.engine import kv_tiers
+
+    # The test decides when the lookup ends: no deadline may end it first on a loaded machine.
+    monkeypatch.setattr(kv_tiers, "LOOKUP_DEADLINE_S", 120.0)
     engine = make_engine((f"disk:{tmp_path}:64MiB",))
     runner = Runner(engine)
     first, *others = prompts(0)
@@ -278,3 +297,141 @@ def test_an_evicted_prefix_comes_back_from_host_memory(reference, make_engine) -
     assert again.num_cached_tokens == 96
     assert computed == reference[2] - 96
     assert engine.kv_tiers.stats()["host"]["hits"] == 6
+
+
+# ---- a slow tier costs only the request that asked ------------------------------------------------
+SHORT_PROMPT = [300, 301, 302]  # no full page: nothing to look up in any tier
+
+
+@pytest.fixture
+def dripping_store(monkeypatch: pytest.MonkeyPatch):
+    """A shared tier whose store answers every GET one byte at a time (for up to a minute)."""
+    from densa.auth.secret import SECRET_ENV, ClusterSecret
+    from densa_bench.common.drip_store import DripStore
+
+    monkeypatch.setenv(SECRET_ENV, ClusterSecret.generate().value.decode())
+    with DripStore(drip_interval_s=0.05, max_drip_s=60) as store:
+        yield store
+
+
+def run_until(engine: LLMEngine, collector: Collector, request_id: str, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while request_id not in collector.finals:
+        assert time.monotonic() < deadline, f"{request_id} not served within {limit_s} s"
+        collector.add(engine.step())
+        engine.check_invariants()
+
+
+def test_a_dripping_store_never_delays_another_tenants_request(
+    reference, make_engine, dripping_store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tenant A's lookup waits on a GET the store drips (deadlines set far out, so only the
+    engine's design keeps B from waiting): B's 3-token request, which needs nothing from the
+    tier, is served while A's answer is still dripping, and A then computes its prefix."""
+    from densa.cache.tiers import shared
+    from densa.engine import kv_tiers
+
+    monkeypatch.setattr(shared, "CALL_TIMEOUT_S", 120.0)
+    monkeypatch.setattr(kv_tiers, "LOOKUP_DEADLINE_S", 120.0)
+    engine = make_engine((f"shared:{dripping_store.url}",))
+    collector = Collector()
+    first = prompts(0)[0]
+    a_id = engine.add_request(first, GREEDY, cache_scope="tenant-a")
+    started = time.monotonic()
+    collector.add(engine.step())  # A's lookup starts; with nothing running the step waits briefly
+    assert time.monotonic() - started < 10  # (it used to wait for the lookup: the whole drip)
+    assert a_id in engine.scheduler.fetching and dripping_store.num_dripping == 1
+    b_id = engine.add_request(SHORT_PROMPT, GREEDY, cache_scope="tenant-b")
+    run_until(engine, collector, b_id, limit_s=40)  # the drip lasts a minute
+    assert a_id in engine.scheduler.fetching and dripping_store.num_dripping == 1  # still stalled
+    assert engine.scheduler.requests[a_id].num_computed_tokens == 0
+    dripping_store.stop_dripping()  # the store gives up on A's answer: A's lookup fails
+    run_until(engine, collector, a_id, limit_s=120)
+    assert collector.finals[a_id].num_cached_tokens == 0  # A lost its hits, nothing else
+    assert collector.finals[a_id].token_ids == reference[1].token_ids
+    assert len(collector.finals[b_id].token_ids) == GREEDY.max_tokens
+
+
+def test_a_dripping_store_is_cut_at_the_calls_deadline(
+    reference, make_engine, dripping_store
+) -> None:
+    """With the real deadline (CALL_TIMEOUT_S), A's lookup ends in a fraction of a second of
+    the drip's minute: A computes its prefix, the timeout is counted, the store is skipped."""
+    engine = make_engine((f"shared:{dripping_store.url}",))
+    runner = Runner(engine)
+    started = time.monotonic()
+    final, computed = runner.run(prompts(0)[0])
+    assert time.monotonic() - started < 45  # a prompt's compute, not the drip's 60 s
+    assert final.num_cached_tokens == 0 and final.token_ids == reference[1].token_ids
+    assert computed == reference[2]  # the whole prompt, as without tiers
+    (stats,) = engine.kv_tiers.stats().values()
+    assert stats["timeouts"] == 1 and stats["hits"] == 0
+
+
+def test_a_lookup_stuck_inside_a_tier_call_is_given_up(
+    tmp_path: Path, reference, make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tier call that never returns (a hung network file system, where no socket deadline
+    applies): the engine stops holding the request at the lookup's deadline, and it computes."""
+    import threading
+
+    from densa.engine import kv_tiers
+
+    monkeypatch.setattr(kv_tiers, "LOOKUP_DEADLINE_S", 0.3)
+    monkeypatch.setattr(kv_tiers, "ABANDON_GRACE_S", 0.2)
+    engine = make_engine((f"disk:{tmp_path}:64MiB",))
+    tier = engine.kv_tiers.tiers[0]
+    hung = threading.Event()
+    monkeypatch.setattr(tier, "get", lambda key: hung.wait(60) and None)
+    runner = Runner(engine)
+    final, _ = runner.run(prompts(0)[0])
+    assert final.num_cached_tokens == 0 and final.token_ids == reference[1].token_ids
+    assert engine.kv_tiers.num_abandoned_lookups == 1
+    assert engine.kv_tiers.stats()[tier.name]["abandoned_lookups"] == 1
+    hung.set()  # let the reader thread go, so the tiers close
+
+
+def test_the_engine_refuses_a_disk_tier_others_may_use(tmp_path: Path) -> None:
+    """Through build_tiers, as the engine starts: an error that says what to do, not a tier
+    quietly turned off (no model needed)."""
+    from densa.cache.tiers.tier import TierSetupError
+    from densa.engine.kv_tier_setup import build_tiers
+
+    directory = tmp_path / "kv"
+    directory.mkdir()
+    directory.chmod(0o755)
+    with pytest.raises(TierSetupError, match=f"chmod 700 {directory}"):
+        build_tiers(["host:1MiB", f"disk:{directory}:1MiB"], bytes(16), None)
+
+
+def test_the_stores_password_comes_from_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No model needed: the tiers build_tiers makes against a redis-server that requires a
+    password, given as --kv-tier-password-file or DENSA_KV_TIER_PASSWORD (never in argv)."""
+    from densa.auth.secret import SECRET_ENV, ClusterSecret
+    from densa.engine.kv_tier_setup import STORE_PASSWORD_ENV, build_tiers
+    from densa_bench.common.redis_server import INSTALL_HINT, RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip(INSTALL_HINT)
+    monkeypatch.setenv(SECRET_ENV, ClusterSecret.generate().value.decode())
+    password = "from-a-file-or-the-environment"
+    password_file = tmp_path / "store-password"
+    password_file.write_text(password + "\n")
+    key, page = bytes(range(16)), b"p" * 1000
+    with RedisServer(maxmemory="32mb", password=password) as server:
+        spec = f"shared:redis://127.0.0.1:{server.port}/0"
+        (by_file,) = build_tiers([spec], bytes(16), None, str(password_file))
+        by_file.put(key, page)
+        monkeypatch.setenv(STORE_PASSWORD_ENV, password)
+        (by_env,) = build_tiers([spec], bytes(16), None)
+        assert bytes(by_env.get(key) or b"") == page  # both authenticated: one store, one key
+        monkeypatch.delenv(STORE_PASSWORD_ENV)
+        (without,) = build_tiers([spec], bytes(16), None)
+        assert without.get(key) is None  # NOAUTH: a miss, never an error
+        with pytest.raises(ValueError, match="given twice"):
+            build_tiers([f"shared:redis://:x@127.0.0.1:{server.port}/0"], bytes(16), None,
+                        str(password_file))  # fmt: skip
+        for tier in (by_file, by_env, without):
+            tier.close()

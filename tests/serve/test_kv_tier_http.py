@@ -1,7 +1,9 @@
-"""`densa serve --kv-tier disk:DIR:SIZE` end to end, through the official openai client: a prefix
-evicted from a small device pool comes back from disk (usage's cached_tokens counts it, /metrics
-shows the tier's hits, the answer is the same), and it survives the server being killed with
-SIGKILL: a new server on the same directory answers the returning prompt from disk at once."""
+"""`densa serve --kv-tier ...` end to end, through the official openai client: a prefix evicted
+from a small device pool comes back from disk (usage's cached_tokens counts it, /metrics shows
+the tier's hits, the answer is the same), and it survives the server being killed with SIGKILL:
+a new server on the same directory answers the returning prompt from disk at once (its
+directory key survived too). The shared store's password reaches the engine and is shown
+nowhere."""
 
 from __future__ import annotations
 
@@ -13,8 +15,11 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
+from densa.auth.secret import SECRET_ENV, ClusterSecret
 from densa_bench.common.local_workers import WorkerProcess, WorkerSettings, running_workers
+from densa_bench.common.redis_server import INSTALL_HINT, RedisServer, redis_server_binary
 
 PAGE = 16
 PROMPT_TOKENS = 100  # 6 full pages; the last token is always computed
@@ -73,3 +78,41 @@ def test_an_evicted_prefix_comes_back_from_disk_even_after_a_kill_9(
         assert after_restart == original
         assert cached == 6 * PAGE
         assert _tier_counter(restarted, "hits") == 6
+
+
+PASSWORD = "planted-store-password-6f1c"
+
+
+def test_the_stores_password_is_in_no_label_log_line_or_engine_command_line(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--kv-tier shared:redis://:PASSWORD@...` against a real redis-server that requires it:
+    the pages come back from the store (so the password reached the engine process), and
+    nothing a local user or a monitoring client can read shows it: /metrics (the tier's label
+    is the store's scheme and host), the other open endpoints, the worker's log (front and
+    engine), the engine process' command line."""
+    if redis_server_binary() is None:
+        pytest.skip(INSTALL_HINT)
+    monkeypatch.setenv(SECRET_ENV, ClusterSecret.generate().value.decode())
+    first, *others = _prompts()
+    with RedisServer(maxmemory="32mb", password=PASSWORD) as store:
+        tier = f"shared:redis://:{PASSWORD}@127.0.0.1:{store.port}/0"
+        extra = ("--num-kv-pages", "16", "--page-size", str(PAGE), "--max-num-seqs", "1",
+                 "--kv-tier", tier)  # fmt: skip
+        settings = WorkerSettings(model=str(tiny_model_dir), max_model_len=256, extra_args=extra)
+        with running_workers(settings, 1, tmp_path) as (worker,):
+            for prompt in (first, *others):
+                _complete(worker, prompt)
+            _, cached = _complete(worker, first)
+            assert cached == 6 * PAGE  # every full page, from the store
+            engine_pid = httpx.get(worker.url + "/health", timeout=10).json()["engine_pid"]
+            command_line = Path(f"/proc/{engine_pid}/cmdline").read_bytes()
+            readable = {path: httpx.get(worker.url + path, timeout=10).text
+                        for path in ("/metrics", "/health", "/densa/info", "/densa/load")}  # fmt: skip
+    assert b"densa.engine.core_process" in command_line
+    assert PASSWORD.encode() not in command_line
+    assert f'tier="shared:redis://127.0.0.1:{store.port}"' in readable["/metrics"]
+    assert not [path for path, text in readable.items() if PASSWORD in text]
+    log = worker.log.read_text()
+    assert PASSWORD not in log
+    assert "--kv-tier-password-file" in log  # the warning that `ps` shows the front's options

@@ -7,27 +7,32 @@ a prefill. On a CPU the device pool is host memory already, so a host tier holds
 --kv-cache-memory would hold, through an extra copy; it works there (and is tested there), but
 a larger pool is the better use of the same bytes.
 
-Blocks are kept encoded (block.py: key, fingerprint, checksum) and checked on every read like
-any tier's: memory written by this process is not trusted more than a file, since a stray write
-would otherwise become attention input. Capped in bytes, least recently used first out (reads
-refresh). Thread-safe: the reader thread gets, the writer thread puts.
+Blocks are kept encoded (block.py: key, fingerprint, MAC) and checked on every read like any
+tier's: memory written by this process is not trusted more than a file, since a stray write
+would otherwise become attention input. The MAC key is the cluster's tier key where there is a
+cluster secret, else one drawn at random for this process (the tier is empty at every start
+anyway). Capped in bytes, least recently used first out (reads refresh). Thread-safe: the
+reader threads get, the writer thread puts.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections import OrderedDict
 
 from densa.cache.tiers.block import BlockCodec
 from densa.cache.tiers.tier import TierCounters, verified_payload
 
+PROCESS_KEY_BYTES = 32
+
 
 class HostTier:
-    def __init__(self, size_bytes: int, codec: BlockCodec) -> None:
+    def __init__(self, size_bytes: int, fingerprint: bytes, mac_key: bytes | None = None) -> None:
         self.name = "host"
         self.counters = TierCounters()
         self.size_bytes = size_bytes
-        self._codec = codec
+        self._codec = BlockCodec(fingerprint, mac_key or secrets.token_bytes(PROCESS_KEY_BYTES))
         self._lock = threading.Lock()
         self._blocks: OrderedDict[bytes, bytes] = OrderedDict()  # key -> encoded block, LRU first
         self._total_bytes = 0
