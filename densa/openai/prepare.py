@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from densa.cache.scope import CacheScope
 from densa.ipc.messages import ServedModel
+from densa.openai import fim
 from densa.openai.errors import APIError, ClientDisconnected, bad_request, from_validation_error
 from densa.openai.protocol import ChatCompletionRequest, CompletionRequest
 from densa.openai.templates import template_variables
@@ -295,6 +296,26 @@ async def completion_prompt(
     if not prompt_ids:
         raise bad_request("the prompt is empty", param="prompt")
     return prompt_ids
+
+
+# ---- fill-in-the-middle (openai/fim.py) ---------------------------------------------------------
+async def fim_completion_prompt(
+    tokenizer: Tokenizer, body: CompletionRequest, max_model_len: int
+) -> fim.FimPrompt:
+    """A completion with `suffix`: the prompt and the suffix around the model's FIM tokens."""
+    assert isinstance(body.prompt, str) and body.suffix is not None  # CompletionRequest checks
+    check_fim(tokenizer, "suffix")
+    num_bytes = len(body.prompt.encode()) + len(body.suffix.encode())
+    _check_text_size(tokenizer, num_bytes, max_model_len, "prompt")
+    return await asyncio.to_thread(fim.completion_prompt, tokenizer, body.prompt, body.suffix)
+
+
+def check_fim(tokenizer: Tokenizer, param: str) -> None:
+    """A 400 naming `param` when the model has no FIM tokens."""
+    try:
+        fim.fim_tokens(tokenizer)
+    except fim.FimUnsupported as exc:
+        raise bad_request(str(exc), code="unsupported_value", param=param) from exc
 
 
 async def _run(offload: bool, function: Callable[..., list[int]], *args: Any) -> list[int]:
