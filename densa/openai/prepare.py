@@ -22,6 +22,7 @@ from densa.cache.scope import CacheScope
 from densa.ipc.messages import ServedModel
 from densa.openai import fim
 from densa.openai.errors import APIError, ClientDisconnected, bad_request, from_validation_error
+from densa.openai.infill import InfillRequest
 from densa.openai.protocol import ChatCompletionRequest, CompletionRequest
 from densa.openai.templates import template_variables
 from densa.openai.tools.formats import HERMES, ToolCallFormat
@@ -308,6 +309,26 @@ async def fim_completion_prompt(
     num_bytes = len(body.prompt.encode()) + len(body.suffix.encode())
     _check_text_size(tokenizer, num_bytes, max_model_len, "prompt")
     return await asyncio.to_thread(fim.completion_prompt, tokenizer, body.prompt, body.suffix)
+
+
+async def infill_prompt(
+    tokenizer: Tokenizer, body: InfillRequest, max_model_len: int
+) -> tuple[fim.FimPrompt, bool]:
+    """llama.cpp's /infill prompt, and whether input_extra was cut to fit. The context keeps
+    room for n_predict tokens (one when it runs to the end of the context); the oldest extra
+    context goes first, the prefix, suffix and prompt never (check_lengths refuses them)."""
+    check_fim(tokenizer, "input_prefix")
+    parts = (body.input_prefix, body.input_suffix, body.prompt)
+    _check_text_size(tokenizer, sum(len(p.encode()) for p in parts), max_model_len, "input_prefix")
+    # Chunks beyond what could fit are dropped before they cost a tokenizer pass.
+    extra, limit = body.extra, max_prompt_bytes(max_model_len, tokenizer.max_token_bytes)
+    while extra and sum(len(c.text.encode()) + len(c.filename.encode()) for c in extra) > limit:
+        extra = extra[1:]
+    room = max_model_len - (body.requested_max_tokens or 1)
+    prompt = await asyncio.to_thread(
+        fim.infill_prompt, tokenizer, *parts[:2], extra, body.prompt, room
+    )
+    return prompt, prompt.num_extra_dropped > 0 or len(extra) < len(body.input_extra)
 
 
 def check_fim(tokenizer: Tokenizer, param: str) -> None:
