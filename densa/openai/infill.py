@@ -4,7 +4,8 @@ body, the subset densa reads, and its response, in llama.cpp's own shape (not Op
 The prompt is laid out from the model's FIM tokens as llama.cpp lays it out (openai/fim.py).
 Sampling defaults are llama.cpp's (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05), so a
 plugin tuned against llama-server samples the same way; `n_predict` (or `max_tokens`) -1 or
-absent runs to the end of the context, as there.
+absent runs to the end of the context, and 0 only computes the prompt (into the prefix cache),
+as there.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class InfillRequest(RequestBody):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        """None: up to the end of the context (llama.cpp's -1)."""
+        """None: up to the end of the context (llama.cpp's -1). 0: the prompt only, into the
+        prefix cache (editors warm it so)."""
         value = self.n_predict if self.n_predict is not None else self.max_tokens
         return None if value is None or value < 0 else value
 

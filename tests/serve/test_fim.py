@@ -161,6 +161,17 @@ def test_infill_fills_the_gap_in_llama_cpps_shape(
     assert chunks[-1]["tokens_cached"] > 0  # the same prompt again: its full pages were cached
 
 
+def test_n_predict_0_only_warms_the_cache(qwen: RunningServer) -> None:
+    body = {"input_prefix": "import os\n\n" + PREFIX, "input_suffix": SUFFIX, "n_predict": 0}
+    warm = _post(qwen, "/infill", body).json()
+    assert (warm["content"], warm["tokens_predicted"], warm["stop_type"]) == ("", 0, "limit")
+    assert warm["tokens_cached"] == 0
+    again = _post(qwen, "/infill", {**body, "n_predict": 4, "temperature": 0}).json()
+    # Every full page of the prompt but one token (which is always computed) was cached.
+    assert again["tokens_cached"] == (warm["tokens_evaluated"] - 1) // 16 * 16 > 0
+    assert again["tokens_predicted"] > 0
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [

@@ -41,10 +41,11 @@ async def infill(request: Request, session_id: SessionHeader = None) -> Response
     prepare.check_lengths(
         state.max_model_len, num_prompt_tokens, max_tokens, ("input_prefix", "n_predict")
     )
+    if max_tokens is None:  # up to the end of the context
+        max_tokens = state.max_model_len - num_prompt_tokens
     try:
-        params = body.to_sampling_params(
-            max_tokens or state.max_model_len - num_prompt_tokens, prompt.stop_token_ids
-        )
+        # n_predict 0 warms the cache with the prompt: the one token sampled is dropped.
+        params = body.to_sampling_params(max(max_tokens, 1), prompt.stop_token_ids)
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
     prepare.check_token_ids(state.served, prompt.token_ids, params)
@@ -60,6 +61,7 @@ async def infill(request: Request, session_id: SessionHeader = None) -> Response
         session_id=session_id,
         timeout=state.request_timeout,
         deadline=deadline,
+        prompt_only=max_tokens == 0,
     )
     call = await with_prefill(request, call)
     return await respond(request, call, lambda: InfillFormatter(model, truncated), body)
