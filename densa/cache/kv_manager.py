@@ -65,9 +65,10 @@ class KVCacheManager:
     def find_prefix(self, request: Request) -> PrefixHit:
         """Longest run of leading full blocks already cached in the request's scope (no mutation).
 
-        At least one token is always left to compute, since the next token needs its logits.
+        At least one token is always left to compute, since the next token needs its logits; a
+        request that needs its prompt's logits (`needs_prompt_logits`) gets no hit at all.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logits:
             return NO_HIT
         max_blocks = (request.num_tokens - 1) // self.page_size
         page_ids: list[int] = []
@@ -80,8 +81,8 @@ class KVCacheManager:
 
     def prefix_hashes(self, request: Request) -> list[BlockHash]:
         """Block hashes of the leading full blocks a prefix hit may cover (one token is always
-        left to compute)."""
-        if not self.enable_prefix_caching:
+        left to compute; none for a request that needs its prompt's logits)."""
+        if not self.enable_prefix_caching or request.needs_prompt_logits:
             return []
         return self._hashes(request)[: (request.num_tokens - 1) // self.page_size]
 

@@ -75,5 +75,6 @@ def _merge(into: RunnerOutput, part: RunnerOutput) -> None:
     into.accepted_logprobs.update(part.accepted_logprobs)
     into.hidden.update(part.hidden)
     into.logprobs.update(part.logprobs)
+    into.prompt_logprobs.update(part.prompt_logprobs)
     into.failed.update(part.failed)
     into.errors.update(part.errors)

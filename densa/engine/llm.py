@@ -28,6 +28,8 @@ class GenerationResult:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     error: str | None = None
+    # SamplingParams.prompt_logprobs: prompt tokens 1 .. P - 1 (token 0 has none).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class LLM:
@@ -85,6 +87,7 @@ class LLM:
     ) -> dict[str, RequestOutput]:
         finals: dict[str, RequestOutput] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in streams}
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in streams}
         progress = _progress(len(streams), use_tqdm)
         while len(finals) < len(streams):
             for delta in self.engine.step():
@@ -92,10 +95,12 @@ class LLM:
                 if out is None:
                     continue  # late tokens of a request a stop string ended
                 logprobs[out.request_id].extend(out.new_logprobs)
+                prompt_logprobs[out.request_id].extend(out.prompt_logprobs)
                 if streams[delta.request_id].stopped and not delta.finished:
                     self.engine.abort_request(delta.request_id)
                 if out.finished:
                     out.new_logprobs = logprobs[out.request_id]
+                    out.prompt_logprobs = prompt_logprobs[out.request_id]
                     finals[out.request_id] = out
                     if progress is not None:
                         progress.update(1)
@@ -116,6 +121,7 @@ class LLM:
             num_cached_tokens=out.num_cached_tokens,
             logprobs=out.new_logprobs,
             error=out.error,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
 

@@ -49,6 +49,16 @@ class _Tracked:
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_absorbed: int = 0  # output tokens already queued for the client
+    # Logprobs of prompt tokens 1, 2, ... computed so far (SamplingParams.prompt_logprobs), sent
+    # whole with the first delta; a recompute after a preemption brings some again.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    def take_prompt_logprobs(self, first_idx: int, entries: list[TokenLogprobs]) -> None:
+        """Keep the entries for prompt tokens first_idx, ... not already kept."""
+        num_known = len(self.prompt_logprobs) - (first_idx - 1)  # entries[:num_known] are known
+        if num_known >= 0:
+            self.prompt_logprobs.extend(entries[num_known:])
 
 
 @dataclass(frozen=True)
@@ -328,6 +338,9 @@ class LLMEngine:
             for landing in sched_out.kv_landings
             if landing.first_logprobs is not None
         }
+        for request_id, prompt in runner_out.prompt_logprobs.items():
+            if request_id in self._tracked:
+                self._tracked[request_id].take_prompt_logprobs(prompt.first_idx, prompt.entries)
         for request_id, sampled in runner_out.logprobs.items():
             logprobs[request_id] = [*runner_out.accepted_logprobs.get(request_id, []), sampled]
         for request in updated:
@@ -429,6 +442,9 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=request.num_output_tokens,
         )
+        if request.sampling_params.prompt_logprobs is not None and not tracked.prompt_logprobs_sent:
+            output.prompt_logprobs, tracked.prompt_logprobs = tracked.prompt_logprobs, []
+            tracked.prompt_logprobs_sent = True
         tracked.pending_token_ids, tracked.pending_logprobs = [], []
         if finished:
             del self._tracked[request.request_id]

@@ -41,6 +41,9 @@ class RequestDelta(msgspec.Struct, array_like=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0  # tokens the engine has sampled for it so far
+    # SamplingParams.prompt_logprobs: prompt tokens 1 .. P - 1 (token 0 has none), all at once in
+    # the request's first delta.
+    prompt_logprobs: list[TokenLogprobs] = []
 
 
 class EngineStats(msgspec.Struct, frozen=True, array_like=True):

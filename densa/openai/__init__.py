@@ -11,6 +11,8 @@ prepare         HTTP request -> engine call: body, prompt tokens, context length
 templates       what a chat request adds to the chat template (chat_template_kwargs, effort)
 responses       engine outputs -> response bodies, stream chunks and logprobs
 framing         how a stream is shaped per API: formatter protocol, event framing
+fim             fill-in-the-middle prompts from a model's FIM tokens (completions suffix, /infill)
+infill          llama.cpp's /infill: its request, its response shape
 blocks          a generation as content blocks (text, reasoning, tool calls): Messages, Responses
 reasoning       a reasoning model's answer -> reasoning_content and content (--reasoning-parser)
 http_protocol   uvicorn's HTTP/1.1 protocol with a deadline on request headers (both fronts)

@@ -179,5 +179,3 @@ LogitBias = Annotated[
     ],
     Field(max_length=MAX_LOGIT_BIAS),
 ]
-NoEcho = Annotated[bool, WithJsonSchema({"const": False, "description": "echo: not supported"})]
-NoSuffix = Annotated[str | None, _unsupported({"type": "string", "maxLength": 0}, "suffix")]

@@ -20,7 +20,9 @@ from starlette.requests import ClientDisconnect
 
 from densa.cache.scope import CacheScope
 from densa.ipc.messages import ServedModel
+from densa.openai import fim
 from densa.openai.errors import APIError, ClientDisconnected, bad_request, from_validation_error
+from densa.openai.infill import InfillRequest
 from densa.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from densa.openai.templates import template_variables
 from densa.openai.tools.formats import HERMES, ToolCallFormat
@@ -300,6 +302,46 @@ async def completion_prompt(
     if not prompt_ids:
         raise bad_request("the prompt is empty", param="prompt")
     return prompt_ids
+
+
+# ---- fill-in-the-middle (openai/fim.py) ---------------------------------------------------------
+async def fim_completion_prompt(
+    tokenizer: Tokenizer, body: CompletionRequest, max_model_len: int
+) -> fim.FimPrompt:
+    """A completion with `suffix`: the prompt and the suffix around the model's FIM tokens."""
+    assert isinstance(body.prompt, str) and body.suffix is not None  # CompletionRequest checks
+    check_fim(tokenizer, "suffix")
+    num_bytes = len(body.prompt.encode()) + len(body.suffix.encode())
+    check_text_size(tokenizer, num_bytes, max_model_len, "prompt")
+    return await asyncio.to_thread(fim.completion_prompt, tokenizer, body.prompt, body.suffix)
+
+
+async def infill_prompt(
+    tokenizer: Tokenizer, body: InfillRequest, max_model_len: int
+) -> tuple[fim.FimPrompt, bool]:
+    """llama.cpp's /infill prompt, and whether input_extra was cut to fit. The context keeps
+    room for n_predict tokens (one when it runs to the end of the context); the oldest extra
+    context goes first, the prefix, suffix and prompt never (check_lengths refuses them)."""
+    check_fim(tokenizer, "input_prefix")
+    parts = (body.input_prefix, body.input_suffix, body.prompt)
+    check_text_size(tokenizer, sum(len(p.encode()) for p in parts), max_model_len, "input_prefix")
+    # Chunks beyond what could fit are dropped before they cost a tokenizer pass.
+    extra, limit = body.extra, max_prompt_bytes(max_model_len, tokenizer.max_token_bytes)
+    while extra and sum(len(c.text.encode()) + len(c.filename.encode()) for c in extra) > limit:
+        extra = extra[1:]
+    room = max_model_len - (body.requested_max_tokens or 1)
+    prompt = await asyncio.to_thread(
+        fim.infill_prompt, tokenizer, *parts[:2], extra, body.prompt, room
+    )
+    return prompt, prompt.num_extra_dropped > 0 or len(extra) < len(body.input_extra)
+
+
+def check_fim(tokenizer: Tokenizer, param: str) -> None:
+    """A 400 naming `param` when the model has no FIM tokens."""
+    try:
+        fim.fim_tokens(tokenizer)
+    except fim.FimUnsupported as exc:
+        raise bad_request(str(exc), code="unsupported_value", param=param) from exc
 
 
 async def _run(offload: bool, function: Callable[..., list[int]], *args: Any) -> list[int]:

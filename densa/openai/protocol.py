@@ -18,8 +18,6 @@ from densa.openai.body import publish_nullable as _publish_nullable
 from densa.openai.fields import (
     INTEGRAL,
     LogitBias,
-    NoEcho,
-    NoSuffix,
     OnlyOne,
     Prompt,
     ReasoningEffort,
@@ -234,26 +232,47 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def _publish_completion(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    # max_tokens=0 only with echo (see _echo_rules).
+    _publish_nullable(schema, model)
+    schema["if"] = {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]}
+    schema["then"] = {"properties": {"echo": {"const": True}}, "required": ["echo"]}
+
+
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra=_publish_completion)
+
     prompt: Prompt
+    # 0 only with echo: the prompt is scored, nothing is generated (lm-evaluation-harness).
+    max_tokens: Annotated[int, Field(ge=0), INTEGRAL] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = None
-    echo: NoEcho = False
-    suffix: NoSuffix = None
+    # The prompt comes back before the completion, with its tokens' logprobs when `logprobs` is
+    # set (SamplingParams.prompt_logprobs; the first token's is null).
+    echo: bool = False
+    # Fill-in-the-middle: the completion is what goes between the prompt and this text, written
+    # with the model's FIM tokens (openai/fim.py); a 400 for a model that has none.
+    suffix: str | None = None
     best_of: OnlyOne = None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported by this server")
-        return value
+    @model_validator(mode="after")
+    def _echo_rules(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens=0 generates nothing: it is accepted only with echo=true")
+        if self.echo and self.suffix is not None:
+            raise ValueError("echo cannot be combined with suffix")
+        if self.suffix is not None and not isinstance(self.prompt, str):
+            raise ValueError("a suffix needs a text prompt (the code before the middle)")
+        return self
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix (fill-in-the-middle) is not supported by this server")
-        return value
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens=0: the prompt is scored, nothing is generated."""
+        return self.max_tokens == 0
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: top-N per prompt token when echoed with logprobs."""
+        return self.logprobs if self.echo else None
 
     @field_validator("best_of")
     @classmethod
@@ -264,7 +283,7 @@ class CompletionRequest(SamplingFields):
 
     @property
     def requested_max_tokens(self) -> int:
-        return self.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        return DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:
@@ -344,12 +363,13 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions format: parallel lists, one entry per generated token."""
+    """The legacy completions format: parallel lists, one entry per token of the text (with
+    echo, the prompt's tokens first: the first has no logprob, null)."""
 
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
-    text_offset: list[int] = []  # where each token's text starts in the completion text
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []  # where each token's text starts in the choice's text
 
 
 class CompletionChoice(BaseModel):

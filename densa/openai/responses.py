@@ -45,6 +45,8 @@ class Generation:
     text: str
     logprobs: list[TokenLogprobs]
     final: RequestOutput  # the last output: finish reason and token counts
+    # SamplingParams.prompt_logprobs: prompt tokens 1 .. P - 1 (echo).
+    prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
 
 
 def usage_of(final: RequestOutput) -> Usage:
@@ -239,6 +241,14 @@ def _finish_reason(reason: str | None, num_calls: int) -> str | None:
 
 
 # ---- legacy completions -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EchoedPrompt:
+    """With `echo`, the prompt that comes back before the completion."""
+
+    text: str
+    token_ids: list[int]
+
+
 @dataclass
 class CompletionFormatter:
     response_id: str
@@ -246,12 +256,16 @@ class CompletionFormatter:
     model: str
     tokens: TokenTexts
     num_logprobs: int | None
+    echo: EchoedPrompt | None = None
     _text_offset: int = field(default=0, init=False)  # chars of token text reported so far
+    _echoed: bool = field(default=False, init=False)  # the stream has sent the prompt
 
     def response(self, generation: Generation) -> CompletionResponse:
+        prompt = self._prompt_logprobs(generation.prompt_logprobs)
+        logprobs = self._logprobs(generation.logprobs, prompt)
         choice = CompletionChoice(
-            text=generation.text,
-            logprobs=self._logprobs(generation.logprobs),
+            text=(self.echo.text if self.echo else "") + generation.text,
+            logprobs=logprobs,
             finish_reason=generation.final.finish_reason,
         )
         return self._body(choice, usage_of(generation.final))
@@ -260,14 +274,21 @@ class CompletionFormatter:
         return []
 
     def stream_chunks(self, output: RequestOutput) -> list[BaseModel]:
-        if not (output.new_text or output.new_logprobs or output.finished):
-            return []
-        choice = CompletionChoice(
-            text=output.new_text,
-            logprobs=self._logprobs(output.new_logprobs),
-            finish_reason=output.finish_reason if output.finished else None,
-        )
-        return [self._body(choice)]
+        """With echo, the prompt (and its logprobs) is a chunk of its own, before the first."""
+        chunks: list[BaseModel] = []
+        if self.echo is not None and not self._echoed:
+            self._echoed = True
+            prompt = self._prompt_logprobs(output.prompt_logprobs)
+            choice = CompletionChoice(text=self.echo.text, logprobs=self._logprobs([], prompt))
+            chunks.append(self._body(choice))
+        if output.new_text or output.new_logprobs or output.finished:
+            choice = CompletionChoice(
+                text=output.new_text,
+                logprobs=self._logprobs(output.new_logprobs),
+                finish_reason=output.finish_reason if output.finished else None,
+            )
+            chunks.append(self._body(choice))
+        return chunks
 
     def usage_chunk(self, final: RequestOutput) -> BaseModel:
         return CompletionResponse(
@@ -287,15 +308,40 @@ class CompletionFormatter:
             usage=usage,
         )
 
-    def _logprobs(self, entries: list[TokenLogprobs]) -> CompletionLogprobs | None:
-        if self.num_logprobs is None or not entries:
+    def _prompt_logprobs(self, entries: list[TokenLogprobs]) -> CompletionLogprobs | None:
+        """The echoed prompt's tokens (None without echo and logprobs): the first has no
+        logprob; its text offsets count from the start of the prompt."""
+        if self.echo is None or self.num_logprobs is None or not self.echo.token_ids:
             return None
         result = CompletionLogprobs()
+        self._add(result, self.echo.token_ids[0], None, None)
         for entry in entries:
-            text = self.tokens.text(entry.token_id)
-            result.tokens.append(text)
-            result.token_logprobs.append(entry.logprob)
-            result.top_logprobs.append({self.tokens.text(t): lp for t, lp in entry.top})
-            result.text_offset.append(self._text_offset)
-            self._text_offset += len(text)
+            self._add(result, entry.token_id, entry.logprob, entry.top)
+        self._text_offset = len(self.echo.text)  # the completion starts after the prompt
         return result
+
+    def _logprobs(
+        self, entries: list[TokenLogprobs], prompt: CompletionLogprobs | None = None
+    ) -> CompletionLogprobs | None:
+        if self.num_logprobs is None or not (entries or prompt):
+            return None
+        result = prompt or CompletionLogprobs()
+        for entry in entries:
+            self._add(result, entry.token_id, entry.logprob, entry.top)
+        return result
+
+    def _add(
+        self,
+        result: CompletionLogprobs,
+        token_id: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+    ) -> None:
+        text = self.tokens.text(token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(logprob)
+        result.top_logprobs.append(
+            None if top is None else {self.tokens.text(t): lp for t, lp in top}
+        )
+        result.text_offset.append(self._text_offset)
+        self._text_offset += len(text)

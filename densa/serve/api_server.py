@@ -31,6 +31,7 @@ from densa.serve.disagg import PlacementPolicy, disagg_router
 from densa.serve.metrics import ServerMetrics
 from densa.serve.openapi import openapi_schema
 from densa.serve.peer import peer_router
+from densa.serve.routes import infill as infill_routes
 from densa.serve.routes import messages as messages_routes
 from densa.serve.routes import open as open_routes
 from densa.serve.routes import openai as openai_routes
@@ -82,7 +83,8 @@ def build_app(
     app.include_router(open_routes.router)
     app.include_router(disagg_router)  # /disagg/peer, for decode workers
     app.include_router(peer_router)  # /densa/info and /densa/load, for routers
-    for routes in (openai_routes, messages_routes, responses_routes, tokenize_routes):
+    for routes in (openai_routes, messages_routes, responses_routes, tokenize_routes,
+                   infill_routes):  # fmt: skip
         app.include_router(routes.router)
     app.add_middleware(RequestTracking, on_started=state.start, on_finished=state.finish)
     app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -73,6 +74,9 @@ class EngineCall:
     timeout: float | None = None  # seconds the whole request may take (None: no limit)
     deadline: float | None = None  # the same as an event-loop time (asyncio.timeout_at)
     prefill_address: str = ""  # a decode worker: the prefill worker's KV address ("" = here)
+    # echo with max_tokens=0: the engine samples one token (it always does); it is dropped here,
+    # so the response, the log line and /metrics see none.
+    prompt_only: bool = False
 
 
 async def text_outputs(
@@ -95,9 +99,21 @@ async def text_outputs(
                 return
             if output is None:
                 continue
+            if call.prompt_only:
+                output = _without_tokens(output)
             yield output
             if output.finished:
                 return  # a stop string finished it: closing `deltas` aborts it in the engine
+
+
+def _without_tokens(output: RequestOutput) -> RequestOutput:
+    """The output of a prompt-only call: its prompt logprobs and counts, no generated token."""
+    reason = "length" if output.finish_reason in ("stop", "length") else output.finish_reason
+    return dataclasses.replace(
+        output, new_token_ids=[], new_text="", new_logprobs=[], num_output_tokens=0,
+        finish_reason=reason, stop_string=None, text="" if output.finished else None,
+        token_ids=[] if output.finished else None,
+    )  # fmt: skip
 
 
 async def start(
@@ -157,14 +173,16 @@ async def gather_outputs(
     """One request's outputs as one Generation (the caller closes `outputs`); raise APIError if
     the engine failed the request."""
     texts, logprobs, final = [first.new_text], list(first.new_logprobs), first
+    prompt_logprobs = list(first.prompt_logprobs)
     async for output in outputs:
         record.observe(output)  # n > 1: the counts are summed over the choices at the end
         texts.append(output.new_text)
         logprobs.extend(output.new_logprobs)
+        prompt_logprobs.extend(output.prompt_logprobs)
         final = output
     if final.finish_reason == "error":
         raise from_engine_output(final)
-    return Generation("".join(texts), logprobs, final)
+    return Generation("".join(texts), logprobs, final, prompt_logprobs)
 
 
 async def sse_events(

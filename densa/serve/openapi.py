@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from densa.openai.anthropic_api.models import CountTokensRequest, MessagesRequest
 from densa.openai.errors import ErrorResponse
+from densa.openai.infill import InfillRequest
 from densa.openai.protocol import ChatCompletionRequest, CompletionRequest
 from densa.openai.responses_api.models import ResponsesRequest
 from densa.serve import tokenize as tokenization
@@ -24,6 +25,7 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     MessagesRequest,
     CountTokensRequest,
     ResponsesRequest,
+    InfillRequest,
     *tokenization.REQUEST_MODELS,
 )
 

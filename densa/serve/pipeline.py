@@ -18,7 +18,7 @@ from densa.openai import prepare, templates
 from densa.openai.errors import ErrorResponse, bad_request
 from densa.openai.framing import OPENAI_FRAMING, Framing, StreamFormatter
 from densa.openai.headers import SESSION_HEADER
-from densa.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from densa.openai.protocol import ChatCompletionRequest, CompletionRequest
 from densa.openai.reasoning import ReasoningSplitter
 from densa.openai.responses import Generation, TokenTexts
 from densa.openai.tools.formats import ToolCallFormat
@@ -117,11 +117,24 @@ class _Formatter(StreamFormatter, Protocol):
     def response(self, generation: Generation) -> BaseModel: ...
 
 
+class ResponseShape(Protocol):
+    """What `respond` reads of a request body (SamplingFields has it; so does /infill's)."""
+
+    @property
+    def num_choices(self) -> int: ...
+
+    @property
+    def stream(self) -> bool: ...
+
+    @property
+    def include_usage(self) -> bool: ...
+
+
 async def respond(
     request: Request,
     call: EngineCall,
     new_formatter: Callable[[], _Formatter],
-    body: SamplingFields,
+    body: ResponseShape,
     framing: Framing = OPENAI_FRAMING,
 ) -> Response:
     record, state = _record(request), server_state(request)

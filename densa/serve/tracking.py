@@ -31,6 +31,7 @@ TRACKED_ENDPOINTS = {
     "/v1/completions": "cmpl",
     "/v1/messages": "msg",  # Anthropic Messages
     "/v1/responses": "resp",  # OpenAI Responses
+    "/infill": "infill",  # llama.cpp's fill-in-the-middle
 }
 _STATE_KEY = "densa_record"
 # The outcome of a request whose client went away before it finished.

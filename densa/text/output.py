@@ -33,6 +33,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0  # tokens handed out so far (up to a stop string, not past it)
+    # SamplingParams.prompt_logprobs: prompt tokens 1 .. P - 1, on the first output only.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Filled on the final output only (offline API convenience): the whole generation.
     text: str | None = None
     token_ids: list[int] | None = None
@@ -89,6 +91,7 @@ class TextStream:
             num_prompt_tokens=delta.num_prompt_tokens,
             num_cached_tokens=delta.num_cached_tokens,
             num_output_tokens=len(self._token_ids),
+            prompt_logprobs=delta.prompt_logprobs,
         )
         if self.finished:
             output.text = self._detokenizer.text

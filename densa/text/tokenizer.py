@@ -108,6 +108,7 @@ class Tokenizer:
         self.all_special_ids: set[int] = {i for i, token in added.items() if token.special}
         shown = {self._tok.token_to_id(text) for text in shown_special_tokens}
         self._skipped_ids = self.all_special_ids - shown
+        self._plain: Any = None  # encode_plain's tokenizer, built on first use
 
     @classmethod
     def from_dir(cls, folder: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
@@ -131,7 +132,7 @@ class Tokenizer:
         behind an HTTP front only needs what `__init__` read from it (EOS ids, vocabulary size,
         special ids), which stay. Call `densa.utils.heap.return_free_heap` after it: the Rust
         side frees to the C heap."""
-        self._loaded = None
+        self._loaded = self._plain = None
 
     @property
     def has_chat_template(self) -> bool:
@@ -154,6 +155,23 @@ class Tokenizer:
     # ---- tokens ----------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as plain text: a special token's spelling in it ("<|im_end|>" in a source file)
+        is tokenized as the characters it is, never as that token, and nothing is added.
+
+        A second Rust tokenizer does it, built on first use (the setting is per tokenizer, and
+        `encode` runs on several threads at once): as much memory again as the first."""
+        if self._plain is None:
+            plain = _rust_tokenizer(self.files)
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return list(self._plain.encode(text, add_special_tokens=False).ids)
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token spelled exactly `text` (added or in the vocabulary), if any."""
+        token_id = self._tok.token_to_id(text)
+        return None if token_id is None else int(token_id)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens and len(self._skipped_ids) < len(self.all_special_ids):

@@ -25,6 +25,7 @@ from densa.worker import kv_io
 from densa.worker.cuda_graphs import DecodeGraphs
 from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker
+from densa.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from densa.worker.request_states import RequestStates, ScheduledRequest, UnknownRequest
 from densa.worker.sampler import Sampler, SampleRequest
 from densa.worker.structured import StructuredSampler
@@ -56,6 +57,9 @@ class RunnerOutput:
     # request's final hidden states, one row per position of its chunk ([num_tokens, hidden]),
     # proposals included; the engine keeps the rows of the positions the step accepted.
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Requests that asked for their prompt's logprobs (echo): those of the prompt positions this
+    # step computed (worker/prompt_logprobs.py).
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class PassLogits:
 
     samplers: list[ScheduledRequest]
     rows: Callable[[int, int], torch.Tensor]
+    # Computed with the pass (from its hidden states, which are not kept): see RunnerOutput.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
     @property
     def offsets(self) -> list[int]:
@@ -195,10 +201,14 @@ class ModelRunner:
         saved = self.sampler.save_rng(sampling)  # all or nothing, as one Sampler.sample call
         try:
             if any(row.params.structured is not None for row in sampling):
-                self._sample_at_once(list(self._forward(scheduled)), output)
+                passes = list(self._forward(scheduled))
+                self._sample_at_once(passes, output)
+                for one_pass in passes:
+                    output.prompt_logprobs.update(one_pass.prompt_logprobs)
             else:
                 for one_pass in self._forward(scheduled):
                     self._sample_in_blocks(one_pass, output)
+                    output.prompt_logprobs.update(one_pass.prompt_logprobs)
         except BaseException:
             self.sampler.restore_rng(saved)
             self._step_hidden = {}
@@ -241,9 +251,12 @@ class ModelRunner:
         )
         if self.keeps_hidden:
             self._keep_hidden(inputs.order, hidden)
+        prompt_logprobs = compute_prompt_logprobs(model, inputs.order, hidden)
         sample_hidden = hidden[inputs.sample_rows]  # [N, hidden]: a few KiB per row
         return PassLogits(
-            inputs.samplers, lambda start, end: model.compute_logits(sample_hidden[start:end])
+            inputs.samplers,
+            lambda start, end: model.compute_logits(sample_hidden[start:end]),
+            prompt_logprobs,
         )
 
     def _keep_hidden(self, order: list[ScheduledRequest], hidden: torch.Tensor) -> None:

@@ -130,15 +130,17 @@ def _health_of(base: str, admin: dict[str, str]) -> dict[str, bool]:
 def test_the_public_health_check_names_no_worker(tokenizer_files: TokenizerFiles) -> None:
     """/health is open to every client: status and model only. The worker URLs (the internal
     plane's topology) are listed only to the admin token (before: every URL in /health)."""
-    with fakes(tokenizer_files, 2) as [(u1, _), (u2, _)]:
-        with router(workers=(u1, u2), admin_token="admin-secret") as base:
-            response = httpx.get(base + "/health", timeout=5)
-            assert response.status_code == 200
-            assert set(response.json()) == {"status", "model"}
-            assert "127.0.0.1" not in response.text
-            assert httpx.get(base + "/densa/workers", timeout=5).status_code == 401
-            admin = {"authorization": "Bearer admin-secret"}
-            assert set(_health_of(base, admin)) == {u1, u2}
+    with (
+        fakes(tokenizer_files, 2) as [(u1, _), (u2, _)],
+        router(workers=(u1, u2), admin_token="admin-secret") as base,
+    ):
+        response = httpx.get(base + "/health", timeout=5)
+        assert response.status_code == 200
+        assert set(response.json()) == {"status", "model"}
+        assert "127.0.0.1" not in response.text
+        assert httpx.get(base + "/densa/workers", timeout=5).status_code == 401
+        admin = {"authorization": "Bearer admin-secret"}
+        assert set(_health_of(base, admin)) == {u1, u2}
 
 
 def test_no_worker_left_is_a_503_with_retry_after(tokenizer_files: TokenizerFiles) -> None:

@@ -133,6 +133,7 @@ def test_every_published_bound_is_enforced_exactly(fuzz_server: RunningServer) -
                 body[field] = value
             if field == "max_tokens" and ok:
                 body["prompt"] = [7]  # the longest answer still needs room for the prompt
+                body["echo"] = value == 0  # nothing generated: only to score the prompt
             auth = {"Authorization": f"Bearer {FUZZ_KEY}"}
             response = httpx.post(base + "/v1/completions", json=body, headers=auth, timeout=30)
             assert response.status_code == (200 if ok else 400), (field, value, response.text)

@@ -5,4 +5,5 @@ openai     /v1/models, /v1/chat/completions, /v1/completions
 messages   Anthropic's /v1/messages and /v1/messages/count_tokens
 responses  OpenAI's /v1/responses
 tokenize   vLLM's /tokenize and /detokenize
+infill     llama.cpp's /infill (fill-in-the-middle)
 """

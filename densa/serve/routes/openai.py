@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from fastapi import Request
@@ -17,7 +18,7 @@ from densa.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from densa.openai.responses import ChatFormatter, CompletionFormatter
+from densa.openai.responses import ChatFormatter, CompletionFormatter, EchoedPrompt
 from densa.serve.openapi import GENERATION_ERRORS, ok_or_events, request_body
 from densa.serve.pipeline import (
     SessionHeader,
@@ -33,6 +34,7 @@ from densa.serve.pipeline import (
     with_prefill,
 )
 from densa.serve.state import ServerState, server_state
+from densa.text.tokenizer import Tokenizer
 
 router = keyed_router()
 
@@ -89,19 +91,45 @@ async def completions(request: Request, session_id: SessionHeader = None) -> Res
     state, deadline = server_state(request), deadline_of(request)
     body = await read_body(CompletionRequest, request)
     tokenizer = state.check_can_serve(body.model)
-    prompt_ids = await prepare.completion_prompt(tokenizer, body, state.max_model_len)
+    prompt_ids, stop_token_ids = await _completion_prompt(tokenizer, body, state.max_model_len)
     prepare.check_lengths(
         state.max_model_len, len(prompt_ids), body.max_tokens, ("prompt", "max_tokens")
     )
     max_tokens = min(body.requested_max_tokens, state.max_model_len - len(prompt_ids))
     plan = prepare.completion_plan(body)
-    call = engine_call(request, body, prompt_ids, max_tokens, session_id, deadline, plan)
-    call = await with_prefill(request, call)
+    # echo with max_tokens=0 still samples one token, which the front drops (EngineCall).
+    call = engine_call(request, body, prompt_ids, max(max_tokens, 1), session_id, deadline, plan)
+    params = dataclasses.replace(
+        call.params,
+        prompt_logprobs=body.num_prompt_logprobs,
+        stop_token_ids=(*call.params.stop_token_ids, *stop_token_ids),
+    )
+    call = dataclasses.replace(call, params=params, prompt_only=body.prompt_only)
+    if params.prompt_logprobs is None:  # a prefill worker would not send the prompt's logprobs
+        call = await with_prefill(request, call)
     created = int(time.time())
+    echo = EchoedPrompt(_prompt_text(tokenizer, body), prompt_ids) if body.echo else None
 
     def new_formatter() -> CompletionFormatter:  # one per choice: each has its text offset
         return CompletionFormatter(
-            call.request_id, created, body.model, token_texts(state), body.num_logprobs
+            call.request_id, created, body.model, token_texts(state), body.num_logprobs, echo
         )
 
     return await respond(request, call, new_formatter, body)
+
+
+async def _completion_prompt(
+    tokenizer: Tokenizer, body: CompletionRequest, max_model_len: int
+) -> tuple[list[int], tuple[int, ...]]:
+    """The prompt's tokens, and the stop tokens it adds (a fill-in-the-middle prompt's)."""
+    if body.suffix is None:
+        return await prepare.completion_prompt(tokenizer, body, max_model_len), ()
+    fim = await prepare.fim_completion_prompt(tokenizer, body, max_model_len)
+    return fim.token_ids, fim.stop_token_ids
+
+
+def _prompt_text(tokenizer: Tokenizer, body: CompletionRequest) -> str:
+    """What echo sends back: the prompt as written, or token ids as text (special tokens too)."""
+    if isinstance(body.prompt, str):
+        return body.prompt
+    return tokenizer.decode(body.prompt, skip_special_tokens=False)
