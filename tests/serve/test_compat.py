@@ -275,8 +275,8 @@ def test_n_choices_share_the_prompts_pages(
 ) -> None:
     """Choices 1 and 2 start from the pages choice 0 computed (the engine's prefix hits); seeded
     choices differ from each other and are reproducible. The usage, the request's log line and
-    /metrics agree: the prompt once with the tokens cached when the request came (none, a new
-    prompt), every choice's completion tokens (before: cached_tokens summed over the choices,
+    /metrics agree: the prompt once with the tokens cached when the request came (a new prompt:
+    at most the template's first page), every choice's completion tokens (before: cached_tokens summed over the choices,
     more than the prompt)."""
     client = server.client()
     messages: list[Any] = [{"role": "user", "content": f"{uuid.uuid4().hex} " + "wave " * 80}]
@@ -302,12 +302,14 @@ def test_n_choices_share_the_prompts_pages(
     assert response.usage.prompt_tokens == num_prompt
     assert response.usage.completion_tokens == 12
     assert response.usage.prompt_tokens_details is not None
-    assert response.usage.prompt_tokens_details.cached_tokens == 0
+    # At most the chat template's opening page was cached before (other tests share it).
+    cached = response.usage.prompt_tokens_details.cached_tokens
+    assert cached in (0, 16)
     # (one line, possibly seen twice: by the handler added here and through propagation)
     [line] = {r.getMessage() for r in caplog.records if response.id in r.getMessage()}
-    assert f"prompt_tokens={num_prompt} cached_tokens=0 completion_tokens=12" in line
+    assert f"prompt_tokens={num_prompt} cached_tokens={cached} completion_tokens=12" in line
     for name, value in [("densa_prompt_tokens_total", num_prompt),
-                        ("densa_cached_prompt_tokens_total", 0),
+                        ("densa_cached_prompt_tokens_total", cached),
                         ("densa_generation_tokens_total", 12)]:  # fmt: skip
         assert after.value(name) - before.value(name) == value, name
     again = client.chat.completions.create(**kwargs)
