@@ -11,6 +11,9 @@ MAX_STOP_STRINGS = 16  # a request may not make the engine scan for an unbounded
 # Nor hold an unbounded stop set: it crosses to the engine with the request, and below min_tokens
 # the sampler masks every one of its ids each step.
 MAX_STOP_TOKEN_IDS = 16
+# The engine's own bound: a client's ids plus those the server adds (fill-in-the-middle's file
+# and repository separators), so a client within its bound is never refused for the server's.
+MAX_ENGINE_STOP_TOKEN_IDS = 2 * MAX_STOP_TOKEN_IDS
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 # Below this temperature sampling is greedy: it is the limit of sampling as the temperature falls,
 # and dividing logits by a smaller number overflows float32 (1e-45 turned every logit into inf).
@@ -125,8 +128,8 @@ class SamplingParams:
         _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
         _check(
-            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
-            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids",
+            len(self.stop_token_ids) <= MAX_ENGINE_STOP_TOKEN_IDS,
+            f"at most {MAX_ENGINE_STOP_TOKEN_IDS} stop_token_ids",
         )
         _check(all(0 <= t <= MAX_COUNT for t in self.stop_token_ids), "stop_token_ids must be >= 0")
         if self.logprobs is not None:

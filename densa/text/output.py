@@ -60,6 +60,9 @@ class TextStream:
             params.kept_special_token_ids,
         )
         self._token_ids: list[int] = []
+        # The tokens that end this request (the engine's stop rule): shown only if asked.
+        eos = () if params.ignore_eos else tokenizer.eos_token_ids
+        self._ending_ids = frozenset((*params.stop_token_ids, *eos))
         self._shows_ending_token = params.include_stop_str_in_output
         self.stopped = False  # a stop string ended it: abort the engine request
         self.finished = False
@@ -100,12 +103,13 @@ class TextStream:
 
     def _ending_token(self, delta: RequestDelta) -> int | None:
         """The stop token (EOS or a stop_token_ids entry) that ended the request in this delta:
-        the engine ends a request "stop" only on such a token, its last. As OpenAI does, it is
+        the engine ends a request "stop" on such a token, its last. As OpenAI does, it is
         not part of the answer -- neither its text nor its logprobs, so `logprobs.content`
         joins to the content -- unless the client asked for stop text in the output."""
         if self._shows_ending_token or not (delta.finished and delta.finish_reason == "stop"):
             return None
-        return delta.new_token_ids[-1] if delta.new_token_ids else None
+        last = delta.new_token_ids[-1] if delta.new_token_ids else None
+        return last if last in self._ending_ids else None
 
     def _take_tokens(self, token_ids: list[int]) -> list[int]:
         """Detokenize tokens one at a time; stop after the one that completes a stop string."""

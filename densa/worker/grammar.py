@@ -10,6 +10,7 @@ grammar keeps one pristine matcher; a request gets a `deep_copy` of it, which is
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -122,12 +123,26 @@ class GrammarCompiler:
 
 def _check_can_start(matcher: Any) -> None:
     """A grammar whose language is empty (the regex `[^\\s\\S]`) compiles, then allows no first
-    token: found here, on a copy, so the request is refused (400) before it reaches a step."""
+    token: found here, on a copy, so the request is refused (400) before it reaches a step. So
+    is one whose first step already outgrows the engine's parser limits."""
     probe = matcher.deep_copy()
     probe.compute_bitmask()
     if probe.is_error():
         reason = _first_line(probe.get_error())
+        if is_limit_error(reason):
+            raise GrammarError(
+                f"the output constraint is too complex to follow ({reason}); simplify the schema"
+            )
         raise GrammarError(f"the output constraint matches no text at all ({reason})")
+
+
+# How llguidance words an error of its resource limits (the constraint, not the text, at fault).
+_LIMIT = re.compile(r"too complex|limit|too many|max is|max_", re.IGNORECASE)
+
+
+def is_limit_error(reason: str) -> bool:
+    """Whether a grammar engine error says the constraint outgrew the engine's bounds."""
+    return _LIMIT.search(reason) is not None
 
 
 def _failed(future: Future[CompiledGrammar]) -> bool:

@@ -11,7 +11,6 @@ has consumed exactly those -- stays valid as it is.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 
 from densa.kernels.cpu.token_bitmask import apply_token_bitmask_
 from densa.sampling_params import StructuredOutput
-from densa.worker.grammar import GrammarCompiler
+from densa.worker.grammar import GrammarCompiler, is_limit_error
 
 
 @dataclass
@@ -137,7 +136,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) ->
 def _cannot_proceed(matcher: Any) -> str:
     # Either way the client's constraint is at fault, not the server: a 400 (invalid_grammar).
     reason = _reason(matcher)
-    if _LIMIT.search(reason):  # the request's constraint outgrew the engine's bounds
+    if is_limit_error(reason):  # the request's constraint outgrew the engine's bounds
         return (
             "invalid_grammar: the output constraint is too complex to follow at this point "
             f"({reason}); simplify the schema"
@@ -159,9 +158,6 @@ def _refused(matcher: Any, token_id: int) -> str:
         f"grammar_error: the grammar engine refused token {token_id}, which its own mask "
         f"allowed ({_reason(matcher)})"
     )
-
-
-_LIMIT = re.compile(r"too complex|limit|too many|max is|max_", re.IGNORECASE)
 
 
 def _reason(matcher: Any) -> str:

@@ -250,6 +250,10 @@ MALFORMED_TOKENS = [
 ]
 
 
+def _lines_of(caplog: pytest.LogCaptureFixture, request_id: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+
+
 @pytest.mark.parametrize("token", MALFORMED_TOKENS)
 def test_a_malformed_placement_token_is_a_403_with_one_log_line(
     decode: RunningServer, token: bytes, caplog: pytest.LogCaptureFixture
@@ -260,19 +264,25 @@ def test_a_malformed_placement_token_is_a_403_with_one_log_line(
     if not densa_logger.propagate:
         densa_logger.addHandler(caplog.handler)
     caplog.set_level(logging.INFO, logger="densa")
+    caplog.set_level(logging.INFO, logger="densa.requests")  # (whatever an earlier test set)
     try:
         headers = {PREFILL_HEADER: b"http://127.0.0.1:9", PLACEMENT_HEADER: token}
         response = httpx.post(decode.base_url + "/v1/completions", headers=headers, timeout=30,
                               json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})  # fmt: skip
         decode.wait_idle()
+        request_id = response.headers["x-request-id"]
+        # The request's line is written as its response ends, on the server's thread: the
+        # client may see the response first (a loaded machine did).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not _lines_of(caplog, request_id):
+            time.sleep(0.05)
     finally:
         densa_logger.removeHandler(caplog.handler)
     assert response.status_code == 403, response.text
     error = response.json()["error"]
     assert (error["code"], error["param"]) == ("placement_not_authorized", PREFILL_HEADER)
     assert "malformed" in error["message"]
-    request_id = response.headers["x-request-id"]
-    lines = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+    lines = _lines_of(caplog, request_id)
     assert len(lines) == 1 and "\n" not in lines[0] and "status=403" in lines[0], lines
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
 

@@ -9,7 +9,11 @@ import pytest
 
 from densa import sampling_params
 from densa.request import RequestStatus
-from densa.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from densa.sampling_params import (
+    MAX_ENGINE_STOP_TOKEN_IDS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from densa.sched import stop
 from densa.sched.stop import StopRule
 
@@ -67,6 +71,8 @@ def test_the_stop_set_is_built_once_per_request_not_per_token(
 
 
 def test_stop_token_ids_are_bounded_like_stop_strings() -> None:
-    SamplingParams(stop_token_ids=range(MAX_STOP_TOKEN_IDS))
-    with pytest.raises(ValueError, match=f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids"):
-        SamplingParams(stop_token_ids=range(MAX_STOP_TOKEN_IDS + 1))
+    """A client may send 16 (the API's bound, tests/serve/test_bounds.py); the engine takes
+    those plus as many the server adds (FIM's separators), and no more."""
+    SamplingParams(stop_token_ids=range(MAX_ENGINE_STOP_TOKEN_IDS))
+    with pytest.raises(ValueError, match=f"at most {MAX_ENGINE_STOP_TOKEN_IDS} stop_token_ids"):
+        SamplingParams(stop_token_ids=range(MAX_ENGINE_STOP_TOKEN_IDS + 1))

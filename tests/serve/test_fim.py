@@ -132,6 +132,17 @@ def test_a_completion_with_a_suffix_fills_the_gap(
     assert choice["finish_reason"] == "stop"  # ended by a FIM end token, not the length
 
 
+def test_a_suffix_with_the_clients_whole_stop_token_ids_bound_is_served(
+    qwen: RunningServer,
+) -> None:
+    """16 stop_token_ids (the API's bound) plus the FIM separators the server adds: served, not a
+    500 from the engine's own bound (the server's ids do not count against the client's)."""
+    body = {"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 4, "temperature": 0,
+            "stop_token_ids": list(range(1000, 1016))}  # fmt: skip
+    response = _post(qwen, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+
+
 def test_infill_fills_the_gap_in_llama_cpps_shape(
     qwen: RunningServer, qwen_tokenizer: Tokenizer
 ) -> None:

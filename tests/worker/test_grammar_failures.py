@@ -8,11 +8,13 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from densa.model.loader import resolve_model_dir
 from densa.openai.tools.formats import HERMES
 from densa.sampling_params import StructuredOutput
 from densa.text.tokenizer import Tokenizer
-from densa.worker.grammar import GrammarCompiler
+from densa.worker.grammar import GrammarCompiler, GrammarError
 from densa.worker.structured import StructuredRow, StructuredSampler
 
 TOOL = {"type": "function", "function": {"name": "ping"}}
@@ -50,17 +52,12 @@ def test_a_constraint_beyond_the_engines_bounds_is_the_requests_fault(smollm2_di
     compiler = GrammarCompiler(
         tokenizer, tokenizer.vocab_size, limits=LLParserLimits(step_max_items=3)
     )
-    sampler = StructuredSampler(compiler)
     schema = {"type": "object", "properties": {"b": {"type": "array", "items": {"type": "number"}}}}
-    row = StructuredRow(0, "req-2", StructuredOutput("json_schema", json.dumps(schema)), [])
-    # A matcher in error allows only EOS; whatever is sampled, the request ends with the reason.
-    allowed = _allowed(sampler.fill_bitmask([row], 1), tokenizer.vocab_size)
-    assert allowed == list(tokenizer.eos_token_ids)
-    errors = sampler.accept([row], allowed)
-    assert errors["req-2"].startswith(
-        "invalid_grammar: the output constraint is too complex to follow at this point ("
-    )
-    assert "Too many items" in errors["req-2"] and errors["req-2"].endswith("simplify the schema")
+    # Its first step already outgrows the limits: refused when it compiles (a 400
+    # invalid_grammar before the request is scheduled), named as too complex, not as empty.
+    with pytest.raises(GrammarError, match="too complex to follow") as info:
+        compiler.compile_now(StructuredOutput("json_schema", json.dumps(schema)))
+    assert "Too many items" in str(info.value) and str(info.value).endswith("simplify the schema")
     compiler.shutdown()
 
 
