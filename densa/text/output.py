@@ -64,6 +64,9 @@ class TextStream:
         eos = () if params.ignore_eos else tokenizer.eos_token_ids
         self._ending_ids = frozenset((*params.stop_token_ids, *eos))
         self._shows_ending_token = params.include_stop_str_in_output
+        # Scoring clients (lm-evaluation-harness: echo, logprobs, max_tokens 1) read the last
+        # logprobs entry as the one generated token, whatever it is: with echo it stays listed.
+        self._lists_ending_logprob = params.prompt_logprobs is not None
         self.stopped = False  # a stop string ended it: abort the engine request
         self.finished = False
 
@@ -77,8 +80,10 @@ class TextStream:
         accepted = self._take_tokens(token_ids)
         logprobs = delta.new_logprobs[: len(accepted)]
         if ending is not None and not self.stopped:
-            accepted.append(ending)  # counted in the usage; no text and no logprobs entry
+            accepted.append(ending)  # counted in the usage; no text (nor, but with echo, logprobs)
             self._token_ids.append(ending)
+            if self._lists_ending_logprob:
+                logprobs = delta.new_logprobs[: len(accepted)]
         self.finished = self.stopped or delta.finished
         reason = "stop" if self.stopped else delta.finish_reason
         output = RequestOutput(

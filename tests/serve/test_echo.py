@@ -81,6 +81,22 @@ def test_echo_with_a_completion_lists_prompt_then_generated_tokens(server: Runni
     assert logprobs["text_offset"][num_prompt] == len(PROMPT)
 
 
+def test_an_end_token_generated_after_the_echo_keeps_its_logprobs_entry(
+    server: RunningServer,
+) -> None:
+    """lm-evaluation-harness sends echo, logprobs 1, max_tokens 1 and reads the last entry as the
+    generated token: when that token ends the answer (here a stop_token_ids entry, EOS alike) it
+    must still be listed, or the harness cuts the prompt's last token instead."""
+    num_prompt = len(server.tokenizer.encode(PROMPT))
+    free = _ok(server, echo=True, logprobs=1, max_tokens=1)["choices"][0]
+    [next_id] = server.tokenizer.encode(free["logprobs"]["tokens"][-1], add_special_tokens=False)
+    ended = _ok(server, echo=True, logprobs=1, max_tokens=1, ignore_eos=True,
+                stop_token_ids=[next_id])["choices"][0]  # fmt: skip
+    assert ended["finish_reason"] == "stop" and ended["text"] == PROMPT
+    assert len(ended["logprobs"]["token_logprobs"]) == num_prompt + 1
+    assert ended["logprobs"]["token_logprobs"] == free["logprobs"]["token_logprobs"]
+
+
 def test_a_cached_prompt_is_scored_the_same(server: RunningServer) -> None:
     prompt = PROMPT + " was tired of the fox and of all its jumping around the yard all day long"
     first = _ok(server, prompt=prompt, echo=True, logprobs=0, max_tokens=0)
