@@ -302,6 +302,12 @@ EDGES = [
     ("mistral_json", "[TOOL_CALLS] [not json", "", []),
     ("hermes", 'Let me check.\n<tool_call>\n{"name": "', "Let me check.", []),
     ("qwen3_coder", "Sure.\n<tool_call>\n<funct", "Sure.", []),
+    # Bare calls (llama3_json) cut before the name: not content either.
+    ("llama3_json", '{"name": "get_weather", "para', "", []),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"name": "g', "", [("f", '{"a": 1}')]),
+    # Cut inside a value: the call keeps its arguments unclosed, never passes as complete.
+    ("qwen3_coder", "Sure.\n<tool_call>\n<function=f>\n<parameter=a>\n1", "Sure.", [("f", "{")]),
+    ("glm", "Sure.<tool_call>f\n<arg_key>a</arg_key>\n<arg_val", "Sure.", [("f", "{")]),
     # A closed block that is no call stays content, byte for byte.
     ("hermes", "<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
 ]  # fmt: skip

@@ -204,13 +204,15 @@ class JsonCallParser:
 
     def finish(self) -> list[Event]:
         """The end of the text: release held-back text; a call cut short keeps what it had.
-        A marked block (`<tool_call>`) the text ended in before its name is markup cut short:
-        dropped, never content. An unclosed fence or bare JSON object is a text: content."""
+        A block the text ended in before its name is markup cut short: dropped, never content
+        (a `<tool_call>` block; for llama3_json, whose calls are bare, an object that begins as
+        a call does). An unclosed fence, or an object that is no call, is a text: content."""
         events: list[Event] = []
         if self._mode == _BODY and self._args_start is not None:
             self._stream_arguments(events, final=True)
         elif self._mode == _BODY and (self._fenced or not self._open_marker):
-            self._emit_content(events, self._opener + self._body)
+            if self._fenced or not _may_begin_a_call(self._body):
+                self._emit_content(events, self._opener + self._body)  # a JSON text, not a call
         elif self._mode in (_OPEN, _PLAIN) and (self._pending.strip() or not self.calls):
             self._emit_content(events, self._pending)
         self._pending = ""
@@ -368,6 +370,15 @@ class JsonCallParser:
         if text:
             self._seen_content = self._seen_content or bool(text.strip())
             events.append(Content(text))
+
+
+def _may_begin_a_call(text: str) -> bool:
+    """Whether `text` is, or begins as, an object whose first key is "name" (a bare call)."""
+    head = text.lstrip()
+    if not head.startswith("{"):
+        return False
+    rest = head[1:].lstrip()
+    return '"name"'.startswith(rest[:6])
 
 
 def partial_suffix(text: str, marker: str) -> int:

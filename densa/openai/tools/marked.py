@@ -132,8 +132,11 @@ class MarkedCallParser:
     def _complete(self, events: list[Event], body: str, cut: bool = False) -> None:
         """The calls of a block that ended (`cut`: the text ended inside it). A closed block that
         is no call is content, byte for byte; an unclosed one is markup cut short (by max_tokens
-        or the model's end), never returned as an answer."""
-        reads = self.reader.read(body, final=True)
+        or the model's end), never returned as an answer: its call keeps the arguments streamed
+        so far, unclosed, as a cut JSON call does (read as final, a call cut inside a value would
+        pass as complete with that value missing)."""
+        # Without a close marker a call ends where the text does: the end completes it.
+        reads = self.reader.read(body, final=not cut or not self.markers.call_close)
         if reads is None and not self._block_started and not cut:
             m = self.markers
             _emit(events, m.call_open + body + m.call_close)
