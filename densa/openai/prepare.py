@@ -327,8 +327,12 @@ async def infill_prompt(
     check_text_size(tokenizer, sum(len(p.encode()) for p in parts), max_model_len, "input_prefix")
     # Chunks beyond what could fit are dropped before they cost a tokenizer pass.
     extra, limit = body.extra, max_prompt_bytes(max_model_len, tokenizer.max_token_bytes)
-    while extra and sum(len(c.text.encode()) + len(c.filename.encode()) for c in extra) > limit:
-        extra = extra[1:]
+    sizes = [len(c.text.encode()) + len(c.filename.encode()) for c in extra]
+    total, first = sum(sizes), 0
+    while first < len(extra) and total > limit:  # the oldest first, each size counted once
+        total -= sizes[first]
+        first += 1
+    extra = extra[first:]
     room = max_model_len - (body.requested_max_tokens or 1)
     prompt = await asyncio.to_thread(
         fim.infill_prompt, tokenizer, *parts[:2], extra, body.prompt, room

@@ -168,12 +168,14 @@ async def _events(
         queue.put_nowait((i, first))
     pumps = [asyncio.ensure_future(_pump(i, out, queue)) for i, (_, out) in enumerate(starts)]
     finals: list[RequestOutput | None] = [None] * len(starts)
+    latest = [first for first, _ in starts]  # each choice's newest output (cumulative counts)
     try:
         for i, formatter in enumerate(formatters):
             for chunk in _indexed(formatter.stream_start(), i):
                 yield _event(chunk)
         async for i, output in _take(queue, len(starts), call):
             record.observe(output)  # times; the counts are summed over the choices at the end
+            latest[i] = output
             if output.finish_reason == "error":
                 yield _error_event(record, from_engine_output(output))
                 return
@@ -182,7 +184,6 @@ async def _events(
             if output.finished:
                 finals[i] = output
         done = [final for final in finals if final is not None]
-        _count(record, done)
         if include_usage:
             usage = formatters[0].usage_chunk(done[0])
             yield _event(usage.model_copy(update={"usage": _usage(done)}))
@@ -190,6 +191,8 @@ async def _events(
     except TimeoutError:
         yield _error_event(record, timed_out(call.timeout))
     finally:
+        # Counted however the stream ends (an error, a client gone): the choices seen so far.
+        _count(record, latest)
         for pump in pumps:
             pump.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
