@@ -41,7 +41,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from densa.cache.kv_manager import KVCacheManager
@@ -52,6 +52,7 @@ from densa.cache.tiers.writer import TierWriter
 from densa.formats.kv_format import KVFormat
 from densa.request import Request
 from densa.sched.output import PackedPages
+from densa.utils.daemon_pool import DaemonPool
 from densa.worker import kv_io
 from densa.worker.model_runner import ModelRunner
 
@@ -146,9 +147,11 @@ class KVTiers:
         # waiting requests it must not admit yet) until they land.
         self._lookups: dict[str, Lookup] = {}
         self.fetching = fetching
-        self._reader = ThreadPoolExecutor(MAX_READERS, thread_name_prefix="kv-tier-read")
+        # Daemon threads: a call stuck for good must not keep the engine process from exiting.
+        self._reader = DaemonPool(MAX_READERS, "kv-tier-read")
         self.num_fetched_pages = 0
         self.num_abandoned_lookups = 0  # given up while stuck in a tier call
+        self.num_skipped_lookups = 0  # not started: every reader was inside a tier call
         # Lookups not ended yet, abandoned ones too (for close): the reader threads remove theirs.
         self._submitted: set[Future[list[memoryview]]] = set()
         self._submitted_lock = threading.Lock()
@@ -203,6 +206,11 @@ class KVTiers:
 
     def _start_lookup(self, request: Request) -> None:
         hit_pages, wanted = self._wanted(request)
+        if wanted and self._reader.num_idle == 0:
+            # Every reader is inside a call (a hung tier): a lookup queued behind them would
+            # hold its request until its deadline passed unstarted. It computes its prefix.
+            self.num_skipped_lookups += 1
+            return
         if wanted:
             deadline = time.monotonic() + LOOKUP_DEADLINE_S
             future = self._reader.submit(self._lookup, wanted, deadline)
@@ -243,6 +251,7 @@ class KVTiers:
         self.fetching.discard(request_id)
 
     def _abandon(self, lookup: Lookup) -> None:
+        lookup.future.cancel()  # (no effect once it runs: the reader thread ends it)
         self.num_abandoned_lookups += 1
         logger.warning("KV tier lookup for request %s still inside a tier call %.1f s after its "
                        "deadline; computing its prefix instead (abandoned lookups so far: %d)",
@@ -335,6 +344,7 @@ class KVTiers:
         for counters in out.values():  # the engine's own, shown with every tier
             counters["dropped_write_jobs"] = self.writer.num_dropped_jobs
             counters["abandoned_lookups"] = self.num_abandoned_lookups
+            counters["skipped_lookups"] = self.num_skipped_lookups
         return out
 
     @property
@@ -351,7 +361,7 @@ class KVTiers:
         closing a directory descriptor under a running read could let it read another file."""
         for request_id in list(self._lookups):
             self.forget(request_id)
-        self._reader.shutdown(wait=False, cancel_futures=True)
+        self._reader.shutdown()
         with self._submitted_lock:
             submitted = list(self._submitted)
         _, stuck = wait(submitted, timeout=CLOSE_WAIT_S)

@@ -391,6 +391,48 @@ def test_a_lookup_stuck_inside_a_tier_call_is_given_up(
     hung.set()  # let the reader thread go, so the tiers close
 
 
+def test_while_every_reader_is_stuck_requests_do_not_wait_for_the_tier(
+    tmp_path: Path, reference, make_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tier hung for good holds every reader thread: a new lookup is not queued behind them
+    (it would hold its request until its deadline passed unstarted), the request computes at
+    once; and the engine still shuts down (the readers are daemon threads)."""
+    import threading
+
+    from densa.engine import kv_tiers
+
+    monkeypatch.setattr(kv_tiers, "LOOKUP_DEADLINE_S", 60.0)
+    engine = make_engine((f"disk:{tmp_path}:64MiB",))
+    tiers = engine.kv_tiers
+    hung = threading.Event()
+    monkeypatch.setattr(tiers.tiers[0], "get", lambda key: hung.wait(60) and None)
+    stuck = [tiers._reader.submit(hung.wait, 60) for _ in range(kv_tiers.MAX_READERS)]
+    deadline = time.monotonic() + 10
+    while tiers._reader.num_idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    final, _ = Runner(engine).run(prompts(0)[0])
+    assert time.monotonic() - started < 30  # not held for the 60 s lookup deadline
+    assert final.num_cached_tokens == 0 and final.token_ids == reference[1].token_ids
+    assert (
+        tiers.num_skipped_lookups == 1
+        and tiers.stats()[tiers.tiers[0].name]["skipped_lookups"] == 1
+    )
+    hung.set()
+    assert all(f.result(timeout=10) for f in stuck)
+
+
+def test_a_reader_stuck_for_good_does_not_keep_the_process_from_exiting() -> None:
+    import subprocess
+    import sys
+
+    code = ("import threading; from densa.utils.daemon_pool import DaemonPool; "
+            "pool = DaemonPool(2, 't'); pool.submit(threading.Event().wait); pool.shutdown(); "
+            "print('done')")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+
+
 def test_the_engine_refuses_a_disk_tier_others_may_use(tmp_path: Path) -> None:
     """Through build_tiers, as the engine starts: an error that says what to do, not a tier
     quietly turned off (no model needed)."""
