@@ -63,8 +63,18 @@ def create_private_file(path: str | Path, data: bytes) -> None:
 
 
 def open_private_log(path: str | Path) -> int:
-    """A descriptor appending to `path` (created 0600), never through a symlink (ELOOP)."""
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    """A descriptor appending to `path` (created 0600), never through a symlink (ELOOP). A log
+    already there (an older densa wrote its logs 0644) is made 0600 too, through the
+    descriptor; one another user owns is refused (PermissionError)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            raise PermissionError(f"{path} belongs to another user: refusing to write logs to it")
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _make_dir(path: Path) -> bool:

@@ -117,3 +117,19 @@ def test_a_secret_written_in_an_existing_private_dir_replaces_the_last_runs(
     assert second.secret_path is not None
     assert second.secret_path.read_bytes().strip() == second.secret.value
     assert stat.S_IMODE(second.secret_path.stat().st_mode) == 0o600
+
+
+def test_an_older_world_readable_log_is_made_private_when_opened_again(tmp_path: Path) -> None:
+    """Logs an older densa wrote 0644 hold prompts' traces: reopened, they become 0600."""
+    from densa.utils.private_files import open_private_log
+
+    log = tmp_path / "worker.log"
+    log.write_text("old\n")
+    log.chmod(0o644)
+    os.close(open_private_log(log))
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    assert log.read_text() == "old\n"  # appended to, never truncated
+    if os.geteuid() == 0:  # another user's file is refused
+        os.chown(log, 65534, 65534)
+        with pytest.raises(PermissionError, match="another user"):
+            open_private_log(log)
