@@ -104,7 +104,8 @@ class LLMEngine:
         self.kv_tiers: KVTiers | None = None  # --kv-tier: pages below the device (attach_tiers)
         # Speculative decoding (docs/speculative.md): None unless configured with a proposer.
         spec = config.speculative
-        self.speculator = Speculator(proposer, spec) if spec and proposer else None
+        deterministic = config.device.deterministic
+        self.speculator = Speculator(proposer, spec, deterministic) if spec and proposer else None
         # MTP states that came with queued landings (a decode worker): request id -> state.
         self._mtp_states: dict[str, PromptState] = {}
 

@@ -109,9 +109,15 @@ def row_cost(num_decoding: int) -> float:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, config: SpeculativeConfig) -> None:
+    def __init__(
+        self, proposer: Proposer, config: SpeculativeConfig, greedy_only: bool = False
+    ) -> None:
         self.proposer = proposer
         self.config = config
+        # --deterministic: a sampled request's draws depend on how many proposals it verified,
+        # which depends on the batch (speculation pauses above max_batch): only greedy ones,
+        # whose tokens verification never changes, speculate.
+        self.greedy_only = greedy_only
         self._acceptance: dict[str, Acceptance] = {}
         # Lifetime totals, for /metrics: tokens proposed to and accepted by the target.
         self.num_proposed_tokens = 0
@@ -155,8 +161,9 @@ class Speculator:
         """k for this request now: its acceptance and a proposal's cost, what it may still
         generate, the context."""
         params = request.sampling_params
-        if not params.speculative or params.structured is not None:
-            # opted out; a grammar's matcher cannot take tokens back
+        sampled = self.greedy_only and not params.is_greedy
+        if not params.speculative or params.structured is not None or sampled:
+            # opted out; a grammar's matcher cannot take tokens back; sampled, deterministic
             if request.request_id not in self._never:
                 self._never.add(request.request_id)
                 self.proposer.release(request.request_id)

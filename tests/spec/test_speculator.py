@@ -137,6 +137,18 @@ def test_opt_outs_constraints_and_caps() -> None:
     assert list(proposer.seen[0].token_ids) == near_max_tokens.all_token_ids
 
 
+def test_deterministic_mode_speculates_for_greedy_requests_only() -> None:
+    """--deterministic: a sampled request's draws would depend on how many proposals it
+    verified, and so on the batch (speculation pauses above max_batch); greedy ones stay."""
+    for greedy_only, expected in [(False, [2, 2]), (True, [2, 0])]:
+        proposer = Fixed()
+        speculator = Speculator(proposer, SpeculativeConfig(num_tokens=2), greedy_only)
+        requests = [_decoding("greedy", temperature=0.0), _decoding("sampled", seed=3)]
+        speculator.propose(requests, MAX_MODEL_LEN)
+        assert [len(r.spec_token_ids) for r in requests] == expected
+        assert proposer.released == ([] if not greedy_only else ["sampled"])
+
+
 def test_a_large_batch_pauses_speculation() -> None:
     speculator = Speculator(Fixed(), SpeculativeConfig(num_tokens=2, max_batch=3))
     requests = [_decoding(f"r{i}") for i in range(4)]
