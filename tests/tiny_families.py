@@ -113,6 +113,37 @@ def deepseek_v3_yarn() -> Any:
     return deepseek_v3(q_lora_rank=None, rope_parameters=yarn)
 
 
+def _sparse(**extra: Any) -> dict[str, Any]:
+    """MLA + MoE as deepseek_v3, plus an indexer choosing 16 tokens: prompts of 40-100 tokens
+    leave most of each context out, so the selection decides the output. Eight indexer heads
+    keep exact ties (every head's ReLU at 0) rare."""
+    return (
+        deepseek_v3().to_dict()
+        | dict(index_topk=16, index_head_dim=16, index_n_heads=8, max_position_embeddings=1024)
+        | extra
+    )
+
+
+def deepseek_v32() -> Any:
+    from transformers import DeepseekV32Config
+
+    return DeepseekV32Config(**_config_fields(_sparse()))
+
+
+def glm_moe_dsa() -> Any:
+    """GLM-5's layout in small: layer 0 dense, two of four layers share the top-k before them."""
+    from transformers import GlmMoeDsaConfig
+
+    sparse = _sparse(num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"])
+    return GlmMoeDsaConfig(**_config_fields(sparse))
+
+
+def _config_fields(settings: dict[str, Any]) -> dict[str, Any]:
+    dropped = ("architectures", "model_type", "transformers_version", "qk_head_dim", "head_dim",
+               "mlp_layer_types", "layer_types", "rope_interleave")  # fmt: skip
+    return {k: v for k, v in settings.items() if k not in dropped}
+
+
 CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3": qwen3,
     "gemma3": gemma3,
@@ -121,6 +152,8 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3_moe": qwen3_moe,
     "deepseek_v3": deepseek_v3,
     "deepseek_v3_yarn": deepseek_v3_yarn,
+    "deepseek_v32": deepseek_v32,
+    "glm_moe_dsa": glm_moe_dsa,
 }
 
 

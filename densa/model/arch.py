@@ -7,7 +7,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from densa.model.family_config import MLAConfig, MoEConfig, read_mla, read_moe
+from densa.model.family_config import (
+    DSAConfig,
+    MLAConfig,
+    MoEConfig,
+    read_dsa,
+    read_mla,
+    read_moe,
+)
 
 
 class ModelLoadError(RuntimeError):
@@ -44,6 +51,7 @@ class ArchConfig:
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c) when set
     moe: MoEConfig | None = None  # mixture-of-experts MLPs (which layers, routing numbers)
     mla: MLAConfig | None = None  # multi-head latent attention dimensions (DeepSeek-V3)
+    dsa: DSAConfig | None = None  # sparse attention's indexer (DeepSeek-V3.2, GLM-5)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -77,6 +85,7 @@ class ArchConfig:
             final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
             moe=read_moe(cfg, num_layers),
             mla=mla,
+            dsa=read_dsa(cfg, num_layers),
         )
 
     @classmethod
@@ -109,7 +118,7 @@ class ArchConfig:
         keys = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings")  # fmt: skip
         signature: dict[str, Any] = {key: getattr(self, key) for key in keys}
-        for part in ("moe", "mla"):  # expert routing and latent KV shapes must match too
+        for part in ("moe", "mla", "dsa"):  # routing, latent and index key shapes must match
             value = getattr(self, part)
             # tuples as lists: as a peer's signature reads after msgpack (the handshake compares)
             fields = {} if value is None else asdict(value)

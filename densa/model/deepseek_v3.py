@@ -35,10 +35,12 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, moe: MoEConfig, layer_idx: int) -> None:
+    def __init__(
+        self, cfg: ArchConfig, moe: MoEConfig, layer_idx: int, attention: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg)
+        self.self_attn = attention or MLAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module
         if moe.is_moe_layer(layer_idx):
