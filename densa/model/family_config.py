@@ -134,6 +134,12 @@ class DSAConfig:
     def full_layer_ids(self) -> list[int]:
         return [i for i, full in enumerate(self.full_layers) if full]
 
+    def describe(self) -> str:
+        return (
+            f"{self.num_full_layers} indexer layers x index key {self.head_dim} values "
+            f"(top {self.topk} tokens attended)"
+        )
+
 
 _DSA_KEYS = ("index_topk", "index_head_dim", "index_n_heads")
 _INDEXER_TYPES = {"full": True, "shared": False, "F": True, "S": False}

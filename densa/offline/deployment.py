@@ -253,6 +253,7 @@ def _describe_kv(arch: ArchConfig, tp: int) -> str:
         return (
             f"{arch.num_layers} layers x MLA latent {arch.mla.latent_dim} values, whole on "
             "every rank (not split by TP)"
+            + ("" if arch.dsa is None else ", + " + arch.dsa.describe())
         )
     per_rank = max(1, math.ceil(arch.num_kv_heads / tp))
     return (
