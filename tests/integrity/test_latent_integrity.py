@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from densa.cache.integrity import ViolationKind
