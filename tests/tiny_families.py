@@ -138,6 +138,18 @@ def glm_moe_dsa() -> Any:
     return GlmMoeDsaConfig(**_config_fields(sparse))
 
 
+def kimi_k25() -> Any:
+    """Kimi K2.5's layout in small: the tiny DeepSeek-V3 as the text model of a multimodal
+    config, beside a one-layer vision tower; the output head untied, as Kimi's is."""
+    from transformers.models.kimi_k25 import Kimi_K25Config
+
+    text = _config_fields(deepseek_v3().to_dict())
+    vision = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
+                  intermediate_size=64, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2)  # fmt: skip
+    return Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
+                          tie_word_embeddings=False)  # fmt: skip
+
+
 def _config_fields(settings: dict[str, Any]) -> dict[str, Any]:
     dropped = ("architectures", "model_type", "transformers_version", "qk_head_dim", "head_dim",
                "mlp_layer_types", "layer_types", "rope_interleave")  # fmt: skip
@@ -155,6 +167,8 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "deepseek_v32": deepseek_v32,
     "glm_moe_dsa": glm_moe_dsa,
 }
+# Multimodal configs, saved with their own model class (not AutoModelForCausalLM's).
+MULTIMODAL: dict[str, Callable[[], Any]] = {"kimi_k25": kimi_k25}
 
 
 def save_tiny(
@@ -169,11 +183,18 @@ def save_tiny(
     `overrides` replace config fields."""
     from transformers import AutoModelForCausalLM
 
-    config = CONFIGS[family]()
+    config = (CONFIGS | MULTIMODAL)[family]()
     for key, value in overrides.items():
         setattr(config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    if family in MULTIMODAL:
+        from transformers.models.kimi_k25.modeling_kimi_k25 import (
+            Kimi_K25ForConditionalGeneration,
+        )
+
+        model = Kimi_K25ForConditionalGeneration(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("e_score_correction_bias"):

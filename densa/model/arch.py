@@ -55,6 +55,7 @@ class ArchConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
+        cfg = _text_model(cfg)
         architectures = cfg.get("architectures") or ["?"]
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])
@@ -131,6 +132,20 @@ class ArchConfig:
                 }
             )
         return signature
+
+
+def _text_model(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's text model (Kimi K2.5+: a DeepSeek-V3 text model in `text_config`
+    beside a vision tower), under the outer architecture name, which the registry knows; the
+    outer config's token ids and head tying apply where it states them. Other configs as given."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    outer = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
+    merged = outer | text | {"architectures": cfg.get("architectures")}
+    if "tie_word_embeddings" in cfg:  # transformers ties by the outer config's flag
+        merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return merged
 
 
 # Families with per-layer RoPE settings (Gemma 3) key rope_parameters by layer type.
