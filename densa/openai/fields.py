@@ -20,7 +20,6 @@ from pydantic_core import PydanticCustomError, core_schema
 
 from densa.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_STRINGS
 
-
 _IMAGE_PARTS = ("image_url", "image", "input_image")
 
 
