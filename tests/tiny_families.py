@@ -127,7 +127,7 @@ def _sparse(**extra: Any) -> dict[str, Any]:
 def deepseek_v32() -> Any:
     from transformers import DeepseekV32Config
 
-    return DeepseekV32Config(**_config_fields(_sparse()))
+    return DeepseekV32Config(**config_fields(_sparse()))
 
 
 def glm_moe_dsa() -> Any:
@@ -135,7 +135,7 @@ def glm_moe_dsa() -> Any:
     from transformers import GlmMoeDsaConfig
 
     sparse = _sparse(num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"])
-    return GlmMoeDsaConfig(**_config_fields(sparse))
+    return GlmMoeDsaConfig(**config_fields(sparse))
 
 
 def kimi_k25() -> Any:
@@ -143,14 +143,15 @@ def kimi_k25() -> Any:
     config, beside a one-layer vision tower; the output head untied, as Kimi's is."""
     from transformers.models.kimi_k25 import Kimi_K25Config
 
-    text = _config_fields(deepseek_v3().to_dict())
+    text = config_fields(deepseek_v3().to_dict())
     vision = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
                   intermediate_size=64, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2)  # fmt: skip
     return Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
                           tie_word_embeddings=False)  # fmt: skip
 
 
-def _config_fields(settings: dict[str, Any]) -> dict[str, Any]:
+def config_fields(settings: dict[str, Any]) -> dict[str, Any]:
+    """A config's to_dict() as its constructor takes it (the fields it derives dropped)."""
     dropped = ("architectures", "model_type", "transformers_version", "qk_head_dim", "head_dim",
                "mlp_layer_types", "layer_types", "rope_interleave")  # fmt: skip
     return {k: v for k, v in settings.items() if k not in dropped}

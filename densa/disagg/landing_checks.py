@@ -59,16 +59,18 @@ def check_layout(model: m.PeerModel, layout: m.WireLayout, num_layers: int | Non
 
 def check_index_layout(model: m.PeerModel, layout: m.WireLayout, num_layers: int | None) -> None:
     """Index keys travel exactly where this model caches them (sparse attention), in the same
-    pages: [indexer layers, 1, pages, blocks, page, block], in a format of their own."""
+    pages: [indexer layers, 1, pages, blocks, page, block], in a format of their own (an MTP
+    layer's pages: one layer, which runs its own indexer)."""
     index = index_geometry(model.architecture)
-    if num_layers is not None or index is None:  # one MTP layer of pages: checked as such
-        if layout.index is not None and index is None:
+    if index is None:
+        if layout.index is not None:
             raise WireError("index keys for a model without sparse attention")
         return
     if layout.index is None:
         raise WireError("pages without the index keys this model's sparse attention reads")
     shape = list(layout.index.shape)
     layers, parts, heads, dim = index
+    layers = layers if num_layers is None else num_layers
     expected = [layers, parts, layout.shape[2], heads, model.page.page_size, dim]
     if shape != expected or layout.index.index is not None:
         raise WireError(f"index keys of shape {shape[:8]} for this model's {expected}")
