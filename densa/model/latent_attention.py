@@ -140,8 +140,26 @@ def _torch_sparse_decode(
     return out[:, :, 0]
 
 
+def _cpu_sparse_decode(
+    q_latent: torch.Tensor,
+    cache: LatentKVCache,
+    group: AttentionGroup,
+    positions: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """The fused kernel: reads only the selected rows, in place (densa.kernels.cpu)."""
+    from densa.kernels.cpu.sparse_latent_decode import sparse_latent_decode
+
+    out = sparse_latent_decode(
+        q_latent.float().contiguous(), cache.latent, group.page_table, positions, scale,
+        kv_lora_rank, cache.scale, cache.kv_format,
+    )  # fmt: skip
+    return out.to(q_latent.dtype)
+
+
 # Sparse decode kernels by attention backend name (others use the torch path).
-_SPARSE_DECODE = {"torch": _torch_sparse_decode}
+_SPARSE_DECODE = {"torch": _torch_sparse_decode, "cpu": _cpu_sparse_decode}
 
 
 def gather_latent_rows(
