@@ -51,23 +51,29 @@ def kv_geometry(arch: ArchConfig) -> KVGeometry:
     return kv_layout(arch.architecture).geometry(arch)
 
 
-def value_bytes_per_token(arch: ArchConfig, kv_dtype: str) -> int:
+def value_bytes_per_token(
+    arch: ArchConfig, kv_dtype: str, index_kv_dtype: str | None = None
+) -> int:
     """Bytes of one cached token's values across all layers (K and V, or the latent, and the
-    index keys of sparse attention)."""
+    index keys of sparse attention: in `index_kv_dtype`, None = the pages' dtype)."""
     geo = kv_geometry(arch)
-    index_values = 0 if geo.index is None else geo.index.values_per_token
-    return (geo.values_per_token + index_values) * KV_DTYPES[kv_dtype].itemsize
+    values = geo.values_per_token * KV_DTYPES[kv_dtype].itemsize
+    if geo.index is None:
+        return values
+    keys = index_format(KVFormat.of(kv_dtype, "dynamic"), index_kv_dtype)
+    return values + geo.index.values_per_token * keys.value_bytes()
 
 
-def index_scale_bytes_per_token(arch: ArchConfig, kv_dtype: str) -> int:
+def index_scale_bytes_per_token(
+    arch: ArchConfig, kv_dtype: str, index_kv_dtype: str | None = None
+) -> int:
     """Bytes the index keys' block scales add to one cached token (0 without sparse attention
-    or for unquantized pages)."""
+    or for unquantized keys)."""
     index = kv_geometry(arch).index
     if index is None:
         return 0
-    return (
-        index.rows_per_token * index_format(KVFormat.of(kv_dtype, "dynamic")).scale_bytes_per_row()
-    )
+    keys = index_format(KVFormat.of(kv_dtype, "dynamic"), index_kv_dtype)
+    return index.rows_per_token * keys.scale_bytes_per_row()
 
 
 def scale_bytes_per_token(arch: ArchConfig, kv_scales: str) -> int:
@@ -77,9 +83,16 @@ def scale_bytes_per_token(arch: ArchConfig, kv_scales: str) -> int:
     return kv_geometry(arch).rows_per_token * fp8_kv.SCALE_BYTES[kv_scales]
 
 
-def bytes_per_token(arch: ArchConfig, kv_dtype: str, kv_scales: str = DEFAULT_KV_SCALES) -> int:
-    """Bytes one cached token takes across all layers: its values, plus FP8 scales."""
-    values = value_bytes_per_token(arch, kv_dtype) + index_scale_bytes_per_token(arch, kv_dtype)
+def bytes_per_token(
+    arch: ArchConfig,
+    kv_dtype: str,
+    kv_scales: str = DEFAULT_KV_SCALES,
+    index_kv_dtype: str | None = None,
+) -> int:
+    """Bytes one cached token takes across all layers: its values, plus FP8 scales (and sparse
+    attention's index keys, in `index_kv_dtype`; None = the pages' dtype)."""
+    values = value_bytes_per_token(arch, kv_dtype, index_kv_dtype)
+    values += index_scale_bytes_per_token(arch, kv_dtype, index_kv_dtype)
     if kv_dtype == int8_kv.KV_DTYPE:
         return values + kv_geometry(arch).rows_per_token * int8_kv.SCALE_BYTES
     if kv_dtype != fp8_kv.KV_DTYPE:
@@ -88,10 +101,14 @@ def bytes_per_token(arch: ArchConfig, kv_dtype: str, kv_scales: str = DEFAULT_KV
 
 
 def page_bytes(
-    arch: ArchConfig, page_size: int, kv_dtype: str, kv_scales: str = DEFAULT_KV_SCALES
+    arch: ArchConfig,
+    page_size: int,
+    kv_dtype: str,
+    kv_scales: str = DEFAULT_KV_SCALES,
+    index_kv_dtype: str | None = None,
 ) -> int:
     """Bytes of one page across all layers (K and V, scales included)."""
-    return bytes_per_token(arch, kv_dtype, kv_scales) * page_size
+    return bytes_per_token(arch, kv_dtype, kv_scales, index_kv_dtype) * page_size
 
 
 def num_pages_for_budget(
@@ -162,6 +179,7 @@ def allocate_kv_caches(
     device: torch.device,
     kv_scales: str = DEFAULT_KV_SCALES,
     static_scales: fp8_kv.KVScales | None = None,
+    index_kv_dtype: str | None = None,
 ) -> list[LayerCache]:
     """One zero-filled tensor for all layers (memory committed up front), viewed per layer and
     part, and wrapped in the family's per-layer cache objects.
@@ -186,7 +204,8 @@ def allocate_kv_caches(
     ]
     if geo.index is not None:
         assert arch.dsa is not None
-        index_caches = _index_caches(geo.index, num_pages, page_size, kv_format, device)
+        keys = index_format(kv_format, index_kv_dtype)
+        index_caches = _index_caches(geo.index, num_pages, page_size, keys, device)
         for layer, index in zip(arch.dsa.full_layer_ids(), index_caches, strict=True):
             cache = caches[layer]
             assert isinstance(cache, LatentKVCache)
@@ -195,11 +214,10 @@ def allocate_kv_caches(
 
 
 def _index_caches(
-    geo: KVGeometry, num_pages: int, page_size: int, kv_format: KVFormat, device: torch.device
+    geo: KVGeometry, num_pages: int, page_size: int, fmt: KVFormat, device: torch.device
 ) -> list[IndexKeyCache]:
-    """The index keys of every full indexer layer: one zero-filled tensor, like the latents,
-    [layers, num_pages, blocks, page_size, block], and its per-block scales."""
-    fmt = index_format(kv_format)
+    """The index keys of every full indexer layer in `fmt`: one zero-filled tensor, like the
+    latents, [layers, num_pages, blocks, page_size, block], and its per-block scales."""
     shape = (geo.num_layers, num_pages, geo.num_heads, page_size, geo.head_dim)
     keys = _zeros(shape, fmt.storage_dtype, device)
     scale_dtype = fmt.row_scale_dtype

@@ -112,3 +112,21 @@ def test_index_keys_are_allocated_in_the_same_pages(tmp_path: Path) -> None:
         if cache.index is not None and cache.index.scale is not None:
             allocated += cache.index.keys.nbytes + cache.index.scale.nbytes
     assert allocated == 10 * page_bytes(arch, 4, "fp8_e4m3")
+
+
+def test_index_keys_in_a_dtype_of_their_own(tmp_path: Path, smollm2_dir: Path) -> None:
+    """--index-kv-dtype: FP8 index keys beside float32 latents, sized and allocated so."""
+    glm = ArchConfig.from_dir(FIXTURES / "glm-5.2")
+    assert bytes_per_token(glm, "bfloat16", index_kv_dtype="fp8_e4m3") == 78 * 1152 + 21 * 129
+    from densa.engine.llm_engine import LLMEngine
+    from densa.setup.args import EngineArgs
+
+    model_dir = save_tiny("glm_moe_dsa", tmp_path, smollm2_dir)
+    engine = LLMEngine.from_args(
+        EngineArgs(model=str(model_dir), num_kv_pages=16, max_model_len=64,
+                   index_kv_dtype="fp8_e4m3")  # fmt: skip
+    )
+    cache = engine.runner.kv_caches[0]
+    assert isinstance(cache, LatentKVCache) and cache.index is not None
+    assert cache.latent.dtype == torch.float32
+    assert cache.index.kv_format.describe() == "fp8_e4m3, dynamic scales"
