@@ -176,10 +176,11 @@ def time_attention(model: GlmMoeDsaForCausalLM, cache: LatentKVCache, context: i
 def kv_bytes_read(arch: ArchConfig, kv_dtype: str, context: int, num_layers: int,
                   num_indexed: int, sparse: bool) -> int:  # fmt: skip
     """KV bytes one decode step reads over `num_layers` layers, `num_indexed` of them with an
-    indexer: every latent row (dense), or every index key and k latent rows (DSA)."""
+    indexer: every latent row (dense, and DSA while the context fits in its top-k: the indexer
+    is not scored), or every index key and k latent rows (DSA)."""
     assert arch.dsa is not None and arch.mla is not None
     per_row = _latent_row_bytes(arch, kv_dtype)
-    if not sparse:
+    if not sparse or context <= arch.dsa.topk:  # nothing to choose: every row is attended
         return num_layers * context * per_row
     index_row = bytes_per_token(arch, kv_dtype) - arch.num_layers * per_row  # all indexed here
     index_row //= arch.dsa.num_full_layers

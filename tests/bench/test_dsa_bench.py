@@ -25,6 +25,8 @@ def test_kv_bytes_read_by_each_path() -> None:
     assert kv_bytes_read(arch, "bfloat16", 32768, 1, 1, False) == 32768 * 1152
     assert kv_bytes_read(arch, "bfloat16", 32768, 1, 1, True) == 32768 * 256 + 2048 * 1152
     assert kv_bytes_read(arch, "fp8_e4m3", 32768, 1, 1, True) == 32768 * 129 + 2048 * 577
+    # within the top-k nothing is chosen: DSA reads what dense MLA reads
+    assert kv_bytes_read(arch, "bfloat16", 2048, 1, 1, True) == 2048 * 1152
     # GLM-5.2's pattern: 21 of 78 layers read index keys, every layer its top-k rows
     dense = kv_bytes_read(arch, "bfloat16", 32768, 78, 78, False)
     assert kv_bytes_read(arch, "bfloat16", 32768, 78, 21, True) / dense < 1 / 8
