@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 and GLM-5 (sparse attention, 16 tokens chosen per query) as tiny random models
-generate transformers' greedy tokens (fp32) through the whole engine, on prompts of 30-100
-tokens and 16 generated: chunked prefill (chunks score keys read back from the pages), prefix
+generate transformers' greedy tokens (fp32) through the whole engine, on prompts of 54-76
+tokens and 12 generated: chunked prefill (chunks score keys read back from the pages), prefix
 hits (the hit's index keys are read from cached pages), preemption and recompute; with FP8
 pages (FP8 index keys with block scales) the tokens stay close."""
 
@@ -19,7 +19,7 @@ from tests.tiny_families import save_tiny
 
 from .reference import ReferenceGeneration, first_divergence, hf_greedy
 
-MAX_NEW = 16
+MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 FP8_TIE_TOLERANCE = 0.1  # as tests/engine/test_family_greedy.py
 STORY = "Once upon a time, in a small village by the sea, there lived an old fisherman. "
@@ -37,7 +37,6 @@ def case(
         shared,
         shared + tokenizer.encode(" He had a dog named"),
         shared + tokenizer.encode(" The nets were torn. " * 4),
-        tokenizer.encode("def fibonacci(n):\n    return n if n < 2 else " * 3),
     ]
     assert min(len(p) for p in prompts) > 2 * 16
     return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_NEW)
@@ -62,8 +61,10 @@ def _run(engine: LLMEngine, prompts: list[list[int]]) -> list[Final]:
 
 def test_prefix_hits_chunks_and_preemption_give_transformers_tokens(case: Case) -> None:
     model_dir, prompts, refs = case
-    # 2-token pages, 16 tokens a step, room for about two requests at once.
-    engine = _engine(model_dir, page_size=2, num_kv_pages=72, max_num_batched_tokens=16)
+    # 2-token pages, 16 tokens a step, and not quite room for the two that share a prefix.
+    engine = _engine(
+        model_dir, page_size=2, num_kv_pages=48, max_num_batched_tokens=16, max_model_len=96
+    )
     first = _run(engine, prompts[:1])
     rest = _run(engine, prompts[1:])
     assert engine.scheduler.num_preemptions > 0, "the test must exercise preemption"
@@ -74,6 +75,8 @@ def test_prefix_hits_chunks_and_preemption_give_transformers_tokens(case: Case) 
 
 def test_fp8_pages_stay_close_to_transformers(case: Case) -> None:
     model_dir, prompts, refs = case
+    if "deepseek_v32" in model_dir.name:
+        pytest.skip("the FP8 path is the families' shared one: checked once, on GLM-5")
     engine = _engine(model_dir, kv_cache_dtype="fp8_e4m3")
     index = next(c.index for c in engine.runner.kv_caches if c.index is not None)
     assert index.kv_format.describe() == "fp8_e4m3, dynamic scales"  # one per key block
