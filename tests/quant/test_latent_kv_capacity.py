@@ -125,7 +125,7 @@ def test_index_keys_in_a_dtype_of_their_own(tmp_path: Path, smollm2_dir: Path) -
     engine = LLMEngine.from_args(
         EngineArgs(
             model=str(model_dir), num_kv_pages=16, max_model_len=64, index_kv_dtype="fp8_e4m3"
-        )  # fmt: skip
+        )
     )
     cache = engine.runner.kv_caches[0]
     assert isinstance(cache, LatentKVCache) and cache.index is not None
