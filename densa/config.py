@@ -83,6 +83,8 @@ class CacheConfig:
     kv_cache_dtype: str = "float32"  # resolved ("auto" -> compute dtype)
     kv_scales: str = DEFAULT_KV_SCALES  # resolved; only read for fp8 caches
     kv_scales_file: str | None = None  # static per-layer scales (JSON); None = 1.0 everywhere
+    # DSA index keys' dtype, when not the pages' own (None): resolved, never "auto"
+    index_kv_dtype: str | None = None
     enable_prefix_caching: bool = True
     kv_integrity: bool = True  # page generation tags checked before every read and write
     # What num_pages is sized from (densa/setup/kv_sizing.py): "auto", bytes ("2GiB") or a share
@@ -103,6 +105,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype must be resolved to one of {KV_CACHE_DTYPES[1:]}")
         if self.kv_scales not in KV_SCALE_POLICIES[1:]:
             raise ValueError(f"kv_scales must be resolved to one of {KV_SCALE_POLICIES[1:]}")
+        if self.index_kv_dtype is not None and self.index_kv_dtype not in KV_CACHE_DTYPES[1:]:
+            raise ValueError(f"index_kv_dtype must be one of {KV_CACHE_DTYPES[1:]}")
         if self.kv_scales_file is not None and self.kv_scales != "static":
             raise ValueError(
                 "a KV scales file holds static per-layer scales: use it with --kv-scales static"

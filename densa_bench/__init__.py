@@ -10,6 +10,7 @@ cli.py        `add_bench_parser`: the `densa bench ...` sub-commands
 <benchmark>/  one subpackage per benchmark: runner.py (settings, run), report.py where the report
               is its own module: serving, load, prefix, disagg, router, integrity, kv_sweep,
               weights, moe, structured, tiers, speculative, peers, hostile, step_bytes,
-              gpu (the GPU machine check), attention (CPU paged-attention micro-benchmark)
+              gpu (the GPU machine check), attention (CPU paged-attention micro-benchmark),
+              dsa (sparse attention vs dense MLA decode by context length)
 eval/         quality evaluations (`add_eval_parser`: the `densa eval ...` sub-commands)
 """

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from densa_bench.common.benchmark import Benchmark
 from densa_bench.disagg.settings import BENCHMARK as DISAGG
+from densa_bench.dsa.settings import BENCHMARK as DSA
 from densa_bench.hostile.settings import BENCHMARK as HOSTILE
 from densa_bench.integrity.settings import BENCHMARK as INTEGRITY
 from densa_bench.kv_sweep.settings import BENCHMARK as KV_SWEEP
@@ -28,7 +29,7 @@ from densa_bench.weights.settings import BENCHMARK as WEIGHTS
 # The benchmarks whose options come from their settings dataclass.
 BENCHMARKS: tuple[Benchmark, ...] = (
     SERVING, INTEGRITY, LOAD, PREFIX, TIERS, KV_SWEEP, WEIGHTS, MOE, HOSTILE, STRUCTURED,
-    ROUTER, STEP_BYTES, DISAGG, MEMORY,
+    ROUTER, STEP_BYTES, DISAGG, MEMORY, DSA,
 )  # fmt: skip
 
 
@@ -38,6 +39,7 @@ _SUB_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     SERVING.add_to, INTEGRITY.add_to, LOAD.add_to, PREFIX.add_to, TIERS.add_to, KV_SWEEP.add_to,
     WEIGHTS.add_to, MOE.add_to, HOSTILE.add_to, add_peers_parser, add_speculative_parser,
     STRUCTURED.add_to, ROUTER.add_to, STEP_BYTES.add_to, DISAGG.add_to, MEMORY.add_to,
+    DSA.add_to,
 )  # fmt: skip
 
 

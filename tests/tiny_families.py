@@ -113,6 +113,50 @@ def deepseek_v3_yarn() -> Any:
     return deepseek_v3(q_lora_rank=None, rope_parameters=yarn)
 
 
+def _sparse(**extra: Any) -> dict[str, Any]:
+    """MLA + MoE as deepseek_v3, plus an indexer choosing 16 tokens: prompts of 40-100 tokens
+    leave most of each context out, so the selection decides the output. Eight indexer heads
+    keep exact ties (every head's ReLU at 0) rare."""
+    return (
+        deepseek_v3().to_dict()
+        | dict(index_topk=16, index_head_dim=16, index_n_heads=8, max_position_embeddings=1024)
+        | extra
+    )
+
+
+def deepseek_v32() -> Any:
+    from transformers import DeepseekV32Config
+
+    return DeepseekV32Config(**config_fields(_sparse()))
+
+
+def glm_moe_dsa() -> Any:
+    """GLM-5's layout in small: layer 0 dense, two of four layers share the top-k before them."""
+    from transformers import GlmMoeDsaConfig
+
+    sparse = _sparse(num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"])
+    return GlmMoeDsaConfig(**config_fields(sparse))
+
+
+def kimi_k25() -> Any:
+    """Kimi K2.5's layout in small: the tiny DeepSeek-V3 as the text model of a multimodal
+    config, beside a one-layer vision tower; the output head untied, as Kimi's is."""
+    from transformers.models.kimi_k25 import Kimi_K25Config
+
+    text = config_fields(deepseek_v3().to_dict())
+    vision = dict(patch_size=14, num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
+                  intermediate_size=64, pos_emb_height=8, pos_emb_width=8, pos_emb_time=2)  # fmt: skip
+    return Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=32,
+                          tie_word_embeddings=False)  # fmt: skip
+
+
+def config_fields(settings: dict[str, Any]) -> dict[str, Any]:
+    """A config's to_dict() as its constructor takes it (the fields it derives dropped)."""
+    dropped = ("architectures", "model_type", "transformers_version", "qk_head_dim", "head_dim",
+               "mlp_layer_types", "layer_types", "rope_interleave")  # fmt: skip
+    return {k: v for k, v in settings.items() if k not in dropped}
+
+
 CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3": qwen3,
     "gemma3": gemma3,
@@ -121,7 +165,11 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3_moe": qwen3_moe,
     "deepseek_v3": deepseek_v3,
     "deepseek_v3_yarn": deepseek_v3_yarn,
+    "deepseek_v32": deepseek_v32,
+    "glm_moe_dsa": glm_moe_dsa,
 }
+# Multimodal configs, saved with their own model class (not AutoModelForCausalLM's).
+MULTIMODAL: dict[str, Callable[[], Any]] = {"kimi_k25": kimi_k25}
 
 
 def save_tiny(
@@ -136,11 +184,18 @@ def save_tiny(
     `overrides` replace config fields."""
     from transformers import AutoModelForCausalLM
 
-    config = CONFIGS[family]()
+    config = (CONFIGS | MULTIMODAL)[family]()
     for key, value in overrides.items():
         setattr(config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    if family in MULTIMODAL:
+        from transformers.models.kimi_k25.modeling_kimi_k25 import (
+            Kimi_K25ForConditionalGeneration,
+        )
+
+        model = Kimi_K25ForConditionalGeneration(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("e_score_correction_bias"):

@@ -17,6 +17,7 @@ import msgspec
 
 from densa.disagg.messages import PageFormat, PeerModel
 from densa.formats.kv_format import KV_FORMAT_NAMES, KVFormat
+from densa.model.kv_layout import INDEX_BLOCK, index_format
 from densa.text.tokenizer import TokenizerFiles
 
 # Formats a page can be landed from: every KV format densa serves (landing converts between
@@ -62,7 +63,13 @@ def expected_page_bytes(architecture: dict[str, Any], page: PageFormat) -> int:
     kv_format = KVFormat(page.kv_dtype, page.kv_scales)
     layers, parts, heads, dim = page_geometry(architecture)
     row_bytes = dim * kv_format.value_bytes() + kv_format.scale_bytes_per_row()
-    return parts * layers * heads * row_bytes * page.page_size
+    total = parts * layers * heads * row_bytes
+    index = index_geometry(architecture)
+    if index is not None:  # sparse attention: index keys in the same pages, block scales
+        keys = index_format(kv_format)
+        layers, _, heads, dim = index
+        total += layers * heads * (dim * keys.value_bytes() + keys.scale_bytes_per_row())
+    return total * page.page_size
 
 
 def page_geometry(architecture: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
@@ -74,6 +81,17 @@ def page_geometry(architecture: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
         return architecture["num_layers"], 1, 1, latent_dim
     heads, dim = architecture["num_kv_heads"], architecture["head_dim"]
     return architecture["num_layers"], 2, heads, dim
+
+
+def index_geometry(architecture: dict[str, Any]) -> tuple[Any, Any, Any, Any] | None:
+    """(indexer layers, 1, blocks, block) of sparse attention's index keys, from a signature's
+    "dsa" (densa.model.kv_layout's sparse layout), or None without sparse attention."""
+    dsa = architecture.get("dsa")
+    if not isinstance(dsa, dict):
+        return None
+    head_dim = dsa.get("head_dim", 0)
+    block = min(head_dim, INDEX_BLOCK)
+    return sum(bool(full) for full in dsa.get("full_layers", ())), 1, head_dim // block, block
 
 
 def mismatch(ours: PeerModel, theirs: PeerModel) -> str | None:

@@ -5,7 +5,7 @@ tokens and logprobs are checked against the local model and the transfer's reser
 from __future__ import annotations
 
 from densa.disagg import messages as m
-from densa.disagg.handshake import page_geometry
+from densa.disagg.handshake import index_geometry, page_geometry
 from densa.disagg.ports import Reservation
 from densa.disagg.wire import WireError, check_frames, split_frames
 
@@ -54,6 +54,26 @@ def check_layout(model: m.PeerModel, layout: m.WireLayout, num_layers: int | Non
     expected = [layers, parts, heads, model.page.page_size, dim]
     if len(shape) != 6 or shape[:2] + shape[3:] != expected:
         raise WireError(f"a layout of shape {shape[:8]} for this model's {expected}")
+    check_index_layout(model, layout, num_layers)
+
+
+def check_index_layout(model: m.PeerModel, layout: m.WireLayout, num_layers: int | None) -> None:
+    """Index keys travel exactly where this model caches them (sparse attention), in the same
+    pages: [indexer layers, 1, pages, blocks, page, block], in a format of their own (an MTP
+    layer's pages: one layer, which runs its own indexer)."""
+    index = index_geometry(model.architecture)
+    if index is None:
+        if layout.index is not None:
+            raise WireError("index keys for a model without sparse attention")
+        return
+    if layout.index is None:
+        raise WireError("pages without the index keys this model's sparse attention reads")
+    shape = list(layout.index.shape)
+    layers, parts, heads, dim = index
+    layers = layers if num_layers is None else num_layers
+    expected = [layers, parts, layout.shape[2], heads, model.page.page_size, dim]
+    if shape != expected or layout.index.index is not None:
+        raise WireError(f"index keys of shape {shape[:8]} for this model's {expected}")
 
 
 def check_mtp_state(

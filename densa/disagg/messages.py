@@ -100,6 +100,8 @@ class WireLayout(msgspec.Struct, frozen=True):
              in the format's storage dtype (fp8 and int8 as their bytes)
     frame 2: formats with a scale per row only: [num_layers, 2, num_pages, heads, page_size]
              fp8 dynamic: int8 power-of-two exponents; int8: fp16 scales
+    then, for sparse attention (DSA), the same pages' index keys as `index` lays them out:
+    [indexer layers, 1, num_pages, blocks, page_size, block], and their block scales
     """
 
     kv_dtype: Annotated[str, msgspec.Meta(max_length=32)]  # KVFormat.name: float32 | bfloat16 |
@@ -111,6 +113,7 @@ class WireLayout(msgspec.Struct, frozen=True):
     static_scales: Annotated[
         list[Annotated[list[float], msgspec.Meta(max_length=2)]], msgspec.Meta(max_length=4096)
     ] = []
+    index: WireLayout | None = None  # sparse attention's index keys of the same pages
     # (No checksums: the message's MAC covers every frame, damage and forgery alike.)
 
 

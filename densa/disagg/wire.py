@@ -11,7 +11,8 @@ header's WireLayout names the format, and the raw frames after it are the packed
 
 (a row: one token's head_dim values of one head, K or V). What the frames must hold is computed
 from the format named, never guessed from their sizes; landing converts between any two formats
-(kv_io.land, applied by the decode worker's runner).
+(kv_io.land, applied by the decode worker's runner). Sparse attention's index keys follow as
+frames of their own layout (WireLayout.index), in their own format.
 """
 
 from __future__ import annotations
@@ -44,16 +45,32 @@ class Packed:
 
 
 def pack_pages(caches: Sequence[LayerCache], page_ids: list[int]) -> Packed:
-    """Copy pages out of the cache, all layers, K and V, in its own format, framed."""
-    pages = kv_io.pack(caches, page_ids)
+    """Copy pages out of the cache, all layers, K and V (and index keys), in its own format,
+    framed."""
+    layout, frames = _framed(kv_io.pack(caches, page_ids))
+    return Packed(layout, frames)
+
+
+def _framed(pages: PackedPages) -> tuple[WireLayout, list[memoryview]]:
     frames = [pages.values] + ([] if pages.row_scales is None else [pages.row_scales])
+    index = None
+    if pages.index is not None:
+        index, index_frames = _framed(pages.index)
+        frames += index_frames
     layout = WireLayout(
         kv_dtype=pages.kv_dtype,
         kv_scales=pages.kv_scales,
         shape=list(pages.shape),
         static_scales=pages.static_scales,
+        index=index,
     )
-    return Packed(layout, frames)
+    return layout, frames
+
+
+def num_frames(layout: WireLayout) -> int:
+    """Frames the layout's pages travel as (their index keys' included)."""
+    own = len(frame_sizes(layout_format(layout), [1] * NUM_DIMS))
+    return own + (0 if layout.index is None else num_frames(layout.index))
 
 
 def with_mtp_state(
@@ -78,11 +95,8 @@ class Frames:
 def split_frames(message: KVPages, frames: list[memoryview]) -> Frames:
     """Which frames are the target's pages and which the MTP state's, as the layouts say (the
     sizes are checked after: check_frames); WireError if their number is not what they say."""
-    num_pages_frames = len(frame_sizes(layout_format(message.layout), [1] * NUM_DIMS))
-    if message.mtp is None:
-        num_mtp = 0
-    else:
-        num_mtp = len(frame_sizes(layout_format(message.mtp.layout), [1] * NUM_DIMS)) + 1
+    num_pages_frames = num_frames(message.layout)
+    num_mtp = 0 if message.mtp is None else num_frames(message.mtp.layout) + 1
     if len(frames) != num_pages_frames + num_mtp:
         raise WireError(f"{len(frames)} frames, expected {num_pages_frames + num_mtp}")
     rest = frames[num_pages_frames:]
@@ -96,8 +110,11 @@ def check_frames(layout: WireLayout, frames: list[memoryview], num_pages: int) -
     shape = layout.shape
     if len(shape) != NUM_DIMS or shape[2] != num_pages or min(shape) < 0:
         raise WireError(f"a layout of {layout.kv_dtype} {shape} for {num_pages} pages")
-    if [f.nbytes for f in frames] != frame_sizes(kv_format, shape):
-        sizes = frame_sizes(kv_format, shape)
+    sizes = frame_sizes(kv_format, shape)
+    if layout.index is not None:
+        check_frames(layout.index, frames[len(sizes) :], num_pages)
+        frames = frames[: len(sizes)]
+    if [f.nbytes for f in frames] != sizes:
         raise WireError(f"frames of {[f.nbytes for f in frames]} bytes, expected {sizes}")
     num_static = [len(s) for s in layout.static_scales]
     if num_static != ([shape[1]] * shape[0] if kv_format.scales == STATIC else []):
@@ -124,8 +141,10 @@ def frame_sizes(kv_format: KVFormat, shape: list[int]) -> list[int]:
 
 def unpack(layout: WireLayout, frames: list[memoryview]) -> PackedPages:
     """Checked frames (check_frames) as the packed pages a runner lands."""
-    row_scales = frames[1] if len(frames) > 1 else None
+    own = len(frame_sizes(layout_format(layout), [1] * NUM_DIMS))
+    row_scales = frames[1] if own > 1 else None
+    index = None if layout.index is None else unpack(layout.index, frames[own:])
     return PackedPages(
         layout.kv_dtype, layout.kv_scales, tuple(layout.shape), frames[0], row_scales,
-        layout.static_scales,
+        layout.static_scales, index,
     )  # fmt: skip

@@ -32,6 +32,7 @@ Page bytes are kv_io's (PackedPages): values [L, parts, n, H, P, D] then row sca
 
     payload(page i) = values[0, 0, i] | values[0, 1, i] | ... | values[L-1, parts-1, i]
                       | scales[0, 0, i] | ... | scales[L-1, parts-1, i]
+                      | the same of its index keys (sparse attention: PackedPages.index)
 """
 
 from __future__ import annotations
@@ -74,12 +75,23 @@ class PageLayout:
     value_bytes: int  # one page's values in one (layer, part) row
     scale_bytes: int  # one page's row scales in one (layer, part) row (0: none)
     template: PackedPages  # a 0-page pack: the format, scales and shape to rebuild
+    index: PageLayout | None = None  # sparse attention's index keys, after the pages' own bytes
+
+    @property
+    def own_bytes(self) -> int:
+        return self.num_rows * (self.value_bytes + self.scale_bytes)
 
     @property
     def payload_bytes(self) -> int:
-        return self.num_rows * (self.value_bytes + self.scale_bytes)
+        return self.own_bytes + (0 if self.index is None else self.index.payload_bytes)
 
     def split(self, pages: PackedPages) -> list[bytes]:
+        own = self._split_own(pages)
+        if self.index is None or pages.index is None:
+            return own
+        return [a + b for a, b in zip(own, self.index.split(pages.index), strict=True)]
+
+    def _split_own(self, pages: PackedPages) -> list[bytes]:
         n = pages.shape[2]
         values, scales = memoryview(pages.values), pages.row_scales
         payloads = []
@@ -103,8 +115,12 @@ class PageLayout:
                                          for r in rows for p in payloads))  # fmt: skip
         shape = list(self.template.shape)
         shape[2] = len(payloads)
+        index = None
+        if self.index is not None:
+            index = self.index.join([p[self.own_bytes :] for p in payloads])
         return PackedPages(self.template.kv_dtype, self.template.kv_scales, tuple(shape),
-                           memoryview(values), scales, self.template.static_scales)  # fmt: skip
+                           memoryview(values), scales, self.template.static_scales,
+                           index)  # fmt: skip
 
     @classmethod
     def of(cls, template: PackedPages) -> PageLayout:
@@ -113,8 +129,9 @@ class PageLayout:
         itemsize = kv_format.storage_dtype.itemsize
         scale_dtype = kv_format.row_scale_dtype
         scale_itemsize = 0 if scale_dtype is None else scale_dtype.itemsize
+        index = None if template.index is None else cls.of(template.index)
         return cls(num_layers * num_parts, heads * page_size * head_dim * itemsize,
-                   heads * page_size * scale_itemsize, template)  # fmt: skip
+                   heads * page_size * scale_itemsize, template, index)  # fmt: skip
 
 
 @dataclass(frozen=True)

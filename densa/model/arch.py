@@ -7,7 +7,14 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from densa.model.family_config import MLAConfig, MoEConfig, read_mla, read_moe
+from densa.model.family_config import (
+    DSAConfig,
+    MLAConfig,
+    MoEConfig,
+    read_dsa,
+    read_mla,
+    read_moe,
+)
 
 
 class ModelLoadError(RuntimeError):
@@ -44,9 +51,11 @@ class ArchConfig:
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c) when set
     moe: MoEConfig | None = None  # mixture-of-experts MLPs (which layers, routing numbers)
     mla: MLAConfig | None = None  # multi-head latent attention dimensions (DeepSeek-V3)
+    dsa: DSAConfig | None = None  # sparse attention's indexer (DeepSeek-V3.2, GLM-5)
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
+        cfg = _text_model(cfg)
         architectures = cfg.get("architectures") or ["?"]
         num_heads = int(cfg["num_attention_heads"])
         hidden_size = int(cfg["hidden_size"])
@@ -77,6 +86,7 @@ class ArchConfig:
             final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
             moe=read_moe(cfg, num_layers),
             mla=mla,
+            dsa=read_dsa(cfg, num_layers),
         )
 
     @classmethod
@@ -110,7 +120,7 @@ class ArchConfig:
         keys = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings")  # fmt: skip
         signature: dict[str, Any] = {key: getattr(self, key) for key in keys}
-        for part in ("moe", "mla"):  # expert routing and latent KV shapes must match too
+        for part in ("moe", "mla", "dsa"):  # routing, latent and index key shapes must match
             value = getattr(self, part)
             # tuples as lists: as a peer's signature reads after msgpack (the handshake compares)
             fields = {} if value is None else asdict(value)
@@ -123,6 +133,20 @@ class ArchConfig:
                 }
             )
         return signature
+
+
+def _text_model(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's text model (Kimi K2.5+: a DeepSeek-V3 text model in `text_config`
+    beside a vision tower), under the outer architecture name, which the registry knows; the
+    outer config's token ids and head tying apply where it states them. Other configs as given."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        return cfg
+    outer = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
+    merged = outer | text | {"architectures": cfg.get("architectures")}
+    if "tie_word_embeddings" in cfg:  # transformers ties by the outer config's flag
+        merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return merged
 
 
 # Families with per-layer RoPE settings (Gemma 3) key rope_parameters by layer type.

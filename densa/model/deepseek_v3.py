@@ -35,10 +35,12 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, moe: MoEConfig, layer_idx: int) -> None:
+    def __init__(
+        self, cfg: ArchConfig, moe: MoEConfig, layer_idx: int, attention: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg)
+        self.self_attn = attention or MLAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module
         if moe.is_moe_layer(layer_idx):
@@ -128,3 +130,39 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def checkpoint_target(self, hf_name: str) -> str:
         return self.loader.target(hf_name)
+
+
+# Kimi K2.5+ checkpoints: the text model under language_model.*, beside a vision tower and its
+# projector (not loaded). Moonshot's names, then transformers' (whose saving writes the text
+# model's layers as "blocks", the vision encoder's word, and reads them back as layers).
+_TEXT_MODEL_NAMES = (
+    (re.compile(r"^language_model\.model\.(?:layers|blocks)\."), "model.layers."),
+    (re.compile(r"^language_model\.model\."), "model."),
+    (re.compile(r"^language_model\.lm_head\."), "lm_head."),
+    (re.compile(r"^model\.language_model\."), "model."),
+)
+_VISION_PREFIXES = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
+
+
+class KimiK25ForConditionalGeneration(DeepseekV3ForCausalLM):
+    """Kimi K2.5+'s text model (DeepSeek-V3) served alone: the vision tower is not loaded, and
+    requests with image content are refused before they reach the engine."""
+
+    def normalize_checkpoint(self, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        text = (
+            (_text_model_name(name), value)
+            for name, value in tensors
+            if not name.startswith(_VISION_PREFIXES)
+        )
+        return super().normalize_checkpoint(text)
+
+    def checkpoint_target(self, hf_name: str) -> str:
+        return super().checkpoint_target(_text_model_name(hf_name))
+
+
+def _text_model_name(name: str) -> str:
+    for pattern, replacement in _TEXT_MODEL_NAMES:
+        renamed, count = pattern.subn(replacement, name, count=1)
+        if count:
+            return renamed
+    return name

@@ -1,5 +1,5 @@
-"""The config.json blocks of mixture-of-experts and latent-attention families, read into typed,
-frozen settings.
+"""The config.json blocks of mixture-of-experts, latent-attention and sparse-attention families,
+read into typed, frozen settings.
 
 Hugging Face families spell the same numbers differently (Mixtral `num_local_experts`, Qwen
 `num_experts`, DeepSeek `n_routed_experts`); these readers map every spelling onto one meaning.
@@ -109,3 +109,90 @@ def read_mla(cfg: dict[str, Any]) -> MLAConfig | None:
         v_head_dim=int(cfg["v_head_dim"]),
         rope_interleave=bool(cfg.get("rope_interleave", True)),
     )
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): an indexer scores every cached token for
+    each query with its own small keys (one `head_dim` key per token and layer, cached) and MLA
+    attends only to the best `topk` of them."""
+
+    topk: int  # index_topk: tokens each query attends to (2048 in the released models)
+    head_dim: int  # index_head_dim: width of the indexer's queries and its cached key
+    num_heads: int  # index_n_heads: query heads whose ReLU scores are summed, weighted per head
+    # Per layer: True where the layer runs its own indexer ("full", and caches index keys);
+    # False where it reuses the top-k of the last full layer before it ("shared", GLM-5).
+    full_layers: tuple[bool, ...]
+    # RoPE pairs of the indexer's first rope dims: None = the family's own (DeepSeek-V3.2
+    # half-split, GLM-5 interleaved); config.json's `indexer_rope_interleave` when it says.
+    rope_interleave: bool | None = None
+
+    @property
+    def num_full_layers(self) -> int:
+        return sum(self.full_layers)
+
+    def full_layer_ids(self) -> list[int]:
+        return [i for i, full in enumerate(self.full_layers) if full]
+
+    def describe(self) -> str:
+        return (
+            f"{self.num_full_layers} indexer layers x index key {self.head_dim} values "
+            f"(top {self.topk} tokens attended)"
+        )
+
+
+_DSA_KEYS = ("index_topk", "index_head_dim", "index_n_heads")
+_INDEXER_TYPES = {"full": True, "shared": False, "F": True, "S": False}
+
+
+def read_dsa(cfg: dict[str, Any], num_layers: int) -> DSAConfig | None:
+    """The indexer settings, or None when config.json names none of them. A config that names
+    some must name all, consistently: a ValueError names the field that is wrong."""
+    present = [key for key in _DSA_KEYS if cfg.get(key) is not None]
+    if not present:
+        return None
+    for key in _DSA_KEYS:
+        if key not in present:
+            raise ValueError(f"sparse attention config lacks {key!r} (it gives {present})")
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
+            raise ValueError(f"{key} must be a positive integer, got {cfg[key]!r}")
+    if not cfg.get("q_lora_rank"):
+        raise ValueError("sparse attention needs 'q_lora_rank': the indexer reads the query latent")
+    rope_dim = int(cfg.get("qk_rope_head_dim") or 0)
+    if cfg["index_head_dim"] < rope_dim:
+        raise ValueError(
+            f"index_head_dim {cfg['index_head_dim']} is narrower than qk_rope_head_dim {rope_dim}"
+        )
+    interleave = cfg.get("indexer_rope_interleave")
+    return DSAConfig(
+        topk=cfg["index_topk"],
+        head_dim=cfg["index_head_dim"],
+        num_heads=cfg["index_n_heads"],
+        full_layers=_full_indexer_layers(cfg, num_layers),
+        rope_interleave=None if interleave is None else bool(interleave),
+    )
+
+
+def _full_indexer_layers(cfg: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """`indexer_types` ("full" / "shared" per layer), else GLM's `index_topk_pattern` ("FSS..."),
+    else its schedule: layer i is full when max(i - offset + 1, 0) % index_topk_freq == 0
+    (offset: index_skip_topk_offset, 2 unless given), as transformers derives it. No setting:
+    every layer full (DeepSeek-V3.2)."""
+    kinds = cfg.get("indexer_types")
+    field_name = "indexer_types"
+    if kinds is None and cfg.get("index_topk_pattern") is not None:
+        kinds, field_name = list(cfg["index_topk_pattern"]), "index_topk_pattern"
+    if kinds is None:
+        freq = max(int(cfg.get("index_topk_freq") or 1), 1)
+        given = cfg.get("index_skip_topk_offset")
+        offset = 2 if given is None else int(given)
+        return tuple(max(i - offset + 1, 0) % freq == 0 for i in range(num_layers))
+    if len(kinds) != num_layers:
+        raise ValueError(f"{field_name} lists {len(kinds)} layers, the model has {num_layers}")
+    unknown = sorted({str(kind) for kind in kinds} - set(_INDEXER_TYPES))
+    if unknown:
+        raise ValueError(f"{field_name} holds {unknown}: each layer is 'full' or 'shared'")
+    full = tuple(_INDEXER_TYPES[kind] for kind in kinds)
+    if not full[0]:
+        raise ValueError(f"{field_name}[0] is 'shared': the first layer has no top-k to reuse")
+    return full

@@ -7,23 +7,33 @@ integrity tags (which are per page and know nothing of what a page holds) are on
     layout   parts          heads          head_dim                  per token and layer
     dense    K, V           num_kv_heads   head_dim                  2 * KVH * D values
     latent   c_kv | k_rope  1              kv_lora_rank + rope_dim   r + rope values  (MLA)
+    sparse   latent, and in the indexer's "full" layers one index key of index_head_dim values
+             (DSA), its own page tensor [num_pages, blocks, page_size, block]
 
 The latent layout is MLA's compressed cache: all heads' keys and values are decompressed from
 one latent row, so a page holds one "head" and no separate V (the latent serves as both).
+
+The sparse layout (DeepSeek-V3.2, GLM-5) adds the indexer's keys to the same pages: page p of
+the index keys belongs to the same tokens as page p of the latents, so allocation, integrity
+tags, prefix caching and release cover both at once. An index key is split into blocks of up to
+INDEX_BLOCK values stored as "heads", so a quantized format's one scale per (page, head, slot)
+is one scale per 128-value block, as DeepSeek-V3.2 stores its FP8 index keys.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from densa.formats.kv_format import KVFormat
+from densa.formats.kv_format import DYNAMIC, KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.attention import LayerKVCache
 
 CachePart = tuple[torch.Tensor, torch.Tensor | None]  # (page values, their FP8 scales or None)
+INDEX_BLOCK = 128  # values of an index key under one scale (DeepSeek-V3.2's FP8 block)
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,8 @@ class KVGeometry:
     num_parts: int  # page tensors per layer: 2 (K, V) or 1 (MLA latent)
     num_heads: int
     head_dim: int
+    # The indexer's keys (sparse layout): their own geometry, layers = the full indexer layers.
+    index: KVGeometry | None = None
 
     @property
     def rows_per_token(self) -> int:
@@ -44,14 +56,32 @@ class KVGeometry:
 
 
 @dataclass
+class IndexKeyCache:
+    """One DSA layer's index keys. keys: [num_pages, blocks, page_size, block], a token's key of
+    blocks * block values (its RoPE'd and, when quantized, Hadamard-rotated indexer key); scales
+    as the format keeps them per (page, block, slot), or None."""
+
+    keys: torch.Tensor
+    scale: torch.Tensor | None
+    kv_format: KVFormat
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[1] * self.keys.shape[3]
+
+
+@dataclass
 class LatentKVCache:
     """One MLA layer's pages. latent: [num_pages, 1, page_size, kv_lora_rank + rope_dim], each
     token's row = (normalized c_kv, RoPE-rotated shared key). FP8 scales as for K/V pages
-    (densa.formats.fp8_kv): a 0-dim static scale, or int8 exponents [num_pages, 1, page_size]."""
+    (densa.formats.fp8_kv): a 0-dim static scale, or int8 exponents [num_pages, 1, page_size].
+    index: the layer's DSA index keys in the same page ids (None: dense MLA, or a layer that
+    reuses another's top-k)."""
 
     latent: torch.Tensor
     scale: torch.Tensor | None = None
     kv_format: KVFormat = None  # type: ignore[assignment]  # None: read off the tensors
+    index: IndexKeyCache | None = None
 
     def __post_init__(self) -> None:
         if self.kv_format is None:
@@ -66,6 +96,14 @@ class LatentKVCache:
 
 
 LayerCache = LayerKVCache | LatentKVCache
+
+
+def index_format(kv_format: KVFormat, index_kv_dtype: str | None = None) -> KVFormat:
+    """How DSA index keys are stored beside pages of `kv_format`: in the same dtype unless
+    `index_kv_dtype` names another; quantized keys with one scale per block of INDEX_BLOCK
+    values (FP8: a power-of-two exponent, the ue8m0 block scale DeepSeek-V3.2 keeps as a
+    float32; INT8: an fp16), never static scales (no calibration measures index keys)."""
+    return KVFormat.of(index_kv_dtype or kv_format.name, DYNAMIC)
 
 
 class KVLayout(Protocol):
@@ -102,6 +140,25 @@ class LatentKVLayout:
     def layer_cache(self, parts: list[CachePart], kv_format: KVFormat) -> LatentKVCache:
         ((latent, scale),) = parts
         return LatentKVCache(latent=latent, scale=scale, kv_format=kv_format)
+
+
+class SparseLatentKVLayout(LatentKVLayout):
+    """MLA latents plus the DSA indexer's keys, one key per token in each full indexer layer."""
+
+    name = "sparse"
+
+    def geometry(self, arch: ArchConfig) -> KVGeometry:
+        if arch.dsa is None:
+            raise ValueError(
+                f"{arch.architecture} needs its indexer's index_topk, index_head_dim and "
+                "index_n_heads in config.json"
+            )
+        latent = super().geometry(arch)
+        block = min(arch.dsa.head_dim, INDEX_BLOCK)
+        if arch.dsa.head_dim % block:
+            raise ValueError(f"index_head_dim {arch.dsa.head_dim} is not whole {block}-blocks")
+        index = KVGeometry(arch.dsa.num_full_layers, 1, arch.dsa.head_dim // block, block)
+        return dataclasses.replace(latent, index=index)
 
 
 def cache_parts(cache: LayerCache) -> list[CachePart]:

@@ -15,6 +15,10 @@ Two ways to attend, with the same result:
   one "KV head" of kv_lora_rank + rope_dim values, the latent doubling as the value (its first
   kv_lora_rank entries). Nothing is decompressed; decode reads only the compressed cache, and on
   the CPU it runs through the same fused paged kernel as dense decode.
+
+Sparse attention (DSA, densa.model.dsa) restricts each query to its top-k tokens: prefill adds
+the selection to the expanded path's mask; decode gathers only the selected latent rows
+(`sparse_absorbed_decode`), so a step reads k rows per sequence and layer, not the context.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from densa.formats.kv_format import is_layer_scale
 from densa.kernels.cpu.kv_store import store_kv
 from densa.model.attention import (
     AttentionGroup,
@@ -99,6 +104,79 @@ def _cpu_absorbed_decode(
 _ABSORBED_DECODE = {"torch": _torch_absorbed_decode, "cpu": _cpu_absorbed_decode}
 
 
+def sparse_absorbed_decode(
+    q_latent: torch.Tensor,
+    cache: LatentKVCache,
+    group: AttentionGroup,
+    positions: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    backend_name: str,
+) -> torch.Tensor:
+    """Absorbed decode over each sequence's selected tokens only, by the backend's kernel.
+    q_latent: [B, H, r + rope]; positions: [B, k] within each sequence (-1: none) -> [B, H, r]."""
+    decode = _SPARSE_DECODE.get(backend_name, _torch_sparse_decode)
+    return decode(q_latent, cache, group, positions, scale, kv_lora_rank)
+
+
+def _torch_sparse_decode(
+    q_latent: torch.Tensor,
+    cache: LatentKVCache,
+    group: AttentionGroup,
+    positions: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    rows = gather_latent_rows(cache, group.page_table, positions, q_latent.dtype)  # [B, k, D]
+    latent = rows.unsqueeze(1)  # [B, 1, k, D]: one "KV head"
+    out = F.scaled_dot_product_attention(
+        q_latent.unsqueeze(2),
+        latent,
+        latent[..., :kv_lora_rank],
+        attn_mask=(positions >= 0)[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )  # fmt: skip  -> [B, H, 1, r]
+    return out[:, :, 0]
+
+
+def _cpu_sparse_decode(
+    q_latent: torch.Tensor,
+    cache: LatentKVCache,
+    group: AttentionGroup,
+    positions: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """The fused kernel: reads only the selected rows, in place (densa.kernels.cpu)."""
+    from densa.kernels.cpu.sparse_latent_decode import sparse_latent_decode
+
+    out = sparse_latent_decode(
+        q_latent.float().contiguous(), cache.latent, group.page_table, positions, scale,
+        kv_lora_rank, cache.scale, cache.kv_format,
+    )  # fmt: skip
+    return out.to(q_latent.dtype)
+
+
+# Sparse decode kernels by attention backend name (others use the torch path).
+_SPARSE_DECODE = {"torch": _torch_sparse_decode, "cpu": _cpu_sparse_decode}
+
+
+def gather_latent_rows(
+    cache: LatentKVCache, page_table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The latent rows at `positions` [B, k] of each sequence, dequantized: [B, k, D] (a -1
+    reads the sequence's first row, for the caller to mask)."""
+    pos = positions.clamp(min=0)
+    pages = page_table.long().gather(1, pos // cache.page_size)  # [B, k]
+    slots = pos % cache.page_size
+    values = cache.latent[pages, 0, slots]  # [B, k, D]
+    scale = cache.scale
+    if scale is not None and not is_layer_scale(scale, cache.kv_format):
+        scale = scale[pages, 0, slots]  # [B, k]: one per row
+    return cache.kv_format.dequantize(values, scale).to(dtype)
+
+
 def expanded_prefill(
     q: torch.Tensor,
     cache: LatentKVCache,
@@ -107,10 +185,12 @@ def expanded_prefill(
     decompress: torch.nn.Module,
     dims: tuple[int, int, int],
     new_latent: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [rows, H, nope + rope] -> [rows, H, v_dim]. decompress: kv_b_proj, [.., kv_lora_rank]
     -> [.., H * (nope + v)]. dims: (kv_lora_rank, nope, v). new_latent: the group's own rows as
-    computed ([rows, D]); when given (FP8 pages) they replace their quantized copies."""
+    computed ([rows, D]); when given (FP8 pages) they replace their quantized copies. mask: the
+    keys each query attends ([B, 1, max_q, K] bool), when not the group's causal mask (DSA)."""
     kv_lora_rank, nope, v_dim = dims
     num_heads = q.shape[1]
     latent = gather_latent(cache, group, q.dtype)  # [B, K, D]
@@ -126,6 +206,7 @@ def expanded_prefill(
     q_pad = q.new_zeros(num_seqs * group.max_query_len, num_heads, q.shape[2])
     q_pad[group.valid] = q
     q_pad = q_pad.view(num_seqs, group.max_query_len, num_heads, -1).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=group.mask, scale=scale)
+    attend = group.mask if mask is None else mask
+    out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=attend, scale=scale)
     out = out.transpose(1, 2).reshape(num_seqs * group.max_query_len, num_heads, v_dim)
     return out[group.valid]

@@ -18,9 +18,15 @@ import torch
 from torch import nn
 
 from densa.model.arch import ArchConfig
-from densa.model.attention import AttentionBackend, AttentionMetadata
+from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata
+from densa.model.dsa import Selection
 from densa.model.kv_layout import LatentKVCache
-from densa.model.latent_attention import absorbed_decode, expanded_prefill, store_latent
+from densa.model.latent_attention import (
+    absorbed_decode,
+    expanded_prefill,
+    sparse_absorbed_decode,
+    store_latent,
+)
 from densa.model.layers import RMSNorm, RotaryEmbedding, yarn_mscale
 from densa.model.linear import Linear
 
@@ -71,18 +77,42 @@ class MLAttention(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        return self.attend(rope, hidden, self.query_latent(hidden), cache, meta, backend)
+
+    def query_latent(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """c_q = norm(x W_dq) [T, q_lora_rank], or None without query LoRA."""
+        if self.m.q_lora_rank is None:
+            return None
+        return self.q_a_layernorm(self.q_a_proj(hidden))
+
+    def attend(
+        self,
+        rope: CosSin,
+        hidden: torch.Tensor,
+        c_q: torch.Tensor | None,
+        cache: LatentKVCache,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+        selection: Selection | None = None,
+    ) -> torch.Tensor:
+        """Store this step's latents and attend: to the whole context, or (sparse attention)
+        to the tokens `selection` chose for each query."""
         num_tokens, m = hidden.shape[0], self.m
-        q = self._queries(hidden).view(num_tokens, self.num_heads, m.qk_head_dim)
+        q = self.q_proj(hidden) if c_q is None else self.q_b_proj(c_q)
+        q = q.view(num_tokens, self.num_heads, m.qk_head_dim)
         q_nope, q_rope = q.split([m.nope_head_dim, m.rope_head_dim], dim=-1)
         c_kv, k_rope = self.kv_a_proj_with_mqa(hidden).split([m.kv_lora_rank, m.rope_head_dim], -1)
         k_rope = self.rotate(k_rope.view(num_tokens, 1, m.rope_head_dim), rope)[:, 0]
         latent = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)  # [T, r + rope]
         store_latent(cache, latent, meta)
         q_rope = self.rotate(q_rope, rope)
+        selection = selection or Selection()
         out = q.new_empty(num_tokens, self.num_heads, m.v_head_dim)
         if meta.decode is not None:
             rows = slice(meta.decode.start, meta.decode.end)
-            out[rows] = self._decode(q_nope[rows], q_rope[rows], cache, meta, backend)
+            out[rows] = self._decode(
+                q_nope[rows], q_rope[rows], cache, meta.decode, backend, selection.decode
+            )
         if meta.prefill is not None:
             group = meta.prefill
             rows = slice(group.start, group.end)
@@ -90,35 +120,33 @@ class MLAttention(nn.Module):
             out[rows] = expanded_prefill(
                 torch.cat([q_nope[rows], q_rope[rows]], dim=-1), cache, group, self.scale,
                 self.kv_b_proj, (m.kv_lora_rank, m.nope_head_dim, m.v_head_dim), fresh,
+                selection.prefill,
             )  # fmt: skip
         return self.o_proj(out.reshape(num_tokens, self.num_heads * m.v_head_dim))
-
-    def _queries(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.m.q_lora_rank is None:
-            return self.q_proj(hidden)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
 
     def _decode(
         self,
         q_nope: torch.Tensor,
         q_rope: torch.Tensor,
         cache: LatentKVCache,
-        meta: AttentionMetadata,
+        group: AttentionGroup,
         backend: AttentionBackend,
+        positions: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Absorbed decode: [B, H, nope], [B, H, rope] -> [B, H, v]."""
+        """Absorbed decode: [B, H, nope], [B, H, rope] -> [B, H, v]; over the selected
+        `positions` ([B, k]) only, when given."""
         m = self.m
         w_uk, w_uv = self.absorbed_weights()  # [H, nope, r], [H, v, r]
         q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # W_uk folded into the query
-        assert meta.decode is not None
-        o_latent = absorbed_decode(
-            torch.cat([q_latent, q_rope], dim=-1),
-            cache,
-            meta.decode,
-            self.scale,
-            m.kv_lora_rank,
-            backend.name,
-        )  # fmt: skip  -> [B, H, r]
+        q_latent = torch.cat([q_latent, q_rope], dim=-1)
+        if positions is None:
+            o_latent = absorbed_decode(
+                q_latent, cache, group, self.scale, m.kv_lora_rank, backend.name
+            )  # fmt: skip  -> [B, H, r]
+        else:
+            o_latent = sparse_absorbed_decode(
+                q_latent, cache, group, positions, self.scale, m.kv_lora_rank, backend.name
+            )
         return torch.einsum("bhr,hvr->bhv", o_latent, w_uv)  # W_uv folded into the output
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

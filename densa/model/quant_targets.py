@@ -8,7 +8,8 @@ output head       lm_head                                    only with include_h
 kept dense        MoE routers (not Linear modules), shared   never: tiny, and their rounding
                   expert gates [hidden -> 1], MLA kv_b_proj  changes which experts run, or
                   (absorbed into decode's query/output),     (kv_b_proj) decode needs the
-                  weights tied to an embedding               plain matrix
+                  DSA indexers' per-head weights,            plain matrix; (weights_proj)
+                  weights tied to an embedding               it decides which tokens attend
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from densa.model.dsa import Indexer
 from densa.model.linear import Linear
 from densa.model.mla import MLAttention
 from densa.model.moe import SparseMoeBlock
@@ -56,6 +58,8 @@ def _kept_dense(model: nn.Module) -> set[str]:
     for name, module in model.named_modules():
         if isinstance(module, MLAttention):
             names.add(f"{name}.kv_b_proj")
+        elif isinstance(module, Indexer):
+            names.add(f"{name}.weights_proj")
         elif isinstance(module, SparseMoeBlock) and module.shared_expert_gate is not None:
             names.add(f"{name}.shared_expert_gate")
     return names

@@ -14,10 +14,16 @@ from dataclasses import dataclass, field
 import torch
 
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.deepseek_v3 import DeepseekV3ForCausalLM
+from densa.model.deepseek_v3 import DeepseekV3ForCausalLM, KimiK25ForConditionalGeneration
+from densa.model.deepseek_v32 import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from densa.model.gemma3 import Gemma3ForCausalLM
 from densa.model.interface import CausalLM
-from densa.model.kv_layout import DenseKVLayout, KVLayout, LatentKVLayout
+from densa.model.kv_layout import (
+    DenseKVLayout,
+    KVLayout,
+    LatentKVLayout,
+    SparseLatentKVLayout,
+)
 from densa.model.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from densa.model.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -71,6 +77,13 @@ register_model("MixtralForCausalLM", MixtralForCausalLM)
 register_model("Qwen2MoeForCausalLM", Qwen2MoeForCausalLM)
 register_model("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)
 register_model("DeepseekV3ForCausalLM", DeepseekV3ForCausalLM, LatentKVLayout())  # Kimi K2 too
+# Kimi K2.5+ (moonshot's name and transformers'): the DeepSeek-V3 text model of a multimodal
+# checkpoint, its config's text_config read as the model's (densa.model.arch).
+for _name in ("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGeneration"):
+    register_model(_name, KimiK25ForConditionalGeneration, LatentKVLayout())
+# MLA + sparse attention: latents and the indexer's keys in the same pages.
+register_model("DeepseekV32ForCausalLM", DeepseekV32ForCausalLM, SparseLatentKVLayout())
+register_model("GlmMoeDsaForCausalLM", GlmMoeDsaForCausalLM, SparseLatentKVLayout())
 
 
 # The init functions the modules' reset_parameters call (nn.Linear, nn.Embedding, ...).

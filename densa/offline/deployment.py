@@ -11,6 +11,8 @@ other). What tensor parallelism splits, as vLLM and SGLang shard these models:
       experts (their widths split)
     GQA KV heads (each rank its        MLA's latent KV (every rank caches the whole latent
       share; at least one)               of every token: it is not split by heads)
+    -                                  DSA's indexer (wq_b, wk, weights_proj, its LayerNorm)
+                                         and its index keys (one per token, not per head)
 
 Weight formats (bytes per parameter of the linear layers; everything else stays bf16):
 bf16 2; fp8 e4m3 1 + 4 / 128^2 (one fp32 scale per 128 x 128 block, as DeepSeek/Kimi/GLM ship
@@ -70,11 +72,14 @@ class WeightFormatSize:
 def count_parameters(cfg: dict[str, Any], arch: ArchConfig) -> ParamCounts:
     """Every parameter of the served layers, plus the checkpoint's MTP layers (each one MoE
     layer and an eh_proj [h, 2h] with two norms)."""
-    layers = [_layer(arch, is_moe) for is_moe in _moe_flags(arch)]
+    flags = _moe_flags(arch)
+    full = arch.dsa.full_layers if arch.dsa is not None else (False,) * arch.num_layers
+    layers = [_layer(arch, is_moe, indexed) for is_moe, indexed in zip(flags, full, strict=True)]
     h = arch.hidden_size
     head = 0 if arch.tie_word_embeddings else arch.vocab_size * h
     mtp_layers = int(cfg.get("num_nextn_predict_layers") or 0)
-    mtp = mtp_layers * (sum(_layer(arch, arch.moe is not None)) + 2 * h * h + 2 * h)
+    mtp_layer = _layer(arch, arch.moe is not None, arch.dsa is not None)  # its own indexer
+    mtp = mtp_layers * (sum(mtp_layer) + 2 * h * h + 2 * h)
     return ParamCounts(
         split_linear=sum(layer[0] + layer[3] for layer in layers),
         replicated_linear=sum(layer[1] for layer in layers),
@@ -90,12 +95,15 @@ def _moe_flags(arch: ArchConfig) -> tuple[bool, ...]:
     return arch.moe.moe_layers if arch.moe is not None else (False,) * arch.num_layers
 
 
-def _layer(arch: ArchConfig, is_moe: bool) -> tuple[int, int, int, int, int]:
+def _layer(arch: ArchConfig, is_moe: bool, indexed: bool) -> tuple[int, int, int, int, int]:
     """One layer's (split linear, replicated linear, kept bf16, routed experts, norms and
-    router) parameters."""
+    router) parameters; `indexed`: it runs a DSA indexer."""
     h = arch.hidden_size
     split, replicated, kept = _attention(arch)
     other = 2 * h + _mla_norms(arch)
+    if indexed:
+        linear, kept_bf16 = _indexer(arch)
+        replicated, other = replicated + linear, other + kept_bf16
     moe = arch.moe
     if moe is None or not is_moe:
         return split + 3 * h * arch.intermediate_size, replicated, kept, 0, other
@@ -122,6 +130,18 @@ def _attention(arch: ArchConfig) -> tuple[int, int, int]:
     kv_b = mla.kv_lora_rank * heads * (mla.nope_head_dim + mla.v_head_dim)
     o = heads * mla.v_head_dim * h
     return split + o, replicated, kv_b
+
+
+def _indexer(arch: ArchConfig) -> tuple[int, int]:
+    """(replicated linear: wq_b and wk, shipped in FP8; replicated bf16: weights_proj, kept high
+    precision as densa keeps it, and the key's LayerNorm) of one DSA indexer."""
+    assert arch.dsa is not None and arch.mla is not None
+    dsa = arch.dsa
+    wq_b = (arch.mla.q_lora_rank or 0) * dsa.num_heads * dsa.head_dim
+    return (
+        wq_b + arch.hidden_size * dsa.head_dim,
+        arch.hidden_size * dsa.num_heads + 2 * dsa.head_dim,
+    )
 
 
 def _mla_norms(arch: ArchConfig) -> int:
@@ -253,6 +273,7 @@ def _describe_kv(arch: ArchConfig, tp: int) -> str:
         return (
             f"{arch.num_layers} layers x MLA latent {arch.mla.latent_dim} values, whole on "
             "every rank (not split by TP)"
+            + ("" if arch.dsa is None else ", + " + arch.dsa.describe())
         )
     per_rank = max(1, math.ceil(arch.num_kv_heads / tp))
     return (

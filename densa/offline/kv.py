@@ -145,6 +145,7 @@ def _describe_kv_shape(arch: ArchConfig) -> str:
         return (
             f"{arch.num_layers} layers x MLA latent {m.latent_dim} values "
             f"(kv_lora_rank {m.kv_lora_rank} + rope {m.rope_head_dim}), no separate V"
+            f"{'' if arch.dsa is None else ', + ' + arch.dsa.describe()}"
         )
     return f"{arch.num_layers} layers x {arch.num_kv_heads} KV heads x head_dim {arch.head_dim}"
 

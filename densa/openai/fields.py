@@ -20,6 +20,8 @@ from pydantic_core import PydanticCustomError, core_schema
 
 from densa.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_STRINGS
 
+_IMAGE_PARTS = ("image_url", "image", "input_image")
+
 
 def _join_text_parts(value: Any) -> Any:
     """Content is a string or a list of {"type": "text", "text": ...} parts (joined by "\\n")."""
@@ -27,6 +29,11 @@ def _join_text_parts(value: Any) -> Any:
         return value
     texts = []
     for part in value:
+        if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+            raise ValueError(
+                "image content parts are not supported: densa serves text models only (a "
+                "multimodal checkpoint such as Kimi K2.5 is served without its vision tower)"
+            )
         if not (isinstance(part, dict) and part.get("type") == "text"):
             raise ValueError(
                 'only text content parts ({"type": "text", "text": ...}) are supported'

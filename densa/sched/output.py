@@ -84,6 +84,9 @@ class PackedPages:
         row_scales  [num_layers, num_parts, num_pages, num_heads, page_size] when the format
                     keeps one scale per row (FP8 dynamic: int8 exponents; INT8: fp16), else None
         static      [num_layers][num_parts] static FP8 scales, else empty
+        index       sparse attention's index keys of the same pages, packed the same way in
+                    their own format ([indexer layers, 1, num_pages, blocks, page_size, block]);
+                    None for models without them
     """
 
     kv_dtype: str  # KVFormat.name
@@ -92,6 +95,7 @@ class PackedPages:
     values: memoryview
     row_scales: memoryview | None = None
     static_scales: list[list[float]] = field(default_factory=list)
+    index: PackedPages | None = None
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     kv_scales: str = "auto"  # FP8 only: dynamic | static | auto (static iff kv_scales_file)
     kv_scales_file: str | None = None  # static per-layer FP8 scales from `densa calibrate-kv`
+    # Sparse attention's index keys (DeepSeek-V3.2, GLM-5): auto = the pages' dtype; another
+    # KV dtype stores them so (e.g. FP8 keys beside BF16 latents, to measure what FP8 costs).
+    index_kv_dtype: str = "auto"
     # An exact page count, overriding kv_cache_memory (tests, benchmarks).
     num_kv_pages: int | None = None
     page_size: int = 16
@@ -183,6 +186,7 @@ class EngineArgs:
             kv_cache_dtype=kv.name,
             kv_scales=kv.fp8_policy,
             kv_scales_file=self.kv_scales_file,
+            index_kv_dtype=None if self.index_kv_dtype == "auto" else self.index_kv_dtype,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_integrity=self.kv_integrity,
             memory=self.kv_cache_memory,

@@ -85,7 +85,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     config = config.sized(num_pages, tokenizer.eos_token_ids)
     kv_caches = allocate_kv_caches(
         arch, num_pages, config.cache.page_size, kv_format.name, device, kv_format.fp8_policy,
-        static_scales,
+        static_scales, config.cache.index_kv_dtype,
     )  # fmt: skip
     backend = select_backend(config.device.attention_backend, device)
     runner = build_runner(config, model, decode_model, kv_caches, backend, tokenizer, arch)
@@ -184,7 +184,7 @@ def _log_kv_cache(
 ) -> None:
     cache = config.cache
     kv_bytes = cache.num_pages * page_bytes(
-        arch, cache.page_size, kv_format.name, kv_format.fp8_policy
+        arch, cache.page_size, kv_format.name, kv_format.fp8_policy, cache.index_kv_dtype
     )
     logger.info(
         "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "

@@ -37,7 +37,9 @@ def kv_budget(
     device: torch.device,
 ) -> KVBudget:
     """The KV cache's byte budget, and why (an explicit size, a share of free memory, or auto)."""
-    page = page_bytes(arch, cache.page_size, kv_format.name, kv_format.fp8_policy)
+    page = page_bytes(
+        arch, cache.page_size, kv_format.name, kv_format.fp8_policy, cache.index_kv_dtype
+    )
     if cache.exact_num_pages is not None:
         return KVBudget(cache.exact_num_pages * page, f"--num-kv-pages {cache.exact_num_pages}")
     free = _free_memory(device)
@@ -84,7 +86,9 @@ def resolve_num_pages(
     memory buys pages of (target + draft) bytes; an exact --num-kv-pages is the target's, the
     draft's pages coming on top."""
     budget = kv_budget(cache, scheduler, arch, kv_format, device)
-    target_page = page_bytes(arch, cache.page_size, kv_format.name, kv_format.fp8_policy)
+    target_page = page_bytes(
+        arch, cache.page_size, kv_format.name, kv_format.fp8_policy, cache.index_kv_dtype
+    )
     if cache.exact_num_pages is not None:
         num_pages = cache.exact_num_pages
     else:

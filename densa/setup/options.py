@@ -73,6 +73,13 @@ def _kv_cache_options(g: argparse._ArgumentGroup, d: EngineArgs) -> None:
         choices=list(KV_CACHE_DTYPES),
     )
     g.add_argument(
+        "--index-kv-dtype",
+        default=d.index_kv_dtype,
+        choices=list(KV_CACHE_DTYPES),
+        help="sparse attention (DeepSeek-V3.2, GLM-5): the index keys' dtype; auto (default): "
+        "the pages' (FP8 pages hold FP8 keys with a scale per 128 values)",
+    )
+    g.add_argument(
         "--kv-scales",
         default=d.kv_scales,
         choices=list(KV_SCALE_POLICIES),

@@ -44,11 +44,14 @@ from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, AttentionMetadata
 from densa.model.checkpoint_files import iter_checkpoint, safetensors_files
 from densa.model.deepseek_v3 import DeepseekV3DecoderLayer
+from densa.model.deepseek_v32 import SparseDecoderLayer
+from densa.model.family_config import MoEConfig
 from densa.model.kv_layout import LatentKVCache, LayerCache
 from densa.model.layers import RMSNorm, RotaryEmbedding
 from densa.model.linear import Linear
 from densa.model.loader import DTYPES
 from densa.model.moe import stack_experts
+from densa.model.registry import model_factory
 from densa.model.weight_loading import GATE_UP_FUSED, FusedWeightLoader
 from densa.sched.output import PackedPages
 from densa.spec.paged_rows import (
@@ -94,7 +97,7 @@ class MTPLayer(nn.Module):
         self.eh_proj = Linear(2 * hidden, hidden, bias=False)
         # The layer after the model's last: MoE as every DeepSeek layer past the dense ones.
         moe = dataclasses.replace(cfg.moe, moe_layers=(*cfg.moe.moe_layers, cfg.moe.moe_layers[-1]))
-        self.block = DeepseekV3DecoderLayer(cfg, moe, cfg.num_layers)
+        self.block = _decoder_layer(cfg, moe)
         self.shared_head = SharedHead(cfg)
         self.rotary = RotaryEmbedding(
             cfg.mla.rope_head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device=device
@@ -114,7 +117,7 @@ class MTPLayer(nn.Module):
         embedded = self.enorm(self.embed_tokens(input_ids))
         hidden = self.eh_proj(torch.cat([embedded, self.hnorm(prev_hidden)], dim=-1))  # [T, H]
         rope = self.rotary.lookup(positions, hidden.dtype)
-        out, residual = self.block(rope, hidden, None, cache, meta, backend)
+        out, residual = self.block(rope, hidden, None, cache, meta, backend)[:2]
         return cast(torch.Tensor, out + residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -135,6 +138,26 @@ class MTPLayer(nn.Module):
             FusedWeightLoader(GATE_UP_FUSED).load(self, stacked)
         except (KeyError, ValueError) as exc:
             raise ModelLoadError(f"the MTP layer in {model_dir} does not load: {exc}") from exc
+
+
+def _decoder_layer(cfg: ArchConfig, moe: MoEConfig) -> nn.Module:
+    """The MTP layer's decoder layer: DeepSeek-V3's, or with sparse attention (GLM-5,
+    DeepSeek-V3.2) one that runs its own indexer over its own index keys."""
+    if cfg.dsa is None:
+        return DeepseekV3DecoderLayer(cfg, moe, cfg.num_layers)
+    family = model_factory(cfg.architecture)
+    interleave = cfg.dsa.rope_interleave
+    if interleave is None:
+        interleave = bool(getattr(family, "INDEXER_ROPE_INTERLEAVE", False))
+    return SparseDecoderLayer(with_mtp_indexer(cfg), moe, cfg.num_layers, interleave)
+
+
+def with_mtp_indexer(cfg: ArchConfig, num_layers: int | None = None) -> ArchConfig:
+    """`cfg` with the MTP layer's indexer: after the model's layers, or as the only one of
+    `num_layers=1` (the MTP pool's geometry)."""
+    assert cfg.dsa is not None
+    full = (*cfg.dsa.full_layers, True) if num_layers is None else (True,) * num_layers
+    return dataclasses.replace(cfg, dsa=dataclasses.replace(cfg.dsa, full_layers=full))
 
 
 def _module_name(name: str) -> str:
@@ -370,6 +393,8 @@ def load_mtp_proposer(
     layer = MTPLayer(arch, max_model_len, device).to(device=device, dtype=DTYPES[dtype])
     layer.load_checkpoint(model_dir, arch.num_layers)
     one_layer = dataclasses.replace(arch, num_layers=1)
+    if arch.dsa is not None:  # its pages hold the layer's index keys too
+        one_layer = with_mtp_indexer(one_layer, num_layers=1)
     caches: list[LayerCache] = allocate_kv_caches(
         one_layer, num_pages, page_size, "float32", device
     )

@@ -10,6 +10,12 @@ tensors ("parts") of H heads x D values -- K and V per KV head (P = 2), or MLA's
     fp8_e4m3 static   P * L * H * D * 1            (one float32 scale per layer and part)
     fp8_e4m3 dynamic  P * L * H * (D * 1 + 1)      (one int8 exponent per token, head and part)
     int8              P * L * H * (D * 1 + 2)      (one fp16 scale per token, head and part)
+
+Sparse attention (DSA) adds, in each of its L_I full indexer layers, one index key of D_I values
+per token in the same pages, in the pages' dtype: float32/bf16/fp16 as they are, FP8 and INT8
+with one scale per 128-value block (densa.model.kv_layout.index_format):
+
+    + L_I * D_I * itemsize  (+ L_I * D_I / 128 * scale bytes: 1 for FP8, 2 for INT8)
 """
 
 from __future__ import annotations
@@ -23,7 +29,13 @@ from densa.formats import fp8_kv, int8_kv
 from densa.formats.kv_format import KVFormat
 from densa.memory import huge_page_zeros
 from densa.model.arch import ArchConfig
-from densa.model.kv_layout import KVGeometry, LayerCache
+from densa.model.kv_layout import (
+    IndexKeyCache,
+    KVGeometry,
+    LatentKVCache,
+    LayerCache,
+    index_format,
+)
 from densa.model.registry import kv_layout
 
 KV_DTYPES = {
@@ -39,9 +51,29 @@ def kv_geometry(arch: ArchConfig) -> KVGeometry:
     return kv_layout(arch.architecture).geometry(arch)
 
 
-def value_bytes_per_token(arch: ArchConfig, kv_dtype: str) -> int:
-    """Bytes of one cached token's values across all layers (K and V, or the latent)."""
-    return kv_geometry(arch).values_per_token * KV_DTYPES[kv_dtype].itemsize
+def value_bytes_per_token(
+    arch: ArchConfig, kv_dtype: str, index_kv_dtype: str | None = None
+) -> int:
+    """Bytes of one cached token's values across all layers (K and V, or the latent, and the
+    index keys of sparse attention: in `index_kv_dtype`, None = the pages' dtype)."""
+    geo = kv_geometry(arch)
+    values = geo.values_per_token * KV_DTYPES[kv_dtype].itemsize
+    if geo.index is None:
+        return values
+    keys = index_format(KVFormat.of(kv_dtype, "dynamic"), index_kv_dtype)
+    return values + geo.index.values_per_token * keys.value_bytes()
+
+
+def index_scale_bytes_per_token(
+    arch: ArchConfig, kv_dtype: str, index_kv_dtype: str | None = None
+) -> int:
+    """Bytes the index keys' block scales add to one cached token (0 without sparse attention
+    or for unquantized keys)."""
+    index = kv_geometry(arch).index
+    if index is None:
+        return 0
+    keys = index_format(KVFormat.of(kv_dtype, "dynamic"), index_kv_dtype)
+    return index.rows_per_token * keys.scale_bytes_per_row()
 
 
 def scale_bytes_per_token(arch: ArchConfig, kv_scales: str) -> int:
@@ -51,9 +83,16 @@ def scale_bytes_per_token(arch: ArchConfig, kv_scales: str) -> int:
     return kv_geometry(arch).rows_per_token * fp8_kv.SCALE_BYTES[kv_scales]
 
 
-def bytes_per_token(arch: ArchConfig, kv_dtype: str, kv_scales: str = DEFAULT_KV_SCALES) -> int:
-    """Bytes one cached token takes across all layers: its values, plus FP8 scales."""
-    values = value_bytes_per_token(arch, kv_dtype)
+def bytes_per_token(
+    arch: ArchConfig,
+    kv_dtype: str,
+    kv_scales: str = DEFAULT_KV_SCALES,
+    index_kv_dtype: str | None = None,
+) -> int:
+    """Bytes one cached token takes across all layers: its values, plus FP8 scales (and sparse
+    attention's index keys, in `index_kv_dtype`; None = the pages' dtype)."""
+    values = value_bytes_per_token(arch, kv_dtype, index_kv_dtype)
+    values += index_scale_bytes_per_token(arch, kv_dtype, index_kv_dtype)
     if kv_dtype == int8_kv.KV_DTYPE:
         return values + kv_geometry(arch).rows_per_token * int8_kv.SCALE_BYTES
     if kv_dtype != fp8_kv.KV_DTYPE:
@@ -62,10 +101,14 @@ def bytes_per_token(arch: ArchConfig, kv_dtype: str, kv_scales: str = DEFAULT_KV
 
 
 def page_bytes(
-    arch: ArchConfig, page_size: int, kv_dtype: str, kv_scales: str = DEFAULT_KV_SCALES
+    arch: ArchConfig,
+    page_size: int,
+    kv_dtype: str,
+    kv_scales: str = DEFAULT_KV_SCALES,
+    index_kv_dtype: str | None = None,
 ) -> int:
     """Bytes of one page across all layers (K and V, scales included)."""
-    return bytes_per_token(arch, kv_dtype, kv_scales) * page_size
+    return bytes_per_token(arch, kv_dtype, kv_scales, index_kv_dtype) * page_size
 
 
 def num_pages_for_budget(
@@ -136,6 +179,7 @@ def allocate_kv_caches(
     device: torch.device,
     kv_scales: str = DEFAULT_KV_SCALES,
     static_scales: fp8_kv.KVScales | None = None,
+    index_kv_dtype: str | None = None,
 ) -> list[LayerCache]:
     """One zero-filled tensor for all layers (memory committed up front), viewed per layer and
     part, and wrapped in the family's per-layer cache objects.
@@ -151,11 +195,35 @@ def allocate_kv_caches(
     storage = _zeros(shape, KV_DTYPES[kv_dtype], device)
     scales = _scales(geo, shape, kv_dtype, kv_scales, static_scales, device)
     kv_format = KVFormat.of(kv_dtype, kv_scales, static_scales.source if static_scales else None)
-    return [
+    caches = [
         layout.layer_cache(
             [(storage[layer, part], scales[layer][part]) for part in range(geo.num_parts)],
             kv_format,
         )
+        for layer in range(geo.num_layers)
+    ]
+    if geo.index is not None:
+        assert arch.dsa is not None
+        keys = index_format(kv_format, index_kv_dtype)
+        index_caches = _index_caches(geo.index, num_pages, page_size, keys, device)
+        for layer, index in zip(arch.dsa.full_layer_ids(), index_caches, strict=True):
+            cache = caches[layer]
+            assert isinstance(cache, LatentKVCache)
+            cache.index = index
+    return caches
+
+
+def _index_caches(
+    geo: KVGeometry, num_pages: int, page_size: int, fmt: KVFormat, device: torch.device
+) -> list[IndexKeyCache]:
+    """The index keys of every full indexer layer in `fmt`: one zero-filled tensor, like the
+    latents, [layers, num_pages, blocks, page_size, block], and its per-block scales."""
+    shape = (geo.num_layers, num_pages, geo.num_heads, page_size, geo.head_dim)
+    keys = _zeros(shape, fmt.storage_dtype, device)
+    scale_dtype = fmt.row_scale_dtype
+    scales = None if scale_dtype is None else _zeros(shape[:-1], scale_dtype, device)
+    return [
+        IndexKeyCache(keys[layer], None if scales is None else scales[layer], fmt)
         for layer in range(geo.num_layers)
     ]
 

@@ -11,6 +11,10 @@ caches carry what the pages hold; nothing is inferred from a tensor's dtype or s
     fp8_e4m3, static          e4m3 bytes            -                       [layer][part] floats
     int8                      int8 codes            fp16 scales             -
 
+Sparse attention's index keys (DSA) travel with the pages they belong to, as a second pack in
+their own format (PackedPages.index); pages with index keys land only where the model caches
+them, and pages without them never land in a cache that needs them.
+
 Landing, one layer and part at a time (so the float32 transient is one layer's pages):
     same format (static FP8: equal scales)  -> the bytes are copied, scales with them
     otherwise -> the source format decodes real values, the destination format stores them as
@@ -19,15 +23,17 @@ Landing, one layer and part at a time (so the float32 transient is one layer's p
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from densa.formats.kv_format import STATIC, KVFormat
 from densa.kernels.cpu.kv_store import store_kv
-from densa.model.kv_layout import LayerCache, cache_parts
+from densa.model.kv_layout import CachePart, LatentKVCache, LayerCache, cache_parts
 from densa.sched.output import PackedPages
 
 
@@ -39,38 +45,90 @@ def cache_format(caches: Sequence[LayerCache]) -> KVFormat:
     return caches[0].kv_format
 
 
+@dataclass(frozen=True)
+class _PageParts:
+    """Page tensors packed and landed together, in one format: per layer, its parts."""
+
+    layers: list[list[CachePart]]
+    kv_format: KVFormat
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0][0][0].device
+
+
+def _kv_parts(caches: Sequence[LayerCache]) -> _PageParts:
+    """K and V, or MLA's latent, of every layer."""
+    return _PageParts([cache_parts(cache) for cache in caches], cache_format(caches))
+
+
+def _index_parts(caches: Sequence[LayerCache]) -> _PageParts | None:
+    """Sparse attention's index keys, of the layers that cache them (None: no such layer)."""
+    indexes = [c.index for c in caches if isinstance(c, LatentKVCache) and c.index is not None]
+    if not indexes:
+        return None
+    return _PageParts([[(index.keys, index.scale)] for index in indexes], indexes[0].kv_format)
+
+
 def pack(caches: Sequence[LayerCache], page_ids: list[int]) -> PackedPages:
-    """Copy whole pages out of `caches` (every layer and part), in their own format."""
-    kv_format = cache_format(caches)
+    """Copy whole pages out of `caches` (every layer and part, and sparse attention's index
+    keys in the same pages), in their own formats."""
     index = torch.tensor(page_ids, dtype=torch.long, device=_device(caches))
-    parts = [cache_parts(cache) for cache in caches]
+    keys = _index_parts(caches)
+    packed = _pack(_kv_parts(caches), index)
+    return dataclasses.replace(packed, index=None if keys is None else _pack(keys, index))
+
+
+def _pack(parts: _PageParts, index: torch.Tensor) -> PackedPages:
+    kv_format = parts.kv_format
     # [num_layers, num_parts, n, H, P, D]
-    values = torch.stack([torch.stack([v[index] for v, _ in layer]) for layer in parts]).cpu()
+    values = torch.stack([torch.stack([v[index] for v, _ in layer]) for layer in parts.layers])
     row_scales = None
     if kv_format.row_scale_dtype is not None:
         # [num_layers, num_parts, n, H, P]
-        scales = torch.stack([torch.stack([_scale(s)[index] for _, s in layer]) for layer in parts])
+        scales = torch.stack(
+            [torch.stack([_scale(s)[index] for _, s in layer]) for layer in parts.layers]
+        )
         row_scales = _bytes_of(scales.cpu())
     static: list[list[float]] = []
     if kv_format.scales == STATIC:
-        static = [[_static(s) for _, s in layer] for layer in parts]
+        static = [[_static(s) for _, s in layer] for layer in parts.layers]
     return PackedPages(
-        kv_format.name, kv_format.scales, tuple(values.shape), _bytes_of(values), row_scales, static
-    )
+        kv_format.name, kv_format.scales, tuple(values.shape), _bytes_of(values.cpu()),
+        row_scales, static,
+    )  # fmt: skip
 
 
 def land(caches: Sequence[LayerCache], page_ids: list[int], pages: PackedPages) -> None:
     """Write packed pages into `page_ids`, converting the format where it differs. The caller
     has checked that the writer owns every destination page (tags). Raises LandingError,
     before writing anything, if the pages do not fit this cache."""
-    source = _format_of(pages)
-    values, row_scales = _tensors(pages, source, caches, len(page_ids))
-    dest = cache_format(caches)
-    device = _device(caches)
+    keys = _index_parts(caches)
+    if (keys is None) != (pages.index is None):
+        has = "without" if pages.index is None else "with"
+        raise LandingError(f"pages {has} sparse attention's index keys cannot land here")
+    landings = [(_kv_parts(caches), pages)]
+    if keys is not None and pages.index is not None:
+        landings.append((keys, pages.index))
+    checked = [
+        (parts, packed, *_tensors(packed, parts, len(page_ids))) for parts, packed in landings
+    ]  # fmt: skip  (all checked before any write)
+    for parts, packed, values, row_scales in checked:
+        _land(parts, page_ids, packed, values, row_scales)
+
+
+def _land(
+    parts: _PageParts,
+    page_ids: list[int],
+    pages: PackedPages,
+    values: torch.Tensor,
+    row_scales: torch.Tensor | None,
+) -> None:
+    source, dest, device = _format_of(pages), parts.kv_format, parts.device
     index = torch.tensor(page_ids, dtype=torch.long, device=device)
-    copy_bytes = _same_format(source, dest, pages, caches)
-    for layer, cache in enumerate(caches):
-        for part, (dest_values, dest_scale) in enumerate(cache_parts(cache)):
+    copy_bytes = _same_format(source, dest, pages, parts)
+    for layer, layer_parts in enumerate(parts.layers):
+        for part, (dest_values, dest_scale) in enumerate(layer_parts):
             src = values[layer, part].to(device)  # [n, H, P, D]
             src_scale = None if row_scales is None else row_scales[layer, part].to(device)
             if copy_bytes:
@@ -109,11 +167,12 @@ def _format_of(pages: PackedPages) -> KVFormat:
 
 
 def _tensors(
-    pages: PackedPages, source: KVFormat, caches: Sequence[LayerCache], num_pages: int
+    pages: PackedPages, parts: _PageParts, num_pages: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The packed buffers as tensors (views, no copy), checked against the destination."""
-    first = cache_parts(caches[0])
-    want = (len(caches), len(first), num_pages, *first[0][0].shape[1:])
+    source = _format_of(pages)
+    first = parts.layers[0]
+    want = (len(parts.layers), len(first), num_pages, *first[0][0].shape[1:])
     if tuple(pages.shape) != want:
         raise LandingError(f"pages shaped {list(pages.shape)} cannot land in {list(want)}")
     scale_dtype = source.row_scale_dtype
@@ -129,14 +188,12 @@ def _tensors(
     return values, _tensor(pages.row_scales, scale_dtype, list(want[:-1]))
 
 
-def _same_format(
-    source: KVFormat, dest: KVFormat, pages: PackedPages, caches: Sequence[LayerCache]
-) -> bool:
+def _same_format(source: KVFormat, dest: KVFormat, pages: PackedPages, parts: _PageParts) -> bool:
     if (source.name, source.scales) != (dest.name, dest.scales):
         return False
     if source.scales != STATIC:
         return True
-    ours = [[_static(s) for _, s in cache_parts(cache)] for cache in caches]
+    ours = [[_static(s) for _, s in layer] for layer in parts.layers]
     return ours == pages.static_scales
 
 

@@ -1,6 +1,7 @@
 """Checkpoints as their producers ship them (DeepSeek FP8 blocks, compressed-tensors FP8 and
 INT4, AutoAWQ, GPTQ with act-order) serve transformers' greedy tokens on the producer's own
-dequantization of the same weights (fp32), for a tiny Llama, Qwen3-MoE and DeepSeek-V3; the
+dequantization of the same weights (fp32), for a tiny Llama, Qwen3-MoE, DeepSeek-V3 and GLM-5
+(its indexer's projections in FP8, its prompts past the 16 tokens the indexer keeps); the
 layers run in densa's FP8 / INT4 formats, not from a dense copy."""
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ CASES = [
     ("llama", "gptq-act", 32, "layers.0.self_attn.o_proj", Linear),  # act-order: dequantized
     ("qwen3_moe", "ct-int4-asym", 32, "layers.1.mlp.experts.down_proj", StackedInt4Linear),
     ("deepseek_v3", "deepseek-fp8", 128, "layers.1.mlp.experts.gate_up_proj", StackedFp8Linear),
+    ("glm_moe_dsa", "deepseek-fp8", 128, "layers.2.self_attn.indexer.wq_b", Fp8Linear),
 ]
 
 
@@ -62,15 +64,18 @@ def test_shipped_checkpoint_serves_transformers_greedy(
     source = _source(family, tmp_path / "src", smollm2_dir)
     shipped = write_shipped(source, tmp_path / "shipped", tmp_path / "ref", name, group_size)
     tokenizer = Tokenizer.from_dir(shipped)
-    prompts = [tokenizer.encode(text) for text in TEXTS]
+    repeat = 4 if family == "glm_moe_dsa" else 1  # sparse attention: prompts past its top-k
+    prompts = [tokenizer.encode(text * repeat) for text in TEXTS]
     refs = hf_greedy(tmp_path / "ref", prompts, MAX_NEW)
     engine = LLMEngine.from_args(
         EngineArgs(model=str(shipped), max_model_len=128, num_kv_pages=64, page_size=16)
     )
     model = engine.runner.model
     assert type(model.get_submodule(module)) is kind
-    if family == "deepseek_v3":  # densa keeps MLA's kv_b_proj dense (absorbed in decode)
+    if family in ("deepseek_v3", "glm_moe_dsa"):  # MLA's kv_b_proj stays dense (absorbed)
         assert type(model.get_submodule("layers.0.self_attn.kv_b_proj")) is Linear
+    if family == "glm_moe_dsa":  # as is the indexer's weights_proj (it decides the top-k)
+        assert type(model.get_submodule("layers.0.self_attn.indexer.weights_proj")) is Linear
     ours = run_with_invariants(engine, prompts, GREEDY)
     diverged = [first_divergence(o, r) for o, r in zip(ours, refs, strict=True)]
     assert diverged.count(None) >= len(prompts) - 1, diverged

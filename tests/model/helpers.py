@@ -13,9 +13,15 @@ from densa.worker.kv_cache import allocate_kv_caches
 
 
 def densa_logits(
-    model_dir: Path, token_ids: list[int], dtype: str = "float32", page_size: int = 4
+    model_dir: Path,
+    token_ids: list[int],
+    dtype: str = "float32",
+    page_size: int = 4,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """Logits [T, vocab] for every position of one prompt, through paged KV with shuffled pages."""
+    """Logits [T, vocab] for every position of one prompt, through paged KV with shuffled pages;
+    in prefill chunks of `chunk_size` tokens (each reading the earlier ones from the pages), or
+    all at once."""
     arch = ArchConfig.from_dir(model_dir)
     cpu = torch.device("cpu")
     model = load_model(model_dir, arch, dtype, 512, cpu)
@@ -23,16 +29,22 @@ def densa_logits(
     kv_dtype = dtype
     caches = allocate_kv_caches(arch, num_pages * 2, page_size, kv_dtype, cpu)
     pages = list(range(num_pages * 2 - 1, -1, -2))[:num_pages]  # non-contiguous, descending
-    positions = torch.arange(len(token_ids))
-    meta = AttentionMetadata(
-        slot_pages=torch.tensor([pages[p // page_size] for p in range(len(token_ids))]),
-        slot_offsets=positions % page_size,
-        decode=None,
-        prefill=build_group(0, [pages], [len(token_ids)], [len(token_ids)], page_size, cpu),
-    )
-    with torch.inference_mode():
-        hidden = model(torch.tensor(token_ids), positions, caches, meta, TorchAttentionBackend())
-        return model.compute_logits(hidden)  # type: ignore[operator]
+    step = chunk_size or len(token_ids)
+    logits = []
+    for start in range(0, len(token_ids), step):
+        end = min(start + step, len(token_ids))
+        positions = torch.arange(start, end)
+        meta = AttentionMetadata(
+            slot_pages=torch.tensor([pages[p // page_size] for p in range(start, end)]),
+            slot_offsets=positions % page_size,
+            decode=None,
+            prefill=build_group(0, [pages], [end], [end - start], page_size, cpu),
+        )
+        with torch.inference_mode():
+            chunk = torch.tensor(token_ids[start:end])
+            hidden = model(chunk, positions, caches, meta, TorchAttentionBackend())
+            logits.append(model.compute_logits(hidden))  # type: ignore[operator]
+    return torch.cat(logits)
 
 
 def hf_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:

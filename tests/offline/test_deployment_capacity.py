@@ -80,3 +80,22 @@ def test_the_command_prints_the_tables_with_their_arithmetic(
     assert "KV per token per GPU: 92 layers x 2 (K, V) x 1 of 8 KV heads x head_dim 128" in out
     assert "| int4 g32 | fp8_e4m3 | 106.16 GB | 23736 | 4,472,399 | 1.984x |" in out
     assert main(["capacity", "--gpu", "h200"]) == 2  # no config
+
+
+@pytest.mark.parametrize(
+    ("name", "published"), [("glm-5", 744e9), ("deepseek-v3.2", 685e9), ("kimi-k2.6", 1.04e12)]
+)
+def test_sparse_attention_and_kimi_k25_configs_size(name: str, published: float) -> None:
+    """GLM-5 and DeepSeek-V3.2 count their indexers; Kimi K2.6 sizes from its text_config."""
+    _, counts, _, _ = _sized(name)
+    assert abs(counts.served + counts.mtp - published) / published < 0.02
+
+
+def test_index_keys_are_whole_on_every_rank() -> None:
+    """GLM-5.2: 78 latent rows and 21 index keys per token on every rank, at any TP."""
+    glm, _, _, tokens = _sized("glm-5.2")
+    per_gpu = deployment.kv_bytes_per_token_per_gpu
+    assert per_gpu(glm, "bfloat16", None, 8) == per_gpu(glm, "bfloat16", None, 1) == 95232
+    assert per_gpu(glm, "fp8_e4m3", "dynamic", 8) == 78 * 577 + 21 * 129
+    ratio = tokens[("int4 g32", "fp8_e4m3")] / tokens[("int4 g32", "bfloat16")]
+    assert 1.99 < ratio <= 2.0

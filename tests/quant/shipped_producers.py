@@ -25,7 +25,10 @@ AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]
 FP8_MAX = 448.0
 
 # The linear weights producers quantize (routers, embeddings, norms and the head stay dense).
-QUANTIZED = re.compile(r"\.(q|k|v|o|gate|up|down|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?\.weight$")
+# DeepSeek-V3.2 also ships its indexer's wq_b and wk in FP8 (weights_proj stays bf16).
+QUANTIZED = re.compile(
+    r"(\.(q|k|v|o|gate|up|down|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?|\.indexer\.(wq_b|wk))\.weight$"
+)
 
 
 # ---- DeepSeek-V3 FP8 ----------------------------------------------------------------------------

@@ -77,3 +77,57 @@ def test_latent_pages_are_allocated_filled_and_copied(tmp_path: Path, smollm2_di
     assert want.abs().sum() > 0
     _, dst_pages = land_through_a_step(dest, kv_io.pack(source.runner.kv_caches, src_pages))
     assert torch.equal(real_values(dest, dst_pages), want)
+
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "configs"
+
+
+def test_sparse_attention_pages_count_the_index_keys() -> None:
+    """GLM-5.2: 78 layers of latents, an index key of 128 values in the 21 that run an indexer;
+    FP8 keys carry one scale per 128-value block (static latent scales or not)."""
+    glm = ArchConfig.from_dir(FIXTURES / "glm-5.2")
+    assert glm.dsa is not None and glm.dsa.num_full_layers == 21
+    assert bytes_per_token(glm, "bfloat16") == 78 * 576 * 2 + 21 * 128 * 2 == 95232
+    assert bytes_per_token(glm, "fp8_e4m3", "dynamic") == 78 * 577 + 21 * 129 == 47715
+    assert bytes_per_token(glm, "fp8_e4m3", "static") == 78 * 576 + 21 * 129
+    assert bytes_per_token(glm, "int8") == 78 * 578 + 21 * 130
+    glm5 = ArchConfig.from_dir(FIXTURES / "glm-5")  # every layer runs its indexer
+    assert bytes_per_token(glm5, "bfloat16") == 78 * (576 + 128) * 2
+
+
+def test_index_keys_are_allocated_in_the_same_pages(tmp_path: Path) -> None:
+    model_dir = save_tiny("glm_moe_dsa", tmp_path)
+    arch = ArchConfig.from_dir(model_dir)
+    caches = allocate_kv_caches(arch, 10, 4, "fp8_e4m3", torch.device("cpu"))
+    indexed = [i for i, c in enumerate(caches) if isinstance(c, LatentKVCache) and c.index]
+    assert indexed == [0, 2]  # the full indexer layers; 1 and 3 reuse their choice
+    index = caches[0].index  # type: ignore[union-attr]
+    assert index is not None and index.scale is not None
+    assert index.keys.shape == (10, 1, 4, 16) and index.keys.dtype == torch.float8_e4m3fn
+    assert index.scale.shape == (10, 1, 4)  # one exponent per (page, block, slot)
+    allocated = 0
+    for cache in caches:
+        assert isinstance(cache, LatentKVCache) and cache.scale is not None
+        allocated += cache.latent.nbytes + cache.scale.nbytes
+        if cache.index is not None and cache.index.scale is not None:
+            allocated += cache.index.keys.nbytes + cache.index.scale.nbytes
+    assert allocated == 10 * page_bytes(arch, 4, "fp8_e4m3")
+
+
+def test_index_keys_in_a_dtype_of_their_own(tmp_path: Path, smollm2_dir: Path) -> None:
+    """--index-kv-dtype: FP8 index keys beside float32 latents, sized and allocated so."""
+    glm = ArchConfig.from_dir(FIXTURES / "glm-5.2")
+    assert bytes_per_token(glm, "bfloat16", index_kv_dtype="fp8_e4m3") == 78 * 1152 + 21 * 129
+    from densa.engine.llm_engine import LLMEngine
+    from densa.setup.args import EngineArgs
+
+    model_dir = save_tiny("glm_moe_dsa", tmp_path, smollm2_dir)
+    engine = LLMEngine.from_args(
+        EngineArgs(
+            model=str(model_dir), num_kv_pages=16, max_model_len=64, index_kv_dtype="fp8_e4m3"
+        )
+    )
+    cache = engine.runner.kv_caches[0]
+    assert isinstance(cache, LatentKVCache) and cache.index is not None
+    assert cache.latent.dtype == torch.float32
+    assert cache.index.kv_format.describe() == "fp8_e4m3, dynamic scales"

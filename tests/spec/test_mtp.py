@@ -17,23 +17,27 @@ from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention_backends import select_backend
 from densa.spec.mtp import FOLD_ROWS, MTPProposer, load_mtp_proposer
 from densa.spec.proposer import SpecInput, TargetRows
-from tests.tiny_families import CONFIGS, save_tiny
+from tests.tiny_families import CONFIGS, config_fields, save_tiny
 
 CPU = torch.device("cpu")
 PAGE_SIZE = 4
 K = 3
-NUM_LAYERS = 3  # the tiny DeepSeek-V3's; its MTP layer is model.layers.3
 
 
-def add_mtp_layer(model_dir: Path, seed: int = 11) -> Any:
-    """Append an MTP layer (a 4th decoder layer from transformers, plus enorm / hnorm / eh_proj
-    / shared_head / embed_tokens) to a saved tiny DeepSeek-V3 and say so in its config; returns
-    the transformers model whose layer 3 it is (the reference's block)."""
+def add_mtp_layer(model_dir: Path, seed: int = 11, family: str = "deepseek_v3") -> Any:
+    """Append an MTP layer (one more decoder layer from transformers, plus enorm / hnorm /
+    eh_proj / shared_head / embed_tokens) to a saved tiny DeepSeek-V3 (or GLM-5: its MTP layer
+    runs its own indexer) and say so in its config; returns the transformers model whose last
+    layer it is (the reference's block)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    config = CONFIGS["deepseek_v3"]()
-    config.num_hidden_layers = NUM_LAYERS + 1
+    config = CONFIGS[family]()
+    num_layers = config.num_hidden_layers
+    settings = config.to_dict() | {"num_hidden_layers": num_layers + 1}
+    if settings.get("indexer_types") is not None:  # the MTP layer runs its own indexer
+        settings["indexer_types"] = [*settings["indexer_types"], "full"]
+    config = type(config)(**config_fields(settings))
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     host = AutoModelForCausalLM.from_config(config).eval()
@@ -45,7 +49,7 @@ def add_mtp_layer(model_dir: Path, seed: int = 11) -> Any:
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0, 0.05)
     host.save_pretrained(str(model_dir / "host"), safe_serialization=True)
-    prefix = f"model.layers.{NUM_LAYERS}."
+    prefix = f"model.layers.{num_layers}."
     saved = load_file(str(model_dir / "host" / "model.safetensors"))
     tensors = {name: value for name, value in saved.items() if name.startswith(prefix)}
     hidden, vocab = config.hidden_size, config.vocab_size
@@ -86,9 +90,10 @@ class ReferenceMTP:
 
         config = host.config
         weights = load_file(str(model_dir / "mtp.safetensors"))
-        prefix = f"model.layers.{NUM_LAYERS}."
+        num_layers = config.num_hidden_layers - 1  # the MTP layer is the host's last
+        prefix = f"model.layers.{num_layers}."
         self.w = {k.removeprefix(prefix): v for k, v in weights.items()}
-        self.block = host.model.layers[NUM_LAYERS]
+        self.block = host.model.layers[num_layers]
         self.rotary = host.model.rotary_emb
         self.eps = config.rms_norm_eps
 
@@ -105,7 +110,10 @@ class ReferenceMTP:
         positions = torch.arange(num)[None]
         mask = torch.full((num, num), float("-inf")).triu(1)[None, None]
         cos_sin = self.rotary(x, positions)
-        return self.block(x, mask, positions, position_embeddings=cos_sin)[0]
+        out = self.block(x, mask, positions, position_embeddings=cos_sin)
+        if isinstance(out, tuple):  # GLM-5's layers also return their top-k
+            out = out[0]
+        return out[0]
 
     def logits(self, o: torch.Tensor) -> torch.Tensor:
         return self._norm(o, "shared_head.norm.weight") @ self.w["shared_head.head.weight"].T
