@@ -23,8 +23,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from densa.engine.client import EngineClient
-from densa.openai.errors import ErrorResponse, from_engine_output, timed_out
-from densa.openai.framing import StreamFormatter
+from densa.openai.errors import from_engine_output, timed_out
+from densa.openai.framing import OPENAI_FRAMING, Framing, StreamFormatter
 from densa.openai.protocol import PromptTokensDetails, Usage
 from densa.openai.responses import Generation
 from densa.sampling_params import SamplingParams
@@ -65,11 +65,15 @@ async def respond(
     new_formatter: Callable[[], ChoiceFormatter],
     stream: bool,
     include_usage: bool,
+    framing: Framing = OPENAI_FRAMING,
 ) -> Response:
+    """The n choices' response; `framing` (an API with a list of choices) writes its events."""
+    assert framing.has_choices, "the caller refuses n > 1 for an API without choices"
     starts = await _start(request, engine, tokenizer, calls, record)
     formatters = [new_formatter() for _ in calls]
     if stream:
-        return SSEResponse(_events(calls[0], record, starts, formatters, include_usage))
+        events = _events(calls[0], record, starts, formatters, include_usage, framing)
+        return SSEResponse(events)
     try:
         async with asyncio.timeout_at(calls[0].deadline):
             wholes = await generation.until_disconnected(
@@ -147,22 +151,17 @@ def _merged(responses: Sequence[Any], finals: Sequence[RequestOutput]) -> BaseMo
     return merged
 
 
-def _indexed(chunks: list[Any], index: int) -> list[BaseModel]:
-    for chunk in chunks:
-        for choice in chunk.choices:
-            choice.index = index
-    return chunks
-
-
 async def _events(
     call: EngineCall,
     record: RequestRecord,
     starts: list[tuple[RequestOutput, Outputs]],
     formatters: Sequence[ChoiceFormatter],
     include_usage: bool,
+    framing: Framing,
 ) -> AsyncGenerator[str, None]:
-    """Each choice's chunks as its outputs come, then usage and [DONE] (generation.sse_events
-    for one choice); a failure of any choice ends the stream with its error event."""
+    """Each choice's chunks as its outputs come, then usage and the framing's end (as
+    generation.sse_events writes one choice, through the same framing); a failure of any choice
+    ends the stream with its error event."""
     queue: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
     for i, (first, _) in enumerate(starts):  # each choice's first output before its others
         queue.put_nowait((i, first))
@@ -171,25 +170,26 @@ async def _events(
     latest = [first for first, _ in starts]  # each choice's newest output (cumulative counts)
     try:
         for i, formatter in enumerate(formatters):
-            for chunk in _indexed(formatter.stream_start(), i):
-                yield _event(chunk)
+            for event in framing.choice_events(formatter.stream_start(), i):
+                yield event
         async for i, output in _take(queue, len(starts), call):
             record.observe(output)  # times; the counts are summed over the choices at the end
             latest[i] = output
             if output.finish_reason == "error":
-                yield _error_event(record, from_engine_output(output))
+                yield generation.error_event(record, from_engine_output(output), framing)
                 return
-            for chunk in _indexed(formatters[i].stream_chunks(output), i):
-                yield _event(chunk)
+            for event in framing.choice_events(formatters[i].stream_chunks(output), i):
+                yield event
             if output.finished:
                 finals[i] = output
         done = [final for final in finals if final is not None]
         if include_usage:
             usage = formatters[0].usage_chunk(done[0])
-            yield _event(usage.model_copy(update={"usage": _usage(done)}))
-        yield "data: [DONE]\n\n"
+            yield framing.event(usage.model_copy(update={"usage": _usage(done)}))
+        if framing.done:
+            yield framing.done
     except TimeoutError:
-        yield _error_event(record, timed_out(call.timeout))
+        yield generation.error_event(record, timed_out(call.timeout), framing)
     finally:
         # Counted however the stream ends (an error, a client gone): the choices seen so far.
         _count(record, latest)
@@ -222,12 +222,3 @@ async def _take(
             num_over += 1
         else:
             yield index, output
-
-
-def _event(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json()}\n\n"
-
-
-def _error_event(record: RequestRecord, error: Any) -> str:
-    record.error_code = error.info.code
-    return _event(ErrorResponse(error=error.info))

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
-from pydantic import BaseModel
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -202,32 +201,33 @@ async def sse_events(
     """
     async with contextlib.aclosing(outputs):
         for chunk in formatter.stream_start():
-            yield _event(chunk, framing.named)
+            yield framing.event(chunk)
         output = first
         while True:
             if output.finish_reason == "error":
-                yield _error_event(record, from_engine_output(output), framing)
+                yield error_event(record, from_engine_output(output), framing)
                 return
             for body in formatter.stream_chunks(output):
-                yield _event(body, framing.named)
+                yield framing.event(body)
             if output.finished:
                 break
             try:
                 async with asyncio.timeout_at(call.deadline):
                     output = await anext(outputs)
             except TimeoutError:  # leaving the `async with` aborts the request
-                yield _error_event(record, timed_out(call.timeout), framing)
+                yield error_event(record, timed_out(call.timeout), framing)
                 return
             record.observe(output)
         if include_usage:
-            yield _event(formatter.usage_chunk(output), framing.named)
+            yield framing.event(formatter.usage_chunk(output))
         if framing.done:
             yield framing.done
 
 
-def _error_event(record: RequestRecord, error: APIError, framing: Framing) -> str:
+def error_event(record: RequestRecord, error: APIError, framing: Framing) -> str:
+    """The framing's failure event; the record keeps the code (log line, /metrics)."""
     record.error_code = error.info.code
-    return _event(framing.error_body(error), framing.named)
+    return framing.error_event(error)
 
 
 class SSEResponse(StreamingResponse):
@@ -277,12 +277,3 @@ async def _wait_for_disconnect(request: Request) -> None:
     # The body has been read, so the next ASGI message can only be the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _event(body: BaseModel, named: bool = False) -> str:
-    data = f"data: {body.model_dump_json()}\n\n"
-    if not named:
-        return data
-    name = getattr(body, "type", None)
-    assert isinstance(name, str), "a named event's body has a `type`: its name"
-    return f"event: {name}\n{data}"

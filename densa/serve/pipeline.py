@@ -140,10 +140,12 @@ async def respond(
     record, state = _record(request), server_state(request)
     assert state.tokenizer is not None  # checked by check_can_serve
     if body.num_choices > 1:  # n > 1: serve/choices.py
+        if not framing.has_choices:  # Anthropic Messages, Responses: one answer per request
+            raise bad_request("this API answers with one message: n must be 1", param="n")
         calls = choices.choice_calls(call, body.num_choices)
         return await choices.respond(
             request, state.engine, state.tokenizer, calls, record, new_formatter, body.stream,
-            body.include_usage,
+            body.include_usage, framing,
         )  # fmt: skip
     formatter = new_formatter()
     first, outputs = await generation.start(request, state.engine, state.tokenizer, call, record)
