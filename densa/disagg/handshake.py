@@ -17,8 +17,8 @@ import msgspec
 
 from densa.disagg.messages import PageFormat, PeerModel
 from densa.formats.kv_format import KV_FORMAT_NAMES, KVFormat
+from densa.ipc.messages import TokenizerFiles
 from densa.model.kv_layout import INDEX_BLOCK, index_format
-from densa.text.tokenizer import TokenizerFiles
 
 # Formats a page can be landed from: every KV format densa serves (landing converts between
 # any two of them, densa/worker/kv_io.py).

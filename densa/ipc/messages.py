@@ -13,12 +13,12 @@ Detokenization and stop strings are the front's job (`text/`), so the engine nev
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from densa.sampling_params import SamplingParams
-from densa.text.tokenizer import TokenizerFiles
 
 
 # ---- per-request data ---------------------------------------------------------------------------
@@ -92,6 +92,16 @@ class EngineStats(msgspec.Struct, frozen=True, array_like=True):
         if not self.num_prefix_queried_tokens:
             return 0.0
         return self.num_prefix_hit_tokens / self.num_prefix_queried_tokens
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """A tokenizer as data: the text of its files (None: the file is absent). The engine reads
+    them once (text/tokenizer.py, read_tokenizer_files) and sends them to every front."""
+
+    tokenizer_json: str
+    config_json: str | None = None
+    chat_template: str | None = None
 
 
 class ServedModel(msgspec.Struct, frozen=True):

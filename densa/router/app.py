@@ -21,6 +21,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from densa.ipc.messages import TokenizerFiles
 from densa.openai.errors import APIError, install_error_handlers
 from densa.openai.tools.formats import format_for
 from densa.router.config import RouterConfig
@@ -43,7 +44,6 @@ from densa.router.routing import Router
 from densa.router.sessions import SessionTable
 from densa.router.tokens import PieceCachingTokenizer
 from densa.router.workers import Worker, WorkerPool
-from densa.text.tokenizer import TokenizerFiles
 from densa.utils.logging import get_logger
 
 logger = get_logger(__name__)

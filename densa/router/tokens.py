@@ -23,7 +23,8 @@ import copy
 import re
 from collections import OrderedDict
 
-from densa.text.tokenizer import Tokenizer, TokenizerFiles
+from densa.ipc.messages import TokenizerFiles
+from densa.text.tokenizer import Tokenizer
 
 DEFAULT_MAX_PIECES = 8192
 

@@ -16,10 +16,11 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from densa.ipc.messages import TokenizerFiles
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -38,24 +39,18 @@ class TokenizerLoadError(ValueError):
     """The tokenizer files are missing or unreadable."""
 
 
-@dataclass(frozen=True)
-class TokenizerFiles:
-    """A tokenizer as data: the text of its files (None: the file is absent)."""
+def read_tokenizer_files(folder: Path) -> TokenizerFiles:
+    """A tokenizer folder's files as data (TokenizerFiles, in ipc/messages.py: the engine
+    sends them to every front)."""
 
-    tokenizer_json: str
-    config_json: str | None = None
-    chat_template: str | None = None
+    def text(name: str) -> str | None:
+        path = folder / name
+        return path.read_text(encoding="utf-8") if path.is_file() else None
 
-    @classmethod
-    def read(cls, folder: Path) -> TokenizerFiles:
-        def text(name: str) -> str | None:
-            path = folder / name
-            return path.read_text(encoding="utf-8") if path.is_file() else None
-
-        tokenizer_json = text(TOKENIZER_FILE)
-        if tokenizer_json is None:
-            raise TokenizerLoadError(f"{folder} has no {TOKENIZER_FILE}")
-        return cls(compact_merges(tokenizer_json), text(CONFIG_FILE), text(TEMPLATE_FILE))
+    tokenizer_json = text(TOKENIZER_FILE)
+    if tokenizer_json is None:
+        raise TokenizerLoadError(f"{folder} has no {TOKENIZER_FILE}")
+    return TokenizerFiles(compact_merges(tokenizer_json), text(CONFIG_FILE), text(TEMPLATE_FILE))
 
 
 def compact_merges(tokenizer_json: str) -> str:
@@ -112,7 +107,7 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, folder: Path, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
-        return cls(TokenizerFiles.read(folder), eos_token_ids)
+        return cls(read_tokenizer_files(folder), eos_token_ids)
 
     @property
     def _tok(self) -> Any:

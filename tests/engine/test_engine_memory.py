@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from densa.engine.llm_engine import LLMEngine
+from densa.ipc.messages import TokenizerFiles
 from densa.kernels.cpu import native
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
-from densa.text.tokenizer import TOKENIZER_FILE, Tokenizer, TokenizerFiles, compact_merges
+from densa.text.tokenizer import TOKENIZER_FILE, Tokenizer, compact_merges, read_tokenizer_files
 
 TEXT = "The capital of France is Paris. <|im_end|> naïve café 東京"
 
@@ -38,7 +39,7 @@ def test_a_released_tokenizer_rebuilds_to_the_same_ids_and_text(smollm2_dir: Pat
 def test_a_read_tokenizer_has_string_merges_and_the_same_ids_and_text(smollm2_dir: Path) -> None:
     as_shipped = (smollm2_dir / TOKENIZER_FILE).read_text(encoding="utf-8")
     assert isinstance(json.loads(as_shipped)["model"]["merges"][0], list)  # ["a", "b"] pairs
-    files = TokenizerFiles.read(smollm2_dir)
+    files = read_tokenizer_files(smollm2_dir)
     merges = json.loads(files.tokenizer_json)["model"]["merges"]
     assert merges[:2] == ["Ġ t", "Ġ a"]
     read, shipped = Tokenizer(files), Tokenizer(TokenizerFiles(as_shipped, files.config_json))

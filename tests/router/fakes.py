@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from densa.text.tokenizer import TokenizerFiles
+from densa.ipc.messages import TokenizerFiles
 
 
 @dataclass

@@ -17,6 +17,7 @@ from starlette.datastructures import Headers
 
 from densa.auth.secret import SECRET_ENV, ClusterSecret
 from densa.cli import main
+from densa.ipc.messages import TokenizerFiles
 from densa.openai.tools.formats import tool_format
 from densa.router.app import model_path
 from densa.router.config import RouterConfig
@@ -25,7 +26,7 @@ from densa.router.incoming import ModelInfo, read_incoming
 from densa.router.metrics import RouterMetrics
 from densa.router.tokens import PieceCachingTokenizer
 from densa.router.workers import HealthOptions
-from densa.text.tokenizer import Tokenizer, TokenizerFiles
+from densa.text.tokenizer import Tokenizer, read_tokenizer_files
 
 from .test_proxy import CHAT, fakes, router
 
@@ -36,7 +37,7 @@ HOSTILE = {"x-densa-prefill": "http://evil:1", "x-densa-placement": "v1.a.1.b",
 
 @pytest.fixture(scope="module")
 def tokenizer_files(tiny_model_dir: Path) -> TokenizerFiles:
-    return TokenizerFiles.read(tiny_model_dir)
+    return read_tokenizer_files(tiny_model_dir)
 
 
 def internal(headers: dict[str, str] | httpx.Headers) -> dict[str, str]:
@@ -229,7 +230,7 @@ def metrics_page(base: str) -> str:
 async def test_another_tenants_text_is_a_piece_cache_miss(
     smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    files = TokenizerFiles.read(smollm2_dir)
+    files = read_tokenizer_files(smollm2_dir)
     tokenizer = PieceCachingTokenizer(files)
     model = ModelInfo("m", 4096, 16, tokenizer, tool_format("hermes"))
     system = "You are the support assistant of the Acme Rocket Company. " * 20

@@ -8,10 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from densa.ipc.messages import TokenizerFiles
 from densa.openai.errors import APIError
 from densa.router.membership import apply_membership, roles_from_body
 from densa.router.routing import Router
-from densa.text.tokenizer import TokenizerFiles
+from densa.text.tokenizer import read_tokenizer_files
 
 from .test_proxy import CHAT, dead_url, fakes, router
 
@@ -21,7 +22,7 @@ ADMIN = {"authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def tokenizer_files(tiny_model_dir: Path) -> TokenizerFiles:
-    return TokenizerFiles.read(tiny_model_dir)
+    return read_tokenizer_files(tiny_model_dir)
 
 
 def put(base: str, token: str | None = TOKEN, **pools: list[str]) -> httpx.Response:

@@ -14,11 +14,12 @@ import pytest
 
 from densa.auth.placement import PLACEMENT_HEADER, PlacementError, PlacementVerifier
 from densa.auth.secret import ClusterSecret
+from densa.ipc.messages import TokenizerFiles
 from densa.router.app import build_router_app
 from densa.router.config import RouterConfig
 from densa.router.workers import HealthOptions
 from densa.serve.process import serve_in_thread
-from densa.text.tokenizer import TokenizerFiles
+from densa.text.tokenizer import read_tokenizer_files
 
 from .fakes import FakeWorker
 
@@ -27,7 +28,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 
 @pytest.fixture(scope="module")
 def tokenizer_files(tiny_model_dir: Path) -> TokenizerFiles:
-    return TokenizerFiles.read(tiny_model_dir)
+    return read_tokenizer_files(tiny_model_dir)
 
 
 @contextlib.contextmanager

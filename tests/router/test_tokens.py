@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from densa.ipc.messages import TokenizerFiles
 from densa.router.tokens import PieceCachingTokenizer
-from densa.text.tokenizer import Tokenizer, TokenizerFiles
+from densa.text.tokenizer import Tokenizer, read_tokenizer_files
 
 WORDS = ["hello", " world", "\n", "  ", "ünïcödé", "日本語", "<|im_end", "|>", "<|im_start|>",
          "im_end", "\t", "42", "rocket", "'s", "🙂", " ", ".", "<|endoftext|>", "\n\n"]  # fmt: skip
@@ -16,7 +17,7 @@ WORDS = ["hello", " world", "\n", "  ", "ünïcödé", "日本語", "<|im_end", 
 
 @pytest.fixture(scope="module")
 def files(smollm2_dir: Path) -> TokenizerFiles:
-    return TokenizerFiles.read(smollm2_dir)
+    return read_tokenizer_files(smollm2_dir)
 
 
 def test_chats_encode_to_the_same_ids_as_the_full_encode(files: TokenizerFiles) -> None:

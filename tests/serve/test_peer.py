@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from densa.text.tokenizer import Tokenizer, TokenizerFiles
+from densa.ipc.messages import TokenizerFiles
+from densa.text.tokenizer import Tokenizer
 
 from .support import MAX_MODEL_LEN, MODEL_NAME, RunningServer
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from densa.ipc.messages import TokenizerFiles
 from densa.model.loader import resolve_model_dir
 from densa.openai.tools.formats import detect_format, format_for, tool_format
 from densa.openai.tools.models import ToolDefinition
@@ -36,7 +37,7 @@ from densa.openai.tools.parser import (
 from densa.openai.tools.plan import plan_tools
 from densa.openai.tools.render import render_messages
 from densa.text.detokenizer import Detokenizer
-from densa.text.tokenizer import Tokenizer, TokenizerFiles
+from densa.text.tokenizer import Tokenizer
 from densa.worker.grammar import GrammarCompiler
 
 FIXTURES = Path(__file__).parent / "fixtures"
