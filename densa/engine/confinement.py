@@ -20,10 +20,10 @@ fault, O(k log n) extra runs of small groups for k faulty requests among n.
 
 from __future__ import annotations
 
+from densa.sched.mirror import ScheduledRequest
 from densa.sched.output import SchedulerOutput
 from densa.utils.logging import get_logger
 from densa.worker.model_runner import ModelRunner, RunnerOutput
-from densa.worker.request_states import ScheduledRequest
 
 logger = get_logger(__name__)
 

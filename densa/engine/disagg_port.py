@@ -26,13 +26,13 @@ from densa.disagg.transport import KVTransport, ZmqTransport
 from densa.engine.llm_engine import LLMEngine
 from densa.ipc.messages import RequestDelta
 from densa.model.kv_layout import LayerCache
+from densa.model.kv_pages import page_bytes
 from densa.model.lineage import checkpoint_lineage
 from densa.model.loader import resolve_model_dir
 from densa.sched.output import KVLanding
 from densa.spec.mtp import MTPProposer, PromptState
 from densa.utils.logging import get_logger
 from densa.worker import kv_io
-from densa.worker.kv_cache import page_bytes
 
 logger = get_logger(__name__)
 

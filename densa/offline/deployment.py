@@ -29,8 +29,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from densa.model.arch import ArchConfig
+from densa.model.kv_pages import bytes_per_token
 from densa.utils.sizes import format_bytes
-from densa.worker.kv_cache import bytes_per_token
 
 BF16 = 2.0
 FP8_LINEAR = 1.0 + 4 / (128 * 128)

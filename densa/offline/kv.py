@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from densa.model.arch import ArchConfig
+    from densa.model.kv_pages import KVCapacity
     from densa.text.tokenizer import Tokenizer
-    from densa.worker.kv_cache import KVCapacity
 
 # (KV dtype, scale policy) rows of `densa capacity`, BF16 first: the ratio column divides by it.
 CAPACITY_FORMATS = [
@@ -66,10 +66,10 @@ def _add_capacity(commands: argparse._SubParsersAction) -> None:
 
 def _capacity(ns: argparse.Namespace) -> int:
     from densa.model.arch import ArchConfig
+    from densa.model.kv_pages import kv_capacity
     from densa.model.loader import resolve_model_dir
     from densa.setup.args import default_model_path
     from densa.utils.sizes import parse_memory
-    from densa.worker.kv_cache import kv_capacity
 
     if ns.gpu is not None or ns.gpu_memory is not None:
         return _deployment(ns)

@@ -3,7 +3,7 @@
 A request's prompt and sampling parameters cross once, in a NewRequest, when it is admitted (and
 again after a preemption, since the runner dropped it). After that each step carries only what
 changed: the tokens this step computes and the pages mapped since the runner last saw the request.
-The runner mirrors each request's page table and tokens (worker/request_states.py), so a step costs
+The runner mirrors each request's page table and tokens (sched/mirror.py), so a step costs
 O(new tokens + new pages) to describe, not O(context): the same contract works when the runner
 lives in another process or on another host.
 

@@ -20,6 +20,7 @@ from densa.model.fused_decode import enable_fused_decode as enable_fused
 from densa.model.fused_decode import unsupported_reason
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
+from densa.model.kv_pages import allocate_kv_caches, page_bytes
 from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
 from densa.sched.stop import StopRule
 from densa.setup.args import EngineArgs, default_model_path
@@ -36,7 +37,6 @@ from densa.utils.sizes import format_bytes
 from densa.worker.cuda_graphs import DEFAULT_BATCH_SIZES, DecodeGraphs
 from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker, NoopIntegrityChecker, TagTableChecker
-from densa.worker.kv_cache import allocate_kv_caches, page_bytes
 from densa.worker.model_runner import ModelRunner
 
 logger = get_logger(__name__)

@@ -18,9 +18,9 @@ from densa.config import (
 )
 from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig, ModelLoadError
+from densa.model.kv_pages import page_bytes
 from densa.spec.draft import draft_page_bytes
 from densa.utils.sizes import format_bytes
-from densa.worker.kv_cache import page_bytes
 
 
 @dataclass(frozen=True)

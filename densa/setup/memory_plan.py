@@ -45,6 +45,7 @@ from densa.model.checkpoint_files import read_stored_format, safetensors_files
 from densa.model.gguf import GGUFFile
 from densa.model.gguf_loading import swap_kept_embedding, swap_kept_linears
 from densa.model.interface import CausalLM
+from densa.model.kv_pages import page_bytes
 from densa.model.loader import (  # the loader's own planning steps: the plan cannot drift
     DTYPES,
     HEAD_FROM_BLOCKS,
@@ -64,7 +65,6 @@ from densa.model.runtime_weights import (
 )
 from densa.setup.kv_sizing import is_relative
 from densa.utils.sizes import format_bytes
-from densa.worker.kv_cache import page_bytes
 
 # What a serving process grows by besides weights, KV pages and activations: the mmapped GGUF
 # pages read, the tokenizer, Numba's and the C++ kernels' scratch, freed memory the allocator

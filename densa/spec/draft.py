@@ -37,6 +37,7 @@ from densa.model.attention import (
 from densa.model.fused_decode import enable_fused_decode
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
+from densa.model.kv_pages import allocate_kv_caches, page_bytes
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.spec.paged_rows import (
     ChunkRow,
@@ -54,7 +55,6 @@ from densa.spec.proposer import SpecInput, TargetRows
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
-from densa.worker.kv_cache import allocate_kv_caches, page_bytes
 
 logger = get_logger(__name__)
 

@@ -47,6 +47,7 @@ from densa.model.deepseek_v3 import DeepseekV3DecoderLayer
 from densa.model.deepseek_v32 import SparseDecoderLayer
 from densa.model.family_config import MoEConfig
 from densa.model.kv_layout import LatentKVCache, LayerCache
+from densa.model.kv_pages import allocate_kv_caches
 from densa.model.layers import RMSNorm, RotaryEmbedding
 from densa.model.linear import Linear
 from densa.model.loader import DTYPES
@@ -67,7 +68,6 @@ from densa.spec.paged_rows import (
 )
 from densa.spec.proposer import SpecInput, TargetRows
 from densa.worker import kv_io
-from densa.worker.kv_cache import allocate_kv_caches
 
 # Tensors of the MTP layer that are its own; the rest are the decoder layer's ("block.").
 _OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")

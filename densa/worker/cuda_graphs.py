@@ -39,8 +39,8 @@ from densa.model.attention import (
     LayerKVCache,
 )
 from densa.model.interface import CausalLM
+from densa.sched.mirror import ScheduledRequest
 from densa.utils.logging import get_logger
-from densa.worker.request_states import ScheduledRequest
 
 logger = get_logger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from densa.cache.integrity import IntegrityViolation, classify
-from densa.worker.request_states import ScheduledRequest
+from densa.sched.mirror import ScheduledRequest
 
 
 class IntegrityChecker(Protocol):

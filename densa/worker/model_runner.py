@@ -18,6 +18,7 @@ from densa.ipc.messages import TokenLogprobs
 from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, build_group
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
+from densa.sched.mirror import RequestStates, ScheduledRequest, UnknownRequest
 from densa.sched.output import KVLanding, SchedulerOutput
 from densa.sched.stop import StopRule
 from densa.utils.logging import get_logger
@@ -26,7 +27,6 @@ from densa.worker.cuda_graphs import DecodeGraphs
 from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker
 from densa.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
-from densa.worker.request_states import RequestStates, ScheduledRequest, UnknownRequest
 from densa.worker.sampler import Sampler, SampleRequest
 from densa.worker.structured import StructuredSampler
 

@@ -25,7 +25,7 @@ import torch
 
 from densa.ipc.messages import TokenLogprobs
 from densa.model.interface import CausalLM
-from densa.worker.request_states import ScheduledRequest
+from densa.sched.mirror import ScheduledRequest
 
 # Rows of logits alive at once ([32, 151936] float32 is 19 MB, as much again for the
 # log-softmax). The output head reads its weights once per call, so fewer, larger blocks are

@@ -34,8 +34,8 @@ from densa.model.attention import AttentionMetadata, CpuAttentionBackend, build_
 from densa.model.deepseek_v32 import GlmMoeDsaForCausalLM, SparseMLAttention
 from densa.model.dsa import Indexer, hadamard_rotate
 from densa.model.kv_layout import LatentKVCache
+from densa.model.kv_pages import allocate_kv_caches, bytes_per_token
 from densa.model.latent_attention import absorbed_decode, sparse_absorbed_decode
-from densa.worker.kv_cache import allocate_kv_caches, bytes_per_token
 from densa_bench.common.report import BenchReport, LinePlot, Series, Table
 from densa_bench.dsa.settings import DsaSettings
 

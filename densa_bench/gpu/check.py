@@ -162,7 +162,7 @@ def _e2e(results: dict[str, Any], args: argparse.Namespace, time_left: Any) -> N
     import torch
 
     from densa.model.arch import ArchConfig
-    from densa.worker.kv_cache import bytes_per_token
+    from densa.model.kv_pages import bytes_per_token
     from densa_bench.gpu.e2e import E2ESettings, baseline_kv_dtype, run_sweep
     from densa_bench.gpu.model import TINY, RandomLlama, write_random_llama
 

@@ -18,11 +18,11 @@ import torch
 
 from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
+from densa.sched.mirror import ScheduledRequest
 from densa.setup.args import EngineArgs
 from densa.utils.logging import get_logger
 from densa.utils.progress import progress
 from densa.worker.integrity import TagTableChecker
-from densa.worker.request_states import ScheduledRequest
 from densa_bench.common.report import BenchReport, LinePlot, Series, Table
 from densa_bench.common.stats import format_spread, interleave, latency_stats, median, spread
 from densa_bench.common.timing import Wave

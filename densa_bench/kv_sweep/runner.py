@@ -21,12 +21,12 @@ from typing import Any
 from densa.engine.llm_engine import LLMEngine
 from densa.engine.metrics import snapshot
 from densa.model.arch import ArchConfig
+from densa.model.kv_pages import kv_capacity, page_bytes
 from densa.model.loader import resolve_model_dir
 from densa.sched.output import SchedulerOutput
 from densa.setup.args import EngineArgs
 from densa.utils.logging import get_logger
 from densa.utils.progress import progress
-from densa.worker.kv_cache import kv_capacity, page_bytes
 from densa_bench.common.report import BenchReport
 from densa_bench.common.stats import interleave
 from densa_bench.common.timing import RequestTiming, Wave

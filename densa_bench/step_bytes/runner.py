@@ -17,8 +17,8 @@ import msgspec
 
 from densa.engine.llm_engine import LLMEngine, StepRecord
 from densa.sampling_params import SamplingParams
+from densa.sched.mirror import RequestStates
 from densa.setup.args import EngineArgs
-from densa.worker.request_states import RequestStates
 from densa_bench.common.report import BenchReport, LinePlot, Series, Table
 from densa_bench.common.stats import percentile
 from densa_bench.step_bytes.settings import StepBytesSettings

@@ -11,7 +11,7 @@ import pytest
 
 from densa.cli import main
 from densa.model.arch import ArchConfig
-from densa.worker.kv_cache import page_bytes
+from densa.model.kv_pages import page_bytes
 from densa_bench.kv_sweep.runner import kv_budget_bytes
 from densa_bench.kv_sweep.settings import KVSweepSettings
 

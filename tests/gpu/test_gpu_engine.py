@@ -16,9 +16,9 @@ from densa.engine.llm import LLM
 from densa.model.attention import CpuAttentionBackend, TorchAttentionBackend
 from densa.model.attention_backends import TritonAttentionBackend, select_backend
 from densa.sampling_params import SamplingParams
+from densa.sched.mirror import ScheduledRequest
 from densa.worker.cuda_graphs import DecodeGraphs, EagerCapturer
 from densa.worker.integrity import TritonTagTableChecker
-from densa.worker.request_states import ScheduledRequest
 
 SMALL = dict(num_kv_pages=40, page_size=4, max_model_len=48, max_num_batched_tokens=64)
 PROMPTS = [[1, 500, 37, 9000, 12], [1, 77, 4242, 3, 3, 3, 108, 2001, 55], [1, 9, 10, 11]]

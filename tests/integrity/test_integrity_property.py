@@ -16,9 +16,9 @@ from densa.config import SchedulerConfig
 from densa.request import Request, RequestStatus
 from densa.sampling_params import SamplingParams
 from densa.sched.events import ReleaseViolation
+from densa.sched.mirror import RequestStates
 from densa.sched.scheduler import Scheduler
 from densa.worker.integrity import TagTableChecker
-from densa.worker.request_states import RequestStates
 
 NUM_PAGES, PAGE_SIZE = 24, 4
 SHARED_PREFIX = list(range(500, 512))

@@ -8,8 +8,8 @@ import torch
 
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
+from densa.model.kv_pages import allocate_kv_caches
 from densa.model.loader import load_model
-from densa.worker.kv_cache import allocate_kv_caches
 
 
 def densa_logits(

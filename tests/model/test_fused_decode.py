@@ -16,11 +16,11 @@ from densa.kernels.cpu import native
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, CpuAttentionBackend, build_group
 from densa.model.fused_decode import FusedDecoder, unsupported_reason
+from densa.model.kv_pages import allocate_kv_caches
 from densa.model.loader import load_model
 from densa.model.packed_linear import PackedLinear, ShardedPackedLinear
 from densa.model.quantized_embedding import GGUFEmbedding
 from densa.utils.cpu import cpu_flags
-from densa.worker.kv_cache import allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(not native.is_available(), reason="no C++ kernels here")
 

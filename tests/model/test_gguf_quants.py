@@ -19,13 +19,13 @@ from densa.kernels.cpu import native, qgemm
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
 from densa.model.gguf import GGUFFile
+from densa.model.kv_pages import allocate_kv_caches
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import auto_formats, load_model, resolve_model_dir
 from densa.model.packed_linear import PackedLinear, ShardedPackedLinear, dequantized_weight
 from densa.quant import gguf_blocks
 from densa.setup.args import default_model_path
 from densa.utils.sizes import format_bytes
-from densa.worker.kv_cache import allocate_kv_caches
 
 from .test_gguf import copy_tokenizer_fields
 

@@ -11,14 +11,14 @@ import torch
 from densa.cli import main
 from densa.engine.llm_engine import LLMEngine
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.sampling_params import SamplingParams
-from densa.setup.args import EngineArgs
-from densa.worker.kv_cache import (
+from densa.model.kv_pages import (
     allocate_kv_caches,
     bytes_per_token,
     kv_capacity,
     num_pages_for_budget,
 )
+from densa.sampling_params import SamplingParams
+from densa.setup.args import EngineArgs
 
 GIB = 1024**3
 

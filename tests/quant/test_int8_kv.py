@@ -7,7 +7,7 @@ import torch
 
 from densa.formats import int8_kv
 from densa.model.arch import ArchConfig
-from densa.worker.kv_cache import allocate_kv_caches, bytes_per_token
+from densa.model.kv_pages import allocate_kv_caches, bytes_per_token
 
 
 def test_rows_round_to_codes_of_an_fp16_scale() -> None:

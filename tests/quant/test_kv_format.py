@@ -9,7 +9,7 @@ from densa.formats import int8_kv
 from densa.formats.kv_format import DYNAMIC, NO_SCALES, ROW, STATIC, KVFormat
 from densa.kernels.cpu.kv_store import store_fp8, store_kv
 from densa.model.attention import LayerKVCache
-from densa.worker.kv_cache import allocate_kv_caches
+from densa.model.kv_pages import allocate_kv_caches
 
 
 def test_formats_from_options_and_their_costs() -> None:

@@ -13,8 +13,8 @@ import torch
 from densa.cli import main
 from densa.model.arch import ArchConfig
 from densa.model.kv_layout import LatentKVCache
+from densa.model.kv_pages import allocate_kv_caches, bytes_per_token, kv_capacity, page_bytes
 from densa.worker import kv_io
-from densa.worker.kv_cache import allocate_kv_caches, bytes_per_token, kv_capacity, page_bytes
 from tests.tiny_families import save_tiny
 from tests.worker.test_kv_page_copies import (
     land_through_a_step,

@@ -16,6 +16,7 @@ from densa.cache.integrity import IntegrityViolation, ViolationKind
 from densa.engine.llm import LLM
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention_backends import select_backend
+from densa.model.kv_pages import allocate_kv_caches
 from densa.model.loader import resolve_model_dir
 from densa.sampling_params import SamplingParams
 from densa.spec.draft import DraftModelProposer, DraftSpec, load_draft_proposer
@@ -23,7 +24,6 @@ from densa.spec.lookup_first import LookupFirstProposer
 from densa.spec.ngram import NgramProposer
 from densa.spec.proposer import SpecInput
 from densa.text.tokenizer import Tokenizer
-from densa.worker.kv_cache import allocate_kv_caches
 from tests.conftest import make_tiny_llama
 
 PAGE_SIZE = 4  # small pages: a proposal round crosses page boundaries

@@ -10,12 +10,12 @@ import torch
 
 from densa.engine.llm import LLM
 from densa.model.arch import ArchConfig
+from densa.model.kv_pages import page_bytes
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs, default_model_path
 from densa.setup.kv_sizing import draft_kv_page_bytes, resolve_num_pages
 from densa.spec.draft import DraftModelProposer
 from densa.spec.lookup_first import LookupFirstProposer
-from densa.worker.kv_cache import page_bytes
 from tests.conftest import make_tiny_llama
 
 PAGE_SIZE = 8

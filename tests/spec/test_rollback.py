@@ -10,9 +10,9 @@ from densa.cache.kv_manager import KVCacheManager
 from densa.config import SchedulerConfig
 from densa.request import Request, RequestStatus
 from densa.sampling_params import SamplingParams
+from densa.sched.mirror import RequestStates
 from densa.sched.output import PageGrant, SchedulerOutput
 from densa.sched.scheduler import Scheduler
-from densa.worker.request_states import RequestStates
 
 EOS = 2
 PROMPT = [10, 11, 12, 13, 14, 15]  # 6 tokens: pages 0 and 1 (the second half full)

@@ -24,7 +24,7 @@ from densa.model.dsa import Indexer
 from densa.model.kv_layout import LatentKVCache
 from densa.model.loader import load_model
 from densa.text.tokenizer import Tokenizer
-from densa.worker.kv_cache import allocate_kv_caches
+from densa.model.kv_pages import allocate_kv_caches
 from densa_bench.eval.distribution import text_segments
 from densa_bench.eval.stats import ratio_ci
 

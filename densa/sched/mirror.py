@@ -1,4 +1,6 @@
-"""The runner's mirror of every request it is running: built from the scheduler's deltas.
+"""The receiving half of the step contract: a mirror of every running request, built from the
+scheduler's deltas (the runner keeps one, in this process or another; so can anyone who reads
+the steps, e.g. `densa bench step-bytes`). Plain data, like the deltas themselves.
 
 The scheduler sends a request's prompt and parameters once (NewRequest) and then, per step, only
 the tokens computed and the page-table entries mapped since the last step (ScheduledChunk). This

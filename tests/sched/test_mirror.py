@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from densa.sampling_params import SamplingParams
+from densa.sched.mirror import RequestStates, UnknownRequest
 from densa.sched.output import NewRequest, PageGrant, ScheduledChunk, SchedulerOutput
-from densa.worker.request_states import RequestStates, UnknownRequest
 
 PARAMS = SamplingParams(max_tokens=4)
 
