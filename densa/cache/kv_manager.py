@@ -61,6 +61,27 @@ class KVCacheManager:
     def num_pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
+    # ---- the pool, as the rest of the engine sees it (nobody else reaches into it) --------------
+    def drain_tag_updates(self) -> list[tuple[int, int]]:
+        """(page, tag) for every tag change since the last call: a step carries them to the
+        runner's tag table (SchedulerOutput.tag_updates)."""
+        return self.pool.drain_tag_updates()
+
+    def check_consistency(self, owners: dict[str, list[int]]) -> None:
+        """Assert every page's reference count is the number of owners mapping it (tests)."""
+        self.pool.check_consistency(owners)
+
+    def is_free(self, page_id: int) -> bool:
+        """In a free queue (a cached page may be, until it is reused)."""
+        return self.pool.is_free(page_id)
+
+    def hold(self, page_ids: list[int]) -> list[int]:
+        """One more reference on each page (a free one leaves the free queue, so no allocation
+        evicts it); their tags, to `release` them with."""
+        for page_id in page_ids:
+            self.pool.touch(page_id)
+        return self.pool.tags(page_ids)
+
     # ---- prefix reuse --------------------------------------------------------------------------
     def find_prefix(self, request: Request) -> PrefixHit:
         """Longest run of leading full blocks already cached in the request's scope (no mutation).
@@ -267,6 +288,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self._index.clear()
+
+    def reset_counters(self) -> None:
+        """Start the prefix-cache counters from zero (after a warm-up)."""
+        self.num_queried_tokens = self.num_hit_tokens = 0
 
     @property
     def num_cached_pages(self) -> int:

@@ -46,8 +46,13 @@ class Packed:
 
 def pack_pages(caches: Sequence[LayerCache], page_ids: list[int]) -> Packed:
     """Copy pages out of the cache, all layers, K and V (and index keys), in its own format,
-    framed."""
-    layout, frames = _framed(kv_io.pack(caches, page_ids))
+    framed (an engine's pages are copied out by its runner, in a step: `framed`)."""
+    return framed(kv_io.pack(caches, page_ids))
+
+
+def framed(pages: PackedPages) -> Packed:
+    """Packed pages as the frames they travel in."""
+    layout, frames = _framed(pages)
     return Packed(layout, frames)
 
 
@@ -74,11 +79,11 @@ def num_frames(layout: WireLayout) -> int:
 
 
 def with_mtp_state(
-    packed: Packed, mtp_cache: LayerCache, page_ids: list[int], num_positions: int, hidden: bytes
+    packed: Packed, mtp_pages: PackedPages, num_positions: int, hidden: bytes
 ) -> Packed:
     """`packed` plus the MTP layer's pages (positions [0, num_positions)) and h of the last
     prompt position (float32 bytes), framed after the target's pages."""
-    pages = pack_pages([mtp_cache], page_ids)
+    pages = framed(mtp_pages)
     state = MTPState(pages.layout, num_positions)
     return Packed(packed.layout, [*packed.frames, *pages.frames, memoryview(hidden)], state)
 

@@ -25,21 +25,19 @@ from densa.disagg.prefill_side import REQUEST_PREFIX, PrefillAgent
 from densa.disagg.transport import KVTransport, ZmqTransport
 from densa.engine.llm_engine import LLMEngine
 from densa.ipc.messages import RequestDelta
-from densa.model.kv_layout import LayerCache
 from densa.model.kv_pages import page_bytes
 from densa.model.lineage import checkpoint_lineage
 from densa.model.loader import resolve_model_dir
 from densa.sched.output import KVLanding
-from densa.spec.mtp import MTPProposer, PromptState
+from densa.spec.proposer import PromptState, PromptStates
 from densa.utils.logging import get_logger
-from densa.worker import kv_io
 
 logger = get_logger(__name__)
 
 
 def describe(engine: LLMEngine, role: str) -> PeerModel:
     """What this worker announces at the handshake: its model, and its pages' KVFormat."""
-    kv_format = kv_io.cache_format(layer_caches(engine))
+    kv_format = engine.runner.kv_format
     page_size = engine.config.cache.page_size
     size = page_bytes(engine.arch, page_size, kv_format.name, kv_format.fp8_policy)
     page = PageFormat(kv_format.name, kv_format.scales, page_size, size)
@@ -50,18 +48,11 @@ def describe(engine: LLMEngine, role: str) -> PeerModel:
     )
 
 
-def layer_caches(engine: LLMEngine) -> list[LayerCache]:
-    """The engine's per-layer caches: K/V pages, or latent (MLA) pages, one part per layer
-    (kv_io packs and lands either through their parts)."""
-    return list(engine.runner.kv_caches)
-
-
-def mtp_proposer(engine: LLMEngine) -> MTPProposer | None:
-    """The engine's MTP proposer, whose prompt state crosses the split with the pages."""
+def prompt_states(engine: LLMEngine) -> PromptStates | None:
+    """The engine's proposer, where its state of a prompt crosses the split with the pages (an
+    MTP layer's rows: Proposer.prompt_states)."""
     speculator = engine.speculator
-    if speculator is None or not isinstance(speculator.proposer, MTPProposer):
-        return None
-    return speculator.proposer
+    return None if speculator is None else speculator.proposer.prompt_states
 
 
 class DecodePort:
@@ -85,7 +76,7 @@ class DecodePort:
             prompt_token_ids=request.prompt_token_ids,
             params=request.sampling_params,
             cache_scope=request.cache_scope,
-            with_mtp=mtp_proposer(self.engine) is not None,
+            with_mtp=prompt_states(self.engine) is not None,
         )
 
     def land_remote(self, request_id: str, landing: Landing) -> str | None:
@@ -135,8 +126,8 @@ class PrefillPort:
         return self.engine.scheduler.held_page_ids(request_id)
 
     def pack(self, request_id: str, page_ids: list[int], request: PrefillRequest) -> wire.Packed:
-        packed = wire.pack_pages(layer_caches(self.engine), page_ids)
-        mtp = mtp_proposer(self.engine)
+        packed = wire.framed(self.engine.export_pages(request_id, page_ids))
+        mtp = prompt_states(self.engine)
         if not request.with_mtp or mtp is None:
             return packed
         try:
@@ -145,10 +136,10 @@ class PrefillPort:
             # The state only lets D propose from its first step: the pages go without it.
             logger.exception("the MTP state of %s could not be made; sent without it", request_id)
             return packed
-        if state is None:
+        if state is None or state.pages is None:
             return packed
         hidden = state.hidden.numpy().tobytes()
-        return wire.with_mtp_state(packed, mtp.cache, state.page_ids, state.num_positions, hidden)
+        return wire.with_mtp_state(packed, state.pages, state.num_positions, hidden)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -191,7 +182,6 @@ class KVAgents:
         if transport is None:
             return
         keys = LinkKeys(link_secret(role, secret))  # before any port is bound
-        layer_caches(engine)  # refuse a model whose pages cannot travel, at start-up
         model = describe(engine, role)
         if role == "prefill":
             self.address = transport.listen(listen)
@@ -264,7 +254,7 @@ def max_message_bytes(engine: LLMEngine) -> int:
     cache = engine.config.cache
     num_pages = -(-engine.config.scheduler.max_model_len // cache.page_size)
     size = num_pages * page_bytes(engine.arch, cache.page_size, "float32", "dynamic") + (16 << 20)
-    if mtp_proposer(engine) is not None:  # the MTP layer's pages (one layer) and a hidden state
+    if prompt_states(engine) is not None:  # the MTP layer's pages (one layer) and a hidden state
         one_layer = dataclasses.replace(engine.arch, num_layers=1)
         size += num_pages * page_bytes(one_layer, cache.page_size, "float32", "dynamic")
         size += 4 * engine.arch.hidden_size

@@ -6,11 +6,14 @@ compile delays that request alone: the engine keeps stepping everyone else meanw
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
-from densa.request import Request
-from densa.worker.grammar import CompiledGrammar
+from densa.engine.hooks import StepHook
+from densa.request import Request, RequestStatus
+from densa.sched.scheduler import Scheduler
+from densa.worker.grammar import CompiledGrammar, GrammarCompiler
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,48 @@ class GrammarGate:
         """Sleep until some held grammar is ready (the engine has nothing else to run)."""
         if self._held:
             wait([grammar for _, grammar in self._held.values()], timeout, FIRST_COMPLETED)
+
+
+class GrammarAdmission(StepHook):
+    """Structured requests reach the scheduler through here (an engine hook): at once when
+    their grammar is compiled (a cache hit), else once it is, checked before every step; a
+    grammar that fails ends its request (`end`) without it ever being scheduled."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        grammars: GrammarCompiler | None,
+        end: Callable[[Request, RequestStatus, str | None], None],
+    ) -> None:
+        self.scheduler = scheduler
+        self.grammars = grammars  # None: unconstrained requests only
+        self.gate = GrammarGate()
+        self._end = end
+
+    def __len__(self) -> int:
+        return len(self.gate)
+
+    def submit(self, request: Request) -> None:
+        """Schedule the request now, or once its grammar is compiled (off this thread)."""
+        spec = request.sampling_params.structured
+        if spec is None or self.grammars is None:
+            self.scheduler.add_request(request)
+            return
+        grammar = self.grammars.submit(spec)
+        if grammar.done() and grammar.exception() is None:  # a cache hit: no wait
+            self.scheduler.add_request(request)
+        else:
+            self.gate.hold(request, grammar)
+
+    def before_schedule(self) -> None:
+        self._admit_compiled()
+        if not self.scheduler.has_unfinished and self.gate:
+            self.gate.wait(timeout=0.01)  # only compiles pending: do not spin
+            self._admit_compiled()
+
+    def _admit_compiled(self) -> None:
+        released = self.gate.release()
+        for request in released.ready:
+            self.scheduler.add_request(request)
+        for request, error in released.failed:
+            self._end(request, RequestStatus.FINISHED_ERROR, error)

@@ -1,24 +1,28 @@
 """The engine's side of the KV tiers (densa/cache/tiers): pages go down when freed, and come back
-up when a waiting request's prefix misses the device pool but a tier holds it.
+up when a waiting request's prefix misses the device pool but a tier holds it. Device KV moves
+only through the step (sched/output.py): this hook adds to it what to copy out and what to land,
+and reads the runner's answer; it changes the scheduler's state only through its methods.
 
-    after anything frees or         cached full pages that became free (a request ended or was
-    allocates pages (schedule,      preempted) or were evicted, and were not sent down before,
-    a fetch, a KV transfer's        are copied out of the device (worker/kv_io.pack, one call)
-    reservation, an abort)          before the step (or the fetch's landing) can write them;
-                                    the background writer splits, seals and stores them in
-                                    every tier. Sending at free time, not only at eviction,
-                                    lets another worker fetch a session's history while this
-                                    one still holds it.
+    every step, after schedule()    cached full pages that became free (a request ended or was
+    (extend)                        preempted) or were evicted, and were not sent down before,
+                                    are asked for as a KVExport: the runner packs them before
+                                    the step (its landings included) writes any page; after the
+                                    step (after_step) the background writer splits, seals and
+                                    stores them in every tier. Sending at free time, not only at
+                                    eviction, lets another worker fetch a session's history
+                                    while this one still holds it.
     before schedule()               for the waiting requests that could be admitted next: the
-                                    blocks after their device hit are looked up tier by tier
+    (before_schedule)               blocks after their device hit are looked up tier by tier
                                     (first tier that verifies wins, the chain stops at the first
                                     block no tier has) on a reader thread, while the engine keeps
-                                    stepping; the request is held (not admitted) until the
-                                    lookup ends, and the requests behind it are admitted
-                                    meanwhile. Then, on the engine thread, found blocks land in
-                                    freshly allocated pages (kv_io.land), are indexed under their
-                                    block hash and freed, so admission hits them like any cached
-                                    page.
+                                    stepping; the request is held (Scheduler.hold_for_fetch, not
+                                    admitted) until its blocks are in the prefix cache, and the
+                                    requests behind it are admitted meanwhile.
+    the step after a lookup ends    its blocks land as a KVLanding (the route a prefill worker's
+    (extend, after_step)            pages take) in freshly allocated pages; once the runner wrote
+                                    them they are indexed under their block hash and freed, and
+                                    the request is let go: its admission hits them like any
+                                    cached page.
 
 A slow tier costs only the request that asked: the engine thread never waits on a lookup for
 longer than IDLE_WAIT_S (and only with nothing else to run); a lookup starts no tier call after
@@ -37,6 +41,7 @@ Page bytes are kv_io's (PackedPages): values [L, parts, n, H, P, D] then row sca
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -50,12 +55,12 @@ from densa.cache.prefix_index import BlockHash
 from densa.cache.tiers.shared import SharedTier
 from densa.cache.tiers.tier import KVTier, logger
 from densa.cache.tiers.writer import TierWriter
+from densa.engine.hooks import StepHook, StepRecord
 from densa.formats.kv_format import KVFormat
 from densa.request import Request
-from densa.sched.output import PackedPages
+from densa.sched.output import KVExport, KVLanding, PackedPages, SchedulerOutput
+from densa.sched.scheduler import Scheduler
 from densa.utils.daemon_pool import DaemonPool
-from densa.worker import kv_io
-from densa.worker.model_runner import ModelRunner
 
 MAX_OFFERED_KEYS = 1 << 17  # blocks remembered as already sent down (skips re-copying a prefix)
 MAX_READERS = 4  # lookups at once: a call stuck on one tier holds one reader, not all lookups
@@ -65,6 +70,8 @@ LOOKUP_DEADLINE_S = 2.0
 ABANDON_GRACE_S = 0.5  # past the deadline by this much, a lookup stuck in a call is given up
 IDLE_WAIT_S = 0.01  # nothing to run: how long a step waits for a lookup before it returns
 CLOSE_WAIT_S = 5.0  # closing: how long to wait for readers still inside a tier call
+EXPORT_ID = "kv-tier-write-back"  # the step's KVExport of pages on their way down
+FETCH_WRITER = "kv-tier-fetch"  # a fetch's KVLanding writer id: kv-tier-fetch:<request id>
 
 
 @dataclass(frozen=True)
@@ -150,20 +157,34 @@ class Lookup:
         return not self.future.done() and time.monotonic() > self.deadline + ABANDON_GRACE_S
 
 
-class KVTiers:
-    def __init__(self, tiers: Sequence[KVTier], kv: KVCacheManager, runner: ModelRunner,
-                 fetching: set[str]) -> None:  # fmt: skip
+@dataclass(frozen=True)
+class Fetch:
+    """A lookup's blocks landing in the current step: pages allocated for them, by the writer
+    id of their KVLanding."""
+
+    request_id: str
+    keys: list[BlockHash]
+    page_ids: list[int]
+    tags: list[int]
+
+
+class KVTiers(StepHook):
+    def __init__(self, tiers: Sequence[KVTier], kv: KVCacheManager, scheduler: Scheduler,
+                 page_template: PackedPages) -> None:  # fmt: skip
         self.tiers = list(tiers)
         self.kv = kv
-        self.runner = runner
-        self.layout = PageLayout.of(kv_io.pack(runner.kv_caches, []))
+        self.scheduler = scheduler
+        self.layout = PageLayout.of(page_template)
         self.writer = TierWriter(self.tiers)
         self._offered: OrderedDict[BlockHash, None] = OrderedDict()
         self._checked: set[str] = set()  # requests whose tiers were looked up already
-        # Lookups under way, by request; their requests are in `fetching` (the scheduler's set of
-        # waiting requests it must not admit yet) until they land.
+        # Lookups under way, by request; their requests are held by the scheduler until their
+        # blocks are in the prefix cache (or none came).
         self._lookups: dict[str, Lookup] = {}
-        self.fetching = fetching
+        # Lookups that ended with blocks found, to land in the next step (extend).
+        self._found: dict[str, tuple[Lookup, list[memoryview]]] = {}
+        self._landing: dict[str, Fetch] = {}  # blocks landing in the current step, by writer id
+        self._exporting: list[BlockHash] = []  # the block keys of the current step's export
         # Daemon threads: a call stuck for good must not keep the engine process from exiting.
         self._reader = DaemonPool(MAX_READERS, "kv-tier-read")
         self.num_fetched_pages = 0
@@ -174,18 +195,61 @@ class KVTiers:
         self._submitted_lock = threading.Lock()
         kv.record_evictions()
 
+    # ---- the hook (engine/hooks.py) ------------------------------------------------------------
+    def before_schedule(self) -> None:
+        """Land what ended, and look up the waiting requests the step could admit."""
+        scheduler = self.scheduler
+        num_slots = scheduler.config.max_num_seqs - len(scheduler.running)
+        self.fetch_for(scheduler.waiting, num_slots, bool(scheduler.running))
+
+    def extend(self, step: SchedulerOutput) -> SchedulerOutput:
+        """The step plus the found blocks to land and the pages to send down (those freed or
+        evicted since the last step, the landings' own allocations included)."""
+        self._settle(set(self._landing))  # a step that never ran (it raised): nothing landed
+        landings = [landing for found in list(self._found.values())
+                    if (landing := self._landing_of(*found)) is not None]  # fmt: skip
+        self._found.clear()
+        exports = self._export()
+        if not landings and not exports:
+            return step
+        return dataclasses.replace(
+            step,
+            tag_updates=[*step.tag_updates, *self.kv.drain_tag_updates()],  # the landings' pages
+            kv_landings=[*step.kv_landings, *landings],
+            kv_exports=[*step.kv_exports, *exports],
+        )
+
+    def after_step(self, record: StepRecord) -> None:
+        """Index the blocks that landed, and queue what the step exported for the tiers."""
+        output = record.output
+        self._settle(set(output.errors))
+        packed = output.exported.get(EXPORT_ID)
+        keys, self._exporting = self._exporting, []
+        if packed is not None and keys:
+            self._write(keys, packed)
+
+    def request_ended(self, request_id: str) -> None:
+        """The request ended (or was aborted): drop its lookup, if one is under way."""
+        self._checked.discard(request_id)
+        self._found.pop(request_id, None)
+        lookup = self._lookups.pop(request_id, None)
+        if lookup is not None:
+            lookup.future.cancel()
+            self.scheduler.end_fetch(request_id)
+
     # ---- down: write-back ----------------------------------------------------------------------
-    def write_back(self) -> None:
-        """Copy the cached pages freed or evicted since the last call (and not sent down yet) and
-        queue them for the tiers."""
+    def _export(self) -> list[KVExport]:
+        """The cached pages freed or evicted since the last call (and not sent down yet), to
+        copy out in this step."""
         evicted = [(p, h) for p, h in self.kv.drain_evicted() if h not in self._offered]
         if not evicted:
-            return
-        page_ids = [page_id for page_id, _ in evicted]
-        packed = kv_io.pack(self.runner.kv_caches, page_ids)  # a copy, before the step writes
-        keys = [block_hash for _, block_hash in evicted]
-        for key in keys:
+            return []
+        self._exporting = [block_hash for _, block_hash in evicted]
+        for key in self._exporting:
             self._remember(key)
+        return [KVExport(EXPORT_ID, [page_id for page_id, _ in evicted])]
+
+    def _write(self, keys: list[BlockHash], packed: PackedPages) -> None:
         layout = self.layout
 
         def job() -> Iterator[tuple[bytes, memoryview]]:
@@ -196,13 +260,14 @@ class KVTiers:
 
     # ---- up: fetch -----------------------------------------------------------------------------
     def fetch_for(self, waiting: Sequence[Request], max_requests: int, overlap: bool) -> None:
-        """Land the lookups that ended, and start them for the first `max_requests` waiting
+        """Take in the lookups that ended, and start them for the first `max_requests` waiting
         requests (each looked up once). `overlap`: the engine has a step to run meanwhile; if
         not, wait up to IDLE_WAIT_S for a lookup to end rather than spin on held requests
         (never longer: a request that arrives meanwhile is not to wait on a tier)."""
-        self._land_ended()
+        self._take_ended()
         # Held requests are passed over by admission, so they do not use up the slots either.
-        candidates = (r for r in waiting if r.request_id not in self.fetching)
+        fetching = self.scheduler.fetching
+        candidates = (r for r in waiting if r.request_id not in fetching)
         for request in list(itertools.islice(candidates, max_requests)):
             if request.num_computed_tokens or request.request_id in self._checked:
                 continue
@@ -211,15 +276,7 @@ class KVTiers:
         if not overlap and self._lookups:
             futures = [lookup.future for lookup in self._lookups.values()]
             wait(futures, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
-            self._land_ended()
-
-    def forget(self, request_id: str) -> None:
-        """The request ended (or was aborted): drop its lookup, if one is under way."""
-        self._checked.discard(request_id)
-        lookup = self._lookups.pop(request_id, None)
-        if lookup is not None:
-            lookup.future.cancel()
-            self.fetching.discard(request_id)
+            self._take_ended()
 
     def _start_lookup(self, request: Request) -> None:
         hit_pages, wanted = self._wanted(request)
@@ -237,7 +294,7 @@ class KVTiers:
             self._lookups[request.request_id] = Lookup(
                 request, len(hit_pages), wanted, future, deadline
             )
-            self.fetching.add(request.request_id)
+            self.scheduler.hold_for_fetch(request.request_id)
 
     def _lookup_done(self, future: Future[list[memoryview]]) -> None:
         with self._submitted_lock:
@@ -248,24 +305,29 @@ class KVTiers:
         hashes = self.kv.prefix_hashes(request)
         hit_pages = list(self.kv.find_prefix(request).page_ids)
         wanted = hashes[len(hit_pages) :]
-        room = self.kv.num_free_pages - sum(1 for p in hit_pages if self.kv.pool.is_free(p))
+        room = self.kv.num_free_pages - sum(1 for p in hit_pages if self.kv.is_free(p))
         room -= self.kv.num_pages_for(request.num_tokens) - len(hit_pages) - len(wanted)
         return hit_pages, wanted[: max(room, 0)]
 
-    def _land_ended(self) -> None:
-        """Land every lookup that has ended; give up those stuck in a tier call (their requests
-        compute their prefix)."""
+    def _take_ended(self) -> None:
+        """Keep what every ended lookup found for the next step to land (its request stays
+        held until then); give up those stuck in a tier call (their requests compute their
+        prefix)."""
         for request_id, lookup in list(self._lookups.items()):
             if lookup.is_stuck:
                 self._end_lookup(request_id)
                 self._abandon(lookup)
             elif lookup.future.done():
-                self._end_lookup(request_id)
-                self._land_result(lookup)
+                del self._lookups[request_id]
+                found = self._result(lookup)
+                if found:
+                    self._found[request_id] = (lookup, found)
+                else:
+                    self.scheduler.end_fetch(request_id)
 
     def _end_lookup(self, request_id: str) -> None:
         del self._lookups[request_id]
-        self.fetching.discard(request_id)
+        self.scheduler.end_fetch(request_id)
 
     def _abandon(self, lookup: Lookup) -> None:
         lookup.future.cancel()  # (no effect once it runs: the reader thread ends it)
@@ -275,30 +337,55 @@ class KVTiers:
                        lookup.request.request_id, ABANDON_GRACE_S,
                        self.num_abandoned_lookups)  # fmt: skip
 
-    def _land_result(self, lookup: Lookup) -> None:
+    def _result(self, lookup: Lookup) -> list[memoryview]:
         try:
             found = lookup.future.result()
         except Exception:  # a tier's bug: a miss, never a failed request
             logger.exception("KV tier lookup failed; computing the prefix instead")
-            return
+            return []
         if len(found) < len(lookup.keys):
             # Sent down once but not there now (a tier's LRU, a store restarted, a deadline):
             # offer the rest of the chain again when the device frees it.
             for lost in lookup.keys[len(found) :]:
                 self._offered.pop(lost, None)
-        self._land_found(lookup, found)
+        return found
 
-    def _land_found(self, lookup: Lookup, found: list[memoryview]) -> None:
-        """Land what a lookup found, as far as it still continues the request's device hit
-        (the pool moved on while the lookup ran) and fits."""
+    def _landing_of(self, lookup: Lookup, found: list[memoryview]) -> KVLanding | None:
+        """What a lookup found, as far as it still continues the request's device hit (the
+        pool moved on while the lookup ran) and fits, as a landing in fresh pages; None (the
+        request let go) if nothing lands."""
+        request_id = lookup.request.request_id
         hit_pages, wanted = self._wanted(lookup.request)
-        if len(hit_pages) < lookup.start or not wanted:
-            return  # the device lost part of the hit meanwhile: the chain no longer joins
         skip = len(hit_pages) - lookup.start
-        found, keys = found[skip:], lookup.keys[skip:]
-        count = min(len(found), len(wanted))
-        if count:
-            self._land(hit_pages, keys[:count], found[:count])
+        count = min(len(found) - skip, len(wanted))
+        # Hit pages are held while the fetch's pages are allocated: not evicted for them.
+        hit_tags = self.kv.hold(hit_pages) if skip >= 0 and count > 0 else None
+        allocated = None if hit_tags is None else self.kv.allocate_for_fetch(count)
+        if hit_tags is not None:
+            self.kv.release("kv-tier-fetch", hit_pages[::-1], hit_tags[::-1])
+        if allocated is None:  # the device lost part of the hit meanwhile, or no room
+            self.scheduler.end_fetch(request_id)
+            return None
+        page_ids, tags = allocated
+        writer_id = f"{FETCH_WRITER}:{request_id}"
+        self._landing[writer_id] = Fetch(request_id, lookup.keys[skip:][:count], page_ids, tags)
+        pages = self.layout.join(found[skip:][:count])
+        return KVLanding(writer_id, page_ids, tags, pages)
+
+    def _settle(self, failed: set[str]) -> None:
+        """Index the blocks of the step's landings that the runner wrote (those in `failed` did
+        not land: they are computed instead), free their pages, and let their requests go."""
+        for writer_id, fetch in self._landing.items():
+            keep = 0 if writer_id in failed else len(fetch.page_ids)
+            if keep == 0:
+                logger.warning("KV tier blocks could not land; computing them instead")
+            for violation in self.kv.adopt_fetched(fetch.page_ids, fetch.tags, fetch.keys, keep):
+                logger.error("KV tier fetch: %s", violation.message)
+            for key in fetch.keys[:keep]:
+                self._remember(key)
+            self.num_fetched_pages += keep
+            self.scheduler.end_fetch(fetch.request_id)
+        self._landing.clear()
 
     def _lookup(self, keys: Sequence[BlockHash], deadline: float) -> list[memoryview]:
         """Payloads of the leading keys found in some tier (first tier wins), in order, as far
@@ -321,33 +408,6 @@ class KVTiers:
             if payload is not None:
                 return payload
         return None
-
-    def _land(
-        self, hit_pages: list[int], keys: list[BlockHash], payloads: list[memoryview]
-    ) -> None:
-        pool = self.kv.pool
-        hit_tags = pool.tags(hit_pages)
-        for page_id in hit_pages:  # held while fetched pages are allocated: not evicted for them
-            pool.touch(page_id)
-        allocated = self.kv.allocate_for_fetch(len(payloads))
-        try:
-            if allocated is None:
-                return
-            self.write_back()  # what the allocation evicted, before the landing overwrites it
-            page_ids, tags = allocated
-            try:
-                kv_io.land(self.runner.kv_caches, page_ids, self.layout.join(payloads))
-                keep = len(page_ids)
-            except kv_io.LandingError as exc:
-                logger.warning("KV tier blocks could not land (%s); computing them instead", exc)
-                keep = 0
-            for violation in self.kv.adopt_fetched(page_ids, tags, keys, keep):
-                logger.error("KV tier fetch: %s", violation.message)
-            for key in keys[:keep]:
-                self._remember(key)
-            self.num_fetched_pages += keep
-        finally:
-            self.kv.release("kv-tier-fetch", hit_pages[::-1], hit_tags[::-1])
 
     # ---- the rest ------------------------------------------------------------------------------
     def _remember(self, key: BlockHash) -> None:
@@ -376,8 +436,9 @@ class KVTiers:
         """Stop reading and writing, then close the tiers, unless a reader is still inside a
         tier call after CLOSE_WAIT_S (a hung file system): its tier is then left open, since
         closing a directory descriptor under a running read could let it read another file."""
-        for request_id in list(self._lookups):
-            self.forget(request_id)
+        self._settle(set(self._landing))
+        for request_id in [*self._lookups, *self._found]:
+            self.request_ended(request_id)
         self._reader.shutdown()
         with self._submitted_lock:
             submitted = list(self._submitted)

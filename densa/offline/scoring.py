@@ -8,7 +8,6 @@ narrow KV cache or quantized weights affect these logits exactly as they affect 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 from collections.abc import Iterator
 
@@ -17,8 +16,6 @@ import torch
 from densa.engine.llm_engine import LLMEngine
 from densa.request import Request
 from densa.sampling_params import SamplingParams
-from densa.sched.chunks import chunk_of, new_request_of
-from densa.sched.output import SchedulerOutput, empty_step
 
 _ids = itertools.count()
 
@@ -39,8 +36,7 @@ def scoring_request(
         yield request
     finally:
         kv.free(request)
-        # Tags of the freed pages and the end of the request reach the runner as a step.
-        engine.runner.execute(empty_step(kv.pool.drain_tag_updates(), [request.request_id]))
+        engine.end_scoring(request)  # the freed pages' tags and its end reach the runner
 
 
 @contextlib.contextmanager
@@ -66,7 +62,7 @@ def cached_scoring_request(
     finally:
         kv.free(request)  # the hit pages go back to the cache, still indexed
         kv.forget(request)
-        engine.runner.execute(empty_step(kv.pool.drain_tag_updates(), [request.request_id]))
+        engine.end_scoring(request)
 
 
 def score_positions(
@@ -74,13 +70,7 @@ def score_positions(
 ) -> torch.Tensor:
     """Teacher-forced logits [len(token_ids), vocab] fp32 for positions [start_pos, ...) of
     `request` (tokens given here, so continuations can differ from its prompt)."""
-    new = [] if request.request_id in engine.runner.requests else [new_request_of(request)]
-    chunk = chunk_of(request, start_pos, 0, sample=False)
-    chunk = dataclasses.replace(chunk, token_ids=list(token_ids))
-    step = SchedulerOutput(
-        [chunk], engine.kv_manager.pool.drain_tag_updates(), [], [], new_requests=new
-    )
-    return engine.runner.score(step)
+    return engine.score(request, token_ids, start_pos)
 
 
 def iter_logits(

@@ -7,8 +7,17 @@ The runner mirrors each request's page table and tokens (sched/mirror.py), so a 
 O(new tokens + new pages) to describe, not O(context): the same contract works when the runner
 lives in another process or on another host.
 
-K/V computed elsewhere (a prefill worker's pages, densa/disagg) reaches the runner the same way:
-as a KVLanding in the step, which the runner writes before the step reads any page.
+Device KV crosses this contract and nothing else (no module outside densa/worker holds a page
+tensor), both ways:
+
+    into pages   KVLanding   a prefill worker's pages (densa/disagg), or blocks a KV tier had
+                             (engine/kv_tiers.py): written before the step reads any page
+    out of pages KVExport    pages to copy out as they are before the step writes any (cached
+                             pages on their way down to a KV tier, held pages a transfer sends):
+                             answered in the runner's output (RunnerOutput.exported)
+
+In the runner a step is applied in this order: tag updates, exports, landings, requests ended and
+new, then the chunks are computed.
 """
 
 from __future__ import annotations
@@ -100,20 +109,41 @@ class PackedPages:
 
 @dataclass(frozen=True)
 class KVLanding:
-    """A receiving request's prompt K/V, copied in from elsewhere: the runner writes `pages`
-    into `page_ids` (converting the format where it differs), but only if every page still
-    carries the tag in `page_tags`; otherwise nothing is written and the request alone ends.
-    The request then runs from `first_token_id`, sampled where its prompt was computed."""
+    """K/V copied in from elsewhere: the runner writes `pages` into `page_ids` (converting the
+    format where it differs), but only if every page still carries the tag in `page_tags`;
+    otherwise nothing is written and the writer alone fails (its id is among the errors of the
+    runner's output).
 
-    request_id: str
+    Two writers land pages: a receiving request's prompt (disaggregation), which then runs from
+    `first_token_id`, sampled where its prompt was computed; and a KV tier's fetch (its writer
+    id is the fetch's, `first_token_id` None), whose pages the prefix cache indexes once they
+    are written."""
+
+    request_id: str  # the writer: a receiving request, or a tier fetch
     page_ids: list[int]
     page_tags: list[int]
     pages: PackedPages
     # The runner advances the request's random stream past this token's draw, so a seeded
-    # request's tokens after it are those one worker would have drawn.
-    first_token_id: int
+    # request's tokens after it are those one worker would have drawn. None: no request runs
+    # from these pages (a tier fetch).
+    first_token_id: int | None = None
     first_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int = 0  # prompt tokens the computing side served from its own cache
+
+    @property
+    def starts_request(self) -> bool:
+        return self.first_token_id is not None
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """Pages to copy out, every layer and part in the cache's own format, before the step writes
+    any page: the runner answers with their PackedPages under `export_id` (RunnerOutput.exported).
+    No tag is checked: the pages may be free (their bytes are intact until a step writes them),
+    and whoever asked decides what the bytes are worth (a KV tier keys them by block hash)."""
+
+    export_id: str
+    page_ids: list[int]
 
 
 @dataclass(frozen=True)
@@ -130,6 +160,8 @@ class SchedulerOutput:
     new_requests: list[NewRequest] = field(default_factory=list)
     # Copied-in K/V to write before this step reads any page (tags are updated first).
     kv_landings: list[KVLanding] = field(default_factory=list)
+    # Pages to copy out before this step (its landings included) writes any page.
+    kv_exports: list[KVExport] = field(default_factory=list)
 
     @property
     def new_request_ids(self) -> list[str]:
@@ -146,11 +178,4 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.kv_landings
-
-
-def empty_step(
-    tag_updates: list[tuple[int, int]], finished_request_ids: list[str] | None = None
-) -> SchedulerOutput:
-    """A step that computes nothing: it brings the runner's tags and request set up to date."""
-    return SchedulerOutput([], tag_updates, finished_request_ids or [], [])
+        return not self.scheduled and not self.kv_landings and not self.kv_exports

@@ -20,8 +20,10 @@ request alone ends with an `engine_error` (its pages freed); the rest of the ste
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
+from collections.abc import Sequence
 
 from densa.cache.integrity import IntegrityViolation
 from densa.cache.kv_manager import NO_HIT, KVCacheManager
@@ -29,7 +31,7 @@ from densa.config import SchedulerConfig
 from densa.request import Request, RequestStatus
 from densa.sched.chunks import chunk_of, new_request_of
 from densa.sched.events import ReleaseViolation, RequestEnded, SchedulerEvent
-from densa.sched.output import KVLanding, NewRequest, ScheduledChunk, SchedulerOutput
+from densa.sched.output import KVExport, KVLanding, NewRequest, ScheduledChunk, SchedulerOutput
 from densa.sched.remote import RemoteRequests, RemoteReservation
 from densa.sched.stop import StopRule
 
@@ -59,9 +61,13 @@ class Scheduler:
         # and pages of finished requests that a transfer may still touch.
         self.remote = RemoteRequests(kv_manager)
         # Waiting requests not to admit yet: their prefix pages are on the way up from a KV tier
-        # (engine/kv_tiers.py). Admission passes over them, keeping their place in the queue:
-        # a tier lookup delays only the request that asked (it ends by a deadline).
-        self.fetching: set[str] = set()
+        # (engine/kv_tiers.py asks: hold_for_fetch, end_fetch). Admission passes over them,
+        # keeping their place in the queue: a tier lookup delays only the request that asked
+        # (it ends by a deadline).
+        self._fetching: set[str] = set()
+        # Requests outside the queues whose positions the offline API scores (scoring_step),
+        # by id: the runner has been told of them.
+        self._scoring: set[str] = set()
 
     # ---- request lifecycle ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -85,6 +91,7 @@ class Scheduler:
             return None
         self._unqueue(request)
         self.remote.forget(request_id)
+        self._fetching.discard(request_id)
         request.status = status
         request.error = error
         if request.hold_pages and request.page_ids:
@@ -94,6 +101,10 @@ class Scheduler:
         self.kv.forget(request)
         self._finished_since_step.append(request_id)
         return request
+
+    def reset_counters(self) -> None:
+        """Start the lifetime totals from zero (after a warm-up)."""
+        self.num_generated_tokens = self.num_preemptions = 0
 
     def drain_events(self) -> list[SchedulerEvent]:
         events, self._events = self._events, []
@@ -115,6 +126,20 @@ class Scheduler:
                 if queued is request:
                     del queue[idx]
                     return
+
+    # ---- KV tiers: a waiting request held while its prefix is read (engine/kv_tiers.py) --------
+    def hold_for_fetch(self, request_id: str) -> None:
+        """Pass the waiting request over at admission until `end_fetch` (it keeps its place)."""
+        self._fetching.add(request_id)
+
+    def end_fetch(self, request_id: str) -> None:
+        """Admit the request again (its fetched pages are in the prefix cache, or none came)."""
+        self._fetching.discard(request_id)
+
+    @property
+    def fetching(self) -> frozenset[str]:
+        """The waiting requests held for a fetch (read-only)."""
+        return frozenset(self._fetching)
 
     # ---- disaggregation hooks (densa/disagg drives them; see docs/disaggregation.md) -----------
     def add_remote(self, request: Request) -> None:
@@ -154,6 +179,7 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         self.running.append(request)
         self.kv.cache_full_pages(request)  # only now: the pages hold what their hashes say
+        assert landing.first_token_id is not None  # only a request's landing starts it
         request.output_token_ids.append(landing.first_token_id)
         status = self._stop_status(request, landing.first_token_id)
         if status is not None:
@@ -202,7 +228,7 @@ class Scheduler:
             self._schedule_waiting(budget, scheduled)
         output = SchedulerOutput(
             scheduled=scheduled,
-            tag_updates=self.kv.pool.drain_tag_updates(),
+            tag_updates=self.kv.drain_tag_updates(),
             finished_request_ids=self._finished_since_step,
             preempted_request_ids=self._preempted_since_step,
             new_requests=self._admitted_this_step,
@@ -211,6 +237,30 @@ class Scheduler:
         self._finished_since_step, self._preempted_since_step = [], []
         self._admitted_this_step = []
         return output
+
+    def side_step(
+        self, exports: Sequence[KVExport] = (), ended_ids: Sequence[str] = ()
+    ) -> SchedulerOutput:
+        """A step that computes nothing, between scheduled steps: the runner's tags brought up
+        to date, `exports` copied out (held pages a KV transfer sends), and scored requests that
+        ended (`ended_ids`) dropped. Requests the queues ended or admitted wait for the next
+        scheduled step, as they would without it."""
+        self._scoring.difference_update(ended_ids)
+        return SchedulerOutput([], self.kv.drain_tag_updates(), list(ended_ids), [],
+                               kv_exports=list(exports))  # fmt: skip
+
+    def scoring_step(
+        self, request: Request, token_ids: list[int], start_pos: int
+    ) -> SchedulerOutput:
+        """A step of one request outside the queues (the offline API's teacher-forced scoring,
+        which allocates its pages itself): `token_ids` computed at positions from `start_pos`,
+        nothing sampled. The runner is told of the request with its first such step; a
+        side_step naming it in `ended_ids` drops it."""
+        new = [] if request.request_id in self._scoring else [new_request_of(request)]
+        self._scoring.add(request.request_id)
+        chunk = dataclasses.replace(chunk_of(request, start_pos, 0, sample=False),
+                                    token_ids=list(token_ids))  # fmt: skip
+        return SchedulerOutput([chunk], self.kv.drain_tag_updates(), [], [], new_requests=new)
 
     def _schedule_running(self, budget: int, scheduled: list[ScheduledChunk]) -> int:
         idx = 0
@@ -260,7 +310,7 @@ class Scheduler:
         idx = 0  # the first waiting request not passed over (those before it are fetching)
         while idx < len(self.waiting) and budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[idx]
-            if request.request_id in self.fetching:
+            if request.request_id in self._fetching:
                 idx += 1  # its prefix is on the way up from a tier: the ones behind go first
                 continue
             try:
@@ -344,6 +394,8 @@ class Scheduler:
             if has_token:
                 updated.append(request)
         for landing in output.kv_landings:
+            if not landing.starts_request:
+                continue  # a KV tier's fetched blocks: engine/kv_tiers.py indexes them
             landed = self._land(landing)
             if landed is not None:
                 updated.append(landed)

@@ -28,7 +28,6 @@ from densa.setup.kv_sizing import KVBudget, draft_kv_page_bytes, is_relative, re
 from densa.setup.loading import load_decode_model, load_static_kv_scales, load_tokenizer
 from densa.setup.memory_plan import check_memory
 from densa.setup.proposers import DraftTarget, build_proposer, streamed_weight_bytes
-from densa.spec.mtp import MTPProposer
 from densa.spec.proposer import Proposer
 from densa.text.tokenizer import Tokenizer
 from densa.utils.heap import return_free_heap
@@ -88,15 +87,17 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         static_scales, config.cache.index_kv_dtype,
     )  # fmt: skip
     backend = select_backend(config.device.attention_backend, device)
-    runner = build_runner(config, model, decode_model, kv_caches, backend, tokenizer, arch)
     _log_kv_cache(config, arch, kv_format, budget, backend)
     target = DraftTarget(
         config.model, config.cache, device, arch, tokenizer, backend, kv_format,
         streamed_weight_bytes(model),
     )  # fmt: skip
     proposer = build_proposer(config.speculative, target)
-    # The MTP layer reads the target's final hidden state of every position it caches.
-    runner.keeps_hidden = isinstance(proposer, MTPProposer)
+    # What the proposer needs of the runner (an MTP layer: every position's hidden state).
+    keeps_hidden = proposer is not None and proposer.needs_hidden_states
+    runner = build_runner(
+        config, model, decode_model, kv_caches, backend, tokenizer, arch, keeps_hidden
+    )
     _release(tokenizer)  # a draft model's check may have rebuilt it
     described = kv_format.describe()
     return EngineParts(config, tokenizer, runner, arch, described, model.weight_format, proposer)
@@ -141,8 +142,10 @@ def build_runner(
     backend: AttentionBackend,
     tokenizer: Tokenizer,
     arch: ArchConfig,
+    keeps_hidden: bool = False,
 ) -> ModelRunner:
-    """The model runner over the allocated KV pages, with its integrity checker and graphs."""
+    """The model runner over the allocated KV pages, with its integrity checker and graphs;
+    `keeps_hidden`: every computed position's hidden state is kept for the proposer."""
     device = torch.device(config.device.device)
     # The fused step attends in C++ for decodes: with another backend asked for by name (torch,
     # triton), that backend is what runs.
@@ -172,6 +175,7 @@ def build_runner(
         decode_graphs=graphs,
         grammars=GrammarCompiler(tokenizer, arch.vocab_size),
         decodes_apart=any(fused),
+        keeps_hidden=keeps_hidden,
     )
 
 

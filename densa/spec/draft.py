@@ -51,7 +51,7 @@ from densa.spec.paged_rows import (
     prefill_group,
     propose_greedily,
 )
-from densa.spec.proposer import SpecInput, TargetRows
+from densa.spec.proposer import PromptStates, SpecInput, TargetRows
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
@@ -80,6 +80,8 @@ class DraftModelProposer(OwnPages[DraftSequence]):
     """Proposes the draft model's own greedy continuation (see the module docstring)."""
 
     name = "draft"
+    needs_hidden_states = False
+    prompt_states: PromptStates | None = None  # nothing of it crosses a split
 
     def __init__(
         self,

@@ -16,11 +16,13 @@ from collections.abc import Sequence
 from densa.cache.integrity import IntegrityViolation
 from densa.spec.draft import DraftModelProposer
 from densa.spec.ngram import NgramProposer
-from densa.spec.proposer import SpecInput, TargetRows
+from densa.spec.proposer import PromptStates, SpecInput, TargetRows
 
 
 class LookupFirstProposer:
     name = "ngram+draft"
+    needs_hidden_states = False
+    prompt_states: PromptStates | None = None  # nothing of it crosses a split
 
     def __init__(self, lookup: NgramProposer, draft: DraftModelProposer) -> None:
         self.lookup, self.draft = lookup, draft

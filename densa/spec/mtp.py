@@ -54,7 +54,6 @@ from densa.model.loader import DTYPES
 from densa.model.moe import stack_experts
 from densa.model.registry import model_factory
 from densa.model.weight_loading import GATE_UP_FUSED, FusedWeightLoader
-from densa.sched.output import PackedPages
 from densa.spec.paged_rows import (
     ChunkRow,
     OwnPages,
@@ -66,7 +65,7 @@ from densa.spec.paged_rows import (
     prefill_group,
     propose_greedily,
 )
-from densa.spec.proposer import SpecInput, TargetRows
+from densa.spec.proposer import PromptState, PromptStates, SpecInput, TargetRows
 from densa.worker import kv_io
 
 # Tensors of the MTP layer that are its own; the rest are the decoder layer's ("block.").
@@ -207,22 +206,11 @@ class _Row(ChunkRow[MTPSequence]):
     hidden: torch.Tensor = field(kw_only=True)  # h_p, [len(token_ids), H]
 
 
-@dataclass(frozen=True)
-class PromptState:
-    """The layer's state of a prompt of n tokens as it crosses a prefill/decode split: its rows
-    of positions [0, n - 1) (exact: each pairs h_p with the prompt's t_{p+1}) and h_{n-1}, which
-    the decode side pairs with the first token to propose (docs/speculative.md)."""
-
-    num_positions: int  # n - 1
-    hidden: torch.Tensor  # h_{n-1}, float32 [1, H]
-    page_ids: list[int]  # exporting: the pages holding the rows (packed by the caller)
-    pages: PackedPages | None = None  # landing: the rows as they arrived
-
-
 class MTPProposer(OwnPages[MTPSequence]):
     """Proposes with the checkpoint's MTP layer from the target's hidden states."""
 
     name = "mtp"
+    needs_hidden_states = True  # it reads the target's final hidden state of every position
 
     def __init__(
         self,
@@ -242,6 +230,7 @@ class MTPProposer(OwnPages[MTPSequence]):
         # (setup/proposers.py). 0 until then.
         self.cost_per_token = 0.0
         self.catch_up_cost_per_token = 0.0  # its rows are folded whether it proposes or not
+        self.prompt_states: PromptStates | None = self  # its rows cross a prefill/decode split
 
     def observe_hidden(self, request_id: str, rows: TargetRows) -> None:
         """The target's final hidden states of the next positions it put in its KV; folded into
@@ -301,7 +290,8 @@ class MTPProposer(OwnPages[MTPSequence]):
             self._forward([_Row(seq, token_ids, start, hidden=seq.hidden_rows(start, n - 1))])
             seq.num_exact = n - 1
         hidden = seq.hidden_rows(n - 1, n).float().cpu()
-        return PromptState(n - 1, hidden, seq.page_ids[: -(-(n - 1) // self.page_size)])
+        page_ids = seq.page_ids[: -(-(n - 1) // self.page_size)]
+        return PromptState(n - 1, hidden, page_ids, kv_io.pack([self.cache], page_ids))
 
     def land_prompt(self, request_id: str, state: PromptState) -> bool:
         """Decode side: take a prompt's state from the prefill side into pages of this pool

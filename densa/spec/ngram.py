@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from densa.cache.integrity import IntegrityViolation
-from densa.spec.proposer import SpecInput, TargetRows
+from densa.spec.proposer import PromptStates, SpecInput, TargetRows
 
 DEFAULT_MIN_NGRAM = 2
 DEFAULT_MAX_NGRAM = 4
@@ -26,6 +26,8 @@ class NgramProposer:
     """Stateless: each proposal reads only the request's tokens, so release has nothing to drop."""
 
     name = "ngram"
+    needs_hidden_states = False
+    prompt_states: PromptStates | None = None  # nothing of it crosses a split
     cost_per_token = 0.0  # a scan of token ids, nothing beside a decode step
     catch_up_cost_per_token = 0.0
 

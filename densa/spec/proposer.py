@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from densa.cache.integrity import IntegrityViolation
+from densa.sched.output import PackedPages
 
 
 @dataclass(frozen=True)
@@ -35,14 +36,49 @@ class TargetRows:
     hidden: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PromptState:
+    """A proposer's state of a prompt of n tokens as it crosses a prefill/decode split (an MTP
+    layer's: its rows of positions [0, n - 1), exact, each pairing h_p with the prompt's
+    t_{p+1}, and h_{n-1}, which the decode side pairs with the first token to propose;
+    docs/speculative.md)."""
+
+    num_positions: int  # n - 1
+    hidden: torch.Tensor  # h_{n-1}, float32 [1, H]
+    page_ids: list[int]  # exporting: the proposer's pages holding the rows
+    pages: PackedPages | None = None  # the rows, packed (exported, or as they arrived)
+
+
+class PromptStates(Protocol):
+    """A proposer whose state of a prompt crosses a prefill/decode split with its pages."""
+
+    def export_prompt(self, request_id: str, prompt_token_ids: Sequence[int]) -> PromptState | None:
+        """Prefill side: the prompt's state, packed; None when it cannot be made (the decode
+        side then proposes without it)."""
+        ...
+
+    def land_prompt(self, request_id: str, state: PromptState) -> bool:
+        """Decode side: take the state in; False (keeping nothing) if it cannot."""
+        ...
+
+
 class Proposer(Protocol):
     """Keeps whatever per-request state it needs; `release` drops it.
 
     A proposer with its own KV (a draft model) catches up from `token_ids` and truncates its own
     KV when the target rejected tokens (it compares `token_ids` with what it cached).
+
+    What it needs of the target and of a split are capabilities it declares, read by whoever
+    builds or drives it (never by asking which class it is).
     """
 
     name: str  # "ngram" | "draft" | "mtp" | "ngram+draft"
+    # The target's final hidden states of every position a step computes (`observe_hidden`):
+    # the runner keeps them only for a proposer that reads them (an MTP layer).
+    needs_hidden_states: bool
+    # Its state of a prompt, sent with the prompt's pages across a prefill/decode split (an
+    # MTP layer's rows); None: nothing of it crosses.
+    prompt_states: PromptStates | None
     # What proposing one token costs, relative to one decode step of the target (the speculator
     # weighs it against what the token is expected to gain): 0 for prompt lookup.
     cost_per_token: float

@@ -1,33 +1,44 @@
 """Runs one scheduled step: build the flattened batch, run the model over paged KV, sample.
 
 Input:  a SchedulerOutput (plain data).  Output: a RunnerOutput (plain data).
-The runner owns the KV tensors and the sampler's per-request RNG state, nothing else. K/V copied
-in from another worker arrives in the step too (KVLanding) and is written before the step reads
-any page, through worker/kv_io.py.
+The runner owns the KV tensors and the sampler's per-request RNG state, nothing else; the step
+is the one way in to them. K/V copied in (a prefill worker's pages, a KV tier's blocks) arrives
+in the step (KVLanding) and is written before the step reads any page; pages copied out (on
+their way to a KV tier, or to a decode worker) are asked for in the step too (KVExport) and
+come back in its output, packed before the step writes any page; both through worker/kv_io.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from densa.cache.integrity import IntegrityViolation
-from densa.ipc.messages import TokenLogprobs
-from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, build_group
+from densa.formats.kv_format import KVFormat
+from densa.model.attention import (
+    AttentionBackend,
+    AttentionGroup,
+    AttentionMetadata,
+    build_group,
+)
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.sched.mirror import RequestStates, ScheduledRequest, UnknownRequest
-from densa.sched.output import KVLanding, SchedulerOutput
+from densa.sched.output import PackedPages, SchedulerOutput
 from densa.sched.stop import StopRule
 from densa.utils.logging import get_logger
 from densa.worker import kv_io
+from densa.worker.confinement import compute_confined
 from densa.worker.cuda_graphs import DecodeGraphs
 from densa.worker.grammar import GrammarCompiler
 from densa.worker.integrity import IntegrityChecker
+from densa.worker.kv_amax import AmaxObserver, observing_kv
 from densa.worker.prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from densa.worker.sampler import Sampler, SampleRequest
+from densa.worker.step_intake import Begun, export_pages, land_pages
+from densa.worker.step_output import RunnerOutput
 from densa.worker.structured import StructuredSampler
 
 logger = get_logger(__name__)
@@ -37,29 +48,6 @@ logger = get_logger(__name__)
 # each further block of rows reads them again (~5 ms for the 1.5B's head): a step of <= 16
 # sampling rows computes them as before, one of 64 reads the head 4 times.
 LOGITS_ROWS_AT_ONCE = 16
-
-
-@dataclass
-class RunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    # Requests the runner refused to compute: they touched a KV page they no longer own.
-    failed: dict[str, IntegrityViolation] = field(default_factory=dict)
-    # Requests that got no token for a reason of their own ("code: message"), e.g. logits with
-    # no finite value to sample from, or a grammar that refused the token ("grammar_error: ...").
-    # The engine ends exactly these with an error.
-    errors: dict[str, str] = field(default_factory=dict)
-    # Verifying requests (speculative decoding): the proposed tokens accepted this step, which
-    # come before the request's sampled token, and their logprobs where asked for.
-    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # Only when the runner keeps hidden states (an MTP proposer reads them): each computed
-    # request's final hidden states, one row per position of its chunk ([num_tokens, hidden]),
-    # proposals included; the engine keeps the rows of the positions the step accepted.
-    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Requests that asked for their prompt's logprobs (echo): those of the prompt positions this
-    # step computed (worker/prompt_logprobs.py).
-    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -108,6 +96,7 @@ class ModelRunner:
         decode_graphs: DecodeGraphs | None = None,
         grammars: GrammarCompiler | None = None,
         decodes_apart: bool = False,
+        keeps_hidden: bool = False,
     ) -> None:
         self.model = model
         # Phase-aware weights: decode rows run through decode_model (e.g. INT4), prefill rows
@@ -130,68 +119,55 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
         # The runner's mirror of each running request, kept from the scheduler's deltas.
         self.requests = RequestStates()
-        self._refused_landings: list[IntegrityViolation] = []
-        # Set by the builder when the proposer reads the target's hidden states (MTP).
-        self.keeps_hidden = False
+        # Whether the proposer reads the target's hidden states (an MTP layer does).
+        self.keeps_hidden = keeps_hidden
         self._step_hidden: dict[str, torch.Tensor] = {}
 
+    @property
+    def kv_format(self) -> KVFormat:
+        """How the pages store their values."""
+        return kv_io.cache_format(self.kv_caches)
+
+    def page_template(self) -> PackedPages:
+        """No page, packed: the format, scales and shape every export of this runner has."""
+        return kv_io.pack(self.kv_caches, [])
+
+    def observing_kv(self) -> contextlib.AbstractContextManager[AmaxObserver]:
+        """Record every layer's max |K| and |V| as steps store them, while inside (static FP8
+        scales are calibrated so: worker/kv_amax.py)."""
+        return observing_kv(self)
+
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
-        """Take in the step's deltas, then compute it."""
-        items, errors = self.begin(step)
-        output = self.compute(items)
-        output.errors.update(errors)
+        """Take in the step's deltas once, then compute it; a computation that raises fails only
+        the requests that cause it (worker/confinement.py)."""
+        begun = self.begin(step)
+        output = compute_confined(self.compute, begun.items, set(step.new_request_ids))
+        output.errors.update(begun.errors)
+        output.exported, output.refused_landings = begun.exported, begun.refused_landings
         return output
 
-    def begin(self, step: SchedulerOutput) -> tuple[list[ScheduledRequest], dict[str, str]]:
-        """Apply the step's deltas (ended and new requests, tags, landed K/V, pages) exactly
-        once; the chunks resolved to full views, and the requests that failed on their own (a
-        chunk that could not be resolved, a landing refused or that could not be written)."""
+    def begin(self, step: SchedulerOutput) -> Begun:
+        """Apply the step's deltas (tags, exports, landed K/V, ended and new requests, pages)
+        exactly once: the chunks resolved to full views, the exported pages, and the requests
+        that failed on their own (a chunk that could not be resolved, a landing refused or that
+        could not be written)."""
         for request_id in step.finished_request_ids:
             self.sampler.forget(request_id)
         self.integrity.apply_tag_updates(step.tag_updates)
-        errors = self._land_all(step.kv_landings)
+        begun = Begun(exported=export_pages(self.kv_caches, step.kv_exports))  # before writes
+        land_pages(self.kv_caches, step.kv_landings, self.integrity, self.sampler, begun)
         self.requests.apply_lifecycle(step)
-        items: list[ScheduledRequest] = []
         for chunk in step.scheduled:
             try:
-                items.append(self.requests.resolve(chunk))
+                begun.items.append(self.requests.resolve(chunk))
             except UnknownRequest as exc:  # a broken delta: that request alone cannot run
-                errors[chunk.request_id] = f"engine_error: {exc}"
-        return items, errors
-
-    def take_refused_landings(self) -> list[IntegrityViolation]:
-        """Landings refused by the tag check since the last call (their requests are among
-        `begin`'s errors; these are for counting violations by kind)."""
-        refused, self._refused_landings = self._refused_landings, []
-        return refused
-
-    @torch.inference_mode()
-    def _land_all(self, landings: list[KVLanding]) -> dict[str, str]:
-        """Write each landing whose writer still owns every destination page (tags checked
-        against the table the step's updates just refreshed); the requests that failed."""
-        errors: dict[str, str] = {}
-        for landing in landings:
-            violation = self.integrity.check_write(
-                landing.request_id, landing.page_ids, landing.page_tags
-            )
-            if violation is not None:  # dropped whole: it can never touch another's pages
-                self._refused_landings.append(violation)
-                errors[landing.request_id] = violation.message
-                continue
-            try:
-                kv_io.land(self.kv_caches, landing.page_ids, landing.pages)
-            except Exception as exc:  # confined to this request, as a failed step would be
-                if not isinstance(exc, kv_io.LandingError):
-                    logger.exception("landing K/V for %s failed", landing.request_id)
-                errors[landing.request_id] = f"kv_transfer_failed: the KV pages cannot land: {exc}"
-                continue
-            self.sampler.skip_draw(landing.request_id)
-        return errors
+                begun.errors[chunk.request_id] = f"engine_error: {exc}"
+        return begun
 
     @torch.inference_mode()
     def compute(self, items: list[ScheduledRequest]) -> RunnerOutput:
         """Check the pages' tags, run the forward pass, sample. Touches no bookkeeping, so a
-        failed compute can be re-run on a subset (engine/confinement.py)."""
+        failed compute can be re-run on a subset (worker/confinement.py)."""
         failed = self.integrity.check_step(items)
         scheduled = [s for s in items if s.request_id not in failed]
         output = RunnerOutput(failed=failed)
@@ -271,9 +247,10 @@ class ModelRunner:
         """Logits for every token of the step's one chunk ([num_tokens, vocab], fp32): row i
         predicts the token after chunk.token_ids[i]. K/V is written and read exactly as in
         generation, so the cache format's effect on the distributions is what gets measured."""
-        (item,), errors = self.begin(step)
-        if errors:
-            raise RuntimeError(next(iter(errors.values())))
+        begun = self.begin(step)
+        if begun.errors:
+            raise RuntimeError(next(iter(begun.errors.values())))
+        (item,) = begun.items
         violation = self.integrity.check_step([item]).get(item.request_id)
         if violation is not None:
             raise RuntimeError(violation.message)

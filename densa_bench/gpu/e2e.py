@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from densa.engine.llm_engine import LLMEngine, StepRecord
+from densa.engine.hooks import StepRecord
+from densa.engine.llm_engine import LLMEngine
 from densa.engine.metrics import snapshot
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
@@ -105,7 +106,7 @@ class StepRecorder:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.steps: list[tuple[float, int, bool]] = []  # seconds, rows, decode-only
-        engine.step_observers.append(self._record)
+        engine.observers.add(self._record)
 
     def _record(self, record: StepRecord) -> None:
         rows = len(record.step.scheduled)

@@ -80,9 +80,7 @@ class ProfiledEngine(DensaEngine):
         super().__init__(engine)
         self.name = name
         self.profile = StepProfile()
-        engine.step_observers.append(
-            lambda r: self.profile.record(r.step, r.seconds, r.num_running)
-        )
+        engine.observers.add(lambda r: self.profile.record(r.step, r.seconds, r.num_running))
 
     def run_wave(self, prompts: list[list[int]], output_len: int) -> list[RequestTiming]:
         self.profile = StepProfile()

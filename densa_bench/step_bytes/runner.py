@@ -15,7 +15,8 @@ from typing import Any
 
 import msgspec
 
-from densa.engine.llm_engine import LLMEngine, StepRecord
+from densa.engine.hooks import StepRecord
+from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
 from densa.sched.mirror import RequestStates
 from densa.setup.args import EngineArgs
@@ -60,7 +61,7 @@ def _snapshot(step: Any, items: list[Any]) -> dict[str, Any]:
 def run_step_bytes(settings: StepBytesSettings, engine_args: EngineArgs) -> BenchReport:
     engine = LLMEngine.from_args(engine_args)
     recorder = StepBytesRecorder()
-    engine.step_observers.append(recorder)
+    engine.observers.add(recorder)
     rng = random.Random(settings.seed)
     vocab = engine.arch.vocab_size
     params = SamplingParams(temperature=0, max_tokens=settings.output_len, ignore_eos=True)

@@ -151,13 +151,11 @@ def _run_one(
                 first = time.perf_counter() - started
             if delta.finished:
                 cached = delta.num_cached_tokens
-                if engine.kv_tiers is not None:
-                    # The session's think-time: its pages go down now, not during the next
-                    # request's prefill (on a 2-core machine a store process competes with the
-                    # engine's threads for the CPU; measured without this, the shared tier's
-                    # writes of one turn slowed the next turn's TTFT ~10x).
-                    engine.kv_tiers.write_back()
-                    engine.kv_tiers.flush()
+                # The session's think-time: its pages go down now, not during the next
+                # request's prefill (on a 2-core machine a store process competes with the
+                # engine's threads for the CPU; measured without this, the shared tier's
+                # writes of one turn slowed the next turn's TTFT ~10x).
+                engine.flush_tiers()
                 return cached, first or 0.0, time.perf_counter() - started, tokens
 
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.llm_engine import LLMEngine, StepRecord
+from densa.engine.hooks import StepRecord
+from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
 from tests.conftest import make_tiny_llama
@@ -95,7 +96,7 @@ def _generate(engine: LLMEngine, others: list[Other], num_ahead: int = 0) -> Gen
     others = others[num_ahead:]
     request_id = engine.add_request(_prompt(0, TARGET_LEN), params)
     shares = _Shares(request_id)
-    engine.step_observers.append(shares)
+    engine.observers.add(shares)
     token_ids: list[int] = []
     logprobs: list[float] = []
     step = 0
@@ -110,7 +111,7 @@ def _generate(engine: LLMEngine, others: list[Other], num_ahead: int = 0) -> Gen
                 token_ids.extend(delta.new_token_ids)
                 logprobs.extend(lp.logprob for lp in delta.new_logprobs)
         step += 1
-    engine.step_observers.remove(shares)
+    engine.observers.remove(shares)
     engine.check_invariants()
     return Generation(token_ids, logprobs, frozenset(shares.kinds), shares.prompt_chunks)
 

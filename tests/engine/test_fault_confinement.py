@@ -4,7 +4,7 @@ phase of a step, ends alone with an error while every other request's tokens sta
 The poison is an exception raised only when the poisoned request takes part (by request id, or by
 a token only its prompt holds), so it behaves like a real request-specific fault: the step fails
 whenever that request is in it, and succeeds without it. The engine cannot know which request it
-is; it must find out (engine/confinement.py).
+is; it must find out (worker/confinement.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from densa.engine.llm_engine import LLMEngine, StepRecord
+from densa.engine.hooks import StepRecord
+from densa.engine.llm_engine import LLMEngine
 from densa.engine.metrics import snapshot
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
@@ -39,7 +40,7 @@ def make_engine(base_engine: LLMEngine):
     def make(tiers: tuple[str, ...] = ()) -> LLMEngine:
         base_engine.detach_tiers()
         base_engine.kv_manager.reset_prefix_cache()
-        base_engine.step_observers.clear()
+        base_engine.observers.clear()
         if tiers:
             base_engine.attach_tiers(tiers, None)
         return base_engine
@@ -54,7 +55,7 @@ class Runner:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.num_computed = 0
-        engine.step_observers.append(self._observe)
+        engine.observers.add(self._observe)
 
     def _observe(self, record: StepRecord) -> None:
         self.num_computed += sum(len(chunk.token_ids) for chunk in record.step.scheduled)
@@ -109,6 +110,31 @@ def test_an_evicted_prefix_comes_back_from_disk(tmp_path: Path, reference, make_
     assert stats["hits"] == 6 and stats["rejected"] == 0
     assert stats["blocks_written"] >= 4 * 6  # every prompt's full pages, once each
     assert engine.kv_tiers.num_fetched_pages == 6
+
+
+def test_tier_pages_cross_the_step_contract(tmp_path: Path, reference, make_engine) -> None:
+    """The tiers hold no device KV: pages go down as a KVExport the runner answers in its output
+    (packed before the step wrote any page), and come up as a KVLanding in the step, as a
+    prefill worker's pages do (no request starts from it: first_token_id None)."""
+    engine = make_engine((f"disk:{tmp_path}:64MiB",))
+    exported: list[int] = []
+    landed: list[list[int]] = []
+
+    def observe(record: StepRecord) -> None:
+        for export in record.step.kv_exports:
+            packed = record.output.exported[export.export_id]
+            assert packed.shape[2] == len(export.page_ids)
+            exported.extend(export.page_ids)
+        landed.extend(
+            landing.page_ids for landing in record.step.kv_landings if not landing.starts_request
+        )
+        assert not any(rid.startswith("kv-tier") for rid in record.output.errors)
+
+    engine.observers.add(observe)
+    _, again, _ = evict_then_return(Runner(engine))
+    assert again.num_cached_tokens == 96
+    assert len(exported) >= 4 * 6  # every prompt's full pages went down in some step's export
+    assert [len(pages) for pages in landed] == [6]  # A's six blocks came up in one landing
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "forge"])

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from densa.engine.llm_engine import LLMEngine, _Tracked
+from densa.engine.llm_engine import LLMEngine
+from densa.engine.tracking import Tracked
 from densa.ipc.messages import TokenLogprobs
 from densa.offline.scoring import iter_logits
 from densa.request import Request
@@ -134,7 +135,7 @@ def test_no_block_of_prompt_rows_exceeds_its_size(tiny_model_dir: Path) -> None:
 
 
 def test_recomputed_logprobs_are_kept_once() -> None:
-    tracked = _Tracked(Request("r", [1, 2, 3, 4, 5], SamplingParams(prompt_logprobs=0)))
+    tracked = Tracked(Request("r", [1, 2, 3, 4, 5], SamplingParams(prompt_logprobs=0)))
     entry = [TokenLogprobs(t, -float(t), []) for t in range(6)]
     tracked.take_prompt_logprobs(1, entry[1:3])  # tokens 1, 2
     tracked.take_prompt_logprobs(1, entry[1:4])  # recomputed from the start: 1, 2 again, then 3

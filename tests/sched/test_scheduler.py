@@ -152,10 +152,10 @@ def test_a_request_held_for_a_kv_tier_is_passed_over_and_keeps_its_place() -> No
     scheduler = make_scheduler(num_pages=4, page_size=4, budget=32)
     for rid, num_prompt in (("held", 4), ("next", 2), ("big", 16), ("small", 2)):
         scheduler.add_request(make_request(rid, num_prompt, max_tokens=2))
-    scheduler.fetching.add("held")
+    scheduler.hold_for_fetch("held")
     assert step(scheduler) == [("next", 0, 2)]  # "big" needs 4 pages, 3 are free: it waits...
     assert [r.request_id for r in scheduler.waiting] == ["held", "big", "small"]  # ...and "small"
-    scheduler.fetching.discard("held")
+    scheduler.end_fetch("held")
     assert step(scheduler) == [("next", 2, 1), ("held", 0, 4)]
     assert [r.request_id for r in scheduler.waiting] == ["big", "small"]
 

@@ -41,6 +41,8 @@ class ScriptedProposer:
     name = "scripted"
     cost_per_token = 0.0
     catch_up_cost_per_token = 0.0
+    needs_hidden_states = False
+    prompt_states = None
 
     def __init__(self) -> None:
         self.full: dict[str, list[int]] = {}  # request id -> prompt + reference output

@@ -147,6 +147,8 @@ class FixedProposer:
     name = "fixed"
     cost_per_token = 0.0
     catch_up_cost_per_token = 0.0
+    needs_hidden_states = False
+    prompt_states = None
 
     def __init__(self, token_id: int) -> None:
         self.token_id = token_id

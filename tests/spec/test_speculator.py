@@ -25,6 +25,8 @@ MAX_MODEL_LEN = 100
 
 class Fixed:
     name = "fixed"
+    needs_hidden_states = False
+    prompt_states = None
 
     def __init__(self, cost_per_token: float = 0.0, catch_up_cost_per_token: float = 0.0) -> None:
         self.cost_per_token = cost_per_token

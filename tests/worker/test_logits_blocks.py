@@ -40,6 +40,8 @@ class RepeatLast:
     name = "repeat-last"
     cost_per_token = 0.0
     catch_up_cost_per_token = 0.0
+    needs_hidden_states = False
+    prompt_states = None
 
     def propose(self, inputs: Sequence[SpecInput]) -> list[list[int]]:
         return [[item.token_ids[-1]] * min(NUM_PROPOSED, item.num_tokens) for item in inputs]

@@ -20,10 +20,11 @@ fault, O(k log n) extra runs of small groups for k faulty requests among n.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from densa.sched.mirror import ScheduledRequest
-from densa.sched.output import SchedulerOutput
 from densa.utils.logging import get_logger
-from densa.worker.model_runner import ModelRunner, RunnerOutput
+from densa.worker.step_output import RunnerOutput
 
 logger = get_logger(__name__)
 
@@ -31,24 +32,25 @@ ERROR_MESSAGE = (
     "engine_error: this request failed a step on its own ({kind}); it was ended alone and no "
     "other request was affected (the server log has the details)"
 )
+Compute = Callable[[list[ScheduledRequest]], RunnerOutput]
 
 
-def execute_confined(runner: ModelRunner, step: SchedulerOutput) -> RunnerOutput:
-    """Run the step; if it raises, find the request(s) responsible and fail only those
-    (their ids are in `RunnerOutput.errors`). The step's deltas are taken in once, before any
-    attempt; only the computation is re-run."""
-    items, errors = runner.begin(step)
+def compute_confined(
+    compute: Compute, items: list[ScheduledRequest], newest: set[str]
+) -> RunnerOutput:
+    """Compute the step's requests; if that raises, find the request(s) responsible and fail
+    only those (their ids are in `RunnerOutput.errors`). The step's deltas were taken in once,
+    before (ModelRunner.begin); only the computation is re-run. `newest`: the requests admitted
+    in this step, the first suspects."""
     try:
-        output = runner.compute(items)
+        return compute(items)
     except Exception:
         ids = [s.request_id for s in items]
         logger.exception("a step of %d requests failed; isolating the cause: %s", len(ids), ids)
-        output = _isolate(runner, items, set(step.new_request_ids))
-    output.errors.update(errors)
-    return output
+        return _isolate(compute, items, newest)
 
 
-def _isolate(runner: ModelRunner, items: list[ScheduledRequest], newest: set[str]) -> RunnerOutput:
+def _isolate(compute: Compute, items: list[ScheduledRequest], newest: set[str]) -> RunnerOutput:
     suspects = [s for s in items if s.request_id in newest]
     others = [s for s in items if s.request_id not in newest]
     pending: list[list[ScheduledRequest]] = [others] if others else []
@@ -57,7 +59,7 @@ def _isolate(runner: ModelRunner, items: list[ScheduledRequest], newest: set[str
     while pending:
         group = pending.pop(0)
         try:
-            _merge(merged, runner.compute(group))
+            _merge(merged, compute(group))
         except Exception as exc:
             if len(group) > 1:
                 half = len(group) // 2
