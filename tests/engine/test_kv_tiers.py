@@ -99,9 +99,23 @@ def reference(make_engine) -> tuple[Final, Final, int]:
 
 
 def test_an_evicted_prefix_comes_back_from_disk(tmp_path: Path, reference, make_engine) -> None:
+    """... through the step contract: the tiers hold no device KV. Pages go down as a KVExport
+    the runner answers in its output (packed before the step wrote any page) and come up as a
+    KVLanding in the step, as a prefill worker's pages do (no request starts from it)."""
     _, ref_again, ref_computed = reference
     assert ref_again.num_cached_tokens == 0  # without tiers, the pool really lost it
     engine = make_engine((f"disk:{tmp_path}:64MiB",))
+    exported: list[int] = []
+    landed: list[list[int]] = []
+
+    def observe(record: StepRecord) -> None:
+        for export in record.step.kv_exports:
+            assert record.output.exported[export.export_id].shape[2] == len(export.page_ids)
+            exported.extend(export.page_ids)
+        landed.extend(x.page_ids for x in record.step.kv_landings if not x.starts_request)
+        assert not any(rid.startswith("kv-tier") for rid in record.output.errors)
+
+    engine.observers.add(observe)
     original, again, computed = evict_then_return(Runner(engine))
     assert original.token_ids == again.token_ids == ref_again.token_ids
     assert again.num_cached_tokens == 96  # 6 full pages; the last token is always computed
@@ -110,30 +124,7 @@ def test_an_evicted_prefix_comes_back_from_disk(tmp_path: Path, reference, make_
     assert stats["hits"] == 6 and stats["rejected"] == 0
     assert stats["blocks_written"] >= 4 * 6  # every prompt's full pages, once each
     assert engine.kv_tiers.num_fetched_pages == 6
-
-
-def test_tier_pages_cross_the_step_contract(tmp_path: Path, reference, make_engine) -> None:
-    """The tiers hold no device KV: pages go down as a KVExport the runner answers in its output
-    (packed before the step wrote any page), and come up as a KVLanding in the step, as a
-    prefill worker's pages do (no request starts from it: first_token_id None)."""
-    engine = make_engine((f"disk:{tmp_path}:64MiB",))
-    exported: list[int] = []
-    landed: list[list[int]] = []
-
-    def observe(record: StepRecord) -> None:
-        for export in record.step.kv_exports:
-            packed = record.output.exported[export.export_id]
-            assert packed.shape[2] == len(export.page_ids)
-            exported.extend(export.page_ids)
-        landed.extend(
-            landing.page_ids for landing in record.step.kv_landings if not landing.starts_request
-        )
-        assert not any(rid.startswith("kv-tier") for rid in record.output.errors)
-
-    engine.observers.add(observe)
-    _, again, _ = evict_then_return(Runner(engine))
-    assert again.num_cached_tokens == 96
-    assert len(exported) >= 4 * 6  # every prompt's full pages went down in some step's export
+    assert len(exported) >= 4 * 6  # each block written went down in some step's export
     assert [len(pages) for pages in landed] == [6]  # A's six blocks came up in one landing
 
 
