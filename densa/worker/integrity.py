@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from densa.cache.integrity import IntegrityViolation, classify
+from densa.kernels.reference import integrity as reference_integrity
 from densa.sched.mirror import ScheduledRequest
 
 
@@ -83,11 +84,7 @@ class TagTableChecker:
 
     def mismatching_rows(self, page_ids: list[int], expected: list[int]) -> list[int]:
         """Rows i with tags[page_ids[i]] != expected[i]: one gather, one compare, one sync."""
-        found = self.tags[torch.tensor(page_ids, dtype=torch.int64, device=self.device)]
-        mismatch = found != torch.tensor(expected, dtype=torch.int64, device=self.device)
-        if not bool(mismatch.any()):
-            return []
-        return mismatch.nonzero().flatten().tolist()
+        return reference_integrity.mismatching_rows(self.tags, page_ids, expected)
 
     def _violations(
         self, scheduled: list[ScheduledRequest], bad_rows: list[int], found: list[int]
@@ -136,12 +133,6 @@ class TritonTagTableChecker(TagTableChecker):
         super().__init__(initial_tags, page_size, device)
 
     def mismatching_rows(self, page_ids: list[int], expected: list[int]) -> list[int]:
-        from densa.kernels.triton.integrity import check_tags
+        from densa.kernels.triton import integrity as triton_integrity
 
-        pairs = torch.tensor([page_ids, expected], dtype=torch.int64)  # [2, n]
-        if self.device.type == "cuda":
-            pairs = pairs.pin_memory().to(self.device, non_blocking=True)
-        count, flags = check_tags(self.tags, pairs)
-        if count == 0:
-            return []
-        return flags.nonzero().flatten().tolist()
+        return triton_integrity.mismatching_rows(self.tags, page_ids, expected)

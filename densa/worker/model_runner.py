@@ -11,6 +11,7 @@ come back in its output, packed before the step writes any page; both through wo
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -21,8 +22,10 @@ from densa.model.attention import (
     AttentionBackend,
     AttentionGroup,
     AttentionMetadata,
+    LayerKVCache,
     build_group,
 )
+from densa.model.fused_decode import FusedDecoder
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.sched.mirror import RequestStates, ScheduledRequest, UnknownRequest
@@ -137,6 +140,13 @@ class ModelRunner:
         scales are calibrated so: worker/kv_amax.py)."""
         return observing_kv(self)
 
+    def fused_decoder(self) -> FusedDecoder | None:
+        """The fused C++ step of the (prefill) weights over these pages; None where it is off
+        (for profiling its forward alone: densa_bench/speculative/step_split.py)."""
+        switch = self.model.fused_decode
+        caches = [c for c in self.kv_caches if isinstance(c, LayerKVCache)]
+        return None if switch is None else switch.decoder_for(self.model, caches)
+
     def execute(self, step: SchedulerOutput) -> RunnerOutput:
         """Take in the step's deltas once, then compute it; a computation that raises fails only
         the requests that cause it (worker/confinement.py)."""
@@ -168,9 +178,10 @@ class ModelRunner:
     def compute(self, items: list[ScheduledRequest]) -> RunnerOutput:
         """Check the pages' tags, run the forward pass, sample. Touches no bookkeeping, so a
         failed compute can be re-run on a subset (worker/confinement.py)."""
+        started = time.perf_counter()
         failed = self.integrity.check_step(items)
+        output = RunnerOutput(failed=failed, integrity_check_s=time.perf_counter() - started)
         scheduled = [s for s in items if s.request_id not in failed]
-        output = RunnerOutput(failed=failed)
         if not scheduled:
             return output
         sampling = [self._sample_request(item) for item in scheduled if item.sample]

@@ -38,3 +38,5 @@ class RunnerOutput:
     exported: dict[str, PackedPages] = field(default_factory=dict)
     # Landings the tag check refused (their writers are among `errors`), for counting by kind.
     refused_landings: list[IntegrityViolation] = field(default_factory=list)
+    # Seconds the step's batched integrity check took (what --kv-integrity costs a step).
+    integrity_check_s: float = 0.0

@@ -282,24 +282,26 @@ def check_and_time_integrity(
     sizes: Sizes, device: torch.device, results: KernelResults, time_left: TimeLeft
 ) -> None:
     """The Triton tag check vs the torch one, host time per step (both read back a result)."""
-    from densa.worker.integrity import TagTableChecker, TritonTagTableChecker
+    from densa.kernels.reference import integrity as torch_check
+    from densa.kernels.triton import integrity as triton_check
+    from densa.kernels.triton.common import require_triton
 
+    require_triton()
     num_pages = 4 * sizes.tag_pairs
-    tags = list(range(num_pages))
-    torch_checker = TagTableChecker(tags, 16, device)
-    triton_checker = TritonTagTableChecker(tags, 16, device)
+    tags = torch.arange(num_pages, dtype=torch.int64, device=device)
     gen = torch.Generator().manual_seed(0)
     page_ids = torch.randint(0, num_pages, (sizes.tag_pairs,), generator=gen).tolist()
     expected = list(page_ids)
     expected[len(expected) // 2] += num_pages  # one stale tag
-    found = triton_checker.mismatching_rows(page_ids, expected)
-    agrees = found == torch_checker.mismatching_rows(page_ids, expected) == [len(expected) // 2]
+    found = triton_check.mismatching_rows(tags, page_ids, expected)
+    agrees = found == torch_check.mismatching_rows(tags, page_ids, expected)
+    agrees = agrees and found == [len(expected) // 2]
     case = f"{sizes.tag_pairs} pairs, one stale"
     results.correctness.append({"kernel": "integrity_check", "case": case, "ok": agrees})
-    for name, checker in (("integrity_torch", torch_checker), ("integrity_triton", triton_checker)):
+    for name, check in (("integrity_torch", torch_check), ("integrity_triton", triton_check)):
         start = time.perf_counter()
         for _ in range(50):
-            checker.mismatching_rows(page_ids, page_ids)
+            check.mismatching_rows(tags, page_ids, page_ids)
         us = (time.perf_counter() - start) / 50 * 1e6
         results.timings.append({"kernel": name, "shape": f"{sizes.tag_pairs} pairs", "host_us": us})
 

@@ -3,26 +3,22 @@
 Two engines with identical settings except `--kv-integrity` run the same long-prompt, long-output
 waves at each concurrency, alternating (on, off, on, off, ...). Reported per concurrency: output
 tokens/s and p95 latencies of each, and the per-repetition ratios. Because end-to-end differences of
-well under 1% sit below this machine's run-to-run noise, the check itself is also timed directly on
-the step shapes of the benchmark, and expressed as a fraction of the measured step time.
+well under 1% sit below this machine's run-to-run noise, the check itself is also timed, in the
+benchmark's own decode steps (the engine reports it with every step), and expressed as a
+fraction of the measured step time.
 """
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
-import torch
-
+from densa.engine.hooks import StepRecord
 from densa.engine.llm_engine import LLMEngine
-from densa.sampling_params import SamplingParams
-from densa.sched.mirror import ScheduledRequest
 from densa.setup.args import EngineArgs
 from densa.utils.logging import get_logger
 from densa.utils.progress import progress
-from densa.worker.integrity import TagTableChecker
 from densa_bench.common.report import BenchReport, LinePlot, Series, Table
 from densa_bench.common.stats import format_spread, interleave, latency_stats, median, spread
 from densa_bench.common.timing import Wave
@@ -35,10 +31,26 @@ NOTES = [
     "on = page generation tags checked before every step (and every copy); off = a no-op checker.",
     "Each ratio is taken between adjacent interleaved runs of the same repetition; a throughput "
     "ratio below 1 or a latency ratio above 1 is overhead. Cells: median (min..max).",
-    "The direct timing runs TagTableChecker.check_step on a step shaped like this benchmark's "
-    "decode steps (every request mapping prompt+output tokens of pages) and divides by the "
-    "measured median inter-token latency of the 'off' runs at that concurrency.",
+    "check µs / step: the median time of the 'on' engine's batched check in its all-decode steps "
+    "of that many requests (RunnerOutput.integrity_check_s, read through LLMEngine.observers), "
+    "divided by the measured median inter-token latency of the 'off' runs at that concurrency.",
 ]
+
+
+class CheckClock:
+    """A step observer (LLMEngine.observers) on the 'on' engine: the integrity check's time in
+    each all-decode step, by the number of requests it checked."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, list[float]] = defaultdict(list)
+
+    def __call__(self, record: StepRecord) -> None:
+        scheduled = record.step.scheduled
+        if scheduled and all(chunk.num_tokens == 1 for chunk in scheduled):
+            self.seconds[len(scheduled)].append(record.output.integrity_check_s)
+
+    def median_us(self, concurrency: int) -> float:
+        return median(self.seconds[concurrency]) * 1e6 if self.seconds[concurrency] else 0.0
 
 
 def run_integrity(settings: IntegritySettings, engine_args: EngineArgs) -> BenchReport:
@@ -46,6 +58,8 @@ def run_integrity(settings: IntegritySettings, engine_args: EngineArgs) -> Bench
     vocab_size = engines[0].engine.arch.vocab_size
     serving = settings.serving()
     _warm_up(engines, serving, vocab_size)
+    clock = CheckClock()  # after the warm-up: its steps are not timed
+    engines[0].engine.observers.add(clock)
     schedule = interleave([(c, e) for c in settings.concurrency for e in engines], settings.repeats)
     waves: list[Wave] = []
     with progress(len(schedule), "bench integrity") as bar:
@@ -58,8 +72,7 @@ def run_integrity(settings: IntegritySettings, engine_args: EngineArgs) -> Bench
                 "[%d/%d] integrity %s c=%d: %.1f output tok/s",
                 len(waves), len(schedule), engine.name, concurrency, waves[-1].output_tok_s,
             )  # fmt: skip
-    page_size = engines[0].engine.config.cache.page_size
-    check_us = {c: _time_check(settings, c, page_size) for c in settings.concurrency}
+    check_us = {c: clock.median_us(c) for c in settings.concurrency}
     return _report(waves, check_us, settings, engine_args)
 
 
@@ -79,34 +92,6 @@ def _warm_up(engines: list[DensaEngine], serving: ServingSettings, vocab_size: i
         for engine in engines:
             logger.info("warm-up: integrity %s", engine.name)
             engine.run_wave(prompts, min(serving.output_len, 16))
-
-
-def _time_check(settings: IntegritySettings, concurrency: int, page_size: int) -> float:
-    """Median microseconds of one batched check on a decode step of this benchmark's shape."""
-    num_tokens = settings.prompt_len + settings.output_len
-    pages_per_request = -(-num_tokens // page_size)
-    num_pages = pages_per_request * concurrency
-    checker = TagTableChecker(list(range(num_pages)), page_size, torch.device("cpu"))
-    params = SamplingParams()
-    scheduled = [
-        ScheduledRequest(
-            request_id=f"r{i}",
-            token_ids=[0],
-            start_pos=num_tokens - 1,
-            page_ids=list(range(i * pages_per_request, (i + 1) * pages_per_request)),
-            page_tags=list(range(i * pages_per_request, (i + 1) * pages_per_request)),
-            sample=True,
-            sampling_params=params,
-        )
-        for i in range(concurrency)
-    ]
-    timings = []
-    for _ in range(200):
-        start = time.perf_counter()
-        violations = checker.check_step(scheduled)
-        timings.append(time.perf_counter() - start)
-        assert not violations
-    return median(timings[20:]) * 1e6
 
 
 # ---- report ----------------------------------------------------------------------------------

@@ -148,10 +148,8 @@ def forward_rows(llm: LLM, rows: list[int], repeats: int, context: int) -> dict[
     """min over repeats of one fused forward of M decode rows (one sequence, positions
     context..context+M-1), M interleaved."""
     runner = llm.engine.runner
-    switch = runner.model.fused_decode
-    assert switch is not None, "the model has no fused decode step"
-    decoder = switch.decoder_for(runner.model, list(runner.kv_caches))  # type: ignore[arg-type]
-    assert decoder is not None, "fused decode is off"
+    decoder = runner.fused_decoder()
+    assert decoder is not None, "the model has no fused decode step, or it is off"
     page_size = runner.page_size
     pages = torch.arange(1, 1 + (context + max(rows)) // page_size + 1, dtype=torch.int32)
     best: dict[int, float] = {m: float("inf") for m in rows}

@@ -7,5 +7,5 @@
     dequantize pages         paged_attention.dequantize_pages
     quantized linear         next to each CPU kernel, in plain torch: int4_linear_ref,
                              fp8_linear_ref, grouped_linear_ref, qgemm's *_reference
-    integrity check          the torch tag check itself (densa/worker/integrity.py)
+    integrity check          integrity.mismatching_rows, the torch tag check the engine runs
 """

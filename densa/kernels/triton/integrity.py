@@ -49,3 +49,16 @@ def check_tags(tags: torch.Tensor, pairs: torch.Tensor) -> tuple[int, torch.Tens
             tags, pairs, num_pairs, mismatch, count, BLOCK=BLOCK
         )
     return int(count.item()), mismatch
+
+
+def mismatching_rows(tags: torch.Tensor, page_ids: list[int], expected: list[int]) -> list[int]:
+    """Rows i with tags[page_ids[i]] != expected[i], as kernels/reference/integrity.py finds
+    them: the pairs go to the device in one copy, and one 4-byte read-back says whether anything
+    mismatched."""
+    pairs = torch.tensor([page_ids, expected], dtype=torch.int64)  # [2, n]
+    if tags.device.type == "cuda":
+        pairs = pairs.pin_memory().to(tags.device, non_blocking=True)
+    count, flags = check_tags(tags, pairs)
+    if count == 0:
+        return []
+    return flags.nonzero().flatten().tolist()
