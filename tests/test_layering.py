@@ -258,3 +258,121 @@ def test_front_modules_reach_no_torch_module_through_densa() -> None:
                 target = name.removeprefix("densa.")
                 stack.append(target if target in graph else f"{target}.__init__")
     assert not offenders, "\n".join(sorted(offenders))
+
+
+# ---- one door into device KV (docs/architecture.md, "The step contract") ---------------------------
+def _package_modules() -> list[tuple[str, Path]]:
+    """(name, path) of every module of densa and densa_bench, named from its package root."""
+    modules = [(f"densa.{_module_key(p)}", p) for p in sorted(PACKAGE.rglob("*.py"))]
+    bench = sorted(BENCH_PACKAGE.rglob("*.py"))
+    return modules + [(f"densa_bench.{p.relative_to(BENCH_PACKAGE).as_posix()}", p) for p in bench]
+
+
+def _receiver(node: ast.expr) -> str:
+    """The last name of an attribute's receiver: `engine.runner.kv_caches` -> "runner"."""
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _attribute_uses(path: Path) -> list[ast.Attribute]:
+    return [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Attribute)]
+
+
+def test_no_module_outside_the_worker_holds_device_kv() -> None:
+    """Device KV moves through the step (KVLanding in, KVExport out: sched/output.py): outside
+    densa/worker no module reads another object's `kv_caches` (a proposer's own, `self`'s, is
+    its own), and outside densa/cache nobody reaches into the KV manager's page pool."""
+    offenders = []
+    for name, path in _package_modules():
+        if name.startswith("densa.worker."):
+            continue
+        for node in _attribute_uses(path):
+            owner = _receiver(node.value)
+            if node.attr == "kv_caches" and owner != "self":
+                offenders.append(f"{name}:{node.lineno} reads {owner}.kv_caches")
+            if (
+                node.attr == "pool"
+                and owner in ("kv", "kv_manager")
+                and not name.startswith("densa.cache.")
+            ):
+                offenders.append(f"{name}:{node.lineno} reaches into {owner}.pool")
+    assert not offenders, "\n".join(offenders)
+
+
+MUTATORS = {"add", "discard", "remove", "append", "appendleft", "extend", "insert", "pop",
+            "popleft", "clear", "update", "setdefault", "difference_update"}  # fmt: skip
+
+
+def test_only_the_scheduler_changes_its_state() -> None:
+    """Outside densa/sched, the scheduler's state is changed through its methods only: nobody
+    assigns its attributes or mutates its collections (`scheduler.fetching.add(...)`)."""
+    offenders = []
+    for name, path in _package_modules():
+        if name.startswith("densa.sched."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in MUTATORS
+                and isinstance(node.func.value, ast.Attribute)
+            ):
+                targets = [node.func.value]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and _receiver(target.value) == "scheduler":
+                    offenders.append(f"{name}:{node.lineno} changes scheduler.{target.attr}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_measurement_imports_no_worker_internals() -> None:
+    """densa_bench measures densa from outside (LLM, the HTTP server, LLMEngine.observers, the
+    formats' own sizes): it imports nothing of densa/worker."""
+    offenders = [
+        f"densa_bench/{path.relative_to(BENCH_PACKAGE)} imports {name}"
+        for path in sorted(BENCH_PACKAGE.rglob("*.py"))
+        for name in _imports(path)
+        if name == "densa.worker" or name.startswith("densa.worker.")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_rooms_import_each_other_one_way() -> None:
+    """No two rooms (top-level packages) import each other, directly or round a circle, even
+    within one layer (ipc and text did): what both need sits in the lower one."""
+    graph: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        room = _module_key(path).split(".")[0]
+        for name in _imports(path):
+            if name.startswith("densa."):
+                target = name.split(".")[1]
+                if target != room:
+                    graph.setdefault(room, set()).add(target)
+    circles = sorted({" -> ".join(c) for c in _circles(graph)})
+    assert not circles, "\n".join(circles)
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each room that lies on one (its rooms, the first repeated last)."""
+    found = []
+    for start in sorted(graph):
+        stack, seen = [(start, [start])], {start}
+        while stack:
+            room, path = stack.pop()
+            for nxt in sorted(graph.get(room, ())):
+                if nxt == start:
+                    circle = _rotated(path)
+                    found.append([*circle, circle[0]])
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    return found
+
+
+def _rotated(path: list[str]) -> list[str]:
+    """The circle started at its smallest room, so each circle is named once."""
+    first = path.index(min(path))
+    return path[first:] + path[:first]
