@@ -3,19 +3,26 @@ torch reference the CPU kernel is tested against (latent_attention's _torch_spar
 gather the selected rows, one SDPA), in Triton's interpreter: FP32, BF16 and FP8 pages (static
 and per-row exponent scales, as the CPU path reads them), shuffled pages of several sizes,
 top-k below and above the contexts (-1 padding), splits of the selected rows with several
-blocks each, more heads than one program holds, and a padding row with no selection."""
+blocks each, more heads than one program holds, and a padding row with no selection; and a
+tiny GLM-5 through the engine on the Triton backend, its decode steps through the kernel."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
+import densa.model.latent_attention as latent_attention
+from densa.engine.llm import LLM
 from densa.formats.kv_format import KVFormat
 from densa.kernels.cpu.kv_store import store_kv
 from densa.kernels.triton.sparse_latent_decode import choose_num_splits, sparse_latent_decode
 from densa.model.attention import AttentionGroup, build_group
 from densa.model.kv_layout import LatentKVCache
 from densa.model.latent_attention import sparse_absorbed_decode
+from densa.sampling_params import SamplingParams
+from tests.tiny_families import save_tiny
 
 R, ROPE, HEADS = 32, 8, 6
 ATOL, RTOL = 2e-5, 1e-4
@@ -139,3 +146,27 @@ def test_split_choice_from_shapes_only() -> None:
     assert choose_num_splits(64, 2048, 32, cpu) == 1  # enough programs already
     assert choose_num_splits(1, 2048, 32, cpu) == 8
     assert choose_num_splits(1, 16, 32, cpu) == 1  # one block of rows: nothing to split
+
+
+def test_the_triton_backend_generates_the_cpu_backends_tokens_with_sparse_decode(
+    tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GLM-5 in small (top-k 16) with FP8 pages: two prompts past the top-k and one short one
+    decode together, each step's sparse attention by the Triton kernel (interpreted)."""
+    model_dir = save_tiny("glm_moe_dsa", tmp_path / "glm", smollm2_dir)
+    prompts = [[1, *range(100, 140)], [1, *range(700, 726)], [1, 9, 10, 11]]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    settings = dict(num_kv_pages=64, page_size=4, max_model_len=64, max_num_batched_tokens=128)
+    expected = [r.token_ids for r in LLM(str(model_dir), kv_cache_dtype="fp8_e4m3", **settings)
+                .generate(prompts, greedy)]  # fmt: skip
+    batches: list[int] = []
+    kernel = latent_attention._SPARSE_DECODE["triton"]
+
+    def counting(*args: object) -> torch.Tensor:
+        batches.append(args[3].shape[0])  # type: ignore[attr-defined]
+        return kernel(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setitem(latent_attention._SPARSE_DECODE, "triton", counting)
+    llm = LLM(str(model_dir), kv_cache_dtype="fp8_e4m3", attention_backend="triton", **settings)
+    assert [r.token_ids for r in llm.generate(prompts, greedy)] == expected
+    assert batches and set(batches) == {3}  # every decode step, all three sequences at once
