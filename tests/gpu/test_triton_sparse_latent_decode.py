@@ -131,6 +131,13 @@ def test_a_row_with_nothing_selected_gets_zeros_and_bf16_queries_stay_bf16() -> 
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     expected = _reference(query, cache, group, positions)[:1]  # its row 1: whatever SDPA gives
     torch.testing.assert_close(out[:1].float(), expected, atol=2e-2, rtol=2e-2)
+    # A position past the page table reads nothing, as -1 does (no out-of-bounds read).
+    positions[0, -1] = -1
+    beyond = positions.clone()
+    beyond[0, -1] = group.page_table.shape[1] * cache.page_size
+    assert torch.equal(
+        _triton(query, cache, group, beyond), _triton(query, cache, group, positions)
+    )
 
 
 @torch.inference_mode()
