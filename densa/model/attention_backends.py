@@ -14,6 +14,9 @@ The Triton backend runs densa's Triton kernels (densa/kernels/triton/) for every
     decode     split-K paged decode attention over the pages in place (decode_attention.py)
     prefill    paged varlen causal attention, earlier context from the pages, the chunk itself
                from the pages or, for FP8 pages, from its own K/V as computed (prefill_attention.py)
+    MLA        sparse (DSA) decode: absorbed attention over each sequence's top-k latent rows,
+               gathered from the pages in place (sparse_latent_decode.py); MLA's dense decode,
+               its prefill and its latent store take densa.model.latent_attention's torch paths
 
 Nothing there synchronizes with the host or depends on tensor values for its launch grids, so
 its decode steps can be captured in CUDA graphs.

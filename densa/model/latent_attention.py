@@ -18,7 +18,9 @@ Two ways to attend, with the same result:
 
 Sparse attention (DSA, densa.model.dsa) restricts each query to its top-k tokens: prefill adds
 the selection to the expanded path's mask; decode gathers only the selected latent rows
-(`sparse_absorbed_decode`), so a step reads k rows per sequence and layer, not the context.
+(`sparse_absorbed_decode`), so a step reads k rows per sequence and layer, not the context:
+in place, by a fused kernel, on the CPU (Numba) and the Triton backends; by gathering them
+first elsewhere.
 """
 
 from __future__ import annotations
@@ -158,8 +160,30 @@ def _cpu_sparse_decode(
     return out.to(q_latent.dtype)
 
 
+def _triton_sparse_decode(
+    q_latent: torch.Tensor,
+    cache: LatentKVCache,
+    group: AttentionGroup,
+    positions: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """The Triton kernel: reads only the selected rows, in place, with no host sync (so the
+    decode step stays graph-capturable; densa.kernels.triton.sparse_latent_decode)."""
+    from densa.kernels.triton.sparse_latent_decode import sparse_latent_decode
+
+    return sparse_latent_decode(
+        q_latent.contiguous(), cache.latent, group.page_table, positions.contiguous(), scale,
+        kv_lora_rank, cache.scale, cache.kv_format,
+    )  # fmt: skip
+
+
 # Sparse decode kernels by attention backend name (others use the torch path).
-_SPARSE_DECODE = {"torch": _torch_sparse_decode, "cpu": _cpu_sparse_decode}
+_SPARSE_DECODE = {
+    "torch": _torch_sparse_decode,
+    "cpu": _cpu_sparse_decode,
+    "triton": _triton_sparse_decode,
+}
 
 
 def gather_latent_rows(

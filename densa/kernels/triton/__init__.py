@@ -3,6 +3,7 @@
 
     paged decode attention   decode_attention.paged_decode_attention (split-K)
     prefill attention        prefill_attention.paged_prefill_attention (varlen, paged)
+    sparse MLA decode        sparse_latent_decode.sparse_latent_decode (DSA: top-k latent rows)
     KV store                 kv_store.store_kv (cast, or quantize to FP8 with its scales)
     quantized linear         int4_linear.int4_linear_triton, fp8_linear.fp8_linear_triton
                              (launch configurations: tuning.py)
