@@ -31,12 +31,7 @@ that (a store that drips its answer, a hung network file system) is given up ABA
 later: the request computes its prefix. Lookups run on MAX_READERS threads, so one stuck call
 does not queue every other request's lookup behind it.
 
-Page bytes are kv_io's (PackedPages): values [L, parts, n, H, P, D] then row scales
-[L, parts, n, H, P]. One page's payload is its slice of every (layer, part) row, in order:
-
-    payload(page i) = values[0, 0, i] | values[0, 1, i] | ... | values[L-1, parts-1, i]
-                      | scales[0, 0, i] | ... | scales[L-1, parts-1, i]
-                      | the same of its index keys (sparse attention: PackedPages.index)
+A stored block's payload is one page's bytes as engine/tier_pages.py lays them out.
 """
 
 from __future__ import annotations
@@ -46,7 +41,7 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -56,7 +51,7 @@ from densa.cache.tiers.shared import SharedTier
 from densa.cache.tiers.tier import KVTier, logger
 from densa.cache.tiers.writer import TierWriter
 from densa.engine.hooks import StepHook, StepRecord
-from densa.formats.kv_format import KVFormat
+from densa.engine.tier_pages import PageLayout
 from densa.request import Request
 from densa.sched.output import KVExport, KVLanding, PackedPages, SchedulerOutput
 from densa.sched.scheduler import Scheduler
@@ -72,73 +67,6 @@ IDLE_WAIT_S = 0.01  # nothing to run: how long a step waits for a lookup before 
 CLOSE_WAIT_S = 5.0  # closing: how long to wait for readers still inside a tier call
 EXPORT_ID = "kv-tier-write-back"  # the step's KVExport of pages on their way down
 FETCH_WRITER = "kv-tier-fetch"  # a fetch's KVLanding writer id: kv-tier-fetch:<request id>
-
-
-@dataclass(frozen=True)
-class PageLayout:
-    """How one page's bytes sit in a PackedPages of n pages (see the module docstring)."""
-
-    num_rows: int  # layers x parts
-    value_bytes: int  # one page's values in one (layer, part) row
-    scale_bytes: int  # one page's row scales in one (layer, part) row (0: none)
-    template: PackedPages  # a 0-page pack: the format, scales and shape to rebuild
-    index: PageLayout | None = None  # sparse attention's index keys, after the pages' own bytes
-
-    @property
-    def own_bytes(self) -> int:
-        return self.num_rows * (self.value_bytes + self.scale_bytes)
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.own_bytes + (0 if self.index is None else self.index.payload_bytes)
-
-    def split(self, pages: PackedPages) -> list[bytes]:
-        own = self._split_own(pages)
-        if self.index is None or pages.index is None:
-            return own
-        return [a + b for a, b in zip(own, self.index.split(pages.index), strict=True)]
-
-    def _split_own(self, pages: PackedPages) -> list[bytes]:
-        n = pages.shape[2]
-        values, scales = memoryview(pages.values), pages.row_scales
-        payloads = []
-        for i in range(n):
-            parts = [values[(r * n + i) * self.value_bytes :][: self.value_bytes]
-                     for r in range(self.num_rows)]  # fmt: skip
-            if scales is not None:
-                parts += [scales[(r * n + i) * self.scale_bytes :][: self.scale_bytes]
-                          for r in range(self.num_rows)]  # fmt: skip
-            payloads.append(b"".join(parts))
-        return payloads
-
-    def join(self, payloads: Sequence[memoryview]) -> PackedPages:
-        rows = range(self.num_rows)
-        values = b"".join(p[r * self.value_bytes :][: self.value_bytes] for r in rows
-                          for p in payloads)  # fmt: skip
-        scales = None
-        if self.scale_bytes:
-            base = self.num_rows * self.value_bytes
-            scales = memoryview(b"".join(p[base + r * self.scale_bytes :][: self.scale_bytes]
-                                         for r in rows for p in payloads))  # fmt: skip
-        shape = list(self.template.shape)
-        shape[2] = len(payloads)
-        index = None
-        if self.index is not None:
-            index = self.index.join([p[self.own_bytes :] for p in payloads])
-        return PackedPages(self.template.kv_dtype, self.template.kv_scales, tuple(shape),
-                           memoryview(values), scales, self.template.static_scales,
-                           index)  # fmt: skip
-
-    @classmethod
-    def of(cls, template: PackedPages) -> PageLayout:
-        num_layers, num_parts, _, heads, page_size, head_dim = template.shape
-        kv_format = KVFormat(template.kv_dtype, template.kv_scales)
-        itemsize = kv_format.storage_dtype.itemsize
-        scale_dtype = kv_format.row_scale_dtype
-        scale_itemsize = 0 if scale_dtype is None else scale_dtype.itemsize
-        index = None if template.index is None else cls.of(template.index)
-        return cls(num_layers * num_parts, heads * page_size * head_dim * itemsize,
-                   heads * page_size * scale_itemsize, template, index)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -205,7 +133,10 @@ class KVTiers(StepHook):
     def extend(self, step: SchedulerOutput) -> SchedulerOutput:
         """The step plus the found blocks to land and the pages to send down (those freed or
         evicted since the last step, the landings' own allocations included)."""
-        self._settle(set(self._landing))  # a step that never ran (it raised): nothing landed
+        self._settle(dict.fromkeys(self._landing, "the step did not run"))
+        for key in self._exporting:  # ... nor was anything exported: offer those blocks again
+            self._offered.pop(key, None)
+        self._exporting = []
         landings = [landing for found in list(self._found.values())
                     if (landing := self._landing_of(*found)) is not None]  # fmt: skip
         self._found.clear()
@@ -222,7 +153,7 @@ class KVTiers(StepHook):
     def after_step(self, record: StepRecord) -> None:
         """Index the blocks that landed, and queue what the step exported for the tiers."""
         output = record.output
-        self._settle(set(output.errors))
+        self._settle(output.errors)
         packed = output.exported.get(EXPORT_ID)
         keys, self._exporting = self._exporting, []
         if packed is not None and keys:
@@ -372,13 +303,15 @@ class KVTiers(StepHook):
         pages = self.layout.join(found[skip:][:count])
         return KVLanding(writer_id, page_ids, tags, pages)
 
-    def _settle(self, failed: set[str]) -> None:
-        """Index the blocks of the step's landings that the runner wrote (those in `failed` did
-        not land: they are computed instead), free their pages, and let their requests go."""
+    def _settle(self, failed: Mapping[str, str]) -> None:
+        """Index the blocks of the step's landings that the runner wrote (those in `failed`, by
+        writer id, did not land: they are computed instead), free their pages, and let their
+        requests go."""
         for writer_id, fetch in self._landing.items():
             keep = 0 if writer_id in failed else len(fetch.page_ids)
             if keep == 0:
-                logger.warning("KV tier blocks could not land; computing them instead")
+                logger.warning("KV tier blocks could not land (%s); computing them instead",
+                               failed[writer_id])  # fmt: skip
             for violation in self.kv.adopt_fetched(fetch.page_ids, fetch.tags, fetch.keys, keep):
                 logger.error("KV tier fetch: %s", violation.message)
             for key in fetch.keys[:keep]:
@@ -436,7 +369,7 @@ class KVTiers(StepHook):
         """Stop reading and writing, then close the tiers, unless a reader is still inside a
         tier call after CLOSE_WAIT_S (a hung file system): its tier is then left open, since
         closing a directory descriptor under a running read could let it read another file."""
-        self._settle(set(self._landing))
+        self._settle(dict.fromkeys(self._landing, "the tiers closed"))
         for request_id in [*self._lookups, *self._found]:
             self.request_ended(request_id)
         self._reader.shutdown()

@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from densa.model.attention import AttentionBackend, AttentionGroup, AttentionMetadata, LayerKVCache
+from densa.model.interface import CausalLM
+from densa.model.kv_layout import LayerCache
 
-if TYPE_CHECKING:
-    from densa.worker.model_runner import ModelRunner
+
+class Observed(Protocol):
+    """What observing K and V changes of a runner (ModelRunner has it): its attention backend,
+    while inside, and whether its model's fused step runs."""
+
+    backend: AttentionBackend
+    model: CausalLM
+    kv_caches: list[LayerCache]
 
 
 class AmaxObserver:
@@ -57,7 +65,7 @@ def _finite_amax(x: torch.Tensor) -> float:
 
 
 @contextlib.contextmanager
-def observing_kv(runner: ModelRunner) -> Iterator[AmaxObserver]:
+def observing_kv(runner: Observed) -> Iterator[AmaxObserver]:
     """The runner's K and V observed while inside: the eager layers run meanwhile, since the
     fused C++ step stores K/V past the attention backend. Raises ValueError for pages that are
     not K and V (MLA latents, whose FP8 pages use dynamic scales)."""
