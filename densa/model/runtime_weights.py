@@ -25,6 +25,8 @@ from densa.quant.weight_format import CheckpointFormat, WeightFormat
 ON_THE_FLY_FORMATS = {
     "int4": WeightFormat("int4", group_size=128, symmetric=True),
     "fp8": WeightFormat("fp8", block_size=128),
+    "mxfp4": WeightFormat("mxfp4"),
+    "nvfp4": WeightFormat("nvfp4"),
 }
 
 
