@@ -113,6 +113,24 @@ def deepseek_v3_yarn() -> Any:
     return deepseek_v3(q_lora_rank=None, rope_parameters=yarn)
 
 
+def gpt_oss() -> Any:
+    """Sinks, sliding (8-token window) and full layers alternating, 4 clamped-SwiGLU experts
+    with biases (top 2), q/k/v/o biases, YaRN RoPE (gpt-oss's factor 32 over 4096 positions)."""
+    from transformers import GptOssConfig
+
+    yarn = {
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096,
+    }  # fmt: skip
+    settings = _common(
+        intermediate_size=64, num_hidden_layers=4, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, attention_bias=True, rope_parameters=yarn,
+    )  # fmt: skip
+    config = GptOssConfig(**settings)
+    config._attn_implementation = "eager"  # sinks: transformers' reference attention
+    return config
+
+
 CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3": qwen3,
     "gemma3": gemma3,
@@ -121,6 +139,7 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3_moe": qwen3_moe,
     "deepseek_v3": deepseek_v3,
     "deepseek_v3_yarn": deepseek_v3_yarn,
+    "gpt_oss": gpt_oss,
 }
 
 

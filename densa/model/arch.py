@@ -44,6 +44,8 @@ class ArchConfig:
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c) when set
     moe: MoEConfig | None = None  # mixture-of-experts MLPs (which layers, routing numbers)
     mla: MLAConfig | None = None  # multi-head latent attention dimensions (DeepSeek-V3)
+    # gpt-oss's clamped SwiGLU: (alpha, limit) of g * sigmoid(alpha g), g and u clamped to limit
+    swiglu: tuple[float, float] | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -77,6 +79,7 @@ class ArchConfig:
             final_logit_softcapping=_optional_float(cfg.get("final_logit_softcapping")),
             moe=read_moe(cfg, num_layers),
             mla=mla,
+            swiglu=_swiglu(cfg),
         )
 
     @classmethod
@@ -183,6 +186,12 @@ def _head_dim(cfg: dict[str, Any], hidden_size: int, num_heads: int, mla: MLACon
 def _query_scale(cfg: dict[str, Any]) -> float | None:
     scalar = cfg.get("query_pre_attn_scalar")
     return float(scalar) ** -0.5 if scalar else None
+
+
+def _swiglu(cfg: dict[str, Any]) -> tuple[float, float] | None:
+    if cfg.get("swiglu_limit") is None:
+        return None
+    return float(cfg.get("swiglu_alpha", 1.702)), float(cfg["swiglu_limit"])
 
 
 def _optional_float(value: Any) -> float | None:

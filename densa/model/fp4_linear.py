@@ -4,8 +4,10 @@ copy), then laid out for the kernel that runs them:
 
     CPU with densa's C++ kernels  `prepare` packs them into the kernels' panels (4.25 / 4.5 bits
                                   per weight, as stored): a dense layer becomes a PackedLinear
-                                  of format mxfp4 / nvfp4 (the fused decode step runs it), a
-                                  stacked one keeps one packed weight per expert
+                                  of format mxfp4 / nvfp4 (weight-only, float32 activations;
+                                  mxfp4a8 / nvfp4a8 with int8 ones), which the fused decode
+                                  step runs too; a stacked one keeps one packed weight per
+                                  expert
     CUDA                          the Triton kernel over the row-major parts
                                   (densa.kernels.triton.fp4_linear)
     otherwise                     dequantize (the reference) and multiply
@@ -47,12 +49,17 @@ def can_pack(device: torch.device, in_features: int, out_features: int) -> bool:
 
 
 def pack(
-    qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None, kind: str
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    tensor_scale: torch.Tensor | None,
+    fmt: WeightFormat,
 ) -> qgemm.PackedWeight:
-    if kind == "mxfp4":
-        return qgemm.pack_mxfp4(qweight, scales, native.isa())
+    """The kernels' blocks, for the weight-only kernel or (activations "int8") the int8 one."""
+    int8 = fmt.activations == "int8"
+    if fmt.kind == "mxfp4":
+        return qgemm.pack_mxfp4(qweight, scales, native.isa(), int8)
     assert tensor_scale is not None
-    return qgemm.pack_nvfp4(qweight, scales, tensor_scale, native.isa())
+    return qgemm.pack_nvfp4(qweight, scales, tensor_scale, native.isa(), int8)
 
 
 def _triton_linear(
@@ -93,9 +100,9 @@ class Fp4Linear(nn.Module):
         """The same weights as a PackedLinear for the C++ kernels (None where they do not run)."""
         if not can_pack(self.qweight.device, self.in_features, self.out_features):
             return None
-        weight = pack(self.qweight, self.scales, self.tensor_scale, self.fmt.kind)
-        packed = PackedLinear(self.fmt.kind, weight, self.bias)
-        return packed
+        weight = pack(self.qweight, self.scales, self.tensor_scale, self.fmt)
+        name = self.fmt.kind + ("a8" if self.fmt.activations == "int8" else "")
+        return PackedLinear(name, weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
@@ -139,10 +146,9 @@ class StackedFp4Linear(nn.Module):
         """After loading: pack every expert for the C++ kernels and drop the row-major copy."""
         if not can_pack(self.qweight.device, self.in_features, self.out_features):
             return
-        kind = self.fmt.kind
         packs = [
             pack(self.qweight[e], self.scales[e],
-                 None if self.tensor_scale is None else self.tensor_scale[e], kind)
+                 None if self.tensor_scale is None else self.tensor_scale[e], self.fmt)
             for e in range(self.num_experts)
         ]  # fmt: skip
         self.register_buffer("blocks", torch.stack([p.blocks for p in packs]), persistent=False)

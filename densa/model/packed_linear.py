@@ -16,11 +16,14 @@ FP4 formats MXFP4 and NVFP4, groups of 32 (kernels/cpu/qgemm.py).
            Q4_0) exactly. From GGUF blocks only, as w6a8
     w5ma8  w6ma8 with 5-bit codes, unsigned (6.5 bits per weight against 7.5): Q5_1 exactly,
            Q5_K (its minimums rounded to fp16). From GGUF blocks only
-    mxfp4  e2m1 codes with an E8M0 scale per 32 inputs, int8 activations (densa.formats.fp4),
-           made from MXFP4 weights as checkpoints ship them (Fp4Linear.prepare); 4.25 bits
+    mxfp4  e2m1 codes with an E8M0 scale per 32 inputs (densa.formats.fp4), float32
+           activations (weight-only: the product with the stored weights), made from MXFP4
+           weights as checkpoints ship them (Fp4Linear.packed); 4.25 bits per weight
     nvfp4  e2m1 codes with an e4m3 scale per 16 inputs and a float32 per row (its tensor's
-           scale), int8 activations; 4.5 bits. Neither is a --weight-format of this table
-           (`--weight-format mxfp4|nvfp4` quantizes a dense checkpoint into them at load)
+           scale), float32 activations; 4.5 bits
+    mxfp4a8, nvfp4a8  the same blocks with int8 activations per 32 inputs (the VNNI kernels;
+           llama.cpp's MXFP4 x Q8 arithmetic). None is a --weight-format of this table:
+           `--weight-format mxfp4|nvfp4[a8]` selects or makes FP4 weights (runtime_weights)
 
 The w4a8 / w8a8 / w8 layers are made at load time from dense weights. Weights that came from a
 GGUF file's Q4_1 / Q8_0 blocks (the bundled model) come back as the very same codes and scales
@@ -93,8 +96,12 @@ _W6M = (qgemm.quantize_w6m, qgemm.pack_w6m, qgemm.w6ma8_reference, qgemm.dequant
 _W5 = (qgemm.quantize_w5, qgemm.pack_w5, qgemm.w6a8_reference, qgemm.dequantize_w6)
 _W5M = (qgemm.quantize_w5m, qgemm.pack_w5m, qgemm.w6ma8_reference, qgemm.dequantize_w6m)
 _W4 = (quantize_q4_1, qgemm.pack_w4, qgemm.w4a8_reference, qgemm.dequantize_w4)
-_MXFP4 = (quantize_mxfp4, qgemm.pack_mxfp4, qgemm.mxfp4a8_reference, fp4.dequantize_mxfp4)
-_NVFP4 = (quantize_nvfp4, qgemm.pack_nvfp4, qgemm.nvfp4a8_reference, fp4.dequantize_nvfp4)
+_MXFP4A8 = (quantize_mxfp4, qgemm.pack_mxfp4, qgemm.mxfp4a8_reference, fp4.dequantize_mxfp4)
+_NVFP4A8 = (quantize_nvfp4, qgemm.pack_nvfp4, qgemm.nvfp4a8_reference, fp4.dequantize_nvfp4)
+_MXFP4 = (quantize_mxfp4, qgemm.pack_mxfp4_float, qgemm.mxfp4_float_reference,
+          fp4.dequantize_mxfp4)  # fmt: skip
+_NVFP4 = (quantize_nvfp4, qgemm.pack_nvfp4_float, qgemm.nvfp4_float_reference,
+          fp4.dequantize_nvfp4)  # fmt: skip
 PACKED = {
     f.name: f
     for f in (
@@ -105,8 +112,10 @@ PACKED = {
         PackedFormat("w6ma8", qgemm.W6_MIN, 480, False, *_W6M),
         PackedFormat("w5a8", 5, 384, False, *_W5),
         PackedFormat("w5ma8", qgemm.W5_MIN, 416, False, *_W5M),
-        PackedFormat("mxfp4", qgemm.MXFP4A8, 272, False, *_MXFP4),
-        PackedFormat("nvfp4", qgemm.NVFP4A8, 288, False, *_NVFP4),
+        PackedFormat("mxfp4", qgemm.MXFP4, 272, False, *_MXFP4),
+        PackedFormat("nvfp4", qgemm.NVFP4, 288, False, *_NVFP4),
+        PackedFormat("mxfp4a8", qgemm.MXFP4A8, 272, False, *_MXFP4A8),
+        PackedFormat("nvfp4a8", qgemm.NVFP4A8, 288, False, *_NVFP4A8),
     )
 }
 PACKED_FORMATS = tuple(name for name, f in PACKED.items() if f.offered)  # --weight-format's
@@ -222,7 +231,7 @@ def packed_bytes(fmt: str, out_features: int, in_features: int) -> int:
     """Bytes of a [out, in] weight in a packed format: one block per 16 rows x 32 inputs (and
     NVFP4's float32 tensor scale per row after them)."""
     blocks = (out_features // qgemm.PANEL) * (in_features // qgemm.GROUP)
-    trailer = 4 * out_features if fmt == "nvfp4" else 0
+    trailer = 4 * out_features if fmt.startswith("nvfp4") else 0
     return blocks * packed_format(fmt).block_bytes + trailer
 
 

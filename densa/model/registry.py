@@ -16,6 +16,7 @@ import torch
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.deepseek_v3 import DeepseekV3ForCausalLM
 from densa.model.gemma3 import Gemma3ForCausalLM
+from densa.model.gpt_oss import GptOssForCausalLM
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import DenseKVLayout, KVLayout, LatentKVLayout
 from densa.model.llama import LlamaForCausalLM, Qwen3ForCausalLM
@@ -71,6 +72,7 @@ register_model("MixtralForCausalLM", MixtralForCausalLM)
 register_model("Qwen2MoeForCausalLM", Qwen2MoeForCausalLM)
 register_model("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM)
 register_model("DeepseekV3ForCausalLM", DeepseekV3ForCausalLM, LatentKVLayout())  # Kimi K2 too
+register_model("GptOssForCausalLM", GptOssForCausalLM)  # sinks, sliding layers, MXFP4 experts
 
 
 # The init functions the modules' reset_parameters call (nn.Linear, nn.Embedding, ...).

@@ -204,7 +204,7 @@ def convert_shipped(
     from densa.quant.checkpoint import Converted, Quantized
 
     quantizer = ShippedQuantizer(ckpt.producer, ckpt.format)
-    keep = runtime == ckpt.format
+    keep = runtime is not None and runtime.stored_as() == ckpt.format.stored_as()
     for name, value in grouped:
         if not isinstance(value, Quantized):
             yield name, value

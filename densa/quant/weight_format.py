@@ -16,7 +16,7 @@ every other tensor in the file is an ordinary dense tensor.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,10 @@ class WeightFormat:
     scale_dtype: str = "bfloat16"  # int4 scales/offsets; torch's CPU int4 matmul wants bf16
     block_size: int = 128  # fp8: square blocks of block_size x block_size share one fp32 scale
     method: str = "rtn"  # how the values were chosen: round-to-nearest, or GPTQ on calibration
+    # FP4 on the CPU kernels: activations as given ("float", weight-only, the default) or
+    # rounded to int8 per 32 inputs ("int8": the VNNI kernels, faster for prefill). How the
+    # weights run, not how they are stored: `--weight-format mxfp4a8|nvfp4a8` picks "int8".
+    activations: str = "float"
 
     def __post_init__(self) -> None:
         if self.kind not in WEIGHT_KINDS:
@@ -54,6 +58,8 @@ class WeightFormat:
             raise ValueError(f"scale dtype must be one of {tuple(SCALE_DTYPES)}")
         if self.block_size < 1:
             raise ValueError("fp8 block size must be >= 1")
+        if self.activations not in ("float", "int8"):
+            raise ValueError(f"activations must be float or int8, got {self.activations!r}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.kind in ("fp8", *FP4_KINDS) and self.method != "rtn":
@@ -65,16 +71,21 @@ class WeightFormat:
     def torch_scale_dtype(self) -> torch.dtype:
         return SCALE_DTYPES[self.scale_dtype]
 
+    def stored_as(self) -> WeightFormat:
+        """The format with the run-time choices reset: what the stored parts are."""
+        return replace(self, activations="float")
+
     @property
     def is_fp4(self) -> bool:
         return self.kind in FP4_KINDS
 
     def describe(self) -> str:
         """'int4 g128 sym (gptq)' / 'fp8 e4m3 128x128 blocks': for logs and reports."""
+        acts = ", int8 activations" if self.activations == "int8" else ""
         if self.kind == "mxfp4":
-            return "mxfp4 (e2m1, e8m0 scale per 32)"
+            return f"mxfp4 (e2m1, e8m0 scale per 32{acts})"
         if self.kind == "nvfp4":
-            return "nvfp4 (e2m1, e4m3 scale per 16, fp32 per tensor)"
+            return f"nvfp4 (e2m1, e4m3 scale per 16, fp32 per tensor{acts})"
         if self.kind == "fp8":
             return f"fp8 e4m3 {self.block_size}x{self.block_size} blocks"
         symmetry = "sym" if self.symmetric else "asym"

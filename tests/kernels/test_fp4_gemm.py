@@ -1,5 +1,6 @@
-"""The MXFP4A8 and NVFP4A8 kernels (csrc/fp4gemm.cpp: e2m1 weights with E8M0 / e4m3 block
-scales, int8 activations) against their float64 references on every code path this CPU runs,
+"""The FP4 kernels (csrc/fp4gemm.cpp: e2m1 weights with E8M0 / e4m3 block scales; MXFP4A8 and
+NVFP4A8 with int8 activations, MXFP4 and NVFP4 weight-only with float32 ones, over the same
+blocks) against their float64 references on every code path this CPU runs,
 every token tile, the scales' extremes (E8M0 0x00, 0x01, 0xFF = NaN; e4m3 subnormals and NaN),
 and NVFP4's tensor scale per row; and the packed blocks' size and byte layout."""
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.skipif(not native.is_available(), reason="no C++ compil
 PATHS = ["avx2"] + (
     ["avx512_vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags() else []
 )
-ROWS = [1, 3, 4, 5, 8, 9, 17]  # every token tile of both paths (AVX-512: 8, AVX2: 4) and tails
+ROWS = [1, 4, 5, 9, 17]  # every token tile of both paths (AVX-512: 8, AVX2: 4) and tails
 SHAPES = [(32, 16), (160, 48), (1024, 64)]  # (K, N)
 
 
@@ -40,14 +41,20 @@ def _nvfp4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return qweight, scales, t
 
 
-def _pack(fmt: str, weight: tuple[torch.Tensor, ...], isa: str) -> qgemm.PackedWeight:
-    return qgemm.pack_mxfp4(*weight, isa) if fmt == "mxfp4" else qgemm.pack_nvfp4(*weight, isa)
-
-
-def _reference(fmt: str, x: torch.Tensor, weight: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def _pack(
+    fmt: str, weight: tuple[torch.Tensor, ...], isa: str, int8: bool = True
+) -> qgemm.PackedWeight:
     if fmt == "mxfp4":
-        return qgemm.mxfp4a8_reference(x, *weight)
-    return qgemm.nvfp4a8_reference(x, *weight)
+        return qgemm.pack_mxfp4(*weight, isa, int8)
+    return qgemm.pack_nvfp4(*weight, isa, int8)
+
+
+def _reference(
+    fmt: str, x: torch.Tensor, weight: tuple[torch.Tensor, ...], int8: bool = True
+) -> torch.Tensor:
+    if fmt == "mxfp4":
+        return (qgemm.mxfp4a8_reference if int8 else qgemm.mxfp4_float_reference)(x, *weight)
+    return (qgemm.nvfp4a8_reference if int8 else qgemm.nvfp4_float_reference)(x, *weight)
 
 
 def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -56,44 +63,49 @@ def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale, equal_nan=True)
 
 
+@pytest.mark.parametrize("int8", [True, False], ids=["a8", "weight-only"])
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 @pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"K{s[0]}-N{s[1]}")
 @pytest.mark.parametrize("rows", ROWS)
-def test_fp4_kernels_match_reference(fmt: str, isa: str, shape: tuple[int, int], rows: int) -> None:
+def test_fp4_kernels_match_reference(
+    fmt: str, isa: str, shape: tuple[int, int], rows: int, int8: bool
+) -> None:
     k, n = shape
     weight = (_mxfp4 if fmt == "mxfp4" else _nvfp4)(n, k, seed=rows + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    got = qgemm.quantized_linear(x, _pack(fmt, weight, isa))
-    _assert_matches(got, _reference(fmt, x, weight))
+    got = qgemm.quantized_linear(x, _pack(fmt, weight, isa, int8))
+    _assert_matches(got, _reference(fmt, x, weight, int8))
 
 
+@pytest.mark.parametrize("int8", [True, False], ids=["a8", "weight-only"])
 @pytest.mark.parametrize("isa", PATHS)
-def test_e8m0_extremes_in_the_kernel(isa: str) -> None:
+def test_e8m0_extremes_in_the_kernel(isa: str, int8: bool) -> None:
     """Scale bytes 0x00 (2^-127) and 0x01 (2^-126: both float32 subnormals once halved for the
     table's 2v) compute exactly as the reference; 0xFF makes its rows NaN, and only them."""
     qweight, scales = _mxfp4(16, 64, seed=3)
     scales[:, 0] = 127
     scales[1, 1], scales[2, 1], scales[3, 1], scales[4, 1] = 0x00, 0x01, 0x02, 0xFF
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
-    got = qgemm.quantized_linear(x, qgemm.pack_mxfp4(qweight, scales, isa))
-    want = qgemm.mxfp4a8_reference(x, qweight, scales)
+    got = qgemm.quantized_linear(x, _pack("mxfp4", (qweight, scales), isa, int8))
+    want = _reference("mxfp4", x, (qweight, scales), int8)
     _assert_matches(got, want)
     assert torch.isnan(got[:, 4]).all() and not torch.isnan(got[:, [0, 1, 2, 3, 5]]).any()
     # The tiny blocks' contribution is there, though 2^-100 times smaller than the others'.
     only_tiny = scales.clone()
     only_tiny[:, 0] = 0x00
-    tiny = qgemm.quantized_linear(x, qgemm.pack_mxfp4(qweight, only_tiny, isa))
-    _assert_matches(tiny[:, :4], qgemm.mxfp4a8_reference(x, qweight, only_tiny)[:, :4])
+    tiny = qgemm.quantized_linear(x, _pack("mxfp4", (qweight, only_tiny), isa, int8))
+    _assert_matches(tiny[:, :4], _reference("mxfp4", x, (qweight, only_tiny), int8)[:, :4])
     assert (tiny[:, 1] != 0).all() and tiny[:, 1].abs().max() < 1e-36
 
 
+@pytest.mark.parametrize("int8", [True, False], ids=["a8", "weight-only"])
 @pytest.mark.parametrize("isa", PATHS)
-def test_a_nan_e4m3_scale_makes_its_rows_nan(isa: str) -> None:
+def test_a_nan_e4m3_scale_makes_its_rows_nan(isa: str, int8: bool) -> None:
     qweight, scales, t = _nvfp4(16, 32, seed=5)
     scales[2, 1] = 0x7F
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(6))
-    got = qgemm.quantized_linear(x, qgemm.pack_nvfp4(qweight, scales, t, isa))
+    got = qgemm.quantized_linear(x, _pack("nvfp4", (qweight, scales, t), isa, int8))
     assert torch.isnan(got[:, 2]).all() and not torch.isnan(got[:, [0, 1, 3]]).any()
 
 
@@ -126,7 +138,7 @@ def test_block_layout_byte_for_byte() -> None:
     assert torch.equal(trailer, t)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "mxfp4a8", "nvfp4a8"])
 def test_packed_linear_from_dense_weights(fmt: str) -> None:
     """PackedLinear(fmt, dense) quantizes by round-to-nearest and computes its reference."""
     gen = torch.Generator().manual_seed(8)

@@ -196,6 +196,57 @@ MODELOPT_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_siz
                    "producer": {"name": "modelopt", "version": "0.37.0"}}  # fmt: skip
 
 
+# ---- gpt-oss MXFP4 (as openai/gpt-oss-20b ships its experts) -------------------------------------
+def gpt_oss_mxfp4(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers gpt-oss expert parameter [E, in, out] -> (`_blocks` [E, out, in/32, 16],
+    `_scales` [E, out, in/32]) in the layout gpt-oss ships, written from the OCP MX spec (sec.
+    6.3): per 32 inputs the shared exponent floor(log2 max|v|) - 2 as E8M0 (bias 127), elements
+    rounded to the nearest e2m1 value (ties to the even code), saturating at 6; two codes per
+    byte, the even input in the low nibble."""
+    weight = dense.transpose(1, 2).float()  # [E, out, in]: blocks are out-major
+    experts, out, inp = weight.shape
+    groups = weight.reshape(experts, out, inp // 32, 32)
+    amax = groups.abs().amax(-1)
+    exponent = torch.floor(torch.log2(amax.clamp(min=2.0**-126))) - 2
+    exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, -127))
+    scaled = groups / torch.pow(2.0, exponent).unsqueeze(-1)
+    grid = torch.tensor(E2M1)
+    distance = (scaled.abs().clamp(max=6.0).unsqueeze(-1) - grid).abs()
+    best = torch.argmin(distance + (torch.arange(8) % 2) * 1e-6, dim=-1)
+    codes = (best | ((scaled < 0) & (best > 0)).to(torch.int64) << 3).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [E, out, in/32, 16]
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def write_gpt_oss_mxfp4(src: Path, out: Path, ref: Path) -> None:
+    """Rewrite a dense tiny gpt-oss checkpoint (`src`) with its experts in MXFP4 as gpt-oss ships
+    them (into `out`, with its quantization_config), and a dense one whose experts are
+    transformers' own dequantization of those blocks (integrations/mxfp4.py; into `ref`)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    stored, reference = {}, {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        if not re.search(r"\.mlp\.experts\.(gate_up|down)_proj$", name):
+            stored[name] = reference[name] = tensor
+            continue
+        blocks, scales = gpt_oss_mxfp4(tensor)
+        stored[f"{name}_blocks"], stored[f"{name}_scales"] = blocks, scales
+        reference[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    config = {"quant_method": "mxfp4",
+              "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                         "model.embed_tokens", "lm_head"]}  # fmt: skip
+    for directory, tensors, quantization in ((out, stored, config), (ref, reference, None)):
+        shutil.copytree(src, directory, dirs_exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  str(directory / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+        settings = json.loads((directory / "config.json").read_text())
+        settings.pop("quantization_config", None)
+        if quantization is not None:
+            settings["quantization_config"] = quantization
+        (directory / "config.json").write_text(json.dumps(settings))
+
+
 # ---- AutoAWQ GEMM -------------------------------------------------------------------------------
 def awq_pack(weight: torch.Tensor, group_size: int) -> Parts:
     """WQLinear_GEMM.from_linear: zero-point quantization per group, columns packed 8 per

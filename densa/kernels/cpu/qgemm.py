@@ -41,6 +41,9 @@ W5_MIN = 51  # the "bits" code of W5 with a minimum (csrc/qgemm.h: kFormatW5MA8)
 W8_FLOAT = 80  # the "bits" code of weight-only W8 (csrc/qgemm.h: kFormatW8)
 MXFP4A8 = 41  # FP4 weights, int8 activations (csrc/fp4gemm.cpp; densa.formats.fp4)
 NVFP4A8 = 42
+MXFP4 = 43  # the same blocks, float32 activations (weight-only)
+NVFP4 = 44
+FP4_WEIGHT_ONLY = {MXFP4A8: MXFP4, NVFP4A8: NVFP4}
 
 
 def fits(in_features: int, out_features: int) -> bool:
@@ -339,23 +342,59 @@ def pack_w8_float(codes: torch.Tensor, d: torch.Tensor, isa: str) -> PackedWeigh
     return PackedWeight(blocks, codes.shape[0], codes.shape[1], W8_FLOAT, isa)
 
 
-def pack_mxfp4(qweight: torch.Tensor, scales: torch.Tensor, isa: str) -> PackedWeight:
+def pack_mxfp4(
+    qweight: torch.Tensor, scales: torch.Tensor, isa: str, int8_activations: bool = True
+) -> PackedWeight:
     """qweight [N, K/2] uint8 e2m1 codes (column 2j low), scales [N, K/32] E8M0 -> the MXFP4
-    panel layout (csrc/fp4gemm.cpp), the same for both code paths."""
+    panel layout (csrc/fp4gemm.cpp), the same for both code paths and for both kernels (int8
+    activations, or float32 ones: weight-only)."""
     empty = torch.empty(0, dtype=torch.float32)
     blocks = _ext().pack_fp4(_bytes(qweight), _bytes(scales), empty, MXFP4A8)
-    return PackedWeight(blocks, qweight.shape[0], 2 * qweight.shape[1], MXFP4A8, isa)
+    bits = MXFP4A8 if int8_activations else MXFP4
+    return PackedWeight(blocks, qweight.shape[0], 2 * qweight.shape[1], bits, isa)
 
 
 def pack_nvfp4(
-    qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, isa: str
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    tensor_scale: torch.Tensor,
+    isa: str,
+    int8_activations: bool = True,
 ) -> PackedWeight:
     """qweight [N, K/2], scales [N, K/16] e4m3 bits, tensor_scale [N] float32 (one per row)
     -> the NVFP4 panel layout, the tensor scales after the blocks."""
     rows = qweight.shape[0]
     t = tensor_scale.float().reshape(-1).expand(rows).contiguous()
     blocks = _ext().pack_fp4(_bytes(qweight), _bytes(scales), t, NVFP4A8)
-    return PackedWeight(blocks, rows, 2 * qweight.shape[1], NVFP4A8, isa)
+    bits = NVFP4A8 if int8_activations else NVFP4
+    return PackedWeight(blocks, rows, 2 * qweight.shape[1], bits, isa)
+
+
+def pack_mxfp4_float(qweight: torch.Tensor, scales: torch.Tensor, isa: str) -> PackedWeight:
+    return pack_mxfp4(qweight, scales, isa, int8_activations=False)
+
+
+def pack_nvfp4_float(
+    qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, isa: str
+) -> PackedWeight:
+    return pack_nvfp4(qweight, scales, tensor_scale, isa, int8_activations=False)
+
+
+def mxfp4_float_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """The weight-only MXFP4 product in float64: x times the stored weights."""
+    return (x.double() @ fp4.dequantize_mxfp4(qweight, scales).double().T).float()
+
+
+def nvfp4_float_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor
+) -> torch.Tensor:
+    """The weight-only NVFP4 product in float64 (block scale times tensor scale unrounded)."""
+    values = fp4.e2m1_to_float(fp4.unpack_fp4(qweight)).double()
+    block = fp4.expand(fp4.e4m3_to_float(scales).double(), fp4.NVFP4_GROUP)
+    weight = values * block * tensor_scale.double()[:, None]
+    return (x.double() @ weight.T).float()
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -376,6 +415,8 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
         W8_FLOAT: ext.w8float_linear,
         MXFP4A8: lambda x, b, n, isa: ext.fp4a8_linear(x, b, n, MXFP4A8, isa),
         NVFP4A8: lambda x, b, n, isa: ext.fp4a8_linear(x, b, n, NVFP4A8, isa),
+        MXFP4: lambda x, b, n, isa: ext.fp4float_linear(x, b, n, MXFP4, isa),
+        NVFP4: lambda x, b, n, isa: ext.fp4float_linear(x, b, n, NVFP4, isa),
     }[weight.bits]
     return run(x.float().contiguous(), weight.blocks, weight.out_features, weight.isa)
 

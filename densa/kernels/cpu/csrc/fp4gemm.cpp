@@ -21,10 +21,16 @@
 //   NVFP4 block (288 B): 4 x 64 B nibbles | 32 x e4m3 (half h, row r at 256 + 16 h + r)
 //   an NVFP4 weight: every panel's blocks, then t[n] as N float32 (4 bytes per row).
 // 4.25 and 4.5 bits per weight, the checkpoints' own sizes.
+//
+// Weight-only (MXFP4, NVFP4: float32 activations, nothing rounded but the float32 sums): the
+// same blocks; the table gives signed 2v bytes, each 32-bit lane's byte j (input 8 o + j, or
+// 8 o + 4 + j for the high nibbles) is widened to a float lane by shifts, and multiplied by the
+// token's x in that input: y = sum_g scale_g / 2 * sum_k 2v x, in float32.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -42,6 +48,9 @@ constexpr int kFp4Offset = 12;  // u = 2 v + 12
 // u by code: codes 0..7 are +v, 8..15 the same magnitudes negative (8 is -0).
 alignas(16) constexpr uint8_t kFp4Lut[16] = {12, 13, 14, 15, 16, 18, 20, 24,
                                              12, 11, 10, 9,  8,  6,  4,  0};
+// 2v as signed bytes, for the weight-only kernels.
+alignas(16) constexpr int8_t kFp4SignedLut[16] = {0, 1,  2,  3,  4,  6,  8,  12,
+                                                  0, -1, -2, -3, -4, -6, -8, -12};
 constexpr int kScales = 256;  // byte offset of the scales within a block
 constexpr uint32_t kNanBits = 0x7FC00000u;
 
@@ -228,6 +237,119 @@ DENSA_AVX2 void nvfp4_panel_avx2(const uint8_t* blocks, int64_t groups, const in
   }
 }
 
+// ---- weight-only (float32 activations) -------------------------------------------------------
+// Byte J of every 32-bit lane, sign-extended, as float lanes.
+template <int J>
+DENSA_AVX512 inline __m512 lane_byte_avx512(__m512i v) {
+  return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * J), 24));
+}
+
+// acc[t] += the 16 rows' weights (2v) of nibble vector o times token t's 8 inputs of it.
+template <int T, int J>
+DENSA_AVX512 inline void float_dot_j_avx512(__m512i lo, __m512i hi, const float* xk,
+                                            int64_t cols, __m512* acc) {
+  const __m512 wl = lane_byte_avx512<J>(lo), wh = lane_byte_avx512<J>(hi);
+  for (int t = 0; t < T; ++t) {
+    acc[t] = _mm512_fmadd_ps(wl, _mm512_set1_ps(xk[t * cols + J]), acc[t]);
+    acc[t] = _mm512_fmadd_ps(wh, _mm512_set1_ps(xk[t * cols + 4 + J]), acc[t]);
+  }
+}
+
+template <int T>
+DENSA_AVX512 inline void float_dot_avx512(const uint8_t* blk, int o, const float* xg,
+                                          int64_t cols, __m512i lut, __m512* acc) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i v = _mm512_loadu_si512(blk + 64 * o);
+  const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low4));
+  const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+  const float* xk = xg + 8 * o;
+  float_dot_j_avx512<T, 0>(lo, hi, xk, cols, acc);
+  float_dot_j_avx512<T, 1>(lo, hi, xk, cols, acc);
+  float_dot_j_avx512<T, 2>(lo, hi, xk, cols, acc);
+  float_dot_j_avx512<T, 3>(lo, hi, xk, cols, acc);
+}
+
+template <int T, bool kNv>
+DENSA_AVX512 void fp4float_panel_avx512(const uint8_t* blocks, int64_t groups, const float* x,
+                                        int64_t cols, float* y, int64_t ldy) {
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)kFp4SignedLut));
+  constexpr int64_t block = kNv ? kNvfp4Block : kMxfp4Block;
+  __m512 accf[T];
+  for (int t = 0; t < T; ++t) accf[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* blk = blocks + g * block;
+    prefetch_weights(blk, block);
+    const float* xg = x + g * kGroup;
+    for (int h = 0; h < (kNv ? 2 : 1); ++h) {  // NVFP4: each 16 inputs have their own scale
+      __m512 acc[T];
+      for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+      for (int o = kNv ? 2 * h : 0; o < (kNv ? 2 * h + 2 : 4); ++o)
+        float_dot_avx512<T>(blk, o, xg, cols, lut, acc);
+      const __m128i sb = _mm_loadu_si128((const __m128i*)(blk + kScales + 16 * h));
+      const __m512 scale = kNv ? e4m3_half_avx512(sb) : e8m0_half_avx512(sb);
+      for (int t = 0; t < T; ++t) accf[t] = _mm512_fmadd_ps(acc[t], scale, accf[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + t * ldy, accf[t]);
+}
+
+template <int J>
+DENSA_AVX2 inline __m256 lane_byte_avx2(__m256i v) {
+  return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * J), 24));
+}
+
+template <int T, int J>
+DENSA_AVX2 inline void float_dot_j_avx2(__m256i lo, __m256i hi, const float* xk, int64_t cols,
+                                        __m256* acc) {
+  const __m256 wl = lane_byte_avx2<J>(lo), wh = lane_byte_avx2<J>(hi);
+  for (int t = 0; t < T; ++t) {
+    acc[t] = _mm256_fmadd_ps(wl, _mm256_set1_ps(xk[t * cols + J]), acc[t]);
+    acc[t] = _mm256_fmadd_ps(wh, _mm256_set1_ps(xk[t * cols + 4 + J]), acc[t]);
+  }
+}
+
+template <int T>
+DENSA_AVX2 inline void float_dot_avx2(const uint8_t* blk, int o, int side, const float* xg,
+                                      int64_t cols, __m256i lut, __m256* acc) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(blk + 64 * o + 32 * side));
+  const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, low4));
+  const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+  const float* xk = xg + 8 * o;
+  float_dot_j_avx2<T, 0>(lo, hi, xk, cols, acc);
+  float_dot_j_avx2<T, 1>(lo, hi, xk, cols, acc);
+  float_dot_j_avx2<T, 2>(lo, hi, xk, cols, acc);
+  float_dot_j_avx2<T, 3>(lo, hi, xk, cols, acc);
+}
+
+template <int T, bool kNv>
+DENSA_AVX2 void fp4float_panel_avx2(const uint8_t* blocks, int64_t groups, const float* x,
+                                    int64_t cols, float* y, int64_t ldy) {
+  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)kFp4SignedLut));
+  constexpr int64_t block = kNv ? kNvfp4Block : kMxfp4Block;
+  for (int side = 0; side < 2; ++side) {
+    __m256 accf[T];
+    for (int t = 0; t < T; ++t) accf[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* blk = blocks + g * block;
+      if (side == 0) prefetch_weights(blk, block);
+      const float* xg = x + g * kGroup;
+      for (int h = 0; h < (kNv ? 2 : 1); ++h) {
+        __m256 acc[T];
+        for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+        for (int o = kNv ? 2 * h : 0; o < (kNv ? 2 * h + 2 : 4); ++o)
+          float_dot_avx2<T>(blk, o, side, xg, cols, lut, acc);
+        const uint8_t* sb = blk + kScales + 16 * h + 8 * side;
+        const __m256 scale = kNv ? e4m3_half_avx2(sb) : e8m0_half_avx2(sb);
+        for (int t = 0; t < T; ++t) accf[t] = _mm256_fmadd_ps(acc[t], scale, accf[t]);
+      }
+    }
+    for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + t * ldy + 8 * side, accf[t]);
+  }
+}
+
+using FloatPanelFn = void (*)(const uint8_t*, int64_t, const float*, int64_t, float*, int64_t);
+
 // ---- dispatch ----------------------------------------------------------------------------------
 template <int T, bool kNv>
 void fp4_avx512(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
@@ -258,6 +380,56 @@ Int8PanelKernels kernels(Isa isa) {
 
 Int8PanelKernels fp4_panel_kernels(int bits, Isa isa) {
   return bits == kFormatNvfp4A8 ? kernels<true>(isa) : kernels<false>(isa);
+}
+
+void fp4float_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_t* blocks,
+                         int64_t n, int bits, Isa isa, float* y, int64_t ldy) {
+  if (rows == 0) return;
+  const bool nv = bits == kFormatNvfp4, wide = isa == Isa::kAvx512Vnni;
+  const FloatPanelFn avx512[2][8] = {
+      {fp4float_panel_avx512<1, false>, fp4float_panel_avx512<2, false>,
+       fp4float_panel_avx512<3, false>, fp4float_panel_avx512<4, false>,
+       fp4float_panel_avx512<5, false>, fp4float_panel_avx512<6, false>,
+       fp4float_panel_avx512<7, false>, fp4float_panel_avx512<8, false>},
+      {fp4float_panel_avx512<1, true>, fp4float_panel_avx512<2, true>,
+       fp4float_panel_avx512<3, true>, fp4float_panel_avx512<4, true>,
+       fp4float_panel_avx512<5, true>, fp4float_panel_avx512<6, true>,
+       fp4float_panel_avx512<7, true>, fp4float_panel_avx512<8, true>}};
+  const FloatPanelFn avx2[2][4] = {
+      {fp4float_panel_avx2<1, false>, fp4float_panel_avx2<2, false>,
+       fp4float_panel_avx2<3, false>, fp4float_panel_avx2<4, false>},
+      {fp4float_panel_avx2<1, true>, fp4float_panel_avx2<2, true>, fp4float_panel_avx2<3, true>,
+       fp4float_panel_avx2<4, true>}};
+  const int64_t groups = cols / kGroup, panels = n / kPanel, block = block_bytes(bits);
+  const int64_t tile = wide ? kInt8TileAvx512 : kInt8TileAvx2W4;
+  const int64_t tiles = (rows + tile - 1) / tile;
+  at::parallel_for(0, panels * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t panel = item / tiles, t0 = (item % tiles) * tile;
+      const int64_t count = std::min(tile, rows - t0);
+      const FloatPanelFn fn = wide ? avx512[nv][count - 1] : avx2[nv][count - 1];
+      fn(blocks + panel * groups * block, groups, x + t0 * cols, cols,
+         y + t0 * ldy + panel * kPanel, ldy);
+    }
+  });
+  if (nv) apply_tensor_scales(blocks, n, cols, rows, y, ldy);
+}
+
+at::Tensor fp4float_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
+                           int64_t bits, const std::string& isa_name) {
+  TORCH_CHECK(is_fp4_float_format(static_cast<int>(bits)), "bits: 43 (MXFP4) or 44 (NVFP4)");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [M, K] float32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t rows = x.size(0), cols = x.size(1);
+  TORCH_CHECK(cols % kGroup == 0 && out_features % kPanel == 0, "shape does not tile");
+  TORCH_CHECK(packed.numel() == packed_bytes(static_cast<int>(bits), out_features, cols),
+              "packed weight has the wrong size");
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  fp4float_linear_raw(x.data_ptr<float>(), rows, cols, packed.data_ptr<uint8_t>(), out_features,
+                      static_cast<int>(bits), parse_isa(isa_name), y.data_ptr<float>(),
+                      out_features);
+  return y;
 }
 
 void apply_tensor_scales(const uint8_t* blocks, int64_t n, int64_t k, int64_t rows, float* y,

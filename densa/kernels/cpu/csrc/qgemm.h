@@ -36,10 +36,11 @@ enum class Isa { kAvx2 = 0, kAvx512Vnni = 1 };
 
 // Projection formats, as Python passes them ("bits"): dense float32, W4A8, W5A8, W5MA8 (W5 with
 // a minimum per group), W6A8, W6MA8 (W6 with a minimum), W8A8, W8 with float activations
-// (w8float.cpp), and the FP4 formats with int8 activations, MXFP4A8 and NVFP4A8 (fp4gemm.cpp).
+// (w8float.cpp), and the FP4 formats with int8 activations, MXFP4A8 and NVFP4A8, or with float32
+// activations (weight-only), MXFP4 and NVFP4: the same blocks, two kernels (fp4gemm.cpp).
 constexpr int kFormatDense = 32, kFormatW4A8 = 4, kFormatW5A8 = 5, kFormatW5MA8 = 51,
               kFormatW6A8 = 6, kFormatW6MA8 = 7, kFormatW8A8 = 8, kFormatW8 = 80,
-              kFormatMxfp4A8 = 41, kFormatNvfp4A8 = 42;
+              kFormatMxfp4A8 = 41, kFormatNvfp4A8 = 42, kFormatMxfp4 = 43, kFormatNvfp4 = 44;
 
 // Bytes per block of a packed format (0: not a packed format).
 constexpr int block_bytes(int bits) {
@@ -58,8 +59,10 @@ constexpr int block_bytes(int bits) {
     case kFormatW8:
       return kW8Block;
     case kFormatMxfp4A8:
+    case kFormatMxfp4:
       return kMxfp4Block;
     case kFormatNvfp4A8:
+    case kFormatNvfp4:
       return kNvfp4Block;
     default:
       return 0;
@@ -71,7 +74,7 @@ constexpr int block_bytes(int bits) {
 // three NVFP4 tensors holds three).
 constexpr int64_t packed_bytes(int bits, int64_t n, int64_t k) {
   const int64_t blocks = (n / kPanel) * (k / kGroup) * block_bytes(bits);
-  return bits == kFormatNvfp4A8 ? blocks + 4 * n : blocks;
+  return bits == kFormatNvfp4A8 || bits == kFormatNvfp4 ? blocks + 4 * n : blocks;
 }
 
 bool cpu_has_avx512_vnni();
@@ -94,6 +97,8 @@ constexpr bool is_split_format(int bits) {
 }
 
 constexpr bool is_fp4_format(int bits) { return bits == kFormatMxfp4A8 || bits == kFormatNvfp4A8; }
+// The weight-only FP4 formats (float32 activations; fp4float_linear_raw runs them).
+constexpr bool is_fp4_float_format(int bits) { return bits == kFormatMxfp4 || bits == kFormatNvfp4; }
 
 // Whether `bits` names a format with int8 activations (quantized_linear_raw runs it).
 constexpr bool is_quantized_format(int bits) {
@@ -129,6 +134,11 @@ void quantized_linear_raw(const float* x, int64_t rows, int64_t cols, const uint
 
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                             int bits, const std::string& isa_name);
+// y[rows, n] = x W^T for W in MXFP4 / NVFP4 blocks with float32 x (no activation rounding).
+void fp4float_linear_raw(const float* x, int64_t rows, int64_t cols, const uint8_t* blocks,
+                         int64_t n, int bits, Isa isa, float* y, int64_t ldy);
+at::Tensor fp4float_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                           int64_t bits, const std::string& isa_name);
 // qweight [N, K/2] uint8 (column 2j in the low nibble), scales [N, K/g] uint8 (E8M0 for MXFP4,
 // e4m3 bits for NVFP4), tensor_scale [N] float32 (NVFP4; empty for MXFP4) -> packed blocks.
 at::Tensor pack_fp4(const at::Tensor& qweight, const at::Tensor& scales,
