@@ -50,6 +50,19 @@ def test_fp8_kv_doubles_tokens_and_int4_weights_are_40_percent_smaller(name: str
     assert tokens[("int4 g32", "fp8_e4m3")] > tokens[("fp8 128x128", "fp8_e4m3")]
 
 
+@pytest.mark.parametrize("name", ["kimi-k2-instruct", "glm-4.5"])
+def test_fp4_weights_size_like_the_other_formats(name: str) -> None:
+    """MXFP4 (4.25 bits) and NVFP4 (4.5 bits: int4 g32's size) in the same arithmetic; FP4
+    experts with FP8 elsewhere (DeepSeek-V4's mix) smaller than INT4 experts with FP8."""
+    _, _, sizes, tokens = _sized(name)
+    bytes_of = {name: size.checkpoint_bytes for name, size in sizes.items()}
+    assert bytes_of["nvfp4"] == bytes_of["int4 g32"]
+    assert bytes_of["mxfp4"] < bytes_of["int4 g32"] < bytes_of["fp8 128x128"]
+    assert bytes_of["mxfp4 experts, rest fp8"] < bytes_of["int4 g32 experts, rest fp8"]
+    assert bytes_of["mxfp4 experts, rest fp8"] < bytes_of["mxfp4 experts, rest bf16"]
+    assert tokens[("mxfp4", "fp8_e4m3")] > tokens[("int4 g32", "fp8_e4m3")]
+
+
 def test_kv_bytes_per_token_per_gpu() -> None:
     kimi, _, _, _ = _sized("kimi-k2-instruct")
     glm, _, _, _ = _sized("glm-4.5")
