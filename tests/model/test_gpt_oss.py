@@ -88,3 +88,23 @@ def test_batched_with_small_pages_and_chunks(case: Case) -> None:
     ours = run_with_invariants(engine, prompts, GREEDY)
     diverged = [first_divergence(o, r) for o, r in zip(ours, refs, strict=True)]
     assert diverged.count(None) >= len(prompts) - 1, diverged
+
+
+def test_densa_quantize_of_the_dequantized_model_gives_back_the_shipped_blocks(
+    case: Case, tmp_path: Path
+) -> None:
+    """`densa quantize --weights mxfp4` of transformers' dequantization (a dense gpt-oss whose
+    experts lie on the MXFP4 grid) writes the very codes and scales gpt-oss shipped."""
+    from safetensors.torch import load_file
+
+    from densa.model.quantize import QuantizeSettings, quantize_checkpoint
+    from densa.quant.weight_format import WeightFormat
+
+    model_dir, _, _ = case
+    out = tmp_path / "requantized"
+    settings = QuantizeSettings(WeightFormat("mxfp4"), show_progress=False)
+    assert quantize_checkpoint(str(model_dir.parent / "ref"), out, settings).num_quantized == 24
+    shipped, ours = (load_file(str(d / "model.safetensors")) for d in (model_dir, out))
+    name = "model.layers.2.mlp.experts.down_proj"
+    assert torch.equal(ours[f"{name}.weight.qweight"], shipped[f"{name}_blocks"].flatten(-2))
+    assert torch.equal(ours[f"{name}.weight.scales"], shipped[f"{name}_scales"])

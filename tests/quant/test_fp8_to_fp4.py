@@ -32,7 +32,10 @@ SMALL = {"num_kv_pages": 16, "max_model_len": 128}
 
 
 def _fp8_value(fp8: dict[str, torch.Tensor], module: str) -> torch.Tensor:
-    parts = {"weight": fp8[f"{module}.weight"], "weight_scale_inv": fp8[f"{module}.weight_scale_inv"]}
+    parts = {
+        "weight": fp8[f"{module}.weight"],
+        "weight_scale_inv": fp8[f"{module}.weight_scale_inv"],
+    }
     return deepseek_dequant(parts)
 
 
@@ -45,7 +48,10 @@ def test_fp4_weights_are_rtn_of_the_exact_fp8_values_experts_included(
     out_dir = tmp_path / kind
     quantize_checkpoint(str(fp8_dir), out_dir, QuantizeSettings(WeightFormat(kind),
                                                                 show_progress=False))  # fmt: skip
-    fp8, out = load_file(str(fp8_dir / "model.safetensors")), load_file(str(out_dir / "model.safetensors"))
+    fp8, out = (
+        load_file(str(fp8_dir / "model.safetensors")),
+        load_file(str(out_dir / "model.safetensors")),
+    )
     quantize = fp4.quantize_mxfp4 if kind == "mxfp4" else fp4.quantize_nvfp4
     layer = "model.layers.0.mlp.down_proj"
     expected = quantize(_fp8_value(fp8, layer))
