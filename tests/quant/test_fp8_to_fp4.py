@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from densa.formats import fp4
 from densa.model.arch import ArchConfig
-from densa.model.linear import resident_weight_bytes
 from densa.model.lineage import checkpoint_lineage
+from densa.model.linear import resident_weight_bytes
 from densa.model.loader import load_model
 from densa.model.quantize import QuantizeSettings, quantize_checkpoint
 from densa.quant.weight_format import WeightFormat
