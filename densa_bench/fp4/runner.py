@@ -6,7 +6,8 @@ down [1536, 8960]) as one decode step's matmuls, interleaved by format, repeated
 
 Formats: w4a8 (densa's C++ INT4: Q4_1's codes, fp16 scale and minimum per 32, int8
 activations), int4 g128 (4-bit codes, bf16 scale per 128, torch's packed CPU op with bf16
-activations: densa's `int4` format), mxfp4 and nvfp4 (C++, int8 activations). Weights are random
+activations: densa's `int4` format), mxfp4 and nvfp4 (C++, weight-only: float32 activations),
+mxfp4a8 and nvfp4a8 (the same blocks, int8 activations). Weights are random
 codes and scales in each format's layout (speed does not depend on the values). Reported per
 format: resident bytes per weight (measured from the tensors), the step's median time and its
 min..max over repetitions, tokens per second of the linear layers alone (rows / step), and the
@@ -21,6 +22,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,7 +33,7 @@ from densa_bench.common.hardware import describe_hardware
 # Qwen2.5-Coder-1.5B: (out, in) of each linear layer, 28 layers.
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)]
 NUM_LAYERS = 28
-FORMATS = ("w4a8", "int4-g128", "mxfp4", "nvfp4")
+FORMATS = ("w4a8", "int4-g128", "mxfp4", "mxfp4a8", "nvfp4", "nvfp4a8")
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -50,13 +52,15 @@ def make_layer(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[Matmul, 
         d = (torch.rand(n, k // 32, generator=gen) * 1e-2).half().float()
         packed = qgemm.pack_w4(_codes(n, k, gen), d, -8 * d, isa)
         return (lambda x: qgemm.quantized_linear(x, packed)), packed.blocks.numel()
-    if fmt == "mxfp4":
+    int8 = fmt.endswith("a8")
+    if fmt.startswith("mxfp4"):
         scales = torch.randint(118, 124, (n, k // 32), generator=gen, dtype=torch.uint8)
-        packed = qgemm.pack_mxfp4(_packed_nibbles(n, k, gen), scales, isa)
+        packed = qgemm.pack_mxfp4(_packed_nibbles(n, k, gen), scales, isa, int8)
         return (lambda x: qgemm.quantized_linear(x, packed)), packed.blocks.numel()
-    if fmt == "nvfp4":
+    if fmt.startswith("nvfp4"):
         scales = torch.randint(0x30, 0x50, (n, k // 16), generator=gen, dtype=torch.uint8)
-        packed = qgemm.pack_nvfp4(_packed_nibbles(n, k, gen), scales, torch.full((n,), 1e-3), isa)
+        t = torch.full((n,), 1e-3)
+        packed = qgemm.pack_nvfp4(_packed_nibbles(n, k, gen), scales, t, isa, int8)
         return (lambda x: qgemm.quantized_linear(x, packed)), packed.blocks.numel()
     scales = (torch.rand(n, k // 128, generator=gen) * 1e-2).to(torch.bfloat16)
     pack = pack_for_cpu(_packed_nibbles(n, k, gen), scales, None, 128, k)
@@ -133,9 +137,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/fp4"))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument(
+        "--models", nargs="+", default=[],
+        help="LABEL=PATH[:WEIGHT_FORMAT] ...: time whole decode steps of these checkpoints "
+        "(interleaved) instead of the kernels alone",
+    )  # fmt: skip
     args = parser.parse_args()
     if not native.is_available():
         raise SystemExit("the C++ kernels are not built here")
+    if args.models:
+        models = {"models": run_models(args), "hardware": describe_hardware(),
+                  "isa": native.isa(), "threads": torch.get_num_threads(),
+                  "command": "python -m densa_bench.fp4.runner " + " ".join(
+                      ["--repeats", str(args.repeats), "--rows", *map(str, args.rows),
+                       "--models", *args.models])}  # fmt: skip
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"models_{native.isa()}.json").write_text(json.dumps(models, indent=2))
+        print(json.dumps(models["models"], indent=2))
+        return
     results = run(args)
     results["hardware"] = describe_hardware()
     results["isa"] = native.isa()
@@ -152,3 +171,51 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---- the whole model: decode steps of the real 1.5B per weight format ---------------------------
+def decode_step_ms(engine: Any, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Median wall time of a decode step (all `batch` requests decoding), in ms."""
+    from densa.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for b in range(batch):
+        engine.add_request([(31 * i + 7 * b) % 30000 + 100 for i in range(prompt_len)], params)
+    times, step = [], 0
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        if step >= 2:  # past the prefill steps
+            times.append(time.perf_counter() - start)
+        step += 1
+    return 1e3 * statistics.median(times)
+
+
+def run_models(args: argparse.Namespace) -> dict:
+    from densa.engine.llm_engine import LLMEngine
+    from densa.setup.args import EngineArgs
+
+    engines = {}
+    for spec in args.models:
+        label, _, rest = spec.partition("=")
+        path, _, weight_format = rest.partition(":")
+        engine_args = EngineArgs(
+            model=path, weight_format=weight_format or "auto", max_model_len=256,
+            kv_cache_memory="256MiB",
+        )  # fmt: skip
+        engines[label] = LLMEngine.from_args(engine_args)
+    out: dict = {}
+    for batch in args.rows:
+        samples: dict[str, list[float]] = {label: [] for label in engines}
+        for engine in engines.values():  # warm-up
+            decode_step_ms(engine, batch, 64, 4)
+        for _ in range(args.repeats):
+            for label, engine in engines.items():
+                samples[label].append(decode_step_ms(engine, batch, 64, 16))
+        for label, values in samples.items():
+            median = statistics.median(values)
+            out.setdefault(label, {})[f"batch_{batch}"] = {
+                "step_ms_median": median, "step_ms_min": min(values), "step_ms_max": max(values),
+                "tokens_per_s": 1e3 * batch / median,
+            }  # fmt: skip
+    return out
