@@ -4,8 +4,8 @@ copy), then laid out for the kernel that runs them:
 
     CPU with densa's C++ kernels  `prepare` packs them into the kernels' panels (4.25 / 4.5 bits
                                   per weight, as stored): a dense layer becomes a PackedLinear
-                                  of format mxfp4 / nvfp4 (weight-only, float32 activations;
-                                  mxfp4a8 / nvfp4a8 with int8 ones), which the fused decode
+                                  of format mxfp4a8 / nvfp4a8 (int8 activations, `auto`'s
+                                  choice) or mxfp4 / nvfp4 (weight-only), which the fused decode
                                   step runs too; a stacked one keeps one packed weight per
                                   expert
     CUDA                          the Triton kernel over the row-major parts

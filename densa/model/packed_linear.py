@@ -22,7 +22,8 @@ FP4 formats MXFP4 and NVFP4, groups of 32 (kernels/cpu/qgemm.py).
     nvfp4  e2m1 codes with an e4m3 scale per 16 inputs and a float32 per row (its tensor's
            scale), float32 activations; 4.5 bits
     mxfp4a8, nvfp4a8  the same blocks with int8 activations per 32 inputs (the VNNI kernels;
-           llama.cpp's MXFP4 x Q8 arithmetic). None is a --weight-format of this table:
+           llama.cpp's MXFP4 x Q8 arithmetic; what `auto` runs an FP4 checkpoint on). None is
+           a --weight-format of this table:
            `--weight-format mxfp4|nvfp4[a8]` selects or makes FP4 weights (runtime_weights)
 
 The w4a8 / w8a8 / w8 layers are made at load time from dense weights. Weights that came from a

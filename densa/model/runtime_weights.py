@@ -46,6 +46,8 @@ def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> Weigh
     if weight_format == "dense":
         return None
     if weight_format == "auto":
+        if stored is not None and stored.format.is_fp4:  # the int8 kernels (weights.md, FP4)
+            return replace(stored.format, activations="int8")
         return stored.format if stored is not None else None
     if stored is None:
         return ON_THE_FLY_FORMATS[weight_format]

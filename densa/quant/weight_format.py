@@ -44,9 +44,10 @@ class WeightFormat:
     scale_dtype: str = "bfloat16"  # int4 scales/offsets; torch's CPU int4 matmul wants bf16
     block_size: int = 128  # fp8: square blocks of block_size x block_size share one fp32 scale
     method: str = "rtn"  # how the values were chosen: round-to-nearest, or GPTQ on calibration
-    # FP4 on the CPU kernels: activations as given ("float", weight-only, the default) or
-    # rounded to int8 per 32 inputs ("int8": the VNNI kernels, faster for prefill). How the
-    # weights run, not how they are stored: `--weight-format mxfp4a8|nvfp4a8` picks "int8".
+    # FP4 on the CPU kernels: activations rounded to int8 per 32 inputs ("int8": the VNNI
+    # kernels, what `--weight-format auto` runs) or as given ("float": weight-only, with
+    # `--weight-format mxfp4|nvfp4`). How the weights run, not how they are stored (stored
+    # formats say "float").
     activations: str = "float"
 
     def __post_init__(self) -> None:

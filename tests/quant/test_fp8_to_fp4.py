@@ -88,7 +88,7 @@ def test_prefill_fp8_decode_mxfp4_split_serves_the_phase_aware_tokens(
     pair.assert_all_free()
 
 
-@pytest.mark.parametrize("weight_format", ["auto", "mxfp4a8"])
+@pytest.mark.parametrize("weight_format", ["auto", "mxfp4"])
 def test_the_memory_plan_is_the_fp4_bytes_loaded(
     fp8_and_mxfp4: tuple[Path, Path], weight_format: str
 ) -> None:
