@@ -115,7 +115,7 @@ def _with_sink_slot(
     zeros = k.new_zeros(*k.shape[:2], 1, k.shape[3])
     k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
     num_seqs, _, num_queries, _ = visible.shape
-    scores = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+    scores = k.new_zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
     sink = sinks.to(dtype).view(1, -1, 1, 1).expand(num_seqs, -1, num_queries, 1)
     return k, v, torch.cat([scores.expand(-1, sink.shape[1], -1, -1), sink], dim=-1)
 

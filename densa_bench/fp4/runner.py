@@ -11,7 +11,10 @@ mxfp4a8 and nvfp4a8 (the same blocks, int8 activations). Weights are random
 codes and scales in each format's layout (speed does not depend on the values). Reported per
 format: resident bytes per weight (measured from the tensors), the step's median time and its
 min..max over repetitions, tokens per second of the linear layers alone (rows / step), and the
-bytes streamed per second. Attention, norms and the output head are not in the step.
+bytes streamed per second. Each decoder layer's four matmuls are timed on their own and the
+step is the sum over layers of each layer's median (and of each layer's best: on a shared
+machine a stall spoils one layer's sample, not the step). Attention, norms and the output head
+are not in the step.
 """
 
 from __future__ import annotations
@@ -78,11 +81,15 @@ def build(fmt: str, num_layers: int, seed: int) -> tuple[list[tuple[Matmul, int]
     return [(fn, k) for fn, _, k in layers], sum(size for _, size, _ in layers)
 
 
-def step_seconds(layers: list[tuple[Matmul, int]], x_by_k: dict[int, torch.Tensor]) -> float:
-    start = time.perf_counter()
-    for fn, k in layers:
-        fn(x_by_k[k])
-    return time.perf_counter() - start
+def layer_seconds(layers: list[tuple[Matmul, int]], x_by_k: dict[int, torch.Tensor]) -> list[float]:
+    """One step: the time of each decoder layer's four matmuls, in order."""
+    times, per_layer = [], len(SHAPES)
+    for first in range(0, len(layers), per_layer):
+        start = time.perf_counter()
+        for fn, k in layers[first : first + per_layer]:
+            fn(x_by_k[k])
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -91,21 +98,25 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {"weights_per_step": weights, "formats": {}}
     for rows in args.rows:
         x_by_k = {k: torch.randn(rows, k) for _, k in SHAPES}
-        times: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
+        times: dict[str, list[list[float]]] = {fmt: [] for fmt in FORMATS}
         for fmt in FORMATS:  # warm-up: first calls, allocator growth
-            step_seconds(built[fmt][0], x_by_k)
+            layer_seconds(built[fmt][0], x_by_k)
         for _ in range(args.repeats):  # interleaved: A B C D A B C D ...
             for fmt in FORMATS:
-                times[fmt].append(step_seconds(built[fmt][0], x_by_k))
+                times[fmt].append(layer_seconds(built[fmt][0], x_by_k))
         for fmt in FORMATS:
-            median = statistics.median(times[fmt])
+            # Per layer over the repetitions, then summed: a stall of the shared machine spoils
+            # one layer's sample, not a whole step.
+            by_layer = list(zip(*times[fmt], strict=True))
+            median = sum(statistics.median(layer) for layer in by_layer)
+            best = sum(min(layer) for layer in by_layer)
             entry = results["formats"].setdefault(
                 fmt, {"bytes_per_weight": built[fmt][1] / weights}
             )
             entry[f"rows_{rows}"] = {
                 "step_ms_median": 1e3 * median,
-                "step_ms_min": 1e3 * min(times[fmt]),
-                "step_ms_max": 1e3 * max(times[fmt]),
+                "step_ms_min": 1e3 * best,
+                "step_ms_max": 1e3 * max(sum(step) for step in times[fmt]),
                 "tokens_per_s": rows / median,
                 "weight_gb_per_s": built[fmt][1] / median / 1e9,
             }
