@@ -26,7 +26,8 @@ KV_SCALE_POLICIES = ("auto", "dynamic", "static")
 DEFAULT_KV_SCALES = "dynamic"
 # "auto" = whatever the checkpoint stores (its metadata says so); the others convert at load time.
 # w4a8 / w8a8: packed into the CPU kernels' formats at load time (densa/model/packed_linear.py).
-WEIGHT_FORMATS = ("auto", "dense", "int4", "fp8", "w4a8", "w8a8", "w8")
+WEIGHT_FORMATS = ("auto", "dense", "int4", "fp8", "mxfp4", "nvfp4", "mxfp4a8", "nvfp4a8", "w4a8",
+                  "w8a8", "w8")  # fmt: skip
 # The output head: as loaded, or packed for the CPU kernels. "auto" keeps a GGUF's Q8_0 head
 # as w8 (its own bits, float activations: no added error) where the kernels are built.
 HEAD_FORMATS = ("auto", "dense", "w8a8", "w8")

@@ -157,6 +157,24 @@ def config_fields(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if k not in dropped}
 
 
+def gpt_oss() -> Any:
+    """Sinks, sliding (8-token window) and full layers alternating, 4 clamped-SwiGLU experts
+    with biases (top 2), q/k/v/o biases, YaRN RoPE (gpt-oss's factor 32 over 4096 positions)."""
+    from transformers import GptOssConfig
+
+    yarn = {
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096,
+    }  # fmt: skip
+    settings = _common(
+        intermediate_size=64, num_hidden_layers=4, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, attention_bias=True, rope_parameters=yarn,
+    )  # fmt: skip
+    config = GptOssConfig(**settings)
+    config._attn_implementation = "eager"  # sinks: transformers' reference attention
+    return config
+
+
 CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3": qwen3,
     "gemma3": gemma3,
@@ -167,6 +185,7 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "deepseek_v3_yarn": deepseek_v3_yarn,
     "deepseek_v32": deepseek_v32,
     "glm_moe_dsa": glm_moe_dsa,
+    "gpt_oss": gpt_oss,
 }
 # Multimodal configs, saved with their own model class (not AutoModelForCausalLM's).
 MULTIMODAL: dict[str, Callable[[], Any]] = {"kimi_k25": kimi_k25}

@@ -6,4 +6,5 @@ quantizer that writes them (torch only; imports neither densa.kernels nor densa.
     int8_kv     INT8 KV pages: codes and one fp16 scale per row
     int4        INT4 weights: nibble packing, group scales and zeros
     fp8_blocks  FP8 weights with block scales: their runtime row scales, dequantization
+    fp4         MXFP4 / NVFP4 weights: e2m1 codes, E8M0 / e4m3 block scales, the reference
 """

@@ -52,6 +52,8 @@ class ArchConfig:
     moe: MoEConfig | None = None  # mixture-of-experts MLPs (which layers, routing numbers)
     mla: MLAConfig | None = None  # multi-head latent attention dimensions (DeepSeek-V3)
     dsa: DSAConfig | None = None  # sparse attention's indexer (DeepSeek-V3.2, GLM-5)
+    # gpt-oss's clamped SwiGLU: (alpha, limit) of g * sigmoid(alpha g), g and u clamped to limit
+    swiglu: tuple[float, float] | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -87,6 +89,7 @@ class ArchConfig:
             moe=read_moe(cfg, num_layers),
             mla=mla,
             dsa=read_dsa(cfg, num_layers),
+            swiglu=_swiglu(cfg),
         )
 
     @classmethod
@@ -207,6 +210,12 @@ def _head_dim(cfg: dict[str, Any], hidden_size: int, num_heads: int, mla: MLACon
 def _query_scale(cfg: dict[str, Any]) -> float | None:
     scalar = cfg.get("query_pre_attn_scalar")
     return float(scalar) ** -0.5 if scalar else None
+
+
+def _swiglu(cfg: dict[str, Any]) -> tuple[float, float] | None:
+    if cfg.get("swiglu_limit") is None:
+        return None
+    return float(cfg.get("swiglu_alpha", 1.702)), float(cfg["swiglu_limit"])
 
 
 def _optional_float(value: Any) -> float | None:

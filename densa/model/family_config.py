@@ -75,7 +75,7 @@ def read_moe(cfg: dict[str, Any], num_layers: int) -> MoEConfig | None:
         shared = int(cfg["n_shared_experts"]) * width
     return MoEConfig(
         num_experts=int(num_experts),
-        top_k=int(cfg["num_experts_per_tok"]),
+        top_k=int(cfg.get("num_experts_per_tok") or cfg["experts_per_token"]),  # gpt-oss: both
         expert_intermediate_size=width,
         moe_layers=_moe_layers(cfg, num_layers),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),

@@ -1,4 +1,5 @@
-"""Linear layers: the dense one, and the quantized formats that replace it (INT4, FP8 weights).
+"""Linear layers: the dense one, and the quantized formats that replace it (INT4, FP8 weights;
+the FP4 ones live in densa.model.fp4_linear).
 
 Every variant computes y = x W^T (+ b) for x [M, in] and keeps each weight-shaped parameter with
 one row per output feature, so the loader fills fused projections (q|k|v, gate|up) row by row
@@ -17,6 +18,7 @@ from densa.formats.int4 import dequantize_int4
 from densa.kernels.cpu import linear as cpu_linear
 from densa.kernels.cpu.fp8_linear import fp8_linear
 from densa.kernels.cpu.int4_linear import cpu_int4_linear, pack_for_cpu
+from densa.model.fp4_linear import Fp4Linear
 from densa.quant.weight_format import WeightFormat
 
 
@@ -142,7 +144,12 @@ class Fp8Linear(nn.Module):
         )
 
 
-_QUANTIZED: dict[str, type[Int4Linear] | type[Fp8Linear]] = {"int4": Int4Linear, "fp8": Fp8Linear}
+_QUANTIZED: dict[str, type[Int4Linear] | type[Fp8Linear] | type[Fp4Linear]] = {
+    "int4": Int4Linear,
+    "fp8": Fp8Linear,
+    "mxfp4": Fp4Linear,
+    "nvfp4": Fp4Linear,
+}
 
 
 def quantize_linears(model: nn.Module, names: set[str], fmt: WeightFormat) -> None:
@@ -159,10 +166,15 @@ def quantize_linears(model: nn.Module, names: set[str], fmt: WeightFormat) -> No
 
 
 def prepare_quantized(model: nn.Module) -> None:
-    """Convert every loaded quantized linear to the layout its kernels run from."""
-    for module in model.modules():
+    """Convert every loaded quantized linear to the layout its kernels run from (an FP4 layer
+    the C++ kernels run becomes a PackedLinear of its format)."""
+    for name, module in list(model.named_modules()):
         if isinstance(module, Int4Linear | Fp8Linear):
             module.prepare()
+        elif isinstance(module, Fp4Linear):
+            packed = module.packed()
+            if packed is not None:
+                model.set_submodule(name, packed)
 
 
 def resident_weight_bytes(model: nn.Module) -> int:

@@ -85,6 +85,12 @@ def num_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _meta_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a meta-device model's parameters and buffers, each tensor once."""
+    unique = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
 def check_fits(
     num_params: int, dtype: torch.dtype, device: torch.device, packed_savings: int = 0
 ) -> int:
@@ -131,11 +137,14 @@ def load_model(
         num_params = num_parameters(model)
         kept = kept_linears(model, source, weight_format, head_format, device)
         table = kept_embedding(model, source, arch, device)
-        savings = _packed_savings(model, kept, table, torch_dtype)
-        check_fits(num_params, torch_dtype, device, savings)
         targets = quantized_modules(model, stored, runtime)
         if runtime is not None:
             swap_quantized(model, targets, runtime)
+        # What the quantized layers (INT4, FP8, FP4) hold less than dense ones, and the GGUF
+        # layers kept in their blocks.
+        savings = num_params * torch_dtype.itemsize - _meta_bytes(model)
+        savings += _packed_savings(model, kept, table, torch_dtype)
+        check_fits(num_params, torch_dtype, device, savings)
         swap_kept_linears(model, kept)
         swap_kept_embedding(model, table)
     model = model.to_empty(device=device)

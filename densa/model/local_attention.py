@@ -65,14 +65,19 @@ def attend_window(
     cache: LayerKVCache,
     group: AttentionGroup,
     scale: float,
-    window: int,
+    window: int | None,
     new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One group's local attention. q: [rows, H, D] -> [rows, H, D] in q's dtype."""
+    """One group's local attention (global when window is None). q: [rows, H, D] -> [rows, H,
+    D] in q's dtype. `sinks` [H]: a learned logit per head that joins each softmax's
+    denominator and adds nothing to its output (gpt-oss), as a key of score sinks[h] and value
+    0: one more key slot whose mask entry is the sink."""
     page_size = cache.page_size
     seq_lens, query_lens = group.seq_lens.long(), group.query_lens.long()
     # The earliest key any of a sequence's queries sees, rounded down to its page.
-    first_page = (seq_lens - query_lens - window + 1).clamp(min=0) // page_size  # [B]
+    reach = seq_lens if window is None else torch.full_like(seq_lens, window - 1) + query_lens
+    first_page = (seq_lens - reach).clamp(min=0) // page_size  # [B]
     num_pages = -(-seq_lens // page_size) - first_page  # [B] pages from there to the end
     max_pages = int(num_pages.max())
     page_idx = first_page[:, None] + torch.arange(max_pages)  # [B, max_pages]
@@ -88,14 +93,31 @@ def attend_window(
         k_all[seq, :, slot] = new_kv[0].to(k_all.dtype)
         v_all[seq, :, slot] = new_kv[1].to(v_all.dtype)
     q_pad, q_pos_pad = _pad_queries(q, group, seq, q_pos)  # [B, H, Q, D], [B, Q]
-    visible = (key_pos[:, None, :] <= q_pos_pad[:, :, None]) & (
-        key_pos[:, None, :] > q_pos_pad[:, :, None] - window
-    )  # [B, Q, K]
+    visible = key_pos[:, None, :] <= q_pos_pad[:, :, None]  # [B, Q, K]
+    if window is not None:
+        visible &= key_pos[:, None, :] > q_pos_pad[:, :, None] - window
+    mask: torch.Tensor = visible.unsqueeze(1)  # [B, 1, Q, K]
+    if sinks is not None:
+        k_all, v_all, mask = _with_sink_slot(k_all, v_all, mask, sinks, q_pad.dtype)
     out = F.scaled_dot_product_attention(
-        q_pad, k_all, v_all, attn_mask=visible.unsqueeze(1), scale=scale, enable_gqa=True
+        q_pad, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=True
     )  # [B, H, Q, D]
     num_seqs, num_heads, max_q, head_dim = out.shape
     return out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)[group.valid]
+
+
+def _with_sink_slot(
+    k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k, v [B, KVH, K, D] + one zero key and value; the boolean mask [B, 1, Q, K] as additive
+    scores [B, H, Q, K + 1]: 0 where visible, -inf elsewhere, the head's sink in the new slot
+    (q . 0 = 0, so its score is the sink itself, and its value adds nothing)."""
+    zeros = k.new_zeros(*k.shape[:2], 1, k.shape[3])
+    k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
+    num_seqs, _, num_queries, _ = visible.shape
+    scores = k.new_zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf"))
+    sink = sinks.to(dtype).view(1, -1, 1, 1).expand(num_seqs, -1, num_queries, 1)
+    return k, v, torch.cat([scores.expand(-1, sink.shape[1], -1, -1), sink], dim=-1)
 
 
 def _pad_queries(

@@ -1,5 +1,5 @@
-"""Linear layers in the CPU kernels' packed formats: W4A8, W5A8, W5MA8, W6A8, W6MA8 and W8A8,
-groups of 32 (kernels/cpu/qgemm.py).
+"""Linear layers in the CPU kernels' packed formats: W4A8, W5A8, W5MA8, W6A8, W6MA8, W8A8 and the
+FP4 formats MXFP4 and NVFP4, groups of 32 (kernels/cpu/qgemm.py).
 
     w4a8   4-bit weights, fp16 scale and minimum per 32 inputs (llama.cpp's Q4_1 arithmetic);
            activations quantized to int8 per token and 32 inputs at every call (its Q8_1)
@@ -16,6 +16,15 @@ groups of 32 (kernels/cpu/qgemm.py).
            Q4_0) exactly. From GGUF blocks only, as w6a8
     w5ma8  w6ma8 with 5-bit codes, unsigned (6.5 bits per weight against 7.5): Q5_1 exactly,
            Q5_K (its minimums rounded to fp16). From GGUF blocks only
+    mxfp4  e2m1 codes with an E8M0 scale per 32 inputs (densa.formats.fp4), float32
+           activations (weight-only: the product with the stored weights), made from MXFP4
+           weights as checkpoints ship them (Fp4Linear.packed); 4.25 bits per weight
+    nvfp4  e2m1 codes with an e4m3 scale per 16 inputs and a float32 per row (its tensor's
+           scale), float32 activations; 4.5 bits
+    mxfp4a8, nvfp4a8  the same blocks with int8 activations per 32 inputs (the VNNI kernels;
+           llama.cpp's MXFP4 x Q8 arithmetic; what `auto` runs an FP4 checkpoint on). None is
+           a --weight-format of this table:
+           `--weight-format mxfp4|nvfp4[a8]` selects or makes FP4 weights (runtime_weights)
 
 The w4a8 / w8a8 / w8 layers are made at load time from dense weights. Weights that came from a
 GGUF file's Q4_1 / Q8_0 blocks (the bundled model) come back as the very same codes and scales
@@ -35,6 +44,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from densa.formats import fp4
 from densa.kernels.cpu import native, qgemm
 
 
@@ -53,6 +63,16 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     codes = torch.round((groups - m[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
     return codes.view(rows, cols), d, m
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return fp4.quantize_mxfp4(weight)
+
+
+def quantize_nvfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A dense [N, K] weight -> NVFP4 codes, e4m3 block scales and the tensor scale per row."""
+    qweight, scales, t = fp4.quantize_nvfp4(weight)
+    return qweight, scales, t.expand(weight.shape[0]).contiguous()
 
 
 @dataclass(frozen=True)
@@ -77,6 +97,12 @@ _W6M = (qgemm.quantize_w6m, qgemm.pack_w6m, qgemm.w6ma8_reference, qgemm.dequant
 _W5 = (qgemm.quantize_w5, qgemm.pack_w5, qgemm.w6a8_reference, qgemm.dequantize_w6)
 _W5M = (qgemm.quantize_w5m, qgemm.pack_w5m, qgemm.w6ma8_reference, qgemm.dequantize_w6m)
 _W4 = (quantize_q4_1, qgemm.pack_w4, qgemm.w4a8_reference, qgemm.dequantize_w4)
+_MXFP4A8 = (quantize_mxfp4, qgemm.pack_mxfp4, qgemm.mxfp4a8_reference, fp4.dequantize_mxfp4)
+_NVFP4A8 = (quantize_nvfp4, qgemm.pack_nvfp4, qgemm.nvfp4a8_reference, fp4.dequantize_nvfp4)
+_MXFP4 = (quantize_mxfp4, qgemm.pack_mxfp4_float, qgemm.mxfp4_float_reference,
+          fp4.dequantize_mxfp4)  # fmt: skip
+_NVFP4 = (quantize_nvfp4, qgemm.pack_nvfp4_float, qgemm.nvfp4_float_reference,
+          fp4.dequantize_nvfp4)  # fmt: skip
 PACKED = {
     f.name: f
     for f in (
@@ -87,6 +113,10 @@ PACKED = {
         PackedFormat("w6ma8", qgemm.W6_MIN, 480, False, *_W6M),
         PackedFormat("w5a8", 5, 384, False, *_W5),
         PackedFormat("w5ma8", qgemm.W5_MIN, 416, False, *_W5M),
+        PackedFormat("mxfp4", qgemm.MXFP4, 272, False, *_MXFP4),
+        PackedFormat("nvfp4", qgemm.NVFP4, 288, False, *_NVFP4),
+        PackedFormat("mxfp4a8", qgemm.MXFP4A8, 272, False, *_MXFP4A8),
+        PackedFormat("nvfp4a8", qgemm.NVFP4A8, 288, False, *_NVFP4A8),
     )
 }
 PACKED_FORMATS = tuple(name for name, f in PACKED.items() if f.offered)  # --weight-format's
@@ -199,9 +229,11 @@ def kernel_isa(fmt: str) -> str:
 
 
 def packed_bytes(fmt: str, out_features: int, in_features: int) -> int:
-    """Bytes of a [out, in] weight in a packed format: one block per 16 rows x 32 inputs."""
+    """Bytes of a [out, in] weight in a packed format: one block per 16 rows x 32 inputs (and
+    NVFP4's float32 tensor scale per row after them)."""
     blocks = (out_features // qgemm.PANEL) * (in_features // qgemm.GROUP)
-    return blocks * packed_format(fmt).block_bytes
+    trailer = 4 * out_features if fmt.startswith("nvfp4") else 0
+    return blocks * packed_format(fmt).block_bytes + trailer
 
 
 def _pack(fmt: str, weight: torch.Tensor, isa: str) -> qgemm.PackedWeight:

@@ -17,6 +17,7 @@ from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.deepseek_v3 import DeepseekV3ForCausalLM, KimiK25ForConditionalGeneration
 from densa.model.deepseek_v32 import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from densa.model.gemma3 import Gemma3ForCausalLM
+from densa.model.gpt_oss import GptOssForCausalLM
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import (
     DenseKVLayout,
@@ -84,6 +85,7 @@ for _name in ("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGenerati
 # MLA + sparse attention: latents and the indexer's keys in the same pages.
 register_model("DeepseekV32ForCausalLM", DeepseekV32ForCausalLM, SparseLatentKVLayout())
 register_model("GlmMoeDsaForCausalLM", GlmMoeDsaForCausalLM, SparseLatentKVLayout())
+register_model("GptOssForCausalLM", GptOssForCausalLM)  # sinks, sliding layers, MXFP4 experts
 
 
 # The init functions the modules' reset_parameters call (nn.Linear, nn.Embedding, ...).

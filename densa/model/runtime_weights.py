@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
@@ -25,6 +26,10 @@ from densa.quant.weight_format import CheckpointFormat, WeightFormat
 ON_THE_FLY_FORMATS = {
     "int4": WeightFormat("int4", group_size=128, symmetric=True),
     "fp8": WeightFormat("fp8", block_size=128),
+    "mxfp4": WeightFormat("mxfp4"),
+    "nvfp4": WeightFormat("nvfp4"),
+    "mxfp4a8": WeightFormat("mxfp4", activations="int8"),
+    "nvfp4a8": WeightFormat("nvfp4", activations="int8"),
 }
 
 
@@ -41,9 +46,14 @@ def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> Weigh
     if weight_format == "dense":
         return None
     if weight_format == "auto":
+        if stored is not None and stored.format.is_fp4:  # the int8 kernels (weights.md, FP4)
+            return replace(stored.format, activations="int8")
         return stored.format if stored is not None else None
     if stored is None:
         return ON_THE_FLY_FORMATS[weight_format]
+    asked = ON_THE_FLY_FORMATS[weight_format]
+    if asked.is_fp4 and stored.format.kind == asked.kind:  # how FP4 weights run: the choice
+        return replace(stored.format, activations=asked.activations)
     if stored.format.kind != weight_format:
         raise ModelLoadError(
             f"the checkpoint stores {stored.format.describe()} weights, not {weight_format}; "

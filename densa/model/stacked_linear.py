@@ -8,6 +8,8 @@ loader fills fused gate|up rows of all experts at once (densa.model.weight_loadi
     int4    qweight [E, out, ceil(in/2)] uint8, scales [E, out, groups] (+ zeros); run directly by
             torch's packed int4 CPU matmul, one call per active expert (or the Triton kernel)
     fp8     weight  [E, out, in] e4m3, weight_scale [E, out, blocks] float32
+    mxfp4 / nvfp4   densa.model.fp4_linear.StackedFp4Linear: e2m1 codes [E, out, in/2] with
+            their scale bytes (and NVFP4's tensor scales), packed per expert for the C++ kernels
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from densa.formats.int4 import dequantize_int4
 from densa.kernels.cpu.fp8_linear import fp8_linear
 from densa.kernels.cpu.grouped_linear import ExpertSegments, grouped_linear
 from densa.kernels.cpu.int4_linear import cpu_int4_linear, pack_for_cpu
+from densa.model.fp4_linear import StackedFp4Linear
 from densa.quant.weight_format import WeightFormat
 
 
@@ -151,9 +154,11 @@ class StackedFp8Linear(nn.Module):
         )
 
 
-_QUANTIZED: dict[str, type[StackedInt4Linear] | type[StackedFp8Linear]] = {
+_QUANTIZED: dict[str, type[StackedInt4Linear] | type[StackedFp8Linear] | type[StackedFp4Linear]] = {
     "int4": StackedInt4Linear,
     "fp8": StackedFp8Linear,
+    "mxfp4": StackedFp4Linear,
+    "nvfp4": StackedFp4Linear,
 }
 
 
@@ -171,5 +176,5 @@ def quantize_stacked(model: nn.Module, names: set[str], fmt: WeightFormat) -> No
 
 def prepare_stacked(model: nn.Module) -> None:
     for module in model.modules():
-        if isinstance(module, StackedInt4Linear | StackedFp8Linear):
+        if isinstance(module, StackedInt4Linear | StackedFp8Linear | StackedFp4Linear):
             module.prepare()

@@ -17,7 +17,10 @@ other). What tensor parallelism splits, as vLLM and SGLang shard these models:
 Weight formats (bytes per parameter of the linear layers; everything else stays bf16):
 bf16 2; fp8 e4m3 1 + 4 / 128^2 (one fp32 scale per 128 x 128 block, as DeepSeek/Kimi/GLM ship
 it); int4 g32 0.5 + 2 / 32 (a bf16 scale per 32 inputs: Kimi K2-Thinking's format and densa's
-`--group-size 32`), MLA's kv_b_proj kept bf16 as densa does (absorbed into decode). Multi-token
+`--group-size 32`); mxfp4 0.5 + 1 / 32 (an E8M0 byte per 32: gpt-oss's and DeepSeek-V4's experts,
+alone or with the rest in bf16 / fp8 as they ship); nvfp4 0.5 + 1 / 16 (an e4m3 byte per 16;
+its per-tensor float32 is negligible); MLA's kv_b_proj kept bf16 as densa does (absorbed into
+decode). Multi-token
 prediction layers (`num_nextn_predict_layers`) ship in checkpoints but are not served: they are
 counted in the checkpoint size only.
 """
@@ -35,6 +38,8 @@ from densa.utils.sizes import format_bytes
 BF16 = 2.0
 FP8_LINEAR = 1.0 + 4 / (128 * 128)
 INT4_G32_LINEAR = 0.5 + 2 / 32
+MXFP4_LINEAR = 0.5 + 1 / 32
+NVFP4_LINEAR = 0.5 + 1 / 16
 # Total memory as the driver reports it (nvidia-smi), bytes.
 GPUS = {"h100": 81_559 * 2**20, "h200": 143_771 * 2**20}
 DENSE_KV_ARCH = "LlamaForCausalLM"
@@ -151,14 +156,18 @@ def _mla_norms(arch: ArchConfig) -> int:
 
 
 def weight_sizes(counts: ParamCounts, tp: int) -> list[WeightFormatSize]:
-    """Checkpoint and per-GPU bytes in bf16, fp8 blocks and int4 g32 (all linears, and routed
-    experts only as Kimi K2-Thinking ships them)."""
+    """Checkpoint and per-GPU bytes in bf16, fp8 blocks, int4 g32, mxfp4 and nvfp4 (all
+    linears, and routed experts only as Kimi K2-Thinking, gpt-oss and DeepSeek-V4 ship them)."""
     recipes = {
         # name: bytes/param of (routed experts, other quantized linears, kv_b_proj)
         "bf16": (BF16, BF16, BF16),
         "fp8 128x128": (FP8_LINEAR, FP8_LINEAR, FP8_LINEAR),
         "int4 g32": (INT4_G32_LINEAR, INT4_G32_LINEAR, BF16),
         "int4 g32 experts, rest fp8": (INT4_G32_LINEAR, FP8_LINEAR, FP8_LINEAR),
+        "mxfp4": (MXFP4_LINEAR, MXFP4_LINEAR, BF16),
+        "mxfp4 experts, rest bf16": (MXFP4_LINEAR, BF16, BF16),  # gpt-oss as it ships
+        "mxfp4 experts, rest fp8": (MXFP4_LINEAR, FP8_LINEAR, FP8_LINEAR),  # DeepSeek-V4's mix
+        "nvfp4": (NVFP4_LINEAR, NVFP4_LINEAR, BF16),
     }
     sizes = []
     for name, (experts, linear, kv_b) in recipes.items():

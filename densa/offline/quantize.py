@@ -1,5 +1,5 @@
-"""`densa quantize`: convert a checkpoint's linear weights to INT4 or FP8. Building the parser
-imports no torch."""
+"""`densa quantize`: convert a checkpoint's linear weights to INT4, FP8, MXFP4 or NVFP4.
+Building the parser imports no torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 def add_quantize_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "quantize",
-        help="convert a checkpoint's linear weights to INT4 or FP8 (docs/weights.md)",
+        help="convert a checkpoint's linear weights to INT4, FP8, MXFP4 or NVFP4 (docs/weights.md)",
         description="Quantize every linear layer of SRC (HF directory, .gguf, or a densa "
         "INT4/FP8 checkpoint) and save the result to DST; embeddings and the output head stay "
         "in --keep-dtype. The format is written into the safetensors metadata.",
@@ -18,7 +18,10 @@ def add_quantize_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("src", help="source checkpoint: HF directory or .gguf file")
     parser.add_argument("dst", help="output directory (new)")
     parser.add_argument(
-        "--weights", required=True, choices=["int4", "fp8", "bf16"], help="bf16: cast only"
+        "--weights",
+        required=True,
+        choices=["int4", "fp8", "mxfp4", "nvfp4", "bf16"],
+        help="bf16: cast only; mxfp4 / nvfp4: e2m1 with block scales (round-to-nearest)",
     )
     parser.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128])
     parser.add_argument(

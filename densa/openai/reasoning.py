@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from densa.openai import harmony
 from densa.text.tokenizer import Tokenizer
 
 PROMPT_TAIL_TOKENS = 16  # prompt tokens read for a marker the template left at its end
@@ -80,6 +81,22 @@ class ReasoningFormat:
         return ReasoningSplitter(self, self.first_state(tail, template_kwargs))
 
 
+@dataclass(frozen=True)
+class HarmonyReasoningFormat(ReasoningFormat):
+    """gpt-oss's harmony messages (densa.openai.harmony): the analysis channel is reasoning,
+    the final channel and preambles content, calls handed on as the `harmony` dialect's
+    blocks. The split follows the messages' headers, not one start / end pair."""
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return harmony.MARKERS
+
+    def splitter(
+        self, tokenizer: Tokenizer, prompt_ids: list[int], template_kwargs: Mapping[str, Any]
+    ) -> ReasoningSplitter:
+        return HarmonySplitter(self)
+
+
 REASONING_FORMATS = {
     fmt.name: fmt
     for fmt in (
@@ -92,6 +109,7 @@ REASONING_FORMATS = {
             thinking_switch="thinking",
         ),
         ReasoningFormat("glm45", thinking_switch="enable_thinking"),
+        HarmonyReasoningFormat("harmony"),
     )
 }
 
@@ -198,3 +216,15 @@ def _undecided_tail(text: str, markers: tuple[str, ...]) -> int:
                 longest = size
                 break
     return len(text[: len(text) - longest].rstrip())
+
+
+class HarmonySplitter(ReasoningSplitter):
+    """The harmony split (densa.openai.harmony.HarmonyStream) behind ReasoningSplitter's
+    interface."""
+
+    def __init__(self, fmt: ReasoningFormat) -> None:
+        super().__init__(fmt, ReasoningStart.AWAIT_START)
+        self._stream = harmony.HarmonyStream()
+
+    def feed(self, text: str, final: bool = False) -> Split:
+        return Split(*self._stream.feed(text, final))

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from densa.quant import fp8_weights, int4
+from densa.quant import fp4_weights, fp8_weights, int4
 from densa.quant.weight_format import WeightFormat
 
 Parts = dict[str, torch.Tensor]
@@ -118,13 +118,37 @@ class Fp8Quantizer:
         return fp8_weights.dequantize(parts, self.fmt.block_size)
 
 
+class Fp4Quantizer:
+    """MXFP4 / NVFP4 (e2m1 codes with block scales), round-to-nearest (densa.quant.fp4_weights)."""
+
+    def __init__(self, fmt: WeightFormat) -> None:
+        self.fmt = fmt
+
+    @property
+    def needs_calibration(self) -> bool:
+        return False
+
+    def quantize(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> Parts:
+        if is_stacked(weight):
+            return per_expert(lambda e: self.quantize(weight[e]), weight.shape[0])
+        return fp4_weights.quantize(weight, self.fmt.kind)
+
+    def to_runtime(self, parts: Parts) -> Parts:
+        return fp4_weights.to_runtime(parts, self.fmt.kind)
+
+    def dequantize(self, parts: Parts, in_features: int) -> torch.Tensor:
+        return fp4_weights.dequantize(parts, self.fmt.kind)
+
+
 def _expert(parts: Parts, expert: int) -> Parts:
     return {name: tensor[expert] for name, tensor in parts.items()}
 
 
-_QUANTIZERS: dict[str, type[Int4Quantizer] | type[Fp8Quantizer]] = {
+_QUANTIZERS: dict[str, type[Int4Quantizer] | type[Fp8Quantizer] | type[Fp4Quantizer]] = {
     "int4": Int4Quantizer,
     "fp8": Fp8Quantizer,
+    "mxfp4": Fp4Quantizer,
+    "nvfp4": Fp4Quantizer,
 }
 
 

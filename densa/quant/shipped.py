@@ -47,12 +47,14 @@ def shipped_format(
     g_idx is not k // group are listed in `dense` (dequantized when loaded)."""
     ckpt = CheckpointFormat(format=spec.fmt, producer=spec.producer)
     dense = set()
+    sep = spec.separator
     for file_name in header:
-        module, _, suffix = file_name.rpartition(".")
-        if suffix != spec.marker:
+        if not file_name.endswith(sep + spec.marker):
             continue
-        parts = {p: f"{module}.{s}" for p, s in spec.parts.items() if f"{module}.{s}" in header}
-        missing = sorted(set(spec.parts) - set(parts) - {"g_idx"})
+        module = file_name.removesuffix(sep + spec.marker)
+        names = {p: f"{module}{sep}{s}" for p, s in spec.parts.items()}
+        parts = {p: name for p, name in names.items() if name in header}
+        missing = sorted(set(spec.parts) - set(parts) - spec.optional)
         if missing:
             raise UnsupportedCheckpoint(f"{module} lacks its {missing} tensors")
         logical = f"{module}.weight"
@@ -66,8 +68,15 @@ def shipped_format(
     return ckpt
 
 
-def _logical_shape(spec: ShippedSpec, header: Header, parts: dict[str, str]) -> tuple[int, int]:
-    """[out, in] of a quantized weight from its stored tensors' shapes."""
+def _logical_shape(spec: ShippedSpec, header: Header, parts: dict[str, str]) -> tuple[int, ...]:
+    """[out, in] (gpt-oss: [experts, out, in]) of a quantized weight from its stored tensors'
+    shapes."""
+    if spec.producer == "mxfp4-blocks":  # [..., N, K/32, 16]
+        *rows, groups, pairs = header[parts["blocks"]][0]
+        return (*(int(d) for d in rows), int(groups * pairs * 2))
+    if spec.fmt.is_fp4:  # packed [N, K/2]
+        out_features, half = header[parts["packed"]][0]
+        return int(out_features), int(2 * half)
     if spec.producer.startswith("fp8"):
         out_features, in_features = header[parts["weight"]][0]
     elif spec.producer == "ct-int4":
@@ -127,6 +136,8 @@ class ShippedQuantizer:
         self.producer, self.fmt = producer, fmt
 
     def to_runtime(self, parts: Parts, shape: tuple[int, ...]) -> Parts:
+        if self.fmt.is_fp4:
+            return layouts.fp4_runtime(self.producer, parts)
         if self.producer == "fp8-block":
             return layouts.fp8_block_runtime(parts["weight"], parts["scale"], self.fmt.block_size)
         if self.producer == "fp8-channel":
@@ -141,6 +152,8 @@ class ShippedQuantizer:
         return layouts.int4_runtime(codes, scales, zero_codes, self.fmt.torch_scale_dtype)
 
     def dequantize(self, parts: Parts, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.fmt.is_fp4:
+            return layouts.dequantize_fp4(self.producer, parts)
         if self.producer.startswith("fp8"):
             runtime = self.to_runtime(parts, shape)
             return dequantize_fp8(runtime["weight"], runtime["weight_scale"], self.fmt.block_size)
@@ -191,7 +204,7 @@ def convert_shipped(
     from densa.quant.checkpoint import Converted, Quantized
 
     quantizer = ShippedQuantizer(ckpt.producer, ckpt.format)
-    keep = runtime == ckpt.format
+    keep = runtime is not None and runtime.stored_as() == ckpt.format.stored_as()
     for name, value in grouped:
         if not isinstance(value, Quantized):
             yield name, value

@@ -20,6 +20,17 @@ does not understand might change what the stored numbers mean.
     awq              awq (GEMM)           int4, float32 scales and zeros
     gptq, gptq-v2    gptq                 int4; symmetric (every zero point 8): fp16 scales,
                                           else float32 scales and zeros
+    mxfp4-blocks     mxfp4 (gpt-oss)      mxfp4: `<name>_blocks` [.., N, K/32, 16] e2m1 pairs,
+                                          `<name>_scales` [.., N, K/32] E8M0
+    ct-mxfp4         compressed-tensors   mxfp4: weight_packed, weight_scale (E8M0)
+                     mxfp4-pack-quantized
+    ct-nvfp4         compressed-tensors   nvfp4: weight_packed, weight_scale (e4m3), divided by
+                     nvfp4-pack-quantized weight_global_scale
+    modelopt-nvfp4   modelopt, NVFP4      nvfp4: weight (packed), weight_scale (e4m3), times
+                                          weight_scale_2
+FP4 activation scales (ModelOpt's input_scale, compressed-tensors' input_global_scale) belong
+to the producer's FP4 x FP4 kernels; densa's activations stay int8 per 32 inputs (CPU) or in
+the compute dtype (GPU), so they are read and dropped.
 """
 
 from __future__ import annotations
@@ -47,6 +58,8 @@ _GPTQ_INFO = {
 _CT_INFO = {"global_compression_ratio", "version", "ignore", "quantization_status", "provider"}
 _CT_ARG_INFO = {"observer", "observer_kwargs", "scale_dtype", "zp_dtype"}
 _FP8_INFO = {"modules_to_not_convert"}
+_MXFP4_INFO = {"modules_to_not_convert"}
+_MODELOPT_INFO = {"exclude_modules", "ignore", "producer", "config_groups"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,10 @@ class ShippedSpec:
     marker: str  # the part whose presence marks a quantized weight
     parts: dict[str, str]  # densa part name -> suffix in the file ('weight_scale_inv', ...)
     act_order: bool = False  # g_idx may reorder groups: read it to find the layers that do
+    # How a part's name follows the weight's base name: '<module>.<suffix>' for most producers,
+    # '<param><suffix>' for gpt-oss ('...experts.gate_up_proj' + '_blocks').
+    separator: str = "."
+    optional: frozenset[str] = frozenset({"g_idx"})  # parts a weight may lack
 
 
 def parse_quantization_config(config: dict[str, Any], scale_dtype: str) -> ShippedSpec:
@@ -70,6 +87,8 @@ def parse_quantization_config(config: dict[str, Any], scale_dtype: str) -> Shipp
         "compressed-tensors": _parse_compressed,
         "awq": _parse_awq,
         "gptq": _parse_gptq,
+        "mxfp4": _parse_mxfp4,
+        "modelopt": _parse_modelopt,
     }
     if method not in parsers:
         raise UnsupportedCheckpoint(
@@ -147,9 +166,11 @@ def _parse_compressed(config: dict[str, Any], scale_dtype: str) -> ShippedSpec:
         return _compressed_fp8(args_where, weights)
     if fmt_name == "pack-quantized":
         return _compressed_int4(args_where, weights, scale_dtype)
+    if fmt_name in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
+        return _compressed_fp4(args_where, weights, fmt_name.partition("-")[0])
     raise UnsupportedCheckpoint(
-        f"compressed-tensors format {fmt_name!r} is not supported "
-        "(densa reads float-quantized FP8 and pack-quantized INT4)"
+        f"compressed-tensors format {fmt_name!r} is not supported (densa reads float-quantized "
+        "FP8, pack-quantized INT4, mxfp4-pack-quantized and nvfp4-pack-quantized)"
     )
 
 
@@ -191,6 +212,49 @@ def _compressed_int4(where: str, weights: dict[str, Any], scale_dtype: str) -> S
     if act_order:
         parts["g_idx"] = "weight_g_idx"
     return ShippedSpec("ct-int4", fmt, "weight_packed", parts, act_order)
+
+
+_FP4_DROPPED = frozenset({"input_scale"})  # activation scales of the producer's FP4 kernels
+
+
+def _compressed_fp4(where: str, weights: dict[str, Any], kind: str) -> ShippedSpec:
+    _require(where, "type", weights.get("type"), ["float"])
+    _require(where, "num_bits", weights.get("num_bits"), [4])
+    _require(where, "symmetric", weights.get("symmetric", True), [True])
+    group, strategy = (32, "group") if kind == "mxfp4" else (16, "tensor_group")
+    _require(where, "group_size", weights.get("group_size"), [group])
+    _require(where, "strategy", weights.get("strategy"), [strategy])
+    parts = {"packed": "weight_packed", "scale": "weight_scale"}
+    if kind == "nvfp4":
+        parts["global_scale"] = "weight_global_scale"
+    parts["input_scale"] = "input_global_scale"
+    return ShippedSpec(f"ct-{kind}", WeightFormat(kind), "weight_packed", parts,
+                       optional=_FP4_DROPPED)  # fmt: skip
+
+
+def _parse_mxfp4(config: dict[str, Any], scale_dtype: str) -> ShippedSpec:
+    """gpt-oss: stacked experts as `<param>_blocks` / `<param>_scales` (transformers'
+    integrations/mxfp4.py reads the same tensors)."""
+    _check_keys("quantization_config", config, {"quant_method"}, _MXFP4_INFO)
+    parts = {"blocks": "_blocks", "scales": "_scales"}
+    return ShippedSpec("mxfp4-blocks", WeightFormat("mxfp4"), "_blocks", parts, separator="")
+
+
+def _parse_modelopt(config: dict[str, Any], scale_dtype: str) -> ShippedSpec:
+    """NVIDIA ModelOpt's NVFP4 (config.json's quantization_config, as hf_quant_config.json's
+    `quantization` section spells it)."""
+    where = "quantization_config"
+    used = {"quant_method", "quant_algo", "group_size", "kv_cache_quant_algo", "kv_cache_scheme"}
+    _check_keys(where, config, used, _MODELOPT_INFO)
+    _require(where, "quant_algo", config.get("quant_algo"), ["NVFP4"])
+    _require(where, "group_size", config.get("group_size", 16), [16])
+    for key in ("kv_cache_quant_algo", "kv_cache_scheme"):
+        if config.get(key):
+            raise UnsupportedCheckpoint(f"{where}.{key} is set; densa does not apply it")
+    parts = {"packed": "weight", "scale": "weight_scale", "scale_2": "weight_scale_2",
+             "input_scale": "input_scale"}  # fmt: skip
+    return ShippedSpec("modelopt-nvfp4", WeightFormat("nvfp4"), "weight_scale_2", parts,
+                       optional=_FP4_DROPPED)  # fmt: skip
 
 
 def _int4_format(where: str, group_size: Any, symmetric: bool, scale_dtype: str) -> WeightFormat:

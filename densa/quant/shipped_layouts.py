@@ -22,12 +22,25 @@ densa's INT4 is w = (c - 8) * scale + zero with contiguous groups, so an integer
 becomes the float zero (8 - z) * s: exact in float32 (a 4-bit integer times a 16-bit scale),
 not in a 16-bit dtype, which is why asymmetric formats load with float32 scales and zeros.
 Act-order (g_idx not k // g) has no contiguous groups: such layers are dequantized instead.
+
+FP4 (densa.formats.fp4): every producer stores the e2m1 codes two per byte, the even column in
+the low nibble, so the codes load as they are:
+- gpt-oss MXFP4: `<param>_blocks` uint8 [E, N, K/32, 16] (the [E, N, K/2] codes, grouped),
+  `<param>_scales` uint8 [E, N, K/32] E8M0.
+- compressed-tensors mxfp4: weight_packed [N, K/2], weight_scale uint8 E8M0 [N, K/32].
+- compressed-tensors nvfp4: weight_packed, weight_scale e4m3 [N, K/16], weight_global_scale
+  [1]: w = q * (s / g). densa keeps 1 / g per row (its kernels multiply); the exact
+  dequantization here divides, as compressed-tensors does.
+- ModelOpt NVFP4: weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], weight_scale_2 [] float32:
+  w = q * (s * s2).
+Activation scales (input_scale, input_global_scale) are read and dropped (shipped_config).
 """
 
 from __future__ import annotations
 
 import torch
 
+from densa.formats import fp4
 from densa.formats.fp8_blocks import expand_block_scales
 from densa.formats.int4 import CODE_OFFSET, pack_nibbles
 
@@ -132,3 +145,36 @@ def dequantize_int_groups(
     float32 w = (q - z[g]) s[g]: exact, for layers whose groups are not contiguous."""
     groups = g_idx.to(torch.int64)
     return (codes.float() - zero_codes.float()[:, groups]) * scales.float()[:, groups]
+
+
+# ---- FP4 ----------------------------------------------------------------------------------------
+def fp4_runtime(producer: str, parts: Parts) -> Parts:
+    """A shipped MXFP4 / NVFP4 weight's tensors -> densa's FP4 runtime parts (the codes and
+    scale bytes as stored; NVFP4's tensor scale as a multiplier per row)."""
+    if producer == "mxfp4-blocks":
+        blocks = parts["blocks"]  # [..., N, K/32, 16]
+        return {"qweight": blocks.flatten(-2).contiguous(), "scales": parts["scales"]}
+    runtime = {"qweight": parts["packed"], "scales": parts["scale"].contiguous().view(torch.uint8)}
+    if producer == "ct-nvfp4":
+        runtime["tensor_scale"] = _per_row(1.0 / parts["global_scale"].float(), parts["packed"])
+    elif producer == "modelopt-nvfp4":
+        runtime["tensor_scale"] = _per_row(parts["scale_2"].float(), parts["packed"])
+    return runtime
+
+
+def dequantize_fp4(producer: str, parts: Parts) -> torch.Tensor:
+    """The producer's own dequantization, exactly (float32): compressed-tensors divides by its
+    global scale, ModelOpt multiplies by weight_scale_2."""
+    if producer in ("mxfp4-blocks", "ct-mxfp4"):
+        runtime = fp4_runtime(producer, parts)
+        return fp4.dequantize_mxfp4(runtime["qweight"], runtime["scales"])
+    scales = parts["scale"].contiguous().view(torch.uint8)
+    if producer == "ct-nvfp4":
+        return fp4.dequantize_nvfp4(parts["packed"], scales, parts["global_scale"], divide=True)
+    return fp4.dequantize_nvfp4(parts["packed"], scales, parts["scale_2"])
+
+
+def _per_row(scale: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    if scale.numel() != 1:
+        raise ValueError(f"an NVFP4 tensor scale has one value, found {scale.numel()}")
+    return scale.reshape(1).expand(packed.shape[0]).contiguous()

@@ -16,14 +16,15 @@ every other tensor in the file is an ordinary dense tensor.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
 METADATA_KEY = "densa.weights"
 FORMAT_VERSION = 1
-WEIGHT_KINDS = ("int4", "fp8")
+WEIGHT_KINDS = ("int4", "fp8", "mxfp4", "nvfp4")
+FP4_KINDS = ("mxfp4", "nvfp4")  # e2m1 codes with block scales (densa.formats.fp4)
 INT4_GROUP_SIZES = (32, 64, 128)
 # float32 holds what the 16-bit dtypes cannot: a shipped checkpoint's integer zero point times
 # its scale (densa.quant.shipped), exactly.
@@ -35,12 +36,19 @@ METHODS = ("rtn", "gptq")
 class WeightFormat:
     """How every quantized linear weight of one checkpoint is stored."""
 
-    kind: str  # "int4" (weight-only, group-wise) or "fp8" (e4m3 with block scales)
+    # "int4" (weight-only, group-wise), "fp8" (e4m3 with block scales), "mxfp4" (e2m1, an E8M0
+    # scale per 32 inputs) or "nvfp4" (e2m1, an e4m3 scale per 16 and a float32 per tensor)
+    kind: str
     group_size: int = 128  # int4: input columns sharing one scale (and offset)
     symmetric: bool = True  # int4: w = (q - 8) * s; asymmetric adds a per-group offset z
     scale_dtype: str = "bfloat16"  # int4 scales/offsets; torch's CPU int4 matmul wants bf16
     block_size: int = 128  # fp8: square blocks of block_size x block_size share one fp32 scale
     method: str = "rtn"  # how the values were chosen: round-to-nearest, or GPTQ on calibration
+    # FP4 on the CPU kernels: activations rounded to int8 per 32 inputs ("int8": the VNNI
+    # kernels, what `--weight-format auto` runs) or as given ("float": weight-only, with
+    # `--weight-format mxfp4|nvfp4`). How the weights run, not how they are stored (stored
+    # formats say "float").
+    activations: str = "float"
 
     def __post_init__(self) -> None:
         if self.kind not in WEIGHT_KINDS:
@@ -51,17 +59,34 @@ class WeightFormat:
             raise ValueError(f"scale dtype must be one of {tuple(SCALE_DTYPES)}")
         if self.block_size < 1:
             raise ValueError("fp8 block size must be >= 1")
+        if self.activations not in ("float", "int8"):
+            raise ValueError(f"activations must be float or int8, got {self.activations!r}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.kind == "fp8" and self.method != "rtn":
-            raise ValueError("fp8 weights are quantized by round-to-nearest only (--method rtn)")
+        if self.kind in ("fp8", *FP4_KINDS) and self.method != "rtn":
+            raise ValueError(
+                f"{self.kind} weights are quantized by round-to-nearest only (--method rtn)"
+            )
 
     @property
     def torch_scale_dtype(self) -> torch.dtype:
         return SCALE_DTYPES[self.scale_dtype]
 
+    def stored_as(self) -> WeightFormat:
+        """The format with the run-time choices reset: what the stored parts are."""
+        return replace(self, activations="float")
+
+    @property
+    def is_fp4(self) -> bool:
+        return self.kind in FP4_KINDS
+
     def describe(self) -> str:
         """'int4 g128 sym (gptq)' / 'fp8 e4m3 128x128 blocks': for logs and reports."""
+        acts = ", int8 activations" if self.activations == "int8" else ""
+        if self.kind == "mxfp4":
+            return f"mxfp4 (e2m1, e8m0 scale per 32{acts})"
+        if self.kind == "nvfp4":
+            return f"nvfp4 (e2m1, e4m3 scale per 16, fp32 per tensor{acts})"
         if self.kind == "fp8":
             return f"fp8 e4m3 {self.block_size}x{self.block_size} blocks"
         symmetry = "sym" if self.symmetric else "asym"

@@ -144,6 +144,17 @@ def test_fused_step_matches_eager(
     _assert_same_pages(pairs)
 
 
+@pytest.mark.parametrize("forced_isa", PATHS, indirect=True)
+@pytest.mark.parametrize("weight_format", ["mxfp4", "nvfp4", "mxfp4a8", "nvfp4a8"])
+def test_fused_step_runs_fp4_weights(
+    forced_isa: str, weight_format: str, tiny_model_dir: Path
+) -> None:
+    """FP4 layers (quantized at load: weight-only or int8 activations) in the fused step."""
+    eager, fused, pairs = _step(tiny_model_dir, weight_format, "fp32")
+    torch.testing.assert_close(fused, eager, **_tolerance("fp32"))
+    _assert_same_pages(pairs)
+
+
 def test_context_splits_balance_the_threads() -> None:
     splits = native.load().context_splits
     assert splits(3, 2, 330) == 2  # 3 kv heads on 2 threads: 1.5 head-contexts per thread, not 2

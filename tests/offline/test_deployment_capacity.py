@@ -50,6 +50,29 @@ def test_fp8_kv_doubles_tokens_and_int4_weights_are_40_percent_smaller(name: str
     assert tokens[("int4 g32", "fp8_e4m3")] > tokens[("fp8 128x128", "fp8_e4m3")]
 
 
+@pytest.mark.parametrize("name", ["kimi-k2-instruct", "glm-4.5"])
+def test_fp4_weights_size_like_the_other_formats(name: str) -> None:
+    """MXFP4 (4.25 bits) and NVFP4 (4.5 bits: int4 g32's size) in the same arithmetic; FP4
+    experts with FP8 elsewhere (DeepSeek-V4's mix) smaller than INT4 experts with FP8."""
+    _, _, sizes, tokens = _sized(name)
+    bytes_of = {name: size.checkpoint_bytes for name, size in sizes.items()}
+    assert bytes_of["nvfp4"] == bytes_of["int4 g32"]
+    assert bytes_of["mxfp4"] < bytes_of["int4 g32"] < bytes_of["fp8 128x128"]
+    assert bytes_of["mxfp4 experts, rest fp8"] < bytes_of["int4 g32 experts, rest fp8"]
+    assert bytes_of["mxfp4 experts, rest fp8"] < bytes_of["mxfp4 experts, rest bf16"]
+    assert tokens[("mxfp4", "fp8_e4m3")] > tokens[("int4 g32", "fp8_e4m3")]
+
+
+def test_gpt_oss_20b_sizes_as_it_ships() -> None:
+    """~20.9B parameters (19.1B in experts); MXFP4 experts with bf16 elsewhere is the ~13.8 GB
+    the release is."""
+    arch, counts, sizes, _ = _sized("gpt-oss-20b", tp=1)
+    assert arch.architecture == "GptOssForCausalLM" and arch.moe is not None
+    assert arch.moe.top_k == 4 and arch.layer_windows[:2] == (128, None)
+    assert abs(counts.served - 20.9e9) / 20.9e9 < 0.02
+    assert 13.0e9 < sizes["mxfp4 experts, rest bf16"].checkpoint_bytes < 14.5e9
+
+
 def test_kv_bytes_per_token_per_gpu() -> None:
     kimi, _, _, _ = _sized("kimi-k2-instruct")
     glm, _, _, _ = _sized("glm-4.5")

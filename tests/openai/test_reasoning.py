@@ -113,7 +113,7 @@ def test_the_thinking_switch_turns_reasoning_off() -> None:
 
 
 def test_unknown_parser_names_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="deepseek_r1, glm45, kimi_k2, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, glm45, harmony, kimi_k2, qwen3"):
         reasoning_format("o1")
 
 

@@ -123,6 +123,133 @@ def ct_config(scheme: Any, fmt: str) -> dict[str, Any]:
     return config.model_dump(mode="json")
 
 
+# ---- compressed-tensors FP4 (mxfp4- / nvfp4-pack-quantized) --------------------------------------
+def ct_fp4_scheme(kind: str) -> Any:
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import MXFP4A16, NVFP4A16
+
+    preset = MXFP4A16 if kind == "mxfp4" else NVFP4A16
+    return QuantizationScheme(targets=["Linear"], weights=preset["weights"])
+
+
+def _ct_fp4_compressor(kind: str) -> Any:
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+
+    return MXFP4PackedCompressor if kind == "mxfp4" else NVFP4PackedCompressor
+
+
+def ct_fp4_compress(weight: torch.Tensor, kind: str) -> Parts:
+    """compressed-tensors' observer math (its calculate_qparams / generate_gparam) for the
+    scales, then its compressor packs."""
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    scheme = ct_fp4_scheme(kind)
+    args = scheme.weights
+    groups = weight.reshape(weight.shape[0], -1, args.group_size)
+    state: Parts = {"weight": weight.to(torch.bfloat16)}
+    global_scale = None
+    if kind == "nvfp4":
+        global_scale = generate_gparam(weight.min(), weight.max())
+        state["weight_global_scale"] = global_scale
+    scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale)
+    state["weight_scale"] = scale
+    return dict(_ct_fp4_compressor(kind).compress(state, scheme))
+
+
+def ct_fp4_dequant(parts: Parts, kind: str) -> torch.Tensor:
+    """compressed-tensors' own decompression (its result is bfloat16)."""
+    return _ct_fp4_compressor(kind).decompress(dict(parts), ct_fp4_scheme(kind))["weight"]
+
+
+# ---- NVIDIA ModelOpt NVFP4 ----------------------------------------------------------------------
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def modelopt_nvfp4(weight: torch.Tensor) -> Parts:
+    """ModelOpt's NVFP4QTensor.quantize, written from its code: weight_scale_2 = amax / (6 *
+    448), per-16 scales amax / (6 * weight_scale_2) as e4m3, elements rounded to the nearest
+    e2m1 value (ties to the even code) of w / (scale * weight_scale_2), packed low nibble first."""
+    n, k = weight.shape
+    scale_2 = weight.abs().max().float() / (6.0 * 448.0)
+    blocks = weight.float().reshape(n, k // 16, 16)
+    block_scale = (blocks.abs().amax(-1) / (6.0 * scale_2)).clamp(max=448).to(torch.float8_e4m3fn)
+    scaled = blocks / (block_scale.float() * scale_2).unsqueeze(-1)
+    grid = torch.tensor(E2M1)
+    distance = (scaled.abs().unsqueeze(-1) - grid).abs()  # [..., 8]
+    # nearest; on a tie the lower index with an even code (the e2m1 codes 0, 2, 4, 6 are even)
+    best = torch.argmin(distance + (torch.arange(8) % 2) * 1e-6, dim=-1)
+    codes = (best | ((scaled < 0).to(torch.int64) << 3)).reshape(n, k).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return {"weight": packed, "weight_scale": block_scale, "weight_scale_2": scale_2.reshape(()),
+            "input_scale": torch.tensor(0.05)}  # fmt: skip
+
+
+def modelopt_dequant(parts: Parts) -> torch.Tensor:
+    """ModelOpt's dequantize: e2m1 values times (weight_scale * weight_scale_2) per block."""
+    packed = parts["weight"]
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    values = torch.tensor(E2M1)[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
+    scale = parts["weight_scale"].float() * parts["weight_scale_2"].float()
+    return values * scale.repeat_interleave(16, dim=1)
+
+
+MODELOPT_CONFIG = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                   "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"],
+                   "producer": {"name": "modelopt", "version": "0.37.0"}}  # fmt: skip
+
+
+# ---- gpt-oss MXFP4 (as openai/gpt-oss-20b ships its experts) -------------------------------------
+def gpt_oss_mxfp4(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers gpt-oss expert parameter [E, in, out] -> (`_blocks` [E, out, in/32, 16],
+    `_scales` [E, out, in/32]) in the layout gpt-oss ships, written from the OCP MX spec (sec.
+    6.3): per 32 inputs the shared exponent floor(log2 max|v|) - 2 as E8M0 (bias 127), elements
+    rounded to the nearest e2m1 value (ties to the even code), saturating at 6; two codes per
+    byte, the even input in the low nibble."""
+    weight = dense.transpose(1, 2).float()  # [E, out, in]: blocks are out-major
+    experts, out, inp = weight.shape
+    groups = weight.reshape(experts, out, inp // 32, 32)
+    amax = groups.abs().amax(-1)
+    exponent = torch.floor(torch.log2(amax.clamp(min=2.0**-126))) - 2
+    exponent = torch.where(amax > 0, exponent, torch.full_like(exponent, -127))
+    scaled = groups / torch.pow(2.0, exponent).unsqueeze(-1)
+    grid = torch.tensor(E2M1)
+    distance = (scaled.abs().clamp(max=6.0).unsqueeze(-1) - grid).abs()
+    best = torch.argmin(distance + (torch.arange(8) % 2) * 1e-6, dim=-1)
+    codes = (best | ((scaled < 0) & (best > 0)).to(torch.int64) << 3).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [E, out, in/32, 16]
+    return blocks.contiguous(), (exponent + 127).to(torch.uint8)
+
+
+def write_gpt_oss_mxfp4(src: Path, out: Path, ref: Path) -> None:
+    """Rewrite a dense tiny gpt-oss checkpoint (`src`) with its experts in MXFP4 as gpt-oss ships
+    them (into `out`, with its quantization_config), and a dense one whose experts are
+    transformers' own dequantization of those blocks (integrations/mxfp4.py; into `ref`)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    stored, reference = {}, {}
+    for name, tensor in load_file(str(src / "model.safetensors")).items():
+        if not re.search(r"\.mlp\.experts\.(gate_up|down)_proj$", name):
+            stored[name] = reference[name] = tensor
+            continue
+        blocks, scales = gpt_oss_mxfp4(tensor)
+        stored[f"{name}_blocks"], stored[f"{name}_scales"] = blocks, scales
+        reference[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    config = {"quant_method": "mxfp4",
+              "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                         "model.embed_tokens", "lm_head"]}  # fmt: skip
+    for directory, tensors, quantization in ((out, stored, config), (ref, reference, None)):
+        shutil.copytree(src, directory, dirs_exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  str(directory / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+        settings = json.loads((directory / "config.json").read_text())
+        settings.pop("quantization_config", None)
+        if quantization is not None:
+            settings["quantization_config"] = quantization
+        (directory / "config.json").write_text(json.dumps(settings))
+
+
 # ---- AutoAWQ GEMM -------------------------------------------------------------------------------
 def awq_pack(weight: torch.Tensor, group_size: int) -> Parts:
     """WQLinear_GEMM.from_linear: zero-point quantization per group, columns packed 8 per
@@ -237,6 +364,16 @@ def producer(name: str, group_size: int = 32) -> Producer:
     """(quantize one weight, the producer's dequantization, quantization_config) by name."""
     if name == "deepseek-fp8":
         return deepseek_fp8, deepseek_dequant, FP8_CONFIG
+    if name in ("ct-mxfp4", "ct-nvfp4"):
+        fp4_kind = name.removeprefix("ct-")
+        fmt = f"{fp4_kind}-pack-quantized"
+        return (
+            (lambda w: ct_fp4_compress(w, fp4_kind)),
+            (lambda p: ct_fp4_dequant(p, fp4_kind)),
+            ct_config(ct_fp4_scheme(fp4_kind), fmt),
+        )
+    if name == "modelopt-nvfp4":
+        return modelopt_nvfp4, modelopt_dequant, MODELOPT_CONFIG
     if name.startswith("ct-"):
         kind, _, sym = name.removeprefix("ct-").partition("-")
         scheme = ct_scheme(kind, group_size, symmetric=sym != "asym")

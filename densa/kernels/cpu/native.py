@@ -31,7 +31,9 @@ from densa.utils.logging import get_logger
 logger = get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("module.cpp", "qgemm.cpp", "w8float.cpp", "decoder.cpp")]
+SOURCES = [
+    CSRC / name for name in ("module.cpp", "qgemm.cpp", "fp4gemm.cpp", "w8float.cpp", "decoder.cpp")
+]
 HEADERS = [CSRC / name for name in ("qgemm.h", "decoder.h", "vec.h")]
 CACHE_ROOT = Path(os.environ.get("DENSA_EXTENSIONS_DIR", "~/.cache/densa/extensions")).expanduser()
 ISAS = ("avx512_vnni", "avx2")

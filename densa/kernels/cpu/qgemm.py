@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from densa.formats import fp4
 from densa.formats.int4 import CODE_OFFSET, expand_groups, unpack_nibbles
 from densa.kernels.cpu import native
 
@@ -38,6 +39,11 @@ HALF = 16  # inputs per W6 / W5 scale sc
 W6_MIN = 7  # the "bits" code of W6 with a minimum (csrc/qgemm.h: kFormatW6MA8)
 W5_MIN = 51  # the "bits" code of W5 with a minimum (csrc/qgemm.h: kFormatW5MA8)
 W8_FLOAT = 80  # the "bits" code of weight-only W8 (csrc/qgemm.h: kFormatW8)
+MXFP4A8 = 41  # FP4 weights, int8 activations (csrc/fp4gemm.cpp; densa.formats.fp4)
+NVFP4A8 = 42
+MXFP4 = 43  # the same blocks, float32 activations (weight-only)
+NVFP4 = 44
+FP4_WEIGHT_ONLY = {MXFP4A8: MXFP4, NVFP4A8: NVFP4}
 
 
 def fits(in_features: int, out_features: int) -> bool:
@@ -102,6 +108,32 @@ def w6ma8_reference(
     act = quantize_activations(x)
     y = w6a8_reference(x, codes, d, sc).double() + act.sumx.double() @ m.half().double().T
     return y.float()
+
+
+def mxfp4a8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32, qweight [N, K/2] e2m1 codes, scales [N, K/32] E8M0: the int8-activation
+    product the MXFP4A8 kernel computes, in float64 (a NaN scale makes its rows' outputs NaN)."""
+    act = quantize_activations(x)
+    values = fp4.e2m1_to_float(fp4.unpack_fp4(qweight)).double()  # [N, K], exact
+    dots = _group_dots(act.qx, values)  # [M, N, G]
+    scale = fp4.e8m0_to_float(scales).double()  # [N, G]
+    return (dots * act.dx.double()[:, None, :] * scale[None]).sum(-1).float()
+
+
+def nvfp4a8_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor
+) -> torch.Tensor:
+    """x [M, K] float32, qweight [N, K/2], scales [N, K/16] e4m3 bits, tensor_scale [N]: the
+    NVFP4A8 kernel's product in float64 (each 16 inputs its own scale, then t per row)."""
+    act = quantize_activations(x)
+    rows, cols = act.qx.shape
+    values = fp4.e2m1_to_float(fp4.unpack_fp4(qweight)).double()
+    a = act.qx.double().view(rows, 1, cols // HALF, HALF)
+    halves = (a * values.view(1, values.shape[0], cols // HALF, HALF)).sum(-1)  # [M, N, K/16]
+    dx = act.dx.double().repeat_interleave(2, dim=1)  # [M, K/16]
+    block = fp4.e4m3_to_float(scales).double()  # [N, K/16]
+    y = (halves * dx[:, None, :] * block[None]).sum(-1)
+    return (y * tensor_scale.double()[None, :]).float()
 
 
 def _group_dots(qx: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -310,6 +342,66 @@ def pack_w8_float(codes: torch.Tensor, d: torch.Tensor, isa: str) -> PackedWeigh
     return PackedWeight(blocks, codes.shape[0], codes.shape[1], W8_FLOAT, isa)
 
 
+def pack_mxfp4(
+    qweight: torch.Tensor, scales: torch.Tensor, isa: str, int8_activations: bool = True
+) -> PackedWeight:
+    """qweight [N, K/2] uint8 e2m1 codes (column 2j low), scales [N, K/32] E8M0 -> the MXFP4
+    panel layout (csrc/fp4gemm.cpp), the same for both code paths and for both kernels (int8
+    activations, or float32 ones: weight-only)."""
+    empty = torch.empty(0, dtype=torch.float32)
+    blocks = _ext().pack_fp4(_bytes(qweight), _bytes(scales), empty, MXFP4A8)
+    bits = MXFP4A8 if int8_activations else MXFP4
+    return PackedWeight(blocks, qweight.shape[0], 2 * qweight.shape[1], bits, isa)
+
+
+def pack_nvfp4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    tensor_scale: torch.Tensor,
+    isa: str,
+    int8_activations: bool = True,
+) -> PackedWeight:
+    """qweight [N, K/2], scales [N, K/16] e4m3 bits, tensor_scale [N] float32 (one per row)
+    -> the NVFP4 panel layout, the tensor scales after the blocks."""
+    rows = qweight.shape[0]
+    t = tensor_scale.float().reshape(-1).expand(rows).contiguous()
+    blocks = _ext().pack_fp4(_bytes(qweight), _bytes(scales), t, NVFP4A8)
+    bits = NVFP4A8 if int8_activations else NVFP4
+    return PackedWeight(blocks, rows, 2 * qweight.shape[1], bits, isa)
+
+
+def pack_mxfp4_float(qweight: torch.Tensor, scales: torch.Tensor, isa: str) -> PackedWeight:
+    return pack_mxfp4(qweight, scales, isa, int8_activations=False)
+
+
+def pack_nvfp4_float(
+    qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, isa: str
+) -> PackedWeight:
+    return pack_nvfp4(qweight, scales, tensor_scale, isa, int8_activations=False)
+
+
+def mxfp4_float_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor:
+    """The weight-only MXFP4 product in float64: x times the stored weights."""
+    return (x.double() @ fp4.dequantize_mxfp4(qweight, scales).double().T).float()
+
+
+def nvfp4_float_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor
+) -> torch.Tensor:
+    """The weight-only NVFP4 product in float64 (block scale times tensor scale unrounded)."""
+    values = fp4.e2m1_to_float(fp4.unpack_fp4(qweight)).double()
+    block = fp4.expand(fp4.e4m3_to_float(scales).double(), fp4.NVFP4_GROUP)
+    weight = values * block * tensor_scale.double()[:, None]
+    return (x.double() @ weight.T).float()
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 (or e4m3) tensor as contiguous uint8 bytes."""
+    return tensor.contiguous().view(torch.uint8)
+
+
 def quantized_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
     """[M, K] float32 -> [M, N] float32 through the C++ kernel of the weight's code path."""
     ext = _ext()
@@ -321,6 +413,10 @@ def quantized_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
         W6_MIN: ext.w6ma8_linear,
         8: ext.w8a8_linear,
         W8_FLOAT: ext.w8float_linear,
+        MXFP4A8: lambda x, b, n, isa: ext.fp4a8_linear(x, b, n, MXFP4A8, isa),
+        NVFP4A8: lambda x, b, n, isa: ext.fp4a8_linear(x, b, n, NVFP4A8, isa),
+        MXFP4: lambda x, b, n, isa: ext.fp4float_linear(x, b, n, MXFP4, isa),
+        NVFP4: lambda x, b, n, isa: ext.fp4float_linear(x, b, n, NVFP4, isa),
     }[weight.bits]
     return run(x.float().contiguous(), weight.blocks, weight.out_features, weight.isa)
 

@@ -10,6 +10,8 @@ chosen from the model's chat template when none is named.
     qwen3_coder   <tool_call><function=NAME><parameter=k>v</parameter>...     xml_args.py
     mistral       [TOOL_CALLS]NAME[ARGS]{...}                               mistral.py
     mistral_json  [TOOL_CALLS] [{"name": ..., "arguments": ...}]              mistral.py
+    harmony       <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
+                  (gpt-oss; with --reasoning-parser harmony)                 harmony_calls.py
 
 For a chat template that cannot render tools (the bundled SmolLM2's), densa writes the tool
 definitions into the system message itself and renders earlier calls and tool results as the
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from densa.openai.tools.base import MAX_PARALLEL_CALLS, ToolCallFormat
 from densa.openai.tools.deepseek import DeepSeekFormat
+from densa.openai.tools.harmony_calls import HarmonyFormat
 from densa.openai.tools.json_calls import HERMES, LLAMA3_JSON, JsonCallFormat
 from densa.openai.tools.kimi_k2 import KimiK2Format
 from densa.openai.tools.mistral import MistralFormat, MistralJsonFormat
@@ -45,6 +48,7 @@ _ALL: tuple[ToolCallFormat, ...] = (
     QWEN3_CODER,
     MistralFormat(),
     MistralJsonFormat(),
+    HarmonyFormat(),
 )
 TOOL_FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in _ALL}
 AUTO = "auto"  # choose from the chat template
@@ -53,6 +57,7 @@ FALLBACK_FORMAT = HERMES.name  # templates that show no dialect (densa then rend
 
 # What each family's chat template writes, checked in this order (the first match wins).
 _TEMPLATE_SIGNS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("harmony", ("<|channel|>", "<|constrain|>")),
     ("kimi_k2", ("<|tool_calls_section_begin|>",)),
     ("deepseek_v3", ("tool▁calls▁begin", "```json")),
     ("deepseek_v31", ("tool▁calls▁begin",)),

@@ -312,6 +312,8 @@ void project_shard(const Shard& s, int64_t in, const float* x, int64_t rows, flo
     quantized_linear_raw(x, rows, in, s.blocks, s.out, s.bits, isa, y, ldy, buffers);
   } else if (s.bits == kFormatW8) {
     w8float_linear_raw(x, rows, in, s.blocks, s.out, isa, y, ldy);
+  } else if (is_fp4_float_format(s.bits)) {
+    fp4float_linear_raw(x, rows, in, s.blocks, s.out, s.bits, isa, y, ldy);
   } else {
     dense_project<Ops>(s.dense.data_ptr<float>(), in, s.out, x, rows, y, ldy);
   }

@@ -39,12 +39,11 @@ Shard make_shard(int64_t bits, const at::Tensor& tensor, int64_t out, int64_t in
     return s;
   }
   TORCH_CHECK(block_bytes(s.bits) > 0,
-              "bits: 4 (w4a8), 5 (w5a8), 51 (w5ma8), 6 (w6a8), 7 (w6ma8), 8 (w8a8), 80 (w8) "
-              "or 32 (dense)");
+              "bits: 4 (w4a8), 5 (w5a8), 51 (w5ma8), 6 (w6a8), 7 (w6ma8), 8 (w8a8), 80 (w8), "
+              "41 (mxfp4a8), 42 (nvfp4a8), 43 (mxfp4), 44 (nvfp4) or 32 (dense)");
   TORCH_CHECK(tensor.scalar_type() == at::kByte, "packed weight: uint8 blocks");
   TORCH_CHECK(in % kGroup == 0 && out % kPanel == 0, "packed shape does not tile");
-  TORCH_CHECK(tensor.numel() == (out / kPanel) * (in / kGroup) * block_bytes(s.bits),
-              "packed size");
+  TORCH_CHECK(tensor.numel() == packed_bytes(s.bits, out, in), "packed size");
   s.packed = tensor;
   s.blocks = tensor.data_ptr<uint8_t>();
   return s;
@@ -399,6 +398,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
         return quantized_linear(x, packed, n, kFormatW5MA8, isa);
       },
       Release(), "x [M,K] f32, packed W5M, N, isa -> [M,N] f32");
+  module.def("pack_fp4", &pack_fp4, Release(),
+             "qweight [N,K/2] u8, scales [N,K/g] u8, tensor scale [N] f32 (NVFP4), bits -> "
+             "packed MXFP4 / NVFP4 blocks");
+  module.def(
+      "fp4a8_linear",
+      [](const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t bits,
+         const std::string& isa) { return quantized_linear(x, packed, n, bits, isa); },
+      Release(), "x [M,K] f32, packed MXFP4 / NVFP4, N, bits (41 / 42), isa -> [M,N] f32");
+  module.def("fp4float_linear", &fp4float_linear, Release(),
+             "x [M,K] f32, packed MXFP4 / NVFP4, N, bits (43 / 44), isa -> [M,N] f32 "
+             "(weight-only: float32 activations)");
   module.def("widen_kv", &widen_kv, Release(),
              "raw K/V bytes [n], dtype code, scale, fp8 table, isa -> f32");
   module.def("context_splits", &context_splits,

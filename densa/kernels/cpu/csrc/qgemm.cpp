@@ -564,14 +564,7 @@ DENSA_AVX2 void split_panel_avx2(const uint8_t* blocks, int64_t groups, const in
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------
-// A panel kernel for up to kMaxTile tokens: the token tile is a template parameter (registers).
-using PanelFn = void (*)(const uint8_t*, int64_t, const int8_t*, const float*, const void*,
-                         int64_t, float*, int64_t);
-
-constexpr int kTileAvx512 = 8;  // 8 int + 8 float accumulators + temporaries: < 32 zmm
-constexpr int kTileAvx2 = 2;    // 2 x 2 int + 2 x 2 float accumulators + temporaries: < 16 ymm
-// W4 and the split formats run one 8-row half at a time: 4 int + 4 float accumulators.
-constexpr int kTileAvx2W4 = 4;
+// Panel kernels (Int8PanelFn, qgemm.h) for up to kInt8TileAvx512 tokens.
 
 template <int T>
 void w4_avx512(const uint8_t* b, int64_t g, const int8_t* q, const float* d, const void* s,
@@ -604,22 +597,17 @@ void split_avx2(const uint8_t* b, int64_t g, const int8_t* q, const float* d, co
   split_panel_avx2<T, F>(b, g, q, d, static_cast<const int32_t*>(s), c, y, l);
 }
 
-// fns[t - 1] handles a tile of t tokens.
-struct PanelKernels {
-  PanelFn fns[kTileAvx512];
-  int tile;
-};
-
 template <class F>
-PanelKernels split_kernels(Isa isa) {
+Int8PanelKernels split_kernels(Isa isa) {
   if (isa == Isa::kAvx512Vnni)
     return {{split_avx512<1, F>, split_avx512<2, F>, split_avx512<3, F>, split_avx512<4, F>,
              split_avx512<5, F>, split_avx512<6, F>, split_avx512<7, F>, split_avx512<8, F>},
-            kTileAvx512};
-  return {{split_avx2<1, F>, split_avx2<2, F>, split_avx2<3, F>, split_avx2<4, F>}, kTileAvx2W4};
+            kInt8TileAvx512};
+  return {{split_avx2<1, F>, split_avx2<2, F>, split_avx2<3, F>, split_avx2<4, F>}, kInt8TileAvx2W4};
 }
 
-PanelKernels kernels_for(int bits, Isa isa) {
+Int8PanelKernels kernels_for(int bits, Isa isa) {
+  if (is_fp4_format(bits)) return fp4_panel_kernels(bits, isa);
   switch (bits) {
     case kFormatW6A8:
       return split_kernels<W6>(isa);
@@ -636,13 +624,13 @@ PanelKernels kernels_for(int bits, Isa isa) {
     if (bits == kFormatW4A8)
       return {{w4_avx512<1>, w4_avx512<2>, w4_avx512<3>, w4_avx512<4>, w4_avx512<5>, w4_avx512<6>,
                w4_avx512<7>, w4_avx512<8>},
-              kTileAvx512};
+              kInt8TileAvx512};
     return {{w8_avx512<1>, w8_avx512<2>, w8_avx512<3>, w8_avx512<4>, w8_avx512<5>, w8_avx512<6>,
              w8_avx512<7>, w8_avx512<8>},
-            kTileAvx512};
+            kInt8TileAvx512};
   }
-  if (bits == kFormatW4A8) return {{w4_avx2<1>, w4_avx2<2>, w4_avx2<3>, w4_avx2<4>}, kTileAvx2W4};
-  return {{w8_avx2<1>, w8_avx2<2>}, kTileAvx2};
+  if (bits == kFormatW4A8) return {{w4_avx2<1>, w4_avx2<2>, w4_avx2<3>, w4_avx2<4>}, kInt8TileAvx2W4};
+  return {{w8_avx2<1>, w8_avx2<2>}, kInt8TileAvx2};
 }
 
 // The per-group sums of qx a format's panels read, from group `first` (row-major over rows and
@@ -650,7 +638,7 @@ PanelKernels kernels_for(int bits, Isa isa) {
 // int32 sum.
 const void* panel_sums(const ActivationBuffers& buffers, int bits, int64_t first) {
   if (bits == kFormatW4A8) return buffers.sumx.data_ptr<float>() + first;
-  if (is_split_format(bits))
+  if (is_split_format(bits) || bits == kFormatNvfp4A8)
     return buffers.sumh.data_ptr<int32_t>() + 2 * first;
   return buffers.sumq.data_ptr<int32_t>() + first;
 }
@@ -663,7 +651,7 @@ void quantized_linear_raw(const float* x, int64_t rows, int64_t cols, const uint
   if (rows == 0) return;
   const int64_t groups = cols / kGroup, panels = n / kPanel;
   const int64_t block = block_bytes(bits);
-  const PanelKernels kernels = kernels_for(bits, isa);
+  const Int8PanelKernels kernels = kernels_for(bits, isa);
   buffers.ensure(rows, cols);
   quantize_activations(x, rows, cols, isa, buffers);
   const int8_t* qx = buffers.qx.data_ptr<int8_t>();
@@ -682,18 +670,19 @@ void quantized_linear_raw(const float* x, int64_t rows, int64_t cols, const uint
                              y + t0 * ldy + panel * kPanel, ldy);
     }
   });
+  if (bits == kFormatNvfp4A8) apply_tensor_scales(blocks, n, cols, rows, y, ldy);
 }
 
 at::Tensor quantized_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
                             int bits, const std::string& isa_name) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be [M, K] float32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "packed: uint8");
-  TORCH_CHECK(is_quantized_format(bits), "bits must be 4, 5, 51, 6, 7 or 8");
+  TORCH_CHECK(is_quantized_format(bits), "bits must be 4, 5, 51, 6, 7, 8, 41 or 42");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), cols = x.size(1);
   TORCH_CHECK(cols % kGroup == 0, "in_features must be a multiple of 32, got ", cols);
   TORCH_CHECK(out_features % kPanel == 0, "out_features must be a multiple of 16");
-  TORCH_CHECK(packed.numel() == (out_features / kPanel) * (cols / kGroup) * block_bytes(bits),
+  TORCH_CHECK(packed.numel() == packed_bytes(bits, out_features, cols),
               "packed weight has the wrong size");
   const Isa isa = parse_isa(isa_name);
   at::Tensor y = at::empty({rows, out_features}, x.options());
