@@ -5,6 +5,7 @@ and resumes from its log."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,14 @@ from densa_bench.eval.long_context_data import Item, build_haystack, load_sciq
 
 
 @pytest.fixture(scope="module")
-def count_tokens(smollm2_dir: Path):  # type: ignore[no-untyped-def]
+def count_tokens(smollm2_dir: Path) -> Callable[[str], int]:
     tokenizer = Tokenizer.from_dir(smollm2_dir)
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def test_a_haystack_is_fixed_by_its_seed_and_holds_its_evidence_in_order(count_tokens) -> None:  # type: ignore[no-untyped-def]
+def test_a_haystack_is_fixed_by_its_seed_and_holds_its_evidence_in_order(
+    count_tokens: Callable[[str], int],
+) -> None:
     rows = load_sciq()
     one = build_haystack(rows, 4096, 0, 4, 3, count_tokens, seed=0)
     assert one == build_haystack(rows, 4096, 0, 4, 3, count_tokens, seed=0)
