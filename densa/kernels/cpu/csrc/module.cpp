@@ -354,6 +354,42 @@ class PyDecoder {
                        seq_lens.data_ptr<int32_t>());
   }
 
+  // The deterministic mode's attention (Decoder::attend_tiled): B sequences, query_lens[b] rows
+  // each, in qkv's row order.
+  at::Tensor attend_tiled(int64_t layer, const at::Tensor& qkv, const at::Tensor& page_table,
+                          const at::Tensor& seq_lens, const at::Tensor& query_lens) const {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "layer out of range");
+    const Config& c = dec_.config;
+    TORCH_CHECK(qkv.dim() == 2, "qkv: float32 [rows, q + 2 kv]");
+    const int64_t rows = qkv.size(0), batch = seq_lens.numel();
+    check(qkv, at::kFloat, rows * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, "qkv");
+    check(seq_lens, at::kInt, batch, "seq_lens");
+    check(query_lens, at::kInt, batch, "query_lens");
+    TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch &&
+                    page_table.scalar_type() == at::kInt && page_table.is_contiguous(),
+                "page_table: int32 [B, max_pages]");
+    const KVSide& kv = dec_.layers[layer].k;
+    if (batch > 0) {  // the kernel does no bounds checks: validate every index it will follow
+      TORCH_CHECK(page_table.min().item<int32_t>() >= 0 &&
+                      page_table.max().item<int32_t>() < kv.tensor.size(0),
+                  "page id out of range");
+    }
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    const int32_t* qlens = query_lens.data_ptr<int32_t>();
+    int64_t total = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK(qlens[b] >= 1 && lens[b] >= qlens[b] &&
+                      lens[b] <= page_table.size(1) * kv.page_size,
+                  "need 1 <= query_len <= seq_len <= max_pages * page_size");
+      total += qlens[b];
+    }
+    TORCH_CHECK(total == rows, "query_lens must add up to qkv's rows");
+    return dec_.attend_tiled(layer, qkv, page_table.data_ptr<int32_t>(), page_table.size(1),
+                             lens, qlens, batch);
+  }
+
+  void set_tiled_attention(bool on) { dec_.tiled_attention = on; }
+
   void mlp(int64_t layer, const at::Tensor& attn, at::Tensor x) const {
     check_stream(layer, x);
     check(attn, at::kFloat, x.size(0) * dec_.config.num_heads * dec_.config.head_dim, "attn");
@@ -471,6 +507,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("forward", &PyDecoder::forward, Release())
       .def("qkv", &PyDecoder::qkv, Release())
       .def("attend", &PyDecoder::attend, Release())
+      .def("attend_tiled", &PyDecoder::attend_tiled, Release())
+      .def("set_tiled_attention", &PyDecoder::set_tiled_attention)
       .def("mlp", &PyDecoder::mlp, Release())
       .def("final_norm", &PyDecoder::final_norm, Release())
       .def_property_readonly("num_layers", &PyDecoder::num_layers);
