@@ -73,36 +73,42 @@ class LongContextSettings:
         return max(self.lengths)
 
     def digest(self) -> str:
-        fields = {k: v for k, v in asdict(self).items() if k != "bootstrap"}
+        """What a logged answer depends on: not the number of haystacks (haystack i of a
+        length is the same document whatever the count), so a run can be extended."""
+        fields = {k: v for k, v in asdict(self).items() if k not in ("bootstrap", "haystacks")}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def run_long_context(
     ref: Format, tests: list[Format], settings: LongContextSettings, out: Path
 ) -> QualityReport:
+    """Length by length (shortest first), format by format: a run cut short still has every
+    format at the lengths it finished."""
     formats = [ref, *tests]
     done = _load_done(out / SAMPLES, settings)
     haystacks: list[Haystack] | None = None
-    closed_book: list[bool] | None = done.get(("closed-book",))
-    for idx, fmt in enumerate(formats):
-        missing = [(n, i) for n in settings.lengths for i in range(_count(settings, n))
-                   if (fmt.label, n, i) not in done]  # fmt: skip
-        if not missing and (idx or closed_book is not None):
-            continue
-        llm = _engine(fmt, settings)
-        if haystacks is None:
-            haystacks = _haystacks(llm, settings)
-        by_key = {(h.length, h.index): h for h in haystacks}
-        for length, index in missing:
-            record = _answer_haystack(llm, fmt.label, by_key[(length, index)], settings)
-            _append(out / SAMPLES, settings, record)
-            done[(fmt.label, length, index)] = record
-        if idx == 0 and closed_book is None:
-            closed_book = _closed_book(llm, haystacks, settings)
-            _append(out / SAMPLES, settings, {"closed_book": closed_book})
-        del llm
-        gc.collect()
-    return _report(formats, settings, done, closed_book or [])
+    for length in settings.lengths:
+        for idx, fmt in enumerate(formats):
+            missing = [i for i in range(_count(settings, length))
+                       if (fmt.label, length, i) not in done]  # fmt: skip
+            wants_book = idx == 0 and ("closed-book",) not in done
+            if not missing and not wants_book:
+                continue
+            llm = _engine(fmt, settings)
+            if haystacks is None:
+                haystacks = _haystacks(llm, settings)
+            by_key = {(h.length, h.index): h for h in haystacks}
+            for index in missing:
+                record = _answer_haystack(llm, fmt.label, by_key[(length, index)], settings)
+                _append(out / SAMPLES, settings, record)
+                done[(fmt.label, length, index)] = record
+            if wants_book:
+                book = _closed_book(llm, haystacks, settings)
+                _append(out / SAMPLES, settings, {"closed_book": book})
+                done[("closed-book",)] = book
+            del llm
+            gc.collect()
+    return _report(formats, settings, done, done.get(("closed-book",), []))
 
 
 def _count(settings: LongContextSettings, length: int) -> int:
