@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from densa_bench.agent.cli import add_agent_parser
 from densa_bench.common.benchmark import Benchmark
 from densa_bench.disagg.settings import BENCHMARK as DISAGG
 from densa_bench.hostile.settings import BENCHMARK as HOSTILE
@@ -38,6 +39,7 @@ _SUB_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     SERVING.add_to, INTEGRITY.add_to, LOAD.add_to, PREFIX.add_to, TIERS.add_to, KV_SWEEP.add_to,
     WEIGHTS.add_to, MOE.add_to, HOSTILE.add_to, add_peers_parser, add_speculative_parser,
     STRUCTURED.add_to, ROUTER.add_to, STEP_BYTES.add_to, DISAGG.add_to, MEMORY.add_to,
+    add_agent_parser,
 )  # fmt: skip
 
 
