@@ -178,32 +178,45 @@ void attend_range(const Config& cfg, const KVSide& k, const KVSide& v, const int
     out.sum[g] = 0.f;
     std::fill(out.acc + g * d, out.acc + (g + 1) * d, 0.f);
   }
+  alignas(64) float alpha[kMaxGroup];
+  alignas(64) float k_scales[kBlockTokens], v_scales[kBlockTokens];
+  alignas(64) uint16_t k_halves[kBlockTokens], v_halves[kBlockTokens];
+  int64_t rows[kBlockTokens];
   const int64_t elem = k.dtype == kKvF32 ? 4 : (k.dtype == kKvBf16 ? 2 : 1);
-  auto row_scale = [](const KVSide& side, int64_t row) {
-    if (side.row_scales != nullptr) return half_to_float(side.row_scales[row]);
-    return side.exponents ? std::ldexp(1.f, side.exponents[row]) : side.static_scale;
+  // The block's row scales: fp16 (INT8 pages) widened together, fp8 exponents as powers of two.
+  auto block_scales = [&](const KVSide& side, int n, uint16_t* halves, float* out) {
+    if (side.row_scales != nullptr) {
+      for (int j = 0; j < n; ++j) halves[j] = side.row_scales[rows[j]];
+      Ops::halves_to_float(halves, n, out);
+    } else {
+      for (int j = 0; j < n; ++j)
+        out[j] = side.exponents ? std::ldexp(1.f, side.exponents[rows[j]]) : side.static_scale;
+    }
   };
   for (int64_t b0 = t0; b0 < t1; b0 += kBlockTokens) {
     const int n = static_cast<int>(std::min<int64_t>(kBlockTokens, t1 - b0));
     for (int j = 0; j < n; ++j) {
       const int64_t t = b0 + j, page = page_row[t / k.page_size], slot = t % k.page_size;
-      const int64_t row = (page * k.num_kv_heads + head) * k.page_size + slot;
-      const float ks = row_scale(k, row), vs = row_scale(v, row);
-      Ops::widen(static_cast<const uint8_t*>(k.data) + row * d * elem, k.dtype, d, ks, fp8_table,
-                 kbuf + j * d);
-      Ops::widen(static_cast<const uint8_t*>(v.data) + row * d * elem, v.dtype, d, vs, fp8_table,
-                 vbuf + j * d);
+      rows[j] = (page * k.num_kv_heads + head) * k.page_size + slot;
+    }
+    block_scales(k, n, k_halves, k_scales);
+    block_scales(v, n, v_halves, v_scales);
+    for (int j = 0; j < n; ++j) {
+      Ops::widen(static_cast<const uint8_t*>(k.data) + rows[j] * d * elem, k.dtype, d,
+                 k_scales[j], fp8_table, kbuf + j * d);
+      Ops::widen(static_cast<const uint8_t*>(v.data) + rows[j] * d * elem, v.dtype, d,
+                 v_scales[j], fp8_table, vbuf + j * d);
     }
     Ops::scores(q, g_count, d, kbuf, n, s, kBlockTokens);
     for (int g = 0; g < g_count; ++g) {
       float block_max = out.max[g];
       for (int j = 0; j < n; ++j) block_max = std::max(block_max, s[g * kBlockTokens + j]);
-      const float alpha = std::exp(out.max[g] - block_max);
+      alpha[g] = std::exp(out.max[g] - block_max);
       out.max[g] = block_max;
       const float total = Ops::exp_shifted(s + g * kBlockTokens, n, block_max);
-      out.sum[g] = out.sum[g] * alpha + total;
-      Ops::weighted_sum(out.acc + g * d, alpha, s + g * kBlockTokens, vbuf, n, d);
+      out.sum[g] = out.sum[g] * alpha[g] + total;
     }
+    Ops::weighted_sum(out.acc, alpha, s, kBlockTokens, vbuf, n, d, g_count);
   }
 }
 
