@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from densa_bench.agent.cli import add_agent_parser
 from densa_bench.common.benchmark import Benchmark
 from densa_bench.disagg.settings import BENCHMARK as DISAGG
 from densa_bench.dsa.settings import BENCHMARK as DSA
@@ -18,6 +19,7 @@ from densa_bench.memory.settings import BENCHMARK as MEMORY
 from densa_bench.moe.settings import BENCHMARK as MOE
 from densa_bench.peers.cli import add_peers_parser
 from densa_bench.prefix.settings import BENCHMARK as PREFIX
+from densa_bench.resident.cli import add_resident_parser
 from densa_bench.router.settings import BENCHMARK as ROUTER
 from densa_bench.serving.settings import BENCHMARK as SERVING
 from densa_bench.speculative.cli import add_speculative_parser
@@ -39,7 +41,7 @@ _SUB_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     SERVING.add_to, INTEGRITY.add_to, LOAD.add_to, PREFIX.add_to, TIERS.add_to, KV_SWEEP.add_to,
     WEIGHTS.add_to, MOE.add_to, HOSTILE.add_to, add_peers_parser, add_speculative_parser,
     STRUCTURED.add_to, ROUTER.add_to, STEP_BYTES.add_to, DISAGG.add_to, MEMORY.add_to,
-    DSA.add_to,
+    DSA.add_to, add_agent_parser, add_resident_parser,
 )  # fmt: skip
 
 

@@ -6,7 +6,9 @@
 # The bundled SmolLM2-135M stays the test model: at 135M its 4-bit answers are often wrong
 # (it answers "What is the capital of France?" with a list of French words).
 # KV pages are INT8 (1.94x BF16's tokens, KL 0.0002 vs BF16 KV, per-request cost within FP8's:
-# docs/kv-cache.md). Extra arguments go to `densa serve` and win (e.g. --model, --kv-cache-dtype).
+# docs/kv-cache.md). The context is the model's trained 32,768 tokens: `densa serve` defaults
+# max_model_len to it where the KV budget holds one such request (else the most it holds, said in
+# the log). Extra arguments go to `densa serve` and win (e.g. --model, --kv-cache-dtype).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup.sh" models-serve

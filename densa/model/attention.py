@@ -287,7 +287,7 @@ def gather_dequantized(
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """Fused Numba kernels: decode reads pages in place (no gather) and widens narrow caches in
-    registers; prefill gathers only the few prefill sequences and runs one masked SDPA."""
+    registers; prefill is tiled over pages (flash-style, kernels/cpu/prefill_attention.py)."""
 
     name = "cpu"
     capabilities = BackendCapabilities(

@@ -154,6 +154,8 @@ class FusedDecoder:
         self.key = cache_key(kv_caches)
         self.caches = list(kv_caches)
         self.deterministic = deterministic
+        # Deterministic: decode steps attend through the tiled kernel too, as prefill rows do.
+        self._decoder.set_tiled_attention(deterministic)
 
     def forward_layers(
         self,
@@ -167,17 +169,17 @@ class FusedDecoder:
         and MLP in two C++ calls, its attention through `backend` (SDPA for prefill chunks, as
         the eager model) -> final hidden states [T, hidden].
 
-        Deterministic, every row attends as a decode row at its position does (C++ `attend`
-        over `row_attention_inputs`), so a row computes the same whatever chunk, batch or cache
-        hit it came in."""
-        rows = row_attention_inputs(meta) if self.deterministic else None
+        Deterministic, every row attends through the tiled kernel reading every position from
+        the pages (C++ `attend_tiled` over `step_sequences`), as decode steps do then too, so a
+        row computes the same whatever chunk, batch or cache hit it came in."""
+        rows = step_sequences(meta) if self.deterministic else None
         residual = model.embed_tokens(input_ids).contiguous()  # [T, hidden], updated in place
         for idx, cache in enumerate(self.caches):
             qkv = self._decoder.qkv(
                 idx, residual, positions, meta.slot_pages, meta.slot_offsets
             )  # [T, q + 2 kv]: rotated; K/V already stored
             if rows is not None:
-                attn = self._decoder.attend(idx, qkv, *rows)  # [T, q]
+                attn = self._decoder.attend_tiled(idx, qkv, *rows)  # [T, q]
             else:
                 attn = self._backend_attention(model.cfg, qkv, cache, meta, backend)
             self._decoder.mlp(idx, attn.contiguous(), residual)
@@ -219,28 +221,28 @@ class FusedDecoder:
         return out
 
 
-def row_attention_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of a step as a decode row: (page table [T, max_pages] int32, seq_lens [T]
-    int32), row t seeing its own sequence's pages up to and including its position.
+def step_sequences(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's sequences in row order, decode rows first: (page table [B, max_pages],
+    seq_lens [B], query_lens [B]) int32, for the deterministic mode's tiled attention.
 
-        prefill sequence i, query_len q, seq_len L:  rows j = 0..q-1 see L - q + j + 1 tokens
-        decode row:                                   sees its seq_len, as in a decode step
+        decode row:                 query_len 1, its seq_len
+        prefill chunk i:            query_len q, seq_len L (rows at positions L - q .. L - 1)
 
-    Every prompt position then attends to the same stored (for FP8 / INT8: quantized) K/V by
-    the same kernel, in the same order, as it would alone, in another chunk or after a prefix
-    hit: the cost is a decode-style read of its context per prompt row."""
+    The tiled kernel reads every position, a chunk's own included, from the pages and reduces a
+    row in an order fixed by its position: a prompt position computes the same bits as it would
+    in any chunk, after a prefix hit, or as a decode step."""
     groups = [g for g in (meta.decode, meta.prefill) if g is not None]  # the rows' order
     width = max(g.page_table.shape[1] for g in groups)
-    tables, lens = [], []
-    for group in groups:
-        query_lens = group.query_lens.long()
-        seq = torch.repeat_interleave(torch.arange(group.num_seqs), query_lens)
-        starts = torch.cumsum(query_lens, 0) - query_lens
-        j = torch.arange(seq.numel()) - starts[seq]
-        lens.append((group.seq_lens.long() - query_lens)[seq] + j + 1)
-        table = group.page_table[seq]
-        tables.append(torch.nn.functional.pad(table, (0, width - table.shape[1])))
-    return torch.cat(tables).int().contiguous(), torch.cat(lens).int().contiguous()
+    tables = [
+        torch.nn.functional.pad(g.page_table, (0, width - g.page_table.shape[1])) for g in groups
+    ]
+    seq_lens = torch.cat([g.seq_lens for g in groups])
+    query_lens = torch.cat([g.query_lens for g in groups])
+    return (
+        torch.cat(tables).int().contiguous(),
+        seq_lens.int().contiguous(),
+        query_lens.int().contiguous(),
+    )
 
 
 def cache_key(kv_caches: list[LayerKVCache]) -> tuple[int, ...]:

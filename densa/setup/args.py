@@ -215,7 +215,9 @@ class EngineArgs:
     def resolved_max_model_len(self, arch: ArchConfig) -> int:
         limit = arch.max_position_embeddings  # sliding windows are attended as windows
         if self.max_model_len is None:
-            return min(limit, 4096)  # a longer default costs KV pages nobody asked for
+            # The trained context; the builder shortens it to what the KV budget holds
+            # (kv_sizing.fit_max_model_len), and the auto budget does not grow with it.
+            return limit
         if self.max_model_len > limit:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's context of {limit}"

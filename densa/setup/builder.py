@@ -24,7 +24,13 @@ from densa.model.kv_pages import allocate_kv_caches, page_bytes
 from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
 from densa.sched.stop import StopRule
 from densa.setup.args import EngineArgs, default_model_path
-from densa.setup.kv_sizing import KVBudget, draft_kv_page_bytes, is_relative, resolve_num_pages
+from densa.setup.kv_sizing import (
+    KVBudget,
+    draft_kv_page_bytes,
+    fit_max_model_len,
+    is_relative,
+    resolve_num_pages,
+)
 from densa.setup.loading import load_decode_model, load_static_kv_scales, load_tokenizer
 from densa.setup.memory_plan import check_memory
 from densa.setup.proposers import DraftTarget, build_proposer, streamed_weight_bytes
@@ -68,9 +74,10 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     config, arch, kv_format = source.config, source.arch, source.kv_format
     device = torch.device(config.device.device)
     static_scales = load_static_kv_scales(config.cache, kv_format, arch, device)  # fails fast
+    fit = args.max_model_len is None  # the trained context, shortened to what the KV holds
     # A fixed size is checked before the slow load; a share of free memory only after it.
-    sized = None if is_relative(config.cache) else _num_pages(config, arch, kv_format, device)
-    check_memory(config, source.model_dir, arch, kv_format)  # refuses what cannot fit
+    sized = None if is_relative(config.cache) else _num_pages(config, arch, kv_format, device, fit)
+    check_memory(config, source.model_dir, arch, kv_format, fit_context=fit)  # or refuses
     logger.info("loading the model %s", config.model.model)
     tokenizer = load_tokenizer(source.model_dir, arch.eos_token_ids)
     _release(tokenizer)  # before the weights arrive: the load's peak does not hold it either
@@ -80,8 +87,10 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         model_config.weight_format, model_config.head_format,
     )  # fmt: skip
     decode_model = load_decode_model(model_config, arch, source.model_dir, device)
-    num_pages, budget = sized or _num_pages(config, arch, kv_format, device)
+    num_pages, budget = sized or _num_pages(config, arch, kv_format, device, fit)
     config = config.sized(num_pages, tokenizer.eos_token_ids)
+    if fit:
+        config = _fitted_context(config)
     kv_caches = allocate_kv_caches(
         arch, num_pages, config.cache.page_size, kv_format.name, device, kv_format.fp8_policy,
         static_scales, config.cache.index_kv_dtype,
@@ -128,10 +137,36 @@ def locate_model(args: EngineArgs) -> ModelSource:
 
 
 def _num_pages(
-    config: EngineConfig, arch: ArchConfig, kv_format: KVFormat, device: torch.device
+    config: EngineConfig,
+    arch: ArchConfig,
+    kv_format: KVFormat,
+    device: torch.device,
+    fit: bool = False,
 ) -> tuple[int, KVBudget]:
     draft_page = draft_kv_page_bytes(config.speculative, config.cache.page_size, kv_format)
-    return resolve_num_pages(config.cache, config.scheduler, arch, kv_format, device, draft_page)
+    return resolve_num_pages(
+        config.cache, config.scheduler, arch, kv_format, device, draft_page, fit
+    )
+
+
+def _fitted_context(config: EngineConfig) -> EngineConfig:
+    """The default max_model_len: the model's trained context if one request of it fits in the
+    KV pages, else the most they hold (said in the log either way, as llama.cpp's --fit)."""
+    trained, cache = config.scheduler.max_model_len, config.cache
+    max_len = fit_max_model_len(trained, cache.num_pages, cache.page_size)
+    if max_len == trained:
+        logger.info("max_model_len %d: the model's trained context", trained)
+        return config
+    logger.warning(
+        "max_model_len %d: the most the KV cache holds (%d pages x %d tokens); the model's "
+        "trained context is %d: raise --kv-cache-memory for it, or set --max-model-len",
+        max_len, cache.num_pages, cache.page_size, trained,
+    )  # fmt: skip
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, max_model_len=max_len),
+        scheduler=dataclasses.replace(config.scheduler, max_model_len=max_len),
+    )
 
 
 def build_runner(

@@ -22,6 +22,20 @@ from densa.model.kv_pages import page_bytes
 from densa.spec.draft import draft_page_bytes
 from densa.utils.sizes import format_bytes
 
+# The auto budget sizes its requests at this many tokens (or max_model_len, if shorter): the
+# default max_model_len is the model's trained context (32k for Qwen2.5), and room for
+# max_num_seqs requests that long would take half the machine's memory for a length few
+# requests reach. It always holds one request of max_model_len.
+AUTO_KV_TOKENS_PER_SEQ = 4096
+
+
+def auto_kv_pages(scheduler: SchedulerConfig, page_size: int) -> int:
+    """Pages the auto budget wants: max_num_seqs requests of min(max_model_len, 4096) tokens,
+    and at least one request of max_model_len."""
+    max_len = scheduler.max_model_len
+    typical = -(-min(max_len, AUTO_KV_TOKENS_PER_SEQ) // page_size)
+    return max(scheduler.max_num_seqs * typical, -(-max_len // page_size))
+
 
 @dataclass(frozen=True)
 class KVBudget:
@@ -54,9 +68,12 @@ def kv_budget(
     if isinstance(budget, float):
         return KVBudget(int(free * budget), f"{budget:.0%} of {format_bytes(free)} free")
     max_len, max_num_seqs = scheduler.max_model_len, scheduler.max_num_seqs
-    wanted = max_num_seqs * -(-max_len // cache.page_size) * page
+    wanted = auto_kv_pages(scheduler, cache.page_size) * page
     cap = int(free * AUTO_KV_MAX_FRACTION)
-    reason = f"room for {max_num_seqs} requests x {max_len} tokens"
+    typical = min(max_len, AUTO_KV_TOKENS_PER_SEQ)
+    reason = f"room for {max_num_seqs} requests x {typical} tokens"
+    if typical < max_len:
+        reason += f" and one of {max_len}"
     if wanted > cap:
         reason += f", capped at {AUTO_KV_MAX_FRACTION:.0%} of {format_bytes(free)} free"
     return KVBudget(min(wanted, cap), reason)
@@ -80,11 +97,13 @@ def resolve_num_pages(
     kv_format: KVFormat,
     device: torch.device,
     draft_page: int = 0,
+    fit: bool = False,
 ) -> tuple[int, KVBudget]:
     """The target's KV pages. A draft model (`draft_page` bytes a page, see
     `draft_kv_page_bytes`) gets as many pages of its own, out of the same budget: a share of
     memory buys pages of (target + draft) bytes; an exact --num-kv-pages is the target's, the
-    draft's pages coming on top."""
+    draft's pages coming on top. `fit`: max_model_len was not given, so a budget that holds
+    fewer tokens than it is no error (`fit_max_model_len` shortens it), only one of no page."""
     budget = kv_budget(cache, scheduler, arch, kv_format, device)
     target_page = page_bytes(
         arch, cache.page_size, kv_format.name, kv_format.fp8_policy, cache.index_kv_dtype
@@ -98,7 +117,7 @@ def resolve_num_pages(
             budget, reason=f"{budget.reason}; a draft model takes {format_bytes(draft_page)}/page"
         )
     max_len = scheduler.max_model_len
-    needed = -(-max_len // cache.page_size)
+    needed = 1 if fit else -(-max_len // cache.page_size)
     if num_pages < needed:
         raise ModelLoadError(
             f"the KV cache budget ({format_bytes(budget.num_bytes)}, {budget.reason}) holds "
@@ -115,3 +134,9 @@ def draft_kv_page_bytes(
     if speculative is None or speculative.method not in DRAFT_METHODS or not speculative.model:
         return 0
     return draft_page_bytes(speculative.model, page_size, kv_format.name)
+
+
+def fit_max_model_len(max_len: int, num_pages: int, page_size: int) -> int:
+    """max_model_len as the default chooses it (like llama.cpp's --fit): the model's trained
+    context `max_len` where one request of it fits in the KV pages, else the most they hold."""
+    return min(max_len, num_pages * page_size)

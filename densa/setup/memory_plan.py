@@ -40,6 +40,7 @@ from densa.config import (
 )
 from densa.formats.kv_format import KVFormat
 from densa.kernels.cpu import native, qgemm
+from densa.kernels.cpu.prefill_attention import KEY_BLOCK
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.checkpoint_files import read_stored_format, safetensors_files
 from densa.model.gguf import GGUFFile
@@ -63,7 +64,7 @@ from densa.model.runtime_weights import (
     runtime_request,
     swap_quantized,
 )
-from densa.setup.kv_sizing import is_relative
+from densa.setup.kv_sizing import auto_kv_pages, is_relative
 from densa.utils.sizes import format_bytes
 
 # What a serving process grows by besides weights, KV pages and activations: the mmapped GGUF
@@ -226,8 +227,7 @@ def planned_kv_bytes(
     if isinstance(budget, int):
         return budget // page * page
     share = budget if isinstance(budget, float) else AUTO_KV_MAX_FRACTION
-    max_len = scheduler.max_model_len
-    wanted = scheduler.max_num_seqs * -(-max_len // cache.page_size) * page
+    wanted = auto_kv_pages(scheduler, cache.page_size) * page
     cap = int(max(free_after, 0) * share)
     return (cap if isinstance(budget, float) else min(wanted, cap)) // page * page
 
@@ -235,20 +235,29 @@ def planned_kv_bytes(
 def activation_bytes(scheduler: SchedulerConfig, arch: ArchConfig) -> int:
     """An allowance for one step's float32 activations: per batched token the residual stream,
     its norm, attention output and projections (8 x hidden), q|k|v, the gate|up product and
-    its activation (3 x intermediate); prefill attention scores if materialized (heads x
-    tokens x max_len); logits, their softmax and the sampler's sorted copy per request."""
+    its activation (3 x intermediate); prefill attention's scores, tiled over the context
+    (kernels/cpu/prefill_attention.py: at most heads x tokens x KEY_BLOCK keys at once, the
+    torch fallback's block; the C++ kernel's tiles are smaller), and the step's boolean mask
+    (tokens x max_len bytes); logits, their softmax and the sampler's sorted copy per request."""
     tokens, max_len = scheduler.max_num_batched_tokens, scheduler.max_model_len
     qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
     per_token = 8 * arch.hidden_size + 3 * arch.intermediate_size + qkv
-    scores = arch.num_heads * tokens * max_len
+    scores = arch.num_heads * tokens * min(max_len, KEY_BLOCK) + tokens * max_len // _FLOAT32
     logits = 3 * scheduler.max_num_seqs * arch.vocab_size
     return _FLOAT32 * (tokens * per_token + scores + logits)
 
 
 def plan_memory(
-    config: EngineConfig, model_dir: Path, arch: ArchConfig, kv_format: KVFormat, available: int
+    config: EngineConfig,
+    model_dir: Path,
+    arch: ArchConfig,
+    kv_format: KVFormat,
+    available: int,
+    fit_context: bool = False,
 ) -> MemoryPlan:
-    """What serving `model_dir` with this config needs at its peak."""
+    """What serving `model_dir` with this config needs at its peak. `fit_context`: the
+    default max_model_len, shortened to what the budget holds, so one request of the model's
+    whole context is no floor on the KV cache."""
     weights = plan_all_weights(config.model, model_dir, arch, torch.device(config.device.device))
     host_tier = host_tier_bytes(config.tiers.specs)
     free_after = available - weights.resident_bytes - RUNTIME_ALLOWANCE - host_tier
@@ -257,7 +266,8 @@ def plan_memory(
         arch, config.cache.page_size, kv_format.name, kv_format.fp8_policy,
         config.cache.index_kv_dtype,
     )  # fmt: skip
-    kv = max(kv, _one_request_bytes(config, page))  # less fails after the load
+    if not fit_context:
+        kv = max(kv, _one_request_bytes(config, page))  # less fails after the load
     return MemoryPlan(weights, kv, activation_bytes(config.scheduler, arch),
                       host_tier_bytes=host_tier)  # fmt: skip
 
@@ -323,6 +333,7 @@ def check_memory(
     arch: ArchConfig,
     kv_format: KVFormat,
     available: Callable[[], Available] = available_memory,
+    fit_context: bool = False,
 ) -> MemoryPlan | None:
     """Refuse (ModelLoadError, one line) before loading when the plan cannot fit; the plan
     otherwise (None when skipped: --skip-memory-check, DENSA_SKIP_MEMORY_CHECK=1, not a CPU)."""
@@ -330,7 +341,7 @@ def check_memory(
     if skip or config.device.device != "cpu":
         return None
     free = available()
-    plan = plan_memory(config, model_dir, arch, kv_format, free.num_bytes)
+    plan = plan_memory(config, model_dir, arch, kv_format, free.num_bytes, fit_context)
     if plan.needed_bytes > free.num_bytes:
         fits = "; ".join(would_fit(config, model_dir, arch, kv_format, plan, free))
         raise ModelLoadError(

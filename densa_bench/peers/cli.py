@@ -25,10 +25,13 @@ def add_peers_parser(benchmarks: argparse._SubParsersAction) -> None:
     g = parser.add_argument_group("benchmark")
     g.add_argument("--peers", nargs="+", default=list(DEFAULT_PEERS), choices=list(PEERS))
     g.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    g.add_argument("--prompt-len", type=int, default=300, help="prompt tokens per request")
+    g.add_argument("--prompt-len", type=int, nargs="+", default=[300],
+                   help="prompt tokens per request; several lengths run interleaved")  # fmt: skip
     g.add_argument("--output-len", type=int, default=64, help="output tokens (EOS ignored)")
     g.add_argument("--repeats", type=int, default=2)
     g.add_argument("--warmup", type=int, default=1)
+    g.add_argument("--wave-timeout", type=float, default=1800.0,
+                   help="seconds a wave may take (a 32k prefill takes minutes here)")  # fmt: skip
     g.add_argument("--prompt-seed", type=int, default=0)
     g.add_argument("--threads", type=int, default=None, help="per server (default: all CPUs)")
     g.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2)")
@@ -58,10 +61,13 @@ def _peers(ns: argparse.Namespace) -> int:
     from densa_bench.peers.specs import PeerContext, build_specs
 
     try:
+        lengths = tuple(ns.prompt_len)
         settings = PeersSettings(
-            concurrency=tuple(ns.concurrency), prompt_len=ns.prompt_len,
+            concurrency=tuple(ns.concurrency), prompt_len=lengths[0],
+            prompt_lens=lengths if len(lengths) > 1 else (),
             output_len=ns.output_len, repeats=ns.repeats, warmup=ns.warmup,
             prompt_seed=ns.prompt_seed, threads=ns.threads or usable_cpus(),
+            wave_timeout_s=ns.wave_timeout,
         )  # fmt: skip
         gguf = Path(resolve_model_arg(ns.model) if ns.model else default_model_path())
         hf_dir = resolve_model_dir(str(gguf))
@@ -69,7 +75,7 @@ def _peers(ns: argparse.Namespace) -> int:
             gguf=gguf, hf_dir=hf_dir,
             llama_server=find_llama_server(ns.llama_server), threads=settings.threads,
             max_concurrency=max(settings.concurrency),
-            context_len=settings.prompt_len + settings.output_len + 64,
+            context_len=max(settings.lengths) + settings.output_len + 64,
             output_len=settings.output_len,
         )  # fmt: skip
         specs = build_specs(ns.peers, ctx)

@@ -24,6 +24,9 @@ NOTES = [
     "Peak RSS: the sum of the server processes' high-water marks during the wave (densa: HTTP "
     "front + engine process; reset before each wave).",
     "Ratios are taken per repetition between adjacent, interleaved waves, then summarized.",
+    "With several prompt lengths, each length is its own rows (`prompt`: the length asked for; "
+    "`prompt tokens`, what the server counted). At long prompts TTFT is the prefill of the "
+    "whole prompt and TPOT is decode attending to all of it.",
     "The machine is shared: each raw sample records the 1-minute load average before and after "
     "its wave; a load above the core count means other work competed for the cores.",
 ]
@@ -39,6 +42,8 @@ class Goal:
     versus: str  # the peer's engine
     target: float
     at_most: bool = False  # met when the ratio is <= target (memory), not >= (speed)
+    # The prompt length it is stated at; 0: the run's shortest, if short (< 4096 tokens).
+    prompt_len: int = 0
 
     def met(self, ratio: float) -> bool:
         return ratio <= self.target if self.at_most else ratio >= self.target
@@ -51,13 +56,18 @@ GOALS = [  # issue 15 (the bundled model) and issue 21 (the real 1.5B: prefill a
     Goal("peak RSS (largest c) vs llama.cpp", "peak_rss_bytes", 0, "llama.cpp", 1.2, at_most=True),
     Goal("c=32 output tok/s vs transformers", "output_tok_s", 32, "transformers", 3.0),
     Goal("prefill tok/s (c=1) vs transformers", "prefill_tok_s", 1, "transformers", 1.5),
+    # Issue 38: speed at length.
+    Goal("prefill at 16k (c=1) vs llama.cpp", "prefill_tok_s", 1, "llama.cpp", 1.5, False, 16384),
+    Goal("prefill at 32k (c=1) vs llama.cpp", "prefill_tok_s", 1, "llama.cpp", 1.5, False, 32768),
+    Goal("decode at 32k (c=1) vs llama.cpp", "decode_tok_s", 1, "llama.cpp", 1.2, False, 32768),
 ]
+SHORT_PROMPT = 4096  # goals stated without a length apply to runs of shorter prompts
 
 
 def build_report(
     waves: list[PeerWave], peers: dict[str, dict[str, Any]], settings: dict[str, Any]
 ) -> BenchReport:
-    groups = _group([w.wave for w in waves])
+    groups = _group(waves)
     summary = [_summarize(key, group) for key, group in groups.items()]
     ratios = _ratios(groups, peers)
     goals = _goals(summary, peers)
@@ -75,16 +85,21 @@ def build_report(
     return report
 
 
-def _group(waves: list[Wave]) -> dict[tuple[str, int], list[Wave]]:
-    groups: dict[tuple[str, int], list[Wave]] = defaultdict(list)
-    for wave in waves:
-        groups[(wave.engine, wave.concurrency)].append(wave)
+Key = tuple[str, int, int]  # (peer, prompt length asked for, concurrency)
+
+
+def _group(waves: list[PeerWave]) -> dict[Key, list[Wave]]:
+    groups: dict[Key, list[Wave]] = defaultdict(list)
+    for w in waves:
+        groups[(w.wave.engine, w.target_len or w.wave.prompt_len, w.wave.concurrency)].append(
+            w.wave
+        )
     return dict(groups)
 
 
 # ---- numbers ---------------------------------------------------------------------------------
-def _summarize(key: tuple[str, int], waves: list[Wave]) -> dict[str, Any]:
-    peer, concurrency = key
+def _summarize(key: Key, waves: list[Wave]) -> dict[str, Any]:
+    peer, length, concurrency = key
     requests = [r for w in waves for r in w.requests]
     ttft = [r.ttft_s for r in requests]
     tpot = [r.tpot_s for r in requests if r.tpot_s is not None]
@@ -93,6 +108,7 @@ def _summarize(key: tuple[str, int], waves: list[Wave]) -> dict[str, Any]:
     return {
         "kind": "peer",
         "peer": peer,
+        "prompt_len": length,
         "concurrency": concurrency,
         "repeats": len(waves),
         "prompt_tokens": prompt_len,
@@ -107,15 +123,15 @@ def _summarize(key: tuple[str, int], waves: list[Wave]) -> dict[str, Any]:
 
 
 def _ratios(
-    groups: dict[tuple[str, int], list[Wave]], peers: dict[str, dict[str, Any]]
+    groups: dict[Key, list[Wave]], peers: dict[str, dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """Each densa peer's output tok/s over every other engine's, paired by repetition."""
     rows = []
-    for (name, concurrency), waves in sorted(groups.items(), key=lambda kv: kv[0][1]):
+    for (name, length, concurrency), waves in sorted(groups.items(), key=lambda kv: kv[0][1:]):
         if peers[name]["engine"] != "densa":
             continue
         for other, info in peers.items():
-            other_waves = groups.get((other, concurrency))
+            other_waves = groups.get((other, length, concurrency))
             if info["engine"] == "densa" or not other_waves:
                 continue
             by_repeat = {w.repeat_idx: w for w in other_waves}
@@ -129,6 +145,7 @@ def _ratios(
                     "kind": "ratio",
                     "peer": name,
                     "versus": other,
+                    "prompt_len": length,
                     "concurrency": concurrency,
                     "output_tok_s_ratio": spread(values),
                 }
@@ -137,17 +154,20 @@ def _ratios(
 
 
 def _goals(summary: list[dict[str, Any]], peers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = {(r["peer"], r["concurrency"]): r for r in summary}
+    rows = {(r["peer"], r.get("prompt_len", 0), r["concurrency"]): r for r in summary}
     largest = max((r["concurrency"] for r in summary), default=0)
+    shortest = min((r.get("prompt_len", 0) for r in summary), default=0)
     out = []
     for goal in GOALS:
+        length = goal.prompt_len or (shortest if shortest < SHORT_PROMPT else -1)
         others = [n for n, info in peers.items() if info["engine"] == goal.versus]
         for name, info in peers.items():
             if info["engine"] != "densa":
                 continue
             for other in others:
                 concurrency = goal.concurrency or largest
-                mine, theirs = rows.get((name, concurrency)), rows.get((other, concurrency))
+                mine = rows.get((name, length, concurrency))
+                theirs = rows.get((other, length, concurrency))
                 if mine is None or theirs is None:
                     continue
                 ratio = _metric(mine, goal.metric) / _metric(theirs, goal.metric)
@@ -175,6 +195,7 @@ def _sample(peer_wave: PeerWave) -> dict[str, Any]:
     wave = peer_wave.wave
     return {
         "peer": wave.engine,
+        "prompt_len": peer_wave.target_len or wave.prompt_len,
         "concurrency": wave.concurrency,
         "repeat_idx": wave.repeat_idx,
         "wall_s": wave.wall_s,
@@ -206,12 +227,13 @@ def _peer_table(peers: dict[str, dict[str, Any]]) -> Table:
 
 def _main_table(summary: list[dict[str, Any]]) -> Table:
     columns = [
-        "peer", "c", "output tok/s", "TTFT ms p50", "TTFT p95", "TPOT ms p50", "TPOT p95",
-        "ITL ms p50", "ITL p95", "peak RSS",
+        "peer", "prompt", "c", "output tok/s", "TTFT ms p50", "TTFT p95", "TPOT ms p50",
+        "TPOT p95", "ITL ms p50", "ITL p95", "prefill tok/s", "peak RSS",
     ]  # fmt: skip
     rows = [
         [
             row["peer"],
+            str(row["prompt_len"]),
             str(row["concurrency"]),
             format_spread(row["output_tok_s"]),
             _ms(row["ttft_s"], "median"),
@@ -220,19 +242,21 @@ def _main_table(summary: list[dict[str, Any]]) -> Table:
             _ms(row["tpot_s"], "p95"),
             _ms(row["itl_s"], "median"),
             _ms(row["itl_s"], "p95"),
+            f"{row['prefill_tok_s']:.1f}",
             format_bytes(row["peak_rss_bytes"]),
         ]
-        for row in sorted(summary, key=lambda r: (r["concurrency"], r["peer"]))
+        for row in sorted(summary, key=lambda r: (r["prompt_len"], r["concurrency"], r["peer"]))
     ]
     return Table("Throughput and latency (median (min..max) over repetitions)", columns, rows)
 
 
 def _ratio_table(ratios: list[dict[str, Any]]) -> Table:
     rows = [
-        [r["peer"], r["versus"], str(r["concurrency"]), format_spread(r["output_tok_s_ratio"], 2)]
+        [r["peer"], r["versus"], str(r["prompt_len"]), str(r["concurrency"]),
+         format_spread(r["output_tok_s_ratio"], 2)]
         for r in ratios
-    ]
-    columns = ["densa peer", "versus", "c", "output tok/s ratio"]
+    ]  # fmt: skip
+    columns = ["densa peer", "versus", "prompt", "c", "output tok/s ratio"]
     return Table("Output tokens/s ratios (per repetition)", columns, rows)
 
 
@@ -243,11 +267,13 @@ def _goal_table(goals: list[dict[str, Any]]) -> Table:
         for g in goals
     ]  # fmt: skip
     return Table(
-        "Goals (issues 15, 21)", ["goal", "densa peer", "versus", "ratio", "target", ""], rows
+        "Goals (issues 15, 21, 38)", ["goal", "densa peer", "versus", "ratio", "target", ""], rows
     )
 
 
 def _plots(summary: list[dict[str, Any]]) -> list[LinePlot]:
+    if len({r["prompt_len"] for r in summary}) > 1:
+        return _length_plots(summary)
     by_peer: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in sorted(summary, key=lambda r: (r["peer"], r["concurrency"])):
         by_peer[row["peer"]].append(row)
@@ -274,4 +300,28 @@ def _plots(summary: list[dict[str, Any]]) -> list[LinePlot]:
         ]
         plots.append(LinePlot(metric, f"{title} vs concurrency", "concurrency",
                               title.split()[-1] + " (ms)", series, log_x=True))  # fmt: skip
+    return plots
+
+
+def _length_plots(summary: list[dict[str, Any]]) -> list[LinePlot]:
+    """Several prompt lengths: TTFT, prefill tok/s and TPOT against the length, at the lowest
+    concurrency each peer ran."""
+    lowest = min(r["concurrency"] for r in summary)
+    by_peer: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in sorted(summary, key=lambda r: (r["peer"], r["prompt_len"])):
+        if row["concurrency"] == lowest:
+            by_peer[row["peer"]].append(row)
+    metrics = [
+        ("ttft_by_length", "TTFT (s)", lambda r: r["ttft_s"]["median"]),
+        ("prefill_by_length", "prefill tokens/s", lambda r: r["prefill_tok_s"]),
+        ("tpot_by_length", "TPOT (ms)", lambda r: r["tpot_s"]["median"] * 1000),
+    ]
+    plots = []
+    for name, y_label, value in metrics:
+        series = [
+            Series(peer, [r["prompt_len"] for r in rows], [value(r) for r in rows])
+            for peer, rows in by_peer.items()
+        ]
+        title = f"{y_label.split(' (')[0]} vs prompt length (c={lowest})"
+        plots.append(LinePlot(name, title, "prompt tokens", y_label, series, log_x=True))
     return plots

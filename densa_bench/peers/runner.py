@@ -7,7 +7,9 @@ tokens each. Waves run interleaved (peer A c=1, peer B c=1, ..., A c=8, ...; the
 repetition), so slow drift of a shared machine falls on every peer alike.
 
 Prompts are real English (LAMBADA passages, distinct per request and wave, cut to ~prompt_len
-tokens): no two requests share a prefix, so no server's prompt cache can help.
+tokens): no two requests share a prefix, so no server's prompt cache can help. Several prompt
+lengths (`--prompt-len 8192 16384 32768`) run as one more interleaved dimension: length, then
+concurrency, then peer.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class PeersSettings:
     concurrency: tuple[int, ...] = (1, 8, 32, 64)
     prompt_len: int = 300
     output_len: int = 64
+    # Several prompt lengths in one run (the first is prompt_len); empty: prompt_len only.
+    prompt_lens: tuple[int, ...] = ()
     repeats: int = 2
     warmup: int = 1  # untimed waves per peer at the highest concurrency before timing
     prompt_seed: int = 0
@@ -44,10 +48,15 @@ class PeersSettings:
     def __post_init__(self) -> None:
         if not self.concurrency or min(self.concurrency) < 1:
             raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
-        if self.prompt_len < 8 or self.output_len < 2:
+        if min(self.lengths) < 8 or self.output_len < 2:
             raise ValueError("--prompt-len must be >= 8 and --output-len >= 2")
         if self.repeats < 1 or self.warmup < 0 or self.threads < 1:
             raise ValueError("--repeats and --threads must be >= 1, --warmup >= 0")
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """The prompt lengths the run measures, in order."""
+        return self.prompt_lens or (self.prompt_len,)
 
 
 class PromptMaker:
@@ -69,15 +78,15 @@ class PromptMaker:
         self.passages, self.encode, self.decode = list(passages), encode, decode
         self.settings = settings
 
-    def prompts(self, count: int, wave_key: str) -> list[str]:
+    def prompts(self, count: int, wave_key: str, length: int | None = None) -> list[str]:
         rng = random.Random(f"{self.settings.prompt_seed}/{wave_key}")
-        return [self._one(rng) for _ in range(count)]
+        return [self._one(rng, length or self.settings.prompt_len) for _ in range(count)]
 
-    def _one(self, rng: random.Random) -> str:
+    def _one(self, rng: random.Random, length: int) -> str:
         token_ids: list[int] = []
-        while len(token_ids) < self.settings.prompt_len:
+        while len(token_ids) < length:
             token_ids += self.encode(rng.choice(self.passages) + "\n\n")
-        return self.decode(token_ids[: self.settings.prompt_len])
+        return self.decode(token_ids[:length])
 
 
 @dataclass
@@ -88,6 +97,7 @@ class PeerWave:
     requests: list[StreamedRequest]
     failed_attempts: list[str]  # errors of attempts before the one that counted (see timed_wave)
     load_average: tuple[float, float]  # 1-minute load average before and after: machine noise
+    target_len: int = 0  # the prompt length asked for (the wave's prompt_len is what was sent)
 
 
 def run_peers(
@@ -113,7 +123,8 @@ def run_peers(
 def _warm_up(servers: list[PeerServer], settings: PeersSettings, prompts: PromptMaker) -> None:
     concurrency = max(settings.concurrency)
     for warmup_idx in range(settings.warmup):
-        batch = prompts.prompts(concurrency, f"warmup{warmup_idx}")
+        # The shortest length warms every code path; a long one would cost minutes per peer.
+        batch = prompts.prompts(concurrency, f"warmup{warmup_idx}", min(settings.lengths))
         for server in servers:
             logger.info("warm-up %d: %s c=%d", warmup_idx + 1, server.spec.name, concurrency)
             run_wave(server.endpoint, batch, settings.output_len, settings.wave_timeout_s)
@@ -122,16 +133,22 @@ def _warm_up(servers: list[PeerServer], settings: PeersSettings, prompts: Prompt
 def _timed_waves(
     servers: list[PeerServer], settings: PeersSettings, prompts: PromptMaker
 ) -> list[PeerWave]:
-    variants = [(c, server) for c in settings.concurrency for server in servers]
+    variants = [
+        (n, c, server) for n in settings.lengths for c in settings.concurrency for server in servers
+    ]
     schedule = interleave(variants, settings.repeats)
     waves = []
     with progress(len(schedule), "bench peers") as bar:
-        for repeat_idx, (concurrency, server) in schedule:
-            label = f"{server.spec.name} c={concurrency} rep {repeat_idx + 1}"
+        for repeat_idx, (length, concurrency, server) in schedule:
+            label = f"{server.spec.name} p={length} c={concurrency} rep {repeat_idx + 1}"
             bar.set_postfix_str(label)
-            # The same key gives every peer the same prompts within a repetition.
-            batch = prompts.prompts(concurrency, f"c{concurrency}-r{repeat_idx}")
-            waves.append(timed_wave(server, batch, settings, repeat_idx))
+            # The same key gives every peer the same prompts within a repetition (the single-
+            # length key is the one earlier runs used).
+            key = f"c{concurrency}-r{repeat_idx}"
+            if len(settings.lengths) > 1:
+                key = f"p{length}-{key}"
+            batch = prompts.prompts(concurrency, key, length)
+            waves.append(timed_wave(server, batch, settings, repeat_idx, length))
             bar.update()
             logger.info(
                 "[%d/%d] %s: %.1f output tok/s in %.2f s",
@@ -145,7 +162,11 @@ def _timed_waves(
 
 
 def timed_wave(
-    server: PeerServer, batch: list[str], settings: PeersSettings, repeat_idx: int
+    server: PeerServer,
+    batch: list[str],
+    settings: PeersSettings,
+    repeat_idx: int,
+    target_len: int = 0,
 ) -> PeerWave:
     """One wave through the OpenAI client; every request must report output_len tokens.
 
@@ -187,7 +208,8 @@ def timed_wave(
         start_rss_bytes=start_rss,
         engine_stats={},
     )
-    return PeerWave(wave, requests, failures, (load_before, _load_average()))
+    load = (load_before, _load_average())
+    return PeerWave(wave, requests, failures, load, target_len or settings.prompt_len)
 
 
 def _load_average() -> float:

@@ -179,3 +179,32 @@ def test_the_memory_goal_is_met_below_its_ratio_at_the_largest_concurrency() -> 
     assert goals["prefill tok/s (c=1) vs llama.cpp"]["met"]
     summary[2] = row("d", 64, 110, 1.0)
     assert next(g for g in _goals(summary, peers) if g["goal"].startswith("peak RSS"))["met"]
+
+
+def test_several_prompt_lengths_interleave_and_report_per_length(tmp_path: Path) -> None:
+    settings = PeersSettings(concurrency=(1,), prompt_len=8, prompt_lens=(8, 16), output_len=4,
+                             repeats=1, warmup=0)  # fmt: skip
+    specs = [
+        _fake("densa fake", "densa", "--token-delay", "0.002"),
+        _fake("llama fake", "llama.cpp", "--token-delay", "0.004"),
+    ]
+    waves, peers = run_peers(specs, settings, _prompts(settings), tmp_path / "logs")
+    order = [(w.wave.engine, w.target_len) for w in waves]
+    assert order == [("densa fake", 8), ("llama fake", 8), ("densa fake", 16), ("llama fake", 16)]
+    assert [w.wave.prompt_len for w in waves] == [8, 8, 16, 16]
+    report = build_report(waves, peers, {"what": "test"})
+    rows = [r for r in report.summary if r["kind"] == "peer"]
+    assert sorted((r["peer"], r["prompt_len"]) for r in rows) == [
+        ("densa fake", 8), ("densa fake", 16), ("llama fake", 8), ("llama fake", 16),
+    ]  # fmt: skip
+    ratios = [r for r in report.summary if r["kind"] == "ratio"]
+    assert sorted(r["prompt_len"] for r in ratios) == [8, 16]
+    # The short-prompt goals apply to the shortest length; none is stated at 8 or 16 tokens.
+    goals = {g["goal"] for g in report.summary if g["kind"] == "goal"}
+    assert "c=1 decode tok/s vs llama.cpp" in goals
+    assert not any("32k" in g for g in goals)
+    assert {p.name for p in report.plots} == {
+        "ttft_by_length",
+        "prefill_by_length",
+        "tpot_by_length",
+    }

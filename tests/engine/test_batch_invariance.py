@@ -3,9 +3,10 @@ alone and inside batches of 2..32 requests, for every weight and KV format the C
 
 In a batch the request's prompt shares its prefill step with other prompts, and its decode
 steps with other decodes and with prompts that arrive while it decodes (mixed steps). Its prompt
-is first in the queue, so it is one chunk in every run: where a prompt's chunks end is part of
-what it computes (docs/architecture.md, "Batch invariance"; the xfail below). Prefix caching
-is off: a hit reads the prompt back from quantized pages.
+is first in the queue, so it is one chunk in every run: with FP8 / INT8 pages where a prompt's
+chunks end is part of what it computes (a chunk reads itself unquantized; docs/architecture.md,
+"Batch invariance"); with float32 / bf16 pages it is not (tested below). Prefix caching is off:
+a hit reads the prompt back from quantized pages.
 
 The model is a tiny Llama with one KV head, so that on 2 threads decode splits the request's
 long context into parts (the C++ step from 256 tokens, the Numba kernel from 512), as it would
@@ -161,16 +162,11 @@ def test_alone_and_in_batches_of_2_to_32(weights: str, kv: str, one_kv_head_dir:
     _assert_invariant(_engine(one_kv_head_dir, weights, kv), [2, 3, 17, 32])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a known limit: prefill attention is torch's SDPA, whose GEMMs round a row "
-    "differently in a chunk of another length (docs/architecture.md, 'Batch invariance')",
-)
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
 def test_a_prompt_cut_differently_computes_the_same(kv: str, one_kv_head_dir: Path) -> None:
-    """A prompt cut into other chunks (prompts queued ahead of it take the step's budget) would
-    get the same tokens if prefill attention reduced each row in a fixed order; with
-    unquantized pages nothing else depends on where its chunks end."""
+    """A prompt cut into other chunks (prompts queued ahead of it take the step's budget) gets
+    the same tokens and logprobs: the tiled prefill attention reduces each row in an order fixed
+    by its position, and with unquantized pages nothing else depends on where its chunks end."""
     engine = _engine(one_kv_head_dir, "dense", kv)
     alone = _generate(engine, [])
     behind = _generate(engine, _others(17), num_ahead=4)

@@ -3,10 +3,10 @@ its steps, however its prompt is cut into chunks, and whether its prompt was fou
 prefix cache (in full, in part, or not at all), for every weight and KV format the mode runs.
 
 Default mode is batch-invariant (tests/engine/test_batch_invariance.py) but not chunk- or
-cache-invariant: prefill attention is torch's SDPA, which rounds a row differently in a chunk
-of another length, and on FP8 / INT8 pages a chunk attends to itself unquantized while a prefix
-hit reads the prompt back quantized (the first test shows both). In deterministic mode every
-row attends as a decode row at its position does (model/fused_decode.py row_attention_inputs).
+cache-invariant on FP8 / INT8 pages: a chunk attends to itself unquantized while a prefix hit
+reads the prompt back quantized, so where chunks end changes what a row reads (the first test
+shows both). In deterministic mode every row, prefill or decode, attends through the tiled
+kernel reading every position from the pages (model/fused_decode.py step_sequences).
 """
 
 from __future__ import annotations
@@ -118,6 +118,19 @@ def test_the_same_bits_whatever_the_batch_chunks_and_cache(
     partial_hit = _run(one_chunk, PARTLY_SHARED)
     assert alone.num_cached_tokens == 0 and partial_hit.num_cached_tokens == SHARED_LEN // 16 * 16
     assert _same(alone, partial_hit)
+
+
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_a_generated_token_computes_as_the_same_prompt_row(tiny_dir: Path, kv: str) -> None:
+    """A session's next turn reads its earlier answer as prompt: the answer's tokens, computed
+    by decode steps, must compute the same bits as prompt rows (cold, in one chunk)."""
+    engine = _engine(tiny_dir, "dense", kv, 512, deterministic=True)
+    first = _run(engine, PROMPT)
+    cold = _engine(tiny_dir, "dense", kv, 512, deterministic=True)
+    replay = _run(cold, PROMPT + first.token_ids[:5])  # rows 300..304 as one prefill chunk
+    assert replay.num_cached_tokens == 0
+    assert replay.token_ids[:5] == first.token_ids[5:10]
+    assert replay.logprobs[:5] == first.logprobs[5:10]
 
 
 @pytest.mark.parametrize("forced_isa", ["avx2"], indirect=True)

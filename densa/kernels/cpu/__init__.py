@@ -3,7 +3,7 @@ extension (csrc/, compiled once per machine and loaded by native.py; `python -m
 densa.kernels.cpu.native` builds it ahead of time, as scripts/setup.sh does).
 
     paged decode attention   paged_attention.paged_decode_attention (one fused Numba kernel)
-    prefill attention        prefill_attention.paged_prefill_attention (gather + one SDPA)
+    prefill attention        prefill_attention.paged_prefill_attention (tiled over pages, C++)
     KV store                 kv_store.store_kv (fused Numba FP8 store; torch for other formats)
     quantized linear         int4_linear.cpu_int4_linear, fp8_linear.fp8_linear,
                              qgemm.quantized_linear (w4a8, w5a8, w5ma8, w6a8, w6ma8, w8a8,

@@ -31,10 +31,23 @@ from densa.utils.logging import get_logger
 logger = get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [
-    CSRC / name for name in ("module.cpp", "qgemm.cpp", "fp4gemm.cpp", "w8float.cpp", "decoder.cpp")
-]
-HEADERS = [CSRC / name for name in ("qgemm.h", "decoder.h", "vec.h")]
+_SOURCE_NAMES = (
+    "module.cpp",
+    "qgemm.cpp",
+    "fp4gemm.cpp",
+    "w8float.cpp",
+    "decoder.cpp",
+    "prefill_attention.cpp",
+)
+_HEADER_NAMES = (
+    "qgemm.h",
+    "decoder.h",
+    "vec.h",
+    "prefill_attention.h",
+    "prefill_attention_body.inc",
+)
+SOURCES = [CSRC / name for name in _SOURCE_NAMES]
+HEADERS = [CSRC / name for name in _HEADER_NAMES]
 CACHE_ROOT = Path(os.environ.get("DENSA_EXTENSIONS_DIR", "~/.cache/densa/extensions")).expanduser()
 ISAS = ("avx512_vnni", "avx2")
 

@@ -24,6 +24,7 @@
 #include <limits>
 #include <vector>
 
+#include "prefill_attention.h"
 #include "vec.h"
 
 namespace densa {
@@ -177,32 +178,45 @@ void attend_range(const Config& cfg, const KVSide& k, const KVSide& v, const int
     out.sum[g] = 0.f;
     std::fill(out.acc + g * d, out.acc + (g + 1) * d, 0.f);
   }
+  alignas(64) float alpha[kMaxGroup];
+  alignas(64) float k_scales[kBlockTokens], v_scales[kBlockTokens];
+  alignas(64) uint16_t k_halves[kBlockTokens], v_halves[kBlockTokens];
+  int64_t rows[kBlockTokens];
   const int64_t elem = k.dtype == kKvF32 ? 4 : (k.dtype == kKvBf16 ? 2 : 1);
-  auto row_scale = [](const KVSide& side, int64_t row) {
-    if (side.row_scales != nullptr) return half_to_float(side.row_scales[row]);
-    return side.exponents ? std::ldexp(1.f, side.exponents[row]) : side.static_scale;
+  // The block's row scales: fp16 (INT8 pages) widened together, fp8 exponents as powers of two.
+  auto block_scales = [&](const KVSide& side, int n, uint16_t* halves, float* out) {
+    if (side.row_scales != nullptr) {
+      for (int j = 0; j < n; ++j) halves[j] = side.row_scales[rows[j]];
+      Ops::halves_to_float(halves, n, out);
+    } else {
+      for (int j = 0; j < n; ++j)
+        out[j] = side.exponents ? std::ldexp(1.f, side.exponents[rows[j]]) : side.static_scale;
+    }
   };
   for (int64_t b0 = t0; b0 < t1; b0 += kBlockTokens) {
     const int n = static_cast<int>(std::min<int64_t>(kBlockTokens, t1 - b0));
     for (int j = 0; j < n; ++j) {
       const int64_t t = b0 + j, page = page_row[t / k.page_size], slot = t % k.page_size;
-      const int64_t row = (page * k.num_kv_heads + head) * k.page_size + slot;
-      const float ks = row_scale(k, row), vs = row_scale(v, row);
-      Ops::widen(static_cast<const uint8_t*>(k.data) + row * d * elem, k.dtype, d, ks, fp8_table,
-                 kbuf + j * d);
-      Ops::widen(static_cast<const uint8_t*>(v.data) + row * d * elem, v.dtype, d, vs, fp8_table,
-                 vbuf + j * d);
+      rows[j] = (page * k.num_kv_heads + head) * k.page_size + slot;
+    }
+    block_scales(k, n, k_halves, k_scales);
+    block_scales(v, n, v_halves, v_scales);
+    for (int j = 0; j < n; ++j) {
+      Ops::widen(static_cast<const uint8_t*>(k.data) + rows[j] * d * elem, k.dtype, d,
+                 k_scales[j], fp8_table, kbuf + j * d);
+      Ops::widen(static_cast<const uint8_t*>(v.data) + rows[j] * d * elem, v.dtype, d,
+                 v_scales[j], fp8_table, vbuf + j * d);
     }
     Ops::scores(q, g_count, d, kbuf, n, s, kBlockTokens);
     for (int g = 0; g < g_count; ++g) {
       float block_max = out.max[g];
       for (int j = 0; j < n; ++j) block_max = std::max(block_max, s[g * kBlockTokens + j]);
-      const float alpha = std::exp(out.max[g] - block_max);
+      alpha[g] = std::exp(out.max[g] - block_max);
       out.max[g] = block_max;
       const float total = Ops::exp_shifted(s + g * kBlockTokens, n, block_max);
-      out.sum[g] = out.sum[g] * alpha + total;
-      Ops::weighted_sum(out.acc + g * d, alpha, s + g * kBlockTokens, vbuf, n, d);
+      out.sum[g] = out.sum[g] * alpha[g] + total;
     }
+    Ops::weighted_sum(out.acc, alpha, s, kBlockTokens, vbuf, n, d, g_count);
   }
 }
 
@@ -449,6 +463,19 @@ Buffers& buffers_for(const Config& c, int64_t rows) {
   return buffers;
 }
 
+// The tiled kernel (prefill_attention.cpp) over `batch` sequences, q [rows, H, D] already
+// scaled: the deterministic mode's attention for decode and prefill rows alike. A row's result
+// depends only on its position and the stored K/V it reads (every position from the pages), so
+// it is the same bits as a decode row, in any chunk, or after a prefix hit.
+void tiled_attention(const Decoder& dec, const Layer& L, const float* q, int64_t rows,
+                     const int32_t* page_table, int64_t max_pages, const int32_t* seq_lens,
+                     const int32_t* query_lens, int64_t batch, float* out) {
+  (void)rows;
+  PrefillInputs in{q, dec.config.num_heads, dec.config.head_dim, page_table, max_pages, seq_lens,
+                   query_lens, batch, 1.f, nullptr, nullptr, dec.fp8_table, out};
+  prefill_attention(L.k, L.v, in, dec.isa);
+}
+
 template <class Ops>
 at::Tensor run(const Decoder& dec, const StepInputs& step) {
   const Config& cfg = dec.config;
@@ -465,14 +492,20 @@ at::Tensor run(const Decoder& dec, const StepInputs& step) {
       std::memcpy(&x[t * hid], embed + step.token_ids[t] * hid, hid * sizeof(float));
   }
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const std::vector<int32_t> ones(dec.tiled_attention ? rows : 0, 1);  // one query per sequence
   for (const Layer& L : dec.layers) {
     layer_qkv<Ops>(dec, L, x.data(), rows, step.positions, step.slot_pages, step.slot_offsets,
                    buf.h.data(), buf.qkv.data(), buf.quantized);
     // The scaled queries as [M, H, D] (they lead each qkv row).
     for (int64_t t = 0; t < rows; ++t)
       for (int64_t i = 0; i < q_size; ++i) buf.q[t * q_size + i] = buf.qkv[t * qkv_size + i] * scale;
-    decode_attention<Ops>(cfg, L.k, L.v, buf.q.data(), step.page_table, step.max_pages,
-                          step.seq_lens, rows, dec.fp8_table, buf.scratch, buf.attn.data());
+    if (dec.tiled_attention) {
+      tiled_attention(dec, L, buf.q.data(), rows, step.page_table, step.max_pages, step.seq_lens,
+                      ones.data(), rows, buf.attn.data());
+    } else {
+      decode_attention<Ops>(cfg, L.k, L.v, buf.q.data(), step.page_table, step.max_pages,
+                            step.seq_lens, rows, dec.fp8_table, buf.scratch, buf.attn.data());
+    }
     layer_mlp<Ops>(dec, L, buf.attn.data(), rows, x.data(), buf.h.data(), buf.proj.data(),
                    buf.gu.data(), buf.act.data(), buf.quantized);
   }
@@ -512,6 +545,25 @@ at::Tensor run_attend(const Decoder& dec, int64_t layer, const at::Tensor& qkv,
   const Layer& L = dec.layers[layer];
   decode_attention<Ops>(cfg, L.k, L.v, buf.q.data(), page_table, max_pages, seq_lens, rows,
                         dec.fp8_table, buf.scratch, out.data_ptr<float>());
+  return out;
+}
+
+// Deterministic prefill and mixed steps: the step's sequences (decode rows with query_len 1,
+// prefill chunks) through the tiled kernel, queries scaled as `run` scales them.
+at::Tensor run_attend_tiled(const Decoder& dec, int64_t layer, const at::Tensor& qkv,
+                            const int32_t* page_table, int64_t max_pages, const int32_t* seq_lens,
+                            const int32_t* query_lens, int64_t batch) {
+  const Config& cfg = dec.config;
+  const int64_t rows = qkv.size(0), d = cfg.head_dim;
+  const int64_t q_size = cfg.num_heads * d, qkv_size = q_size + 2 * cfg.num_kv_heads * d;
+  Buffers& buf = buffers_for(cfg, rows);
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const float* in = qkv.data_ptr<float>();
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t i = 0; i < q_size; ++i) buf.q[t * q_size + i] = in[t * qkv_size + i] * scale;
+  at::Tensor out = at::empty({rows, q_size}, at::TensorOptions().dtype(at::kFloat));
+  tiled_attention(dec, dec.layers[layer], buf.q.data(), rows, page_table, max_pages, seq_lens,
+                  query_lens, batch, out.data_ptr<float>());
   return out;
 }
 
@@ -569,6 +621,12 @@ at::Tensor Decoder::attend(int64_t layer, const at::Tensor& qkv, const int32_t* 
   if (isa == Isa::kAvx512Vnni)
     return run_attend<Avx512>(*this, layer, qkv, page_table, max_pages, seq_lens);
   return run_attend<Avx2>(*this, layer, qkv, page_table, max_pages, seq_lens);
+}
+
+at::Tensor Decoder::attend_tiled(int64_t layer, const at::Tensor& qkv, const int32_t* page_table,
+                                 int64_t max_pages, const int32_t* seq_lens,
+                                 const int32_t* query_lens, int64_t batch) const {
+  return run_attend_tiled(*this, layer, qkv, page_table, max_pages, seq_lens, query_lens, batch);
 }
 
 void Decoder::mlp(int64_t layer, const at::Tensor& attn, at::Tensor& x) const {

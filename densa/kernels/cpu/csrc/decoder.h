@@ -89,6 +89,9 @@ struct Decoder {
   const float* final_norm = nullptr;
   const float* fp8_table = nullptr;
   std::vector<Layer> layers;
+  // Every attention (decode steps included) through the tiled kernel, reading every position
+  // from the pages: the deterministic mode (prefill_attention.h).
+  bool tiled_attention = false;
 
   // Final hidden states [num_tokens, hidden] (normalized), K/V of the step stored in the pages.
   at::Tensor forward(const StepInputs& step) const;
@@ -105,6 +108,11 @@ struct Decoder {
   // attention for prefill rows, one row per prompt position).
   at::Tensor attend(int64_t layer, const at::Tensor& qkv, const int32_t* page_table,
                     int64_t max_pages, const int32_t* seq_lens) const;
+  // The deterministic mode's attention for any step: `batch` sequences (decode rows with
+  // query_len 1, prefill chunks) over their pages through the tiled kernel -> [rows, q].
+  at::Tensor attend_tiled(int64_t layer, const at::Tensor& qkv, const int32_t* page_table,
+                          int64_t max_pages, const int32_t* seq_lens, const int32_t* query_lens,
+                          int64_t batch) const;
   at::Tensor final(const at::Tensor& x) const;
 };
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "decoder.h"
+#include "prefill_attention.h"
 #include "qgemm.h"
 #include "vec.h"
 
@@ -136,6 +137,58 @@ at::Tensor widen_kv(const at::Tensor& raw, int64_t dtype, double scale,
     Avx2::widen(raw.data_ptr(), kind, static_cast<int>(n), static_cast<float>(scale),
                 table.data_ptr<float>(), out.data_ptr<float>());
   }
+  return out;
+}
+
+// Tiled causal prefill attention over pages (prefill_attention.cpp): q [T, H, D] float32,
+// the layer's K/V pages and scales, page_table [B, max_pages] / seq_lens / query_lens [B] int32,
+// new_k / new_v [T, Hkv, D] float32 or None -> [T, H, D] float32.
+at::Tensor prefill_attention_op(const at::Tensor& q, const at::Tensor& k_cache,
+                                const std::optional<at::Tensor>& k_scale,
+                                const at::Tensor& v_cache,
+                                const std::optional<at::Tensor>& v_scale,
+                                const at::Tensor& page_table, const at::Tensor& seq_lens,
+                                const at::Tensor& query_lens, double sm_scale,
+                                const std::optional<at::Tensor>& new_k,
+                                const std::optional<at::Tensor>& new_v,
+                                const at::Tensor& fp8_table, const std::string& isa) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "q: contiguous float32 [T, H, D]");
+  const KVSide k = make_kv_side(k_cache, k_scale), v = make_kv_side(v_cache, v_scale);
+  TORCH_CHECK(k_cache.size(3) == q.size(2) && v_cache.sizes() == k_cache.sizes(),
+              "K/V pages: [pages, kv_heads, page_size, head_dim] of q's head_dim");
+  for (const at::Tensor* t : {&page_table, &seq_lens, &query_lens})
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "metadata: contiguous int32");
+  const int64_t batch = seq_lens.numel();
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch && query_lens.numel() == batch,
+              "page_table [B, max_pages], seq_lens and query_lens [B]");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* qlens = query_lens.data_ptr<int32_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(qlens[b] >= 1 && lens[b] >= qlens[b], "need 1 <= query_len <= seq_len");
+    TORCH_CHECK((lens[b] + k.page_size - 1) / k.page_size <= page_table.size(1),
+                "page_table is shorter than seq_len");
+    total += qlens[b];
+  }
+  TORCH_CHECK(total == q.size(0), "q has ", q.size(0), " rows, query_lens add up to ", total);
+  const int32_t* table = page_table.data_ptr<int32_t>();
+  for (int64_t i = 0; i < page_table.numel(); ++i)
+    TORCH_CHECK(table[i] >= 0 && table[i] < k_cache.size(0), "page id out of range");
+  const at::Tensor widths = fp8_table.contiguous().to(at::kFloat);
+  TORCH_CHECK(widths.numel() == 256, "fp8 table: 256 float32 values");
+  auto fresh = [&](const std::optional<at::Tensor>& t) -> const float* {
+    if (!t.has_value()) return nullptr;
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == total && t->size(1) == k.num_kv_heads && t->size(2) == q.size(2),
+                "new_k / new_v: contiguous float32 [T, Hkv, D]");
+    return t->data_ptr<float>();
+  };
+  at::Tensor out = at::empty_like(q);
+  PrefillInputs in{q.data_ptr<float>(), q.size(1), q.size(2), table, page_table.size(1),
+                   lens, qlens, batch, static_cast<float>(sm_scale), fresh(new_k), fresh(new_v),
+                   widths.data_ptr<float>(), out.data_ptr<float>()};
+  prefill_attention(k, v, in, parse_isa(isa));
   return out;
 }
 
@@ -300,6 +353,42 @@ class PyDecoder {
                        seq_lens.data_ptr<int32_t>());
   }
 
+  // The deterministic mode's attention (Decoder::attend_tiled): B sequences, query_lens[b] rows
+  // each, in qkv's row order.
+  at::Tensor attend_tiled(int64_t layer, const at::Tensor& qkv, const at::Tensor& page_table,
+                          const at::Tensor& seq_lens, const at::Tensor& query_lens) const {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "layer out of range");
+    const Config& c = dec_.config;
+    TORCH_CHECK(qkv.dim() == 2, "qkv: float32 [rows, q + 2 kv]");
+    const int64_t rows = qkv.size(0), batch = seq_lens.numel();
+    check(qkv, at::kFloat, rows * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, "qkv");
+    check(seq_lens, at::kInt, batch, "seq_lens");
+    check(query_lens, at::kInt, batch, "query_lens");
+    TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == batch &&
+                    page_table.scalar_type() == at::kInt && page_table.is_contiguous(),
+                "page_table: int32 [B, max_pages]");
+    const KVSide& kv = dec_.layers[layer].k;
+    if (batch > 0) {  // the kernel does no bounds checks: validate every index it will follow
+      TORCH_CHECK(page_table.min().item<int32_t>() >= 0 &&
+                      page_table.max().item<int32_t>() < kv.tensor.size(0),
+                  "page id out of range");
+    }
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    const int32_t* qlens = query_lens.data_ptr<int32_t>();
+    int64_t total = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK(qlens[b] >= 1 && lens[b] >= qlens[b] &&
+                      lens[b] <= page_table.size(1) * kv.page_size,
+                  "need 1 <= query_len <= seq_len <= max_pages * page_size");
+      total += qlens[b];
+    }
+    TORCH_CHECK(total == rows, "query_lens must add up to qkv's rows");
+    return dec_.attend_tiled(layer, qkv, page_table.data_ptr<int32_t>(), page_table.size(1),
+                             lens, qlens, batch);
+  }
+
+  void set_tiled_attention(bool on) { dec_.tiled_attention = on; }
+
   void mlp(int64_t layer, const at::Tensor& attn, at::Tensor x) const {
     check_stream(layer, x);
     check(attn, at::kFloat, x.size(0) * dec_.config.num_heads * dec_.config.head_dim, "attn");
@@ -411,6 +500,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              "(weight-only: float32 activations)");
   module.def("widen_kv", &widen_kv, Release(),
              "raw K/V bytes [n], dtype code, scale, fp8 table, isa -> f32");
+  module.def("prefill_attention", &prefill_attention_op, Release(),
+             "q, k, k_scale, v, v_scale, page_table, seq_lens, query_lens, sm_scale, new_k, "
+             "new_v, fp8 table, isa -> tiled causal prefill attention [T, H, D]");
   module.def("context_splits", &context_splits,
              "items, threads, longest context -> parts per (sequence, kv head) at decode");
   module.def("pack_w8float", &pack_w8float, Release(),
@@ -425,6 +517,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("forward", &PyDecoder::forward, Release())
       .def("qkv", &PyDecoder::qkv, Release())
       .def("attend", &PyDecoder::attend, Release())
+      .def("attend_tiled", &PyDecoder::attend_tiled, Release())
+      .def("set_tiled_attention", &PyDecoder::set_tiled_attention)
       .def("mlp", &PyDecoder::mlp, Release())
       .def("final_norm", &PyDecoder::final_norm, Release())
       .def_property_readonly("num_layers", &PyDecoder::num_layers);

@@ -7,6 +7,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -120,9 +121,25 @@ struct Avx512 {
   }
 
   // Scores of G query rows q [G, D] against `count` key rows k [count, D]: s[g * ld + j].
+  // Keys go 16 at a time: one accumulator per key over D, then the 16 sums in one tree of
+  // shuffles (reduce16) instead of a horizontal sum per (key, head).
   DENSA_AVX512_TARGET static void scores(const float* q, int g_count, int d, const float* k,
                                          int count, float* s, int ld) {
-    for (int j = 0; j < count; ++j) {
+    int j = 0;
+    for (; j + 16 <= count; j += 16) {
+      for (int g = 0; g < g_count; ++g) {
+        __m512 acc[16];
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+        for (int i = 0; i < d; i += 16) {
+          const __mmask16 m = tail(d - i);
+          const __m512 qv = _mm512_maskz_loadu_ps(m, q + g * d + i);
+          for (int r = 0; r < 16; ++r)
+            acc[r] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, k + (j + r) * d + i), acc[r]);
+        }
+        _mm512_storeu_ps(s + g * ld + j, reduce16(acc));
+      }
+    }
+    for (; j < count; ++j) {
       const float* kr = k + j * d;
       for (int g = 0; g < g_count; ++g) {
         __m512 acc = _mm512_setzero_ps();
@@ -134,6 +151,24 @@ struct Avx512 {
         s[g * ld + j] = _mm512_reduce_add_ps(acc);
       }
     }
+  }
+
+  // Lane r of the result = the sum of a[r]'s 16 lanes.
+  DENSA_AVX512_TARGET static inline __m512 reduce16(const __m512* a) {
+    __m512 t[8], u[4];
+    for (int r = 0; r < 8; ++r)  // per 128-bit lane: [a0+a2 | a1+a2'...] pairs interleaved
+      t[r] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * r], a[2 * r + 1]),
+                           _mm512_unpackhi_ps(a[2 * r], a[2 * r + 1]));
+    for (int r = 0; r < 4; ++r)  // per 128-bit lane: the partial sums of 4 keys, in order
+      u[r] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * r], t[2 * r + 1], 0x44),
+                           _mm512_shuffle_ps(t[2 * r], t[2 * r + 1], 0xEE));
+    // Add the four 128-bit lanes of each u, keys 4r..4r+3 landing in lane block r.
+    const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88),
+                                     _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88),
+                                     _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
+                         _mm512_shuffle_f32x4(z01, z23, 0xDD));
   }
 
   // p[i] = exp(s[i] - max), returns the sum; n <= any.
@@ -149,15 +184,35 @@ struct Avx512 {
     return _mm512_reduce_add_ps(total);
   }
 
-  // acc[D] = acc * alpha + sum_j p[j] v[j]
-  DENSA_AVX512_TARGET static void weighted_sum(float* acc, float alpha, const float* p,
-                                               const float* v, int count, int d) {
-    for (int i = 0; i < d; i += 16) {
-      const __mmask16 m = tail(d - i);
-      __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + i), _mm512_set1_ps(alpha));
-      for (int j = 0; j < count; ++j)
-        a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, v + j * d + i), a);
-      _mm512_mask_storeu_ps(acc + i, m, a);
+  // For every head g < G: acc[g][D] = acc[g] * alpha[g] + sum_j p[g * ld + j] v[j], the sum in
+  // j order. Heads go up to 16 at a time, so each value row is loaded once per 16 heads.
+  DENSA_AVX512_TARGET static void weighted_sum(float* acc, const float* alpha, const float* p,
+                                               int ld, const float* v, int count, int d,
+                                               int g_count) {
+    for (int g0 = 0; g0 < g_count; g0 += 16) {
+      const int gn = std::min(16, g_count - g0);
+      for (int i = 0; i < d; i += 16) {
+        const __mmask16 m = tail(d - i);
+        __m512 a[16];
+        for (int g = 0; g < gn; ++g)
+          a[g] = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + (g0 + g) * d + i),
+                               _mm512_set1_ps(alpha[g0 + g]));
+        for (int j = 0; j < count; ++j) {
+          const __m512 vv = _mm512_maskz_loadu_ps(m, v + j * d + i);
+          for (int g = 0; g < gn; ++g)
+            a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[(g0 + g) * ld + j]), vv, a[g]);
+        }
+        for (int g = 0; g < gn; ++g) _mm512_mask_storeu_ps(acc + (g0 + g) * d + i, m, a[g]);
+      }
+    }
+  }
+
+  // n fp16 values (bits) -> float32 (F16C: every code exactly, as half_to_float).
+  DENSA_AVX512_TARGET static void halves_to_float(const uint16_t* h, int n, float* out) {
+    for (int i = 0; i < n; i += 16) {
+      const __mmask16 m = tail(n - i);
+      const __m256i bits = _mm256_maskz_loadu_epi16(m, h + i);
+      _mm512_mask_storeu_ps(out + i, m, _mm512_cvtph_ps(bits));
     }
   }
 
@@ -288,7 +343,21 @@ struct Avx2 {
 
   DENSA_AVX2_TARGET static void scores(const float* q, int g_count, int d, const float* k,
                                        int count, float* s, int ld) {
-    for (int j = 0; j < count; ++j) {
+    int j = 0;
+    for (; j + 8 <= count; j += 8) {  // 8 keys at a time, their sums in one tree (reduce8)
+      for (int g = 0; g < g_count; ++g) {
+        __m256 acc[8];
+        for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+        for (int i = 0; i < d; i += 8) {
+          const __m256i m = tail(d - i);
+          const __m256 qv = _mm256_maskload_ps(q + g * d + i, m);
+          for (int r = 0; r < 8; ++r)
+            acc[r] = _mm256_fmadd_ps(qv, _mm256_maskload_ps(k + (j + r) * d + i, m), acc[r]);
+        }
+        _mm256_storeu_ps(s + g * ld + j, reduce8(acc));
+      }
+    }
+    for (; j < count; ++j) {
       const float* kr = k + j * d;
       for (int g = 0; g < g_count; ++g) {
         __m256 acc = _mm256_setzero_ps();
@@ -300,6 +369,14 @@ struct Avx2 {
         s[g * ld + j] = hsum(acc);
       }
     }
+  }
+
+  // Lane r of the result = the sum of a[r]'s 8 lanes.
+  DENSA_AVX2_TARGET static inline __m256 reduce8(const __m256* a) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
+                         _mm256_permute2f128_ps(t0, t1, 0x31));
   }
 
   DENSA_AVX2_TARGET static float exp_shifted(float* s, int n, float max) {
@@ -315,15 +392,33 @@ struct Avx2 {
     return hsum(total);
   }
 
-  DENSA_AVX2_TARGET static void weighted_sum(float* acc, float alpha, const float* p,
-                                             const float* v, int count, int d) {
-    for (int i = 0; i < d; i += 8) {
-      const __m256i m = tail(d - i);
-      __m256 a = _mm256_mul_ps(_mm256_maskload_ps(acc + i, m), _mm256_set1_ps(alpha));
-      for (int j = 0; j < count; ++j)
-        a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_maskload_ps(v + j * d + i, m), a);
-      _mm256_maskstore_ps(acc + i, m, a);
+  DENSA_AVX2_TARGET static void weighted_sum(float* acc, const float* alpha, const float* p,
+                                             int ld, const float* v, int count, int d,
+                                             int g_count) {
+    for (int g0 = 0; g0 < g_count; g0 += 8) {  // 8 heads' accumulators of 16 registers
+      const int gn = std::min(8, g_count - g0);
+      for (int i = 0; i < d; i += 8) {
+        const __m256i m = tail(d - i);
+        __m256 a[8];
+        for (int g = 0; g < gn; ++g)
+          a[g] = _mm256_mul_ps(_mm256_maskload_ps(acc + (g0 + g) * d + i, m),
+                               _mm256_set1_ps(alpha[g0 + g]));
+        for (int j = 0; j < count; ++j) {
+          const __m256 vv = _mm256_maskload_ps(v + j * d + i, m);
+          for (int g = 0; g < gn; ++g)
+            a[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[(g0 + g) * ld + j]), vv, a[g]);
+        }
+        for (int g = 0; g < gn; ++g) _mm256_maskstore_ps(acc + (g0 + g) * d + i, m, a[g]);
+      }
     }
+  }
+
+  DENSA_AVX2_TARGET static void halves_to_float(const uint16_t* h, int n, float* out) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(out + i,
+                       _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+    for (; i < n; ++i) out[i] = _cvtsh_ss(h[i]);
   }
 
   DENSA_AVX2_TARGET static void widen(const void* src, int dtype, int n, float scale,

@@ -1,0 +1,1 @@
+"""`densa bench agent`: coding-agent sessions replayed against densa and llama-server."""
