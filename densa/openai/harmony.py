@@ -33,7 +33,12 @@ CONSTRAIN, CALL, RETURN = "<|constrain|>", "<|call|>", "<|return|>"
 MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, CALL, RETURN)
 TERMINATORS = (END, CALL, RETURN)
 CALL_OPEN = f"{CHANNEL}commentary to="  # the canonical block the splitter hands on
-_RECIPIENT = re.compile(r"to=(\S+?)(?=\s|<\||$)")
+# A recipient runs up to a space or a marker: `to=<|constrain|>json` names none (an empty one).
+_RECIPIENT = re.compile(r"to=([^\s<]*)")
+FUNCTIONS = "functions."  # the namespace of the request's tools; other recipients are built-ins
+# Markers that open a new message: inside a body without its terminator, the body ends there
+# (a model that skipped <|end|> must not spill the next header into this message's channel).
+OPENERS = (START, CHANNEL)
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,19 @@ class Header:
 
     @property
     def is_call(self) -> bool:
-        return self.channel in ("commentary", "") and bool(self.recipient)
+        """A call to one of the request's functions (`to=functions.NAME`)."""
+        return (
+            self.channel in ("commentary", "")
+            and self.recipient is not None
+            and self.recipient.startswith(FUNCTIONS)
+            and len(self.recipient) > len(FUNCTIONS)
+        )
+
+    @property
+    def is_hidden(self) -> bool:
+        """A message to a recipient that is not one of the request's functions (a built-in tool
+        such as `browser.search`, or a malformed one): neither content nor a call."""
+        return self.recipient is not None and not self.is_call
 
 
 def partial_suffix(text: str, markers: tuple[str, ...]) -> int:
@@ -70,7 +87,8 @@ class HarmonyStream:
     """One answer's split into reasoning (analysis) and content (final, preambles, calls as
     canonical blocks); densa.openai.reasoning wraps it as the `harmony` reasoning parser."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_calls: bool = True) -> None:
+        self._keep_calls = keep_calls  # False: the request parses no calls; call messages dropped
         self._pending = ""
         self._header: Header | None = None  # the message whose body is being read
         self._in_header = False  # between a message's start and its <|message|>
@@ -104,42 +122,56 @@ class HarmonyStream:
 
     def _between(self, final: bool) -> bool:
         """Outside a message: a new one starts at <|start|> or <|channel|>; other text (a
-        model that writes no header) is content."""
-        hits = [i for i in (self._pending.find(START), self._pending.find(CHANNEL)) if i >= 0]
+        model that writes no header) is content, and a stray marker is dropped."""
+        hits = [(i, m) for m in MARKERS if (i := self._pending.find(m)) >= 0]
         if hits:
-            idx = min(hits)
+            idx, marker = min(hits)
             self._emit_content(self._pending[:idx])
-            self._pending = self._pending[idx:]
-            self._in_header = True
+            if marker in OPENERS:
+                self._pending = self._pending[idx:]
+                self._in_header = True
+            else:
+                self._pending = self._pending[idx + len(marker) :]
             return True
-        held = 0 if final else partial_suffix(self._pending, (START, CHANNEL))
+        held = 0 if final else partial_suffix(self._pending, MARKERS)
         self._emit_content(self._pending[: len(self._pending) - held])
         self._pending = self._pending[len(self._pending) - held :]
         return False
 
     def _body(self, final: bool) -> bool:
-        hits = [(i, t) for t in TERMINATORS if (i := self._pending.find(t)) >= 0]
+        """Inside a message: it ends at its terminator, or where the next message opens; any
+        other marker in it is dropped (never content)."""
+        ends = (*TERMINATORS, *OPENERS, MESSAGE, CONSTRAIN)
+        hits = [(i, t) for t in ends if (i := self._pending.find(t)) >= 0]
         if hits:
-            idx, terminator = min(hits)
+            idx, marker = min(hits)
             self._emit_body(self._pending[:idx])
-            self._pending = self._pending[idx + len(terminator) :]
+            if marker in (MESSAGE, CONSTRAIN):
+                self._pending = self._pending[idx + len(marker) :]
+                return True
+            consumed = len(marker) if marker in TERMINATORS else 0  # an opener starts the next
+            self._pending = self._pending[idx + consumed :]
             self._close()
             return True
-        held = 0 if final else partial_suffix(self._pending, TERMINATORS)
+        held = 0 if final else partial_suffix(self._pending, ends)
         self._emit_body(self._pending[: len(self._pending) - held])
         self._pending = self._pending[len(self._pending) - held :]
         return False
 
     def _open(self, header: Header) -> None:
         self._header, self._in_header = header, False
-        if header.is_call:
+        if self._hands_on(header):
             self._content.append(f"{CALL_OPEN}{header.recipient}{MESSAGE}")
 
     def _close(self) -> None:
         assert self._header is not None
-        if self._header.is_call:
+        if self._hands_on(self._header):
             self._content.append(CALL)
         self._header = None
+
+    def _hands_on(self, header: Header) -> bool:
+        """A call handed to the tool parser as its canonical block."""
+        return header.is_call and self._keep_calls
 
     def _flush_end(self) -> None:
         """The text ended: a message cut short is complete as far as it goes."""
@@ -152,7 +184,7 @@ class HarmonyStream:
 
     def _emit_body(self, text: str) -> None:
         assert self._header is not None
-        if not text:
+        if not text or self._header.is_hidden or (self._header.is_call and not self._keep_calls):
             return
         if self._header.channel == "analysis":
             self._reasoning.append(text)

@@ -151,6 +151,10 @@ class ReasoningSplitter:
     def finish(self) -> Split:
         return self.feed("", final=True)
 
+    def drop_calls(self) -> None:
+        """The request parses no tool calls. Formats whose calls are the model's own text in
+        the content leave them there (as without a reasoning parser); harmony overrides it."""
+
     def split_all(self, text: str) -> Split:
         """A whole answer at once (what a non-streamed response returns)."""
         return self.feed(text, final=True)
@@ -228,3 +232,8 @@ class HarmonySplitter(ReasoningSplitter):
 
     def feed(self, text: str, final: bool = False) -> Split:
         return Split(*self._stream.feed(text, final))
+
+    def drop_calls(self) -> None:
+        """Call messages are densa's canonical blocks, not the model's text: without a tool
+        parser to read them they are dropped, never content."""
+        self._stream = harmony.HarmonyStream(keep_calls=False)

@@ -102,7 +102,7 @@ def calls_format(request: Request, plan: ToolPlan) -> ToolCallFormat | None:
 
 
 def reasoning_splitter(
-    request: Request, prompt_ids: list[int], body: ChatCompletionRequest
+    request: Request, prompt_ids: list[int], body: ChatCompletionRequest, plan: ToolPlan
 ) -> ReasoningSplitter | None:
     """The split of one answer's reasoning from its content; None without --reasoning-parser."""
     state = server_state(request)
@@ -110,7 +110,10 @@ def reasoning_splitter(
     if fmt is None:
         return None
     assert tokenizer is not None  # checked by prepare_chat (check_can_serve)
-    return fmt.splitter(tokenizer, prompt_ids, templates.template_variables(tokenizer, body))
+    splitter = fmt.splitter(tokenizer, prompt_ids, templates.template_variables(tokenizer, body))
+    if not plan.parse_calls:
+        splitter.drop_calls()
+    return splitter
 
 
 class _Formatter(StreamFormatter, Protocol):

@@ -85,6 +85,46 @@ def test_channels_split_into_reasoning_content_and_calls(
     assert text == content and found == calls
 
 
+@pytest.mark.parametrize(
+    ("answer", "reasoning", "content", "calls"),
+    [
+        # no <|end|>: the next header closes the message, it is not reasoning text
+        ("<|channel|>analysis<|message|>think<|start|>assistant<|channel|>final<|message|>answer",
+         "think", "answer", []),
+        ("<|channel|>final<|message|>one<|channel|>final<|message|> two", "", "one two", []),
+        # stray markers between and inside messages are dropped, never content
+        ("<|message|>lost<|end|><|channel|>final<|message|>ok<|constrain|><|return|>",
+         "", "lostok", []),
+        # a recipient that is not one of the request's functions: neither content nor a call
+        ("<|channel|>commentary to=browser.search<|message|>{\"q\": 1}<|call|>", "", "", []),
+        ("<|channel|>commentary to=<|constrain|>json<|message|>{}<|call|>", "", "", []),
+        ("<|channel|>commentary to= <|constrain|>json<|message|>{}<|call|>", "", "", []),
+    ],
+)  # fmt: skip
+def test_malformed_answers_never_put_markup_in_content_or_crash(
+    answer: str, reasoning: str, content: str, calls: list[tuple[str, str]]
+) -> None:
+    whole = _split(answer, 1)
+    assert whole[0] == reasoning
+    for pieces in (3, 17, len(answer)):
+        assert _split(answer, pieces) == whole
+    text, found = _calls(whole[1])
+    assert (text, found) == (content, calls)
+    assert not any(marker in text + whole[0] for marker in harmony.MARKERS)
+
+
+def test_a_call_without_a_tool_parser_is_dropped_not_content() -> None:
+    splitter = HarmonySplitter(reasoning_format("harmony"))
+    splitter.drop_calls()  # the request offers no tools
+    assert splitter.split_all(PREAMBLE).content == "Checking the forecast."
+
+
+@pytest.mark.parametrize("head", ["to=<|constrain|>json", "to= <|constrain|>json", "to=x.y"])
+def test_the_raw_text_reader_takes_only_function_recipients(head: str) -> None:
+    _, found = _calls(f"<|channel|>commentary {head}<|message|>{{}}<|call|>")
+    assert found == []
+
+
 def test_without_the_reasoning_parser_calls_are_read_from_the_raw_text() -> None:
     text, found = _calls(CALL)
     assert found == [("get_weather", '{"city": "Paris"}')]
@@ -150,6 +190,35 @@ def test_the_template_renders_harmony(harmony_tokenizer: Tokenizer) -> None:
         '<|message|>{"t": 21}<|end|><|start|>assistant'
     )
     assert detect_format(harmony_tokenizer.chat_template) == "harmony"
+
+
+def test_a_tool_result_takes_its_function_from_the_call_it_answers(
+    harmony_tokenizer: Tokenizer,
+) -> None:
+    """OpenAI clients send a tool result's tool_call_id only; a preamble beside calls is
+    commentary, as gpt-oss writes it."""
+    messages = [
+        {"role": "user", "content": "Weather in Paris and Oslo?"},
+        {"role": "assistant", "content": "Checking both.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "get_time",
+                                                          "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]  # fmt: skip
+    prompt = harmony_tokenizer.render_chat(messages, tools=TOOLS)
+    assert "<|start|>assistant<|channel|>commentary<|message|>Checking both.<|end|>" in prompt
+    assert prompt.endswith(
+        "<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>12:00<|end|>"
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny<|end|>"
+        "<|start|>assistant"
+    )
+    from densa.text.tokenizer import ChatTemplateError
+
+    with pytest.raises(ChatTemplateError, match="tool_call_id"):
+        unanswered = {"role": "tool", "tool_call_id": "c9", "content": "?"}
+        harmony_tokenizer.render_chat([*messages[:2], unanswered], tools=TOOLS)
 
 
 def test_markers_are_single_tokens_that_decoding_keeps(harmony_tokenizer: Tokenizer) -> None:

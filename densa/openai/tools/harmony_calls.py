@@ -66,6 +66,9 @@ class _Reader:
         head, found, arguments = body.partition(MESSAGE)
         if not found:
             return None
-        recipient = head.split(CONSTRAIN)[0].split()[0] if head.strip() else ""
+        words = head.split(CONSTRAIN)[0].split()
+        recipient = words[0] if words else ""  # `to=<|constrain|>json` names no function
+        if not recipient.startswith(NAMESPACE):
+            return None
         name = recipient.removeprefix(NAMESPACE)
         return [CallRead(name, arguments.strip())] if name else None

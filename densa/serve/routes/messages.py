@@ -53,7 +53,7 @@ async def anthropic_messages(request: Request, session_id: SessionHeader = None)
         call.request_id,
         body.model,
         calls_format(request, plan),
-        reasoning_splitter(request, call.prompt_token_ids, chat),
+        reasoning_splitter(request, call.prompt_token_ids, chat, plan),
     )
     return await respond(request, call, lambda: formatter, chat, anthropic.FRAMING)
 

@@ -76,7 +76,7 @@ async def chat_completions(request: Request, session_id: SessionHeader = None) -
             token_texts(state),
             body.num_logprobs,
             tool_format=calls_format(request, plan),
-            reasoning=reasoning_splitter(request, call.prompt_token_ids, body),
+            reasoning=reasoning_splitter(request, call.prompt_token_ids, body, plan),
         )
 
     return await respond(request, call, new_formatter, body)

@@ -37,6 +37,6 @@ async def openai_responses(request: Request, session_id: SessionHeader = None) -
     chat = responses_to_chat(body)
     call, plan = await prepare_chat(request, chat, session_id, deadline)
     skeleton = skeleton_of(call.request_id, int(time.time()), body)
-    reasoning = reasoning_splitter(request, call.prompt_token_ids, chat)
+    reasoning = reasoning_splitter(request, call.prompt_token_ids, chat, plan)
     formatter = ResponseFormatter(skeleton, calls_format(request, plan), reasoning)
     return await respond(request, call, lambda: formatter, chat, formatter.framing)
