@@ -61,6 +61,22 @@ def test_the_kernel_matches_the_reference(
 
 @needs_native
 @pytest.mark.parametrize("forced_isa", ["avx512_vnni", "avx2"], indirect=True)
+@pytest.mark.parametrize(
+    "heads", [(17, 1, 36), (48, 1, 16), (64, 1, 8)], ids=["g17-d36", "g48-d16", "mqa64-d8"]
+)
+def test_wide_groups_and_odd_head_dims(forced_isa: str, heads: tuple[int, int, int]) -> None:
+    """A kv head with many query heads fills a tile with one row (G = 48 is the most both code
+    paths hold; beyond, the torch path answers), and a head dim a multiple of 4 only."""
+    _skip_unless_runs(forced_isa)
+    dtype, scale_mode = NATIVE_KINDS[-1]  # int8 pages with row scales
+    case = make_case([70, 9], [70, 9], dtype, scale_mode, heads, page_size=16)
+    native_runs = heads[0] // heads[1] <= prefill.MAX_NATIVE_GROUP
+    assert prefill._native_reads(case.query, case.k_cache, case.k_scale) == native_runs
+    assert_close(_run(case), case.reference())
+
+
+@needs_native
+@pytest.mark.parametrize("forced_isa", ["avx512_vnni", "avx2"], indirect=True)
 @pytest.mark.parametrize(("dtype", "scale_mode"), NATIVE_KINDS[2:], ids=NATIVE_IDS[2:])
 def test_quantized_pages_read_the_chunk_as_computed(
     forced_isa: str, dtype: torch.dtype, scale_mode: str

@@ -28,6 +28,9 @@ from densa.kernels.reference.paged_attention import dequantize_pages
 # Keys per block of the torch fallback: its scores are [heads, query rows, KEY_BLOCK] at most.
 KEY_BLOCK = 1024
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
+# Query heads per kv head the C++ tiles hold for one row (6 vectors of 8 lanes on AVX2; AVX-512
+# holds 96): a larger group (multi-query attention with many heads) takes the torch path.
+MAX_NATIVE_GROUP = 48
 
 
 def paged_prefill_attention(
@@ -73,6 +76,8 @@ def paged_prefill_attention(
 def _native_reads(query: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor | None) -> bool:
     """Whether the C++ kernel reads these pages: its KV formats, as the engine stores them."""
     if cache.dtype not in _NATIVE_DTYPES or not cache.is_contiguous() or query.shape[-1] % 4:
+        return False
+    if query.shape[1] // cache.shape[1] > MAX_NATIVE_GROUP:
         return False
     if cache.device.type != "cpu" or not native.is_available():
         return False

@@ -132,6 +132,12 @@ std::vector<std::vector<Tile>> plan_tiles(const PrefillInputs& in, int64_t num_k
 void prefill_attention(const KVSide& k, const KVSide& v, const PrefillInputs& in, Isa isa) {
   TORCH_CHECK(in.head_dim % 4 == 0, "prefill attention: head_dim must be a multiple of 4");
   TORCH_CHECK(in.num_heads % k.num_kv_heads == 0, "prefill attention: heads per kv head");
+  // A tile holds one kv head's query heads for at least one row: more than its lanes would
+  // overrun the accumulators (the Python side sends such models to the torch path).
+  const int64_t max_lanes = isa == Isa::kAvx512Vnni ? flash_avx512::kMaxVecs * flash_avx512::kLanes
+                                                    : flash_avx2::kMaxVecs * flash_avx2::kLanes;
+  TORCH_CHECK(in.num_heads / k.num_kv_heads <= max_lanes, "prefill attention: more than ",
+              max_lanes, " query heads per kv head");
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   if (isa == Isa::kAvx512Vnni) {
     using namespace flash_avx512;
