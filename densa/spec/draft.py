@@ -244,7 +244,7 @@ def draft_vocab_size(target: ArchConfig, draft: ArchConfig) -> int:
     return min(target.vocab_size, draft.vocab_size)
 
 
-FLOAT32_PAGES = KVFormat("float32")
+FLOAT32_PAGES = KVFormat.of("float32")
 
 
 @dataclass(frozen=True)
