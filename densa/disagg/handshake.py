@@ -16,13 +16,9 @@ from typing import Any
 import msgspec
 
 from densa.disagg.messages import PageFormat, PeerModel
-from densa.formats.kv_format import KV_FORMAT_NAMES, KVFormat
+from densa.formats.kv_format import KVFormat
 from densa.ipc.messages import TokenizerFiles
-from densa.model.kv_layout import INDEX_BLOCK, index_format
-
-# Formats a page can be landed from: every KV format densa serves (landing converts between
-# any two of them, densa/worker/kv_io.py).
-LANDABLE_KV_DTYPES = KV_FORMAT_NAMES
+from densa.model.kv_layout import INDEX_BLOCK
 
 
 def tokenizer_digest(files: TokenizerFiles) -> str:
@@ -47,11 +43,10 @@ def peer_model(
 
 
 def is_landable(page: PageFormat) -> bool:
-    """Is `page`'s format one densa serves (and so can land, converting if it must)?"""
-    if page.kv_dtype not in LANDABLE_KV_DTYPES:
-        return False
+    """Is `page`'s format one densa serves (and so can land, converting if it must: landing
+    converts between any two served formats, densa/worker/kv_io.py)?"""
     try:
-        KVFormat(page.kv_dtype, page.kv_scales)
+        KVFormat.from_wire(page.kv_dtype, page.kv_scales)
     except ValueError:
         return False
     return True
@@ -60,13 +55,13 @@ def is_landable(page: PageFormat) -> bool:
 def expected_page_bytes(architecture: dict[str, Any], page: PageFormat) -> int:
     """Bytes of one page of `page`'s format for this model (what the peer must announce).
     Raises ValueError for a format densa does not serve."""
-    kv_format = KVFormat(page.kv_dtype, page.kv_scales)
+    kv_format = KVFormat.from_wire(page.kv_dtype, page.kv_scales)
     layers, parts, heads, dim = page_geometry(architecture)
     row_bytes = dim * kv_format.value_bytes() + kv_format.scale_bytes_per_row()
     total = parts * layers * heads * row_bytes
     index = index_geometry(architecture)
     if index is not None:  # sparse attention: index keys in the same pages, block scales
-        keys = index_format(kv_format)
+        keys = kv_format.index_keys()
         layers, _, heads, dim = index
         total += layers * heads * (dim * keys.value_bytes() + keys.scale_bytes_per_row())
     return total * page.page_size

@@ -94,7 +94,8 @@ class PrefillRequest(msgspec.Struct, tag=True):
 
 class WireLayout(msgspec.Struct, frozen=True):
     """What the raw frames after a KVPages header hold: pages in the sender's KV format
-    (densa.formats.kv_format.KVFormat(kv_dtype, kv_scales); densa/disagg/wire.py frames them).
+    (KVFormat.from_wire(kv_dtype, kv_scales), densa.formats.kv_format; densa/disagg/wire.py
+    frames them).
 
     frame 1: values [num_layers, 2 (K, V), num_pages, num_kv_heads, page_size, head_dim]
              in the format's storage dtype (fp8 and int8 as their bytes)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from densa.disagg.messages import KVPages, MTPState, WireLayout
-from densa.formats.kv_format import STATIC, KVFormat
+from densa.formats.kv_format import KVFormat
 from densa.model.kv_layout import LayerCache
 from densa.sched.output import PackedPages
 from densa.worker import kv_io
@@ -122,13 +122,13 @@ def check_frames(layout: WireLayout, frames: list[memoryview], num_pages: int) -
     if [f.nbytes for f in frames] != sizes:
         raise WireError(f"frames of {[f.nbytes for f in frames]} bytes, expected {sizes}")
     num_static = [len(s) for s in layout.static_scales]
-    if num_static != ([shape[1]] * shape[0] if kv_format.scales == STATIC else []):
+    if num_static != ([shape[1]] * shape[0] if kv_format.has_layer_scales else []):
         raise WireError(f"static scales for {num_static} parts in a layout of {shape}")
 
 
 def layout_format(layout: WireLayout) -> KVFormat:
     try:
-        return KVFormat(layout.kv_dtype, layout.kv_scales)
+        return KVFormat.from_wire(layout.kv_dtype, layout.kv_scales)
     except ValueError as exc:
         raise WireError(f"pages of an unknown KV format: {exc}") from exc
 

@@ -24,6 +24,7 @@ from densa.disagg.ports import Landing, Reservation
 from densa.disagg.prefill_side import REQUEST_PREFIX, PrefillAgent
 from densa.disagg.transport import KVTransport, ZmqTransport
 from densa.engine.llm_engine import LLMEngine
+from densa.formats.kv_format import KVFormat
 from densa.ipc.messages import RequestDelta
 from densa.model.kv_pages import page_bytes
 from densa.model.lineage import checkpoint_lineage
@@ -39,8 +40,8 @@ def describe(engine: LLMEngine, role: str) -> PeerModel:
     """What this worker announces at the handshake: its model, and its pages' KVFormat."""
     kv_format = engine.runner.kv_format
     page_size = engine.config.cache.page_size
-    size = page_bytes(engine.arch, page_size, kv_format.name, kv_format.fp8_policy)
-    page = PageFormat(kv_format.name, kv_format.scales, page_size, size)
+    size = page_bytes(engine.arch, page_size, kv_format.on_wire)
+    page = PageFormat(*kv_format.wire_form, page_size, size)
     architecture = engine.arch.signature()
     lineage = checkpoint_lineage(resolve_model_dir(engine.config.model.model))
     return peer_model(
@@ -253,9 +254,10 @@ def max_message_bytes(engine: LLMEngine) -> int:
     Larger ones are cut off by ZeroMQ before buffering."""
     cache = engine.config.cache
     num_pages = -(-engine.config.scheduler.max_model_len // cache.page_size)
-    size = num_pages * page_bytes(engine.arch, cache.page_size, "float32", "dynamic") + (16 << 20)
+    widest = KVFormat.of("float32")
+    size = num_pages * page_bytes(engine.arch, cache.page_size, widest) + (16 << 20)
     if prompt_states(engine) is not None:  # the MTP layer's pages (one layer) and a hidden state
         one_layer = dataclasses.replace(engine.arch, num_layers=1)
-        size += num_pages * page_bytes(one_layer, cache.page_size, "float32", "dynamic")
+        size += num_pages * page_bytes(one_layer, cache.page_size, widest)
         size += 4 * engine.arch.hidden_size
     return size

@@ -74,7 +74,7 @@ class PageLayout:
     @classmethod
     def of(cls, template: PackedPages) -> PageLayout:
         num_layers, num_parts, _, heads, page_size, head_dim = template.shape
-        kv_format = KVFormat(template.kv_dtype, template.kv_scales)
+        kv_format = KVFormat.from_wire(template.kv_dtype, template.kv_scales)
         itemsize = kv_format.storage_dtype.itemsize
         scale_dtype = kv_format.row_scale_dtype
         scale_itemsize = 0 if scale_dtype is None else scale_dtype.itemsize

@@ -1,9 +1,11 @@
 """KVFormat: how KV pages store their values, decided once and carried by every cache.
 
-The engine resolves its options into one KVFormat (EngineArgs.kv_format) before anything is
-sized or allocated; each layer's cache carries it, and whoever stores into pages, reads them or
-describes them asks the format, instead of guessing it from a tensor's dtype or its scale
-tensor's rank.
+The engine builds one KVFormat from its frozen cache config (`KVFormat.of_cache`) before
+anything is sized or allocated, and passes that value down: sizing and allocation
+(densa.model.kv_pages.page_bytes, allocate_kv_caches), the memory plan, each layer's cache, the
+P/D wire and the KV tiers. Whoever stores into pages, reads them, sizes them or describes them
+asks the format (its methods and capabilities), instead of comparing dtype names or guessing
+from a tensor's dtype or its scale tensor's rank.
 
     name       storage                   scales                     bytes per value row of D
     float32    float32                   none                       4 D
@@ -12,6 +14,12 @@ tensor's rank.
     fp8_e4m3   float8_e4m3fn             dynamic: int8 exponent     D + 1
                                          static: one float / layer  D
     int8       int8 codes                one fp16 scale per row     D + 2
+
+Sparse attention's index keys live in the same pages in a format of their own (`index_keys`):
+the pages' dtype unless `index_dtype` names another.
+
+On the P/D wire and in tier blocks a format travels as its `wire_form`, (name, scales), and comes
+back through `from_wire`; the index dtype and the static scales' source do not travel.
 
 A format is also the codec of its pages: the kernels' `store_kv(kv_format, ...)` encodes real
 values as it says (as a prefill does), `dequantize` decodes stored pages back to real values.
@@ -26,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from densa.config import CacheConfig
 from densa.formats import fp8_kv, int8_kv
 
 _STORAGE = {
@@ -46,6 +55,8 @@ class KVFormat:
     name: str  # a KV cache dtype name (densa.config.KV_CACHE_DTYPES, resolved)
     scales: str = NO_SCALES  # none | dynamic | static (FP8) | row (INT8)
     static_source: str | None = None  # where static FP8 scales came from (a file), for people
+    # DSA index keys' dtype when not the pages' own (None); read only by sparse-attention models.
+    index_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in _STORAGE:
@@ -53,13 +64,52 @@ class KVFormat:
         allowed = {fp8_kv.KV_DTYPE: (DYNAMIC, STATIC), int8_kv.KV_DTYPE: (ROW,)}
         if self.scales not in allowed.get(self.name, (NO_SCALES,)):
             raise ValueError(f"{self.name} pages cannot have {self.scales!r} scales")
+        if self.index_dtype is not None and self.index_dtype not in _STORAGE:
+            raise ValueError(f"index key dtype must be one of {tuple(_STORAGE)}")
 
     @classmethod
-    def of(cls, name: str, fp8_scales: str, static_source: str | None = None) -> KVFormat:
+    def of(
+        cls,
+        name: str,
+        fp8_scales: str = DYNAMIC,
+        static_source: str | None = None,
+        index_dtype: str | None = None,
+    ) -> KVFormat:
         """The format of a resolved KV dtype; `fp8_scales` (dynamic | static) applies to FP8."""
         if name == fp8_kv.KV_DTYPE:
-            return cls(name, fp8_scales, static_source if fp8_scales == STATIC else None)
-        return cls(name, ROW if name == int8_kv.KV_DTYPE else NO_SCALES)
+            source = static_source if fp8_scales == STATIC else None
+            return cls(name, fp8_scales, source, index_dtype)
+        return cls(name, ROW if name == int8_kv.KV_DTYPE else NO_SCALES, None, index_dtype)
+
+    @classmethod
+    def of_cache(cls, cache: CacheConfig) -> KVFormat:
+        """The engine's one KV format, from its frozen (resolved) cache config."""
+        return cls.of(cache.kv_cache_dtype, cache.kv_scales, cache.kv_scales_file,
+                      cache.index_kv_dtype)  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, name: str, scales: str) -> KVFormat:
+        """The format a peer's pages or a tier block announce (`wire_form`); ValueError for
+        one densa does not serve."""
+        return cls(name, scales)
+
+    @property
+    def wire_form(self) -> tuple[str, str]:
+        """(name, scales): how the format travels on the P/D wire and in tier blocks."""
+        return self.name, self.scales
+
+    @property
+    def on_wire(self) -> KVFormat:
+        """This format as a peer learns it from `wire_form` (no index dtype, no static source):
+        the page a handshake announces is sized in it."""
+        return KVFormat.from_wire(*self.wire_form)
+
+    def index_keys(self) -> KVFormat:
+        """How DSA index keys are stored beside these pages: in `index_dtype`, else the pages'
+        dtype; quantized keys with one scale per block of index values (FP8: a power-of-two
+        exponent, the ue8m0 block scale DeepSeek-V3.2 keeps as a float32; INT8: an fp16),
+        never static scales (no calibration measures index keys)."""
+        return KVFormat.of(self.index_dtype or self.name, DYNAMIC)
 
     @classmethod
     def of_tensors(cls, values: torch.Tensor, scale: torch.Tensor | None) -> KVFormat:
@@ -89,6 +139,16 @@ class KVFormat:
         """The FP8 scale policy (dynamic | static) the sizing functions take; dynamic otherwise,
         where it is not read."""
         return self.scales if self.is_fp8 else DYNAMIC
+
+    @property
+    def has_row_scales(self) -> bool:
+        """One scale per stored [head_dim] row, next to the values (FP8 dynamic, INT8)."""
+        return self.scales in _ROW_SCALE_DTYPES
+
+    @property
+    def has_layer_scales(self) -> bool:
+        """One scale per layer and part (static FP8), fixed at allocation."""
+        return self.scales == STATIC
 
     @property
     def row_scale_dtype(self) -> torch.dtype | None:
@@ -140,4 +200,4 @@ class KVFormat:
 def is_layer_scale(scale: torch.Tensor, kv_format: KVFormat | None) -> bool:
     """Whether `scale` is one scale for the whole layer, as the pages' format says; pages made by
     hand without one (tests, kernel benchmarks, which also scale other dtypes) say it by shape."""
-    return kv_format.scales == STATIC if kv_format is not None else scale.dim() == 0
+    return kv_format.has_layer_scales if kv_format is not None else scale.dim() == 0

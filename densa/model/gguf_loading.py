@@ -43,7 +43,12 @@ from densa.model.arch import ModelLoadError
 from densa.model.gguf import GGUFFile
 from densa.model.gguf_tensors import GGUFTensor
 from densa.model.interface import CausalLM
-from densa.model.packed_linear import PackedLinear, ShardedPackedLinear, packed_bytes
+from densa.model.packed_linear import (
+    PackedLinear,
+    ShardedPackedLinear,
+    packed_bytes,
+    packed_format,
+)
 from densa.model.quantized_embedding import GGUFEmbedding
 from densa.model.weight_loading import GATE_UP_FUSED, QKV_FUSED, fused_target
 from densa.quant import gguf_blocks
@@ -56,6 +61,10 @@ _FAMILY_FORMATS = {  # weight_format -> kernel family -> packed format, in prefe
     "w8a8": {"w8": "w8a8", **_SPLIT_FORMATS, "w4": "w4a8"},
     "w8": {"w8": "w8", **_SPLIT_FORMATS, "w4": "w4a8"},
 }
+# What each packed format's pack function takes after (codes, d), of a block decoder's groups:
+# a per-group min (m) and/or sub-block scales (sc).
+_GROUP_PARTS = {"w4a8": ("m",), "w5a8": ("sc",), "w6a8": ("sc",), "w5ma8": ("sc", "m"),
+                "w6ma8": ("sc", "m"), "w8a8": (), "w8": ()}  # fmt: skip
 _SHARD_ORDER = {None: 0, "q": 0, "k": 1, "v": 2, "gate": 0, "up": 1}
 _DENSE_TYPES = {"F32", "F16", "BF16"}
 
@@ -311,18 +320,11 @@ def _pack_rows(layer: nn.Module, fmt: str, family: str, tensor: GGUFTensor, firs
 
 
 def _pack(groups: gguf_blocks.KernelGroups, fmt: str, isa: str) -> qgemm.PackedWeight:
+    """Decoded blocks -> the kernels' blocks, by the packed format's own pack function, with the
+    parts of the groups that format keeps (_GROUP_PARTS)."""
     codes, d = torch.from_numpy(groups.codes), torch.from_numpy(groups.d)
-    if fmt == "w4a8":
-        return qgemm.pack_w4(codes, d, torch.from_numpy(_present(groups.m)), isa)
-    if fmt in ("w5a8", "w6a8"):
-        pack = qgemm.pack_w5 if fmt == "w5a8" else qgemm.pack_w6
-        return pack(codes, d, torch.from_numpy(_present(groups.sc)), isa)
-    if fmt in ("w5ma8", "w6ma8"):
-        sc, m = torch.from_numpy(_present(groups.sc)), torch.from_numpy(_present(groups.m))
-        return (qgemm.pack_w5m if fmt == "w5ma8" else qgemm.pack_w6m)(codes, d, sc, m, isa)
-    if fmt == "w8a8":
-        return qgemm.pack_w8(codes, d, isa)
-    return qgemm.pack_w8_float(codes, d, isa)
+    extra = [torch.from_numpy(_present(getattr(groups, part))) for part in _GROUP_PARTS[fmt]]
+    return packed_format(fmt).pack(codes, d, *extra, isa)
 
 
 def _present(array: np.ndarray | None) -> np.ndarray:

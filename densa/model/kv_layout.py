@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from densa.formats.kv_format import DYNAMIC, KVFormat
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.attention import LayerKVCache
 
@@ -96,14 +96,6 @@ class LatentKVCache:
 
 
 LayerCache = LayerKVCache | LatentKVCache
-
-
-def index_format(kv_format: KVFormat, index_kv_dtype: str | None = None) -> KVFormat:
-    """How DSA index keys are stored beside pages of `kv_format`: in the same dtype unless
-    `index_kv_dtype` names another; quantized keys with one scale per block of INDEX_BLOCK
-    values (FP8: a power-of-two exponent, the ue8m0 block scale DeepSeek-V3.2 keeps as a
-    float32; INT8: an fp16), never static scales (no calibration measures index keys)."""
-    return KVFormat.of(index_kv_dtype or kv_format.name, DYNAMIC)
 
 
 class KVLayout(Protocol):

@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.kv_pages import bytes_per_token
 from densa.utils.sizes import format_bytes
@@ -43,7 +44,7 @@ NVFP4_LINEAR = 0.5 + 1 / 16
 # Total memory as the driver reports it (nvidia-smi), bytes.
 GPUS = {"h100": 81_559 * 2**20, "h200": 143_771 * 2**20}
 DENSE_KV_ARCH = "LlamaForCausalLM"
-KV_FORMATS = (("bfloat16", None), ("fp8_e4m3", "dynamic"), ("int8", None))
+KV_FORMATS = (KVFormat.of("bfloat16"), KVFormat.of("fp8_e4m3", "dynamic"), KVFormat.of("int8"))
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ def _b(count: int) -> str:
     return f"{count / 1e9:.2f}B"
 
 
-def kv_bytes_per_token_per_gpu(arch: ArchConfig, kv_dtype: str, scales: str | None, tp: int) -> int:
+def kv_bytes_per_token_per_gpu(arch: ArchConfig, kv_format: KVFormat, tp: int) -> int:
     """One token's KV bytes on one rank: GQA heads split (at least one per rank), MLA's latent
     whole on every rank."""
     if arch.mla is None:
@@ -207,7 +208,7 @@ def kv_bytes_per_token_per_gpu(arch: ArchConfig, kv_dtype: str, scales: str | No
         # model class for the architecture (GLM-4.5 has none yet).
         per_rank = max(1, math.ceil(arch.num_kv_heads / tp))
         arch = replace(arch, architecture=DENSE_KV_ARCH, num_kv_heads=per_rank)
-    return bytes_per_token(arch, kv_dtype, scales or "dynamic")
+    return bytes_per_token(arch, kv_format)
 
 
 @dataclass(frozen=True)
@@ -229,9 +230,9 @@ def kv_rows(
     usable = int(gpu_bytes * utilization) - reserve_bytes
     rows = []
     for size in sizes:
-        for kv_dtype, scales in KV_FORMATS:
-            per_token = kv_bytes_per_token_per_gpu(arch, kv_dtype, scales, tp)
-            rows.append(KVRow(size.name, kv_dtype, usable - size.per_gpu_bytes, per_token))
+        for kv_format in KV_FORMATS:
+            per_token = kv_bytes_per_token_per_gpu(arch, kv_format, tp)
+            rows.append(KVRow(size.name, kv_format.name, usable - size.per_gpu_bytes, per_token))
     return rows
 
 

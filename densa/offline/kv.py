@@ -13,14 +13,15 @@ if TYPE_CHECKING:
     from densa.model.kv_pages import KVCapacity
     from densa.text.tokenizer import Tokenizer
 
-# (KV dtype, scale policy) rows of `densa capacity`, BF16 first: the ratio column divides by it.
+# (KV dtype, FP8 scale policy) rows of `densa capacity`, BF16 first: the ratio column divides by
+# it. Plain pairs (KVFormat.of builds each), so building the parsers imports no torch.
 CAPACITY_FORMATS = [
-    ("bfloat16", None),
-    ("float32", None),
-    ("float16", None),
+    ("bfloat16", "dynamic"),
+    ("float32", "dynamic"),
+    ("float16", "dynamic"),
     ("fp8_e4m3", "dynamic"),
     ("fp8_e4m3", "static"),
-    ("int8", None),
+    ("int8", "dynamic"),
 ]
 DEFAULT_SCALES_FILE = "kv_scales.json"
 GPUS_BY_NAME = ("h100", "h200")  # densa.offline.deployment.GPUS (no torch import here)
@@ -65,6 +66,7 @@ def _add_capacity(commands: argparse._SubParsersAction) -> None:
 
 
 def _capacity(ns: argparse.Namespace) -> int:
+    from densa.formats.kv_format import KVFormat
     from densa.model.arch import ArchConfig
     from densa.model.kv_pages import kv_capacity
     from densa.model.loader import resolve_model_dir
@@ -81,7 +83,8 @@ def _capacity(ns: argparse.Namespace) -> int:
         print("densa capacity: --context-len and --page-size must be >= 1", file=sys.stderr)
         return 2
     arch = ArchConfig.from_dir(resolve_model_dir(ns.model or default_model_path()))
-    rows = [kv_capacity(arch, budget, ns.page_size, d, s) for d, s in CAPACITY_FORMATS]
+    formats = [KVFormat.of(name, policy) for name, policy in CAPACITY_FORMATS]
+    rows = [kv_capacity(arch, budget, ns.page_size, kv_format) for kv_format in formats]
     print(format_capacity(arch, rows, budget, ns.context_len))
     return 0
 

@@ -65,7 +65,7 @@ class ModelSource:
     config: EngineConfig  # cache.num_pages 0 and no eos tokens until `EngineConfig.sized`
     model_dir: Path
     arch: ArchConfig
-    kv_format: KVFormat  # resolved once: sizing, allocation and the config use it
+    kv_format: KVFormat  # KVFormat.of_cache(config.cache): sizing and allocation take it
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
@@ -92,9 +92,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     if fit:
         config = _fitted_context(config)
     kv_caches = allocate_kv_caches(
-        arch, num_pages, config.cache.page_size, kv_format.name, device, kv_format.fp8_policy,
-        static_scales, config.cache.index_kv_dtype,
-    )  # fmt: skip
+        arch, num_pages, config.cache.page_size, kv_format, device, static_scales
+    )
     backend = select_backend(config.device.attention_backend, device)
     _log_kv_cache(config, arch, kv_format, budget, backend)
     target = DraftTarget(
@@ -130,10 +129,10 @@ def locate_model(args: EngineArgs) -> ModelSource:
     dtype = auto_dtype(model_path, model_dir, args.dtype)
     args = dataclasses.replace(args, weight_format=weights, head_format=head, dtype=dtype)
     arch = ArchConfig.from_dir(model_dir)
-    kv_format = args.kv_format()
-    return ModelSource(
-        args.resolve(arch, model_path, kv_format=kv_format), model_dir, arch, kv_format
-    )
+    config = args.resolve(arch, model_path)
+    # The one KVFormat, read back from the frozen config (its index key dtype included) and
+    # passed down from here: sizing, the memory plan, allocation, proposers, the handshake.
+    return ModelSource(config, model_dir, arch, KVFormat.of_cache(config.cache))
 
 
 def _num_pages(
@@ -222,9 +221,7 @@ def _log_kv_cache(
     backend: AttentionBackend,
 ) -> None:
     cache = config.cache
-    kv_bytes = cache.num_pages * page_bytes(
-        arch, cache.page_size, kv_format.name, kv_format.fp8_policy, cache.index_kv_dtype
-    )
+    kv_bytes = cache.num_pages * page_bytes(arch, cache.page_size, kv_format)
     logger.info(
         "KV cache: %d pages x %d tokens = %d tokens (%s, %s: %s), max_model_len %d, "
         "max_num_seqs %d, attention backend %s",

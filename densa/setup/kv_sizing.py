@@ -19,7 +19,7 @@ from densa.config import (
 from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.kv_pages import page_bytes
-from densa.spec.draft import draft_page_bytes
+from densa.spec.draft import draft_kv_format, draft_page_bytes
 from densa.utils.sizes import format_bytes
 
 # The auto budget sizes its requests at this many tokens (or max_model_len, if shorter): the
@@ -51,9 +51,7 @@ def kv_budget(
     device: torch.device,
 ) -> KVBudget:
     """The KV cache's byte budget, and why (an explicit size, a share of free memory, or auto)."""
-    page = page_bytes(
-        arch, cache.page_size, kv_format.name, kv_format.fp8_policy, cache.index_kv_dtype
-    )
+    page = page_bytes(arch, cache.page_size, kv_format)
     if cache.exact_num_pages is not None:
         return KVBudget(cache.exact_num_pages * page, f"--num-kv-pages {cache.exact_num_pages}")
     free = _free_memory(device)
@@ -105,9 +103,7 @@ def resolve_num_pages(
     draft's pages coming on top. `fit`: max_model_len was not given, so a budget that holds
     fewer tokens than it is no error (`fit_max_model_len` shortens it), only one of no page."""
     budget = kv_budget(cache, scheduler, arch, kv_format, device)
-    target_page = page_bytes(
-        arch, cache.page_size, kv_format.name, kv_format.fp8_policy, cache.index_kv_dtype
-    )
+    target_page = page_bytes(arch, cache.page_size, kv_format)
     if cache.exact_num_pages is not None:
         num_pages = cache.exact_num_pages
     else:
@@ -133,7 +129,7 @@ def draft_kv_page_bytes(
     """Bytes of one page of the draft model's KV (0 without a draft model)."""
     if speculative is None or speculative.method not in DRAFT_METHODS or not speculative.model:
         return 0
-    return draft_page_bytes(speculative.model, page_size, kv_format.name)
+    return draft_page_bytes(speculative.model, page_size, draft_kv_format(kv_format))
 
 
 def fit_max_model_len(max_len: int, num_pages: int, page_size: int) -> int:

@@ -86,10 +86,9 @@ def load_static_kv_scales(
     problem = fp8_kv.fp8_support_error(device)
     if problem is not None:
         raise ModelLoadError(problem)
-    scales = kv_format.scales
-    if cache.kv_scales_file is not None and scales != "static":
+    if cache.kv_scales_file is not None and not kv_format.has_layer_scales:
         raise ValueError("a KV scales file holds static per-layer scales: use --kv-scales static")
-    if scales != "static":
+    if not kv_format.has_layer_scales:
         return None
     if cache.kv_scales_file is None:
         return fp8_kv.KVScales.ones(arch.num_layers)

@@ -218,9 +218,7 @@ def planned_kv_bytes(
 ) -> int:
     """The KV budget the builder will allocate (kv_sizing.kv_budget, whole pages), where a share
     of free memory is a share of what the weights leave (`free_after`)."""
-    page = page_bytes(
-        arch, cache.page_size, kv_format.name, kv_format.fp8_policy, cache.index_kv_dtype
-    )
+    page = page_bytes(arch, cache.page_size, kv_format)
     if cache.exact_num_pages is not None:
         return cache.exact_num_pages * page
     budget = cache.budget()
@@ -262,10 +260,7 @@ def plan_memory(
     host_tier = host_tier_bytes(config.tiers.specs)
     free_after = available - weights.resident_bytes - RUNTIME_ALLOWANCE - host_tier
     kv = planned_kv_bytes(config.cache, config.scheduler, arch, kv_format, free_after)
-    page = page_bytes(
-        arch, config.cache.page_size, kv_format.name, kv_format.fp8_policy,
-        config.cache.index_kv_dtype,
-    )  # fmt: skip
+    page = page_bytes(arch, config.cache.page_size, kv_format)
     if not fit_context:
         kv = max(kv, _one_request_bytes(config, page))  # less fails after the load
     return MemoryPlan(weights, kv, activation_bytes(config.scheduler, arch),
@@ -365,9 +360,7 @@ def would_fit(
     weights."""
     fits = []
     cache, model, max_len = config.cache, config.model, config.model.max_model_len
-    page = page_bytes(
-        arch, cache.page_size, kv_format.name, kv_format.fp8_policy, cache.index_kv_dtype
-    )
+    page = page_bytes(arch, cache.page_size, kv_format)
     w = plan.weights
     left = free.num_bytes - w.resident_bytes - plan.runtime_bytes  # for KV + activations
     kv_room = (left - plan.activation_bytes) // _MiB * _MiB

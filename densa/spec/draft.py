@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import (
     AttentionBackend,
@@ -243,6 +244,9 @@ def draft_vocab_size(target: ArchConfig, draft: ArchConfig) -> int:
     return min(target.vocab_size, draft.vocab_size)
 
 
+FLOAT32_PAGES = KVFormat.of("float32")
+
+
 @dataclass(frozen=True)
 class DraftSpec:
     """How to build a draft proposer next to a target (the engine builder fills it)."""
@@ -254,7 +258,13 @@ class DraftSpec:
     dtype: str = "float32"
     weight_format: str = "auto"  # resolved as the target's is: a GGUF draft runs from its blocks
     head_format: str = "auto"
-    kv_cache_dtype: str = "float32"  # FP8 pages take dynamic scales (no calibration for the draft)
+    kv_format: KVFormat = FLOAT32_PAGES  # see draft_kv_format
+
+
+def draft_kv_format(target: KVFormat) -> KVFormat:
+    """The draft's pages: the target's dtype, FP8 with dynamic scales (no calibration measures
+    the draft), index keys (if any) in the pages' dtype."""
+    return KVFormat.of(target.name)
 
 
 def load_draft_proposer(
@@ -277,13 +287,13 @@ def load_draft_proposer(
     weights, head = auto_formats(spec.model, draft_dir, spec.weight_format, spec.head_format)
     model = load_model(draft_dir, draft_arch, spec.dtype, spec.max_model_len, device, weights, head)
     kv_caches = allocate_kv_caches(
-        draft_arch, spec.num_pages, spec.page_size, spec.kv_cache_dtype, device
+        draft_arch, spec.num_pages, spec.page_size, spec.kv_format, device
     )
     fused = backend.capabilities.fused_decode and enable_fused_decode(model, kv_caches) is None
     logger.info(
         "draft model %s (%s weights, %s head): %d KV pages x %d tokens (%s), fused decode %s",
         draft_dir.name, weights, head, spec.num_pages, spec.page_size,
-        format_bytes(spec.num_pages * page_bytes(draft_arch, spec.page_size, spec.kv_cache_dtype)),
+        format_bytes(spec.num_pages * page_bytes(draft_arch, spec.page_size, spec.kv_format)),
         "on" if fused else "off",
     )  # fmt: skip
     return DraftModelProposer(
@@ -292,7 +302,7 @@ def load_draft_proposer(
     )  # fmt: skip
 
 
-def draft_page_bytes(model: str, page_size: int, kv_cache_dtype: str) -> int:
+def draft_page_bytes(model: str, page_size: int, kv_format: KVFormat) -> int:
     """Bytes of one page of the draft's KV, read from its config alone (before any load)."""
     arch = ArchConfig.from_dir(resolve_model_dir(model))
-    return page_bytes(arch, page_size, kv_cache_dtype)
+    return page_bytes(arch, page_size, kv_format)

@@ -40,6 +40,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, AttentionMetadata
 from densa.model.checkpoint_files import iter_checkpoint, safetensors_files
@@ -386,7 +387,7 @@ def load_mtp_proposer(
     if arch.dsa is not None:  # its pages hold the layer's index keys too
         one_layer = with_mtp_indexer(one_layer, num_layers=1)
     caches: list[LayerCache] = allocate_kv_caches(
-        one_layer, num_pages, page_size, "float32", device
+        one_layer, num_pages, page_size, KVFormat.of("float32"), device
     )
     cache = caches[0]
     assert isinstance(cache, LatentKVCache)

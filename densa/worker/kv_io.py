@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from densa.formats.kv_format import STATIC, KVFormat
+from densa.formats.kv_format import KVFormat
 from densa.kernels.cpu.kv_store import store_kv
 from densa.model.kv_layout import CachePart, LatentKVCache, LayerCache, cache_parts
 from densa.sched.output import PackedPages
@@ -91,10 +91,10 @@ def _pack(parts: _PageParts, index: torch.Tensor) -> PackedPages:
         )
         row_scales = _bytes_of(scales.cpu())
     static: list[list[float]] = []
-    if kv_format.scales == STATIC:
+    if kv_format.has_layer_scales:
         static = [[_static(s) for _, s in layer] for layer in parts.layers]
     return PackedPages(
-        kv_format.name, kv_format.scales, tuple(values.shape), _bytes_of(values.cpu()),
+        *kv_format.wire_form, tuple(values.shape), _bytes_of(values.cpu()),
         row_scales, static,
     )  # fmt: skip
 
@@ -136,7 +136,7 @@ def _land(
                 if src_scale is not None:
                     _scale(dest_scale)[index] = src_scale
                 continue
-            if source.scales == STATIC:
+            if source.has_layer_scales:
                 src_scale = torch.tensor(pages.static_scales[layer][part], device=device)
             real = source.dequantize(src, src_scale)
             store_pages(dest, dest_values, dest_scale, index, real)
@@ -161,7 +161,7 @@ def store_pages(
 
 def _format_of(pages: PackedPages) -> KVFormat:
     try:
-        return KVFormat(pages.kv_dtype, pages.kv_scales)
+        return KVFormat.from_wire(pages.kv_dtype, pages.kv_scales)
     except ValueError as exc:
         raise LandingError(f"pages of an unknown KV format: {exc}") from exc
 
@@ -180,7 +180,7 @@ def _tensors(
         raise LandingError(
             f"{source.describe()} pages with row scales {pages.row_scales is not None}"
         )
-    if source.scales == STATIC and [len(s) for s in pages.static_scales] != [want[1]] * want[0]:
+    if source.has_layer_scales and [len(s) for s in pages.static_scales] != [want[1]] * want[0]:
         raise LandingError("static FP8 pages without one scale per layer and part")
     values = _tensor(pages.values, source.storage_dtype, list(want))
     if pages.row_scales is None or scale_dtype is None:
@@ -189,9 +189,9 @@ def _tensors(
 
 
 def _same_format(source: KVFormat, dest: KVFormat, pages: PackedPages, parts: _PageParts) -> bool:
-    if (source.name, source.scales) != (dest.name, dest.scales):
+    if source.wire_form != dest.wire_form:
         return False
-    if source.scales != STATIC:
+    if not source.has_layer_scales:
         return True
     ours = [[_static(s) for _, s in layer] for layer in parts.layers]
     return ours == pages.static_scales

@@ -90,7 +90,9 @@ def _set_topk(model: nn.Module, topk: int) -> None:
 def filled_caches(arch: ArchConfig, context: int, kv_dtype: str) -> list[LatentKVCache]:
     """Pages of every layer holding random latents and index keys at positions [0, context)."""
     num_pages = -(-context // PAGE_SIZE)
-    caches = allocate_kv_caches(arch, num_pages, PAGE_SIZE, kv_dtype, torch.device("cpu"))
+    caches = allocate_kv_caches(
+        arch, num_pages, PAGE_SIZE, KVFormat.of(kv_dtype), torch.device("cpu")
+    )
     gen = torch.Generator().manual_seed(1)
     for cache in caches:
         assert isinstance(cache, LatentKVCache)
@@ -182,7 +184,9 @@ def kv_bytes_read(arch: ArchConfig, kv_dtype: str, context: int, num_layers: int
     per_row = _latent_row_bytes(arch, kv_dtype)
     if not sparse or context <= arch.dsa.topk:  # nothing to choose: every row is attended
         return num_layers * context * per_row
-    index_row = bytes_per_token(arch, kv_dtype) - arch.num_layers * per_row  # all indexed here
+    index_row = (
+        bytes_per_token(arch, KVFormat.of(kv_dtype)) - arch.num_layers * per_row
+    )  # all indexed here
     index_row //= arch.dsa.num_full_layers
     chosen = min(context, arch.dsa.topk)
     return num_indexed * context * index_row + num_layers * chosen * per_row
@@ -191,7 +195,7 @@ def kv_bytes_read(arch: ArchConfig, kv_dtype: str, context: int, num_layers: int
 def _latent_row_bytes(arch: ArchConfig, kv_dtype: str) -> int:
     """One latent row with its scale (FP8 dynamic, INT8), as the pages store it."""
     assert arch.mla is not None
-    fmt = KVFormat.of(kv_dtype, "dynamic")
+    fmt = KVFormat.of(kv_dtype)
     return arch.mla.latent_dim * fmt.value_bytes() + fmt.scale_bytes_per_row()
 
 

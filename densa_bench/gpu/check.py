@@ -161,6 +161,7 @@ def _kernels(results: dict[str, Any], device: Any, dry_run: bool, time_left: Any
 def _e2e(results: dict[str, Any], args: argparse.Namespace, time_left: Any) -> None:
     import torch
 
+    from densa.formats.kv_format import KVFormat
     from densa.model.arch import ArchConfig
     from densa.model.kv_pages import bytes_per_token
     from densa_bench.gpu.e2e import E2ESettings, baseline_kv_dtype, run_sweep
@@ -173,8 +174,9 @@ def _e2e(results: dict[str, Any], args: argparse.Namespace, time_left: Any) -> N
     model_dir = write_random_llama(workdir / "random-llama", shape, torch.device(settings.device))
     write_s = time.monotonic() - start
     arch = ArchConfig.from_dir(model_dir)
+    per_token = bytes_per_token(arch, KVFormat.of(baseline_kv_dtype(settings)))
     info, skipped = run_sweep(
-        model_dir, settings, shape.vocab_size, bytes_per_token(arch, baseline_kv_dtype(settings)),
+        model_dir, settings, shape.vocab_size, per_token,
         time_left,
         log=lambda line: print(f"[gpu_check] {line}", flush=True),
     )  # fmt: skip

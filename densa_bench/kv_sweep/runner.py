@@ -20,6 +20,7 @@ from typing import Any
 
 from densa.engine.llm_engine import LLMEngine
 from densa.engine.metrics import snapshot
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.kv_pages import kv_capacity, page_bytes
 from densa.model.loader import resolve_model_dir
@@ -40,7 +41,7 @@ logger = get_logger(__name__)
 def kv_budget_bytes(arch: ArchConfig, settings: KVSweepSettings, page_size: int) -> int:
     """`budget_requests` BF16 requests' worth of whole pages, in bytes."""
     pages_per_request = -(-settings.request_len // page_size)
-    bf16_request_bytes = pages_per_request * page_bytes(arch, page_size, "bfloat16")
+    bf16_request_bytes = pages_per_request * page_bytes(arch, page_size, KVFormat.of("bfloat16"))
     return int(settings.budget_requests * bf16_request_bytes)
 
 
@@ -160,7 +161,7 @@ def _report_settings(
     capacity = {}
     for engine in engines:
         cache = engine.engine.config.cache
-        row = kv_capacity(arch, budget, page_size, cache.kv_cache_dtype, cache.kv_scales)
+        row = kv_capacity(arch, budget, page_size, KVFormat.of_cache(cache))
         num_pages = snapshot(engine.engine).num_kv_pages
         capacity[engine.name] = {
             "kv_scales": row.kv_scales or "-",

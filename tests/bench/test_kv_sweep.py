@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from densa.cli import main
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.kv_pages import page_bytes
 from densa_bench.kv_sweep.runner import kv_budget_bytes
@@ -20,7 +21,9 @@ def test_budget_holds_the_asked_bf16_requests(tiny_model_dir: Path) -> None:
     arch = ArchConfig.from_dir(tiny_model_dir)
     settings = KVSweepSettings(prompt_len=30, output_len=10, budget_requests=2.5)
     budget = kv_budget_bytes(arch, settings, page_size=4)
-    assert budget == int(2.5 * 10 * page_bytes(arch, 4, "bfloat16"))  # 40 tokens = 10 pages
+    assert budget == int(
+        2.5 * 10 * page_bytes(arch, 4, KVFormat.of("bfloat16"))
+    )  # 40 tokens = 10 pages
     with pytest.raises(ValueError):
         KVSweepSettings(budget_requests=0.5)
     with pytest.raises(ValueError):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
 from densa.model.kv_pages import allocate_kv_caches
@@ -26,8 +27,7 @@ def densa_logits(
     cpu = torch.device("cpu")
     model = load_model(model_dir, arch, dtype, 512, cpu)
     num_pages = -(-len(token_ids) // page_size)
-    kv_dtype = dtype
-    caches = allocate_kv_caches(arch, num_pages * 2, page_size, kv_dtype, cpu)
+    caches = allocate_kv_caches(arch, num_pages * 2, page_size, KVFormat.of(dtype), cpu)
     pages = list(range(num_pages * 2 - 1, -1, -2))[:num_pages]  # non-contiguous, descending
     step = chunk_size or len(token_ids)
     logits = []

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from densa.formats import fp8_kv
+from densa.formats.kv_format import KVFormat
 from densa.kernels.cpu import native
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, CpuAttentionBackend, build_group
@@ -25,15 +26,19 @@ from densa.utils.cpu import cpu_flags
 pytestmark = pytest.mark.skipif(not native.is_available(), reason="no C++ kernels here")
 
 PAGE_SIZE = 4
+FP32 = KVFormat.of("float32")
 PATHS = ["avx2"] + (
     ["avx512_vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags() else []
 )
-KV_FORMATS = {  # name: (kv dtype, scale policy, static scales)
-    "fp32": ("float32", "dynamic", None),
-    "bf16": ("bfloat16", "dynamic", None),
-    "fp8-dynamic": ("fp8_e4m3", "dynamic", None),
-    "fp8-static": ("fp8_e4m3", "static", fp8_kv.KVScales(k=(0.5, 0.25), v=(0.125, 1.0))),
-    "int8": ("int8", "dynamic", None),
+KV_FORMATS = {  # name: (KV format, static scales)
+    "fp32": (KVFormat.of("float32"), None),
+    "bf16": (KVFormat.of("bfloat16"), None),
+    "fp8-dynamic": (KVFormat.of("fp8_e4m3", "dynamic"), None),
+    "fp8-static": (
+        KVFormat.of("fp8_e4m3", "static"),
+        fp8_kv.KVScales(k=(0.5, 0.25), v=(0.125, 1.0)),
+    ),
+    "int8": (KVFormat.of("int8"), None),
 }
 
 
@@ -77,10 +82,10 @@ def _step(
     model = load_model(model_dir, arch, "float32", 512, cpu, weight_format, head_format)
     if convert is not None:
         convert(model)
-    kv_dtype, policy, static = KV_FORMATS[kv]
+    kv_format, static = KV_FORMATS[kv]
     lens, tables = prompts
     num_pages = max(max(table) for table in tables) + 1
-    caches = allocate_kv_caches(arch, num_pages, PAGE_SIZE, kv_dtype, cpu, policy, static)
+    caches = allocate_kv_caches(arch, num_pages, PAGE_SIZE, kv_format, cpu, static)
     backend = CpuAttentionBackend()
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -253,7 +258,7 @@ def test_unsupported_models_say_why(tiny_model_dir: Path) -> None:
     arch = ArchConfig.from_dir(tiny_model_dir)
     cpu = torch.device("cpu")
     model = load_model(tiny_model_dir, arch, "bfloat16", 64, cpu)
-    caches = allocate_kv_caches(arch, 4, PAGE_SIZE, "bfloat16", cpu)
+    caches = allocate_kv_caches(arch, 4, PAGE_SIZE, KVFormat.of("bfloat16"), cpu)
     assert unsupported_reason(model, caches) == "compute dtype is not float32"
     int4 = load_model(tiny_model_dir, arch, "float32", 64, cpu, "int4")
     assert "Int4Linear" in str(unsupported_reason(int4, caches))
@@ -288,8 +293,8 @@ def test_layered_steps_match_eager(
     arch = ArchConfig.from_dir(tiny_model_dir)
     cpu = torch.device("cpu")
     model = load_model(tiny_model_dir, arch, "float32", 512, cpu, weight_format)
-    kv_dtype, policy, static = KV_FORMATS[kv]
-    caches = allocate_kv_caches(arch, 24, PAGE_SIZE, kv_dtype, cpu, policy, static)
+    kv_format, static = KV_FORMATS[kv]
+    caches = allocate_kv_caches(arch, 24, PAGE_SIZE, kv_format, cpu, static)
     backend = CpuAttentionBackend()
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
@@ -336,13 +341,13 @@ def test_a_step_of_more_rows_than_an_mlp_tile_equals_its_rows_run_apart(
     ids = torch.randint(300, 40000, (num_rows,), generator=torch.Generator().manual_seed(5))
     pos = torch.zeros(num_rows, dtype=torch.long)
     with torch.inference_mode():
-        caches = allocate_kv_caches(arch, num_rows, PAGE_SIZE, "float32", cpu)
+        caches = allocate_kv_caches(arch, num_rows, PAGE_SIZE, FP32, cpu)
         whole = FusedDecoder(model, caches).forward(
             ids, pos, _one_token_sequences(0, num_rows, cpu)
         )
         parts = []
         for first in range(0, num_rows, part):
-            apart = allocate_kv_caches(arch, part, PAGE_SIZE, "float32", cpu)
+            apart = allocate_kv_caches(arch, part, PAGE_SIZE, FP32, cpu)
             meta = _one_token_sequences(0, part, cpu)
             rows = slice(first, first + part)
             parts.append(FusedDecoder(model, apart).forward(ids[rows], pos[rows], meta))

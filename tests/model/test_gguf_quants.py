@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from densa.formats.kv_format import KVFormat
 from densa.kernels.cpu import native, qgemm
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, TorchAttentionBackend, build_group
@@ -245,7 +246,7 @@ def _logits(model: nn.Module, model_dir: Path, token_ids: list[int]) -> torch.Te
     arch = ArchConfig.from_dir(model_dir)
     cpu, page_size = torch.device("cpu"), 4
     num_pages = -(-len(token_ids) // page_size)
-    caches = allocate_kv_caches(arch, num_pages, page_size, "float32", cpu)
+    caches = allocate_kv_caches(arch, num_pages, page_size, KVFormat.of("float32"), cpu)
     positions = torch.arange(len(token_ids))
     meta = AttentionMetadata(
         slot_pages=positions // page_size,

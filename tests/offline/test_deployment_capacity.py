@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from densa.cli import main
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.offline import deployment
 
 CONFIGS = Path(__file__).parent.parent / "fixtures" / "configs"
 H200 = deployment.GPUS["h200"]
 RESERVE = 4 * 2**30
+BF16 = KVFormat.of("bfloat16")
 
 
 def _sized(name: str, tp: int = 8) -> tuple[ArchConfig, deployment.ParamCounts, dict, dict]:
@@ -78,10 +80,10 @@ def test_kv_bytes_per_token_per_gpu() -> None:
     glm, _, _, _ = _sized("glm-4.5")
     per_gpu = deployment.kv_bytes_per_token_per_gpu
     # MLA: 61 layers x (512 + 64) bf16 values on every rank, whatever the TP degree.
-    assert per_gpu(kimi, "bfloat16", None, 8) == per_gpu(kimi, "bfloat16", None, 1) == 61 * 576 * 2
+    assert per_gpu(kimi, BF16, 8) == per_gpu(kimi, BF16, 1) == 61 * 576 * 2
     # GQA: 92 layers x K and V x 8 heads / TP x 128 x 2 bytes; never less than one head a rank.
-    assert per_gpu(glm, "bfloat16", None, 4) == 92 * 2 * 2 * 128 * 2
-    assert per_gpu(glm, "bfloat16", None, 8) == per_gpu(glm, "bfloat16", None, 16) == 47104
+    assert per_gpu(glm, BF16, 4) == 92 * 2 * 2 * 128 * 2
+    assert per_gpu(glm, BF16, 8) == per_gpu(glm, BF16, 16) == 47104
 
 
 def test_fp8_weights_on_8_h200_are_a_tight_fit_for_kimi() -> None:
@@ -118,7 +120,7 @@ def test_index_keys_are_whole_on_every_rank() -> None:
     """GLM-5.2: 78 latent rows and 21 index keys per token on every rank, at any TP."""
     glm, _, _, tokens = _sized("glm-5.2")
     per_gpu = deployment.kv_bytes_per_token_per_gpu
-    assert per_gpu(glm, "bfloat16", None, 8) == per_gpu(glm, "bfloat16", None, 1) == 95232
-    assert per_gpu(glm, "fp8_e4m3", "dynamic", 8) == 78 * 577 + 21 * 129
+    assert per_gpu(glm, BF16, 8) == per_gpu(glm, BF16, 1) == 95232
+    assert per_gpu(glm, KVFormat.of("fp8_e4m3", "dynamic"), 8) == 78 * 577 + 21 * 129
     ratio = tokens[("int4 g32", "fp8_e4m3")] / tokens[("int4 g32", "bfloat16")]
     assert 1.99 < ratio <= 2.0

@@ -10,6 +10,7 @@ import torch
 
 from densa.cli import main
 from densa.engine.llm_engine import LLMEngine
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.kv_pages import (
     allocate_kv_caches,
@@ -44,17 +45,21 @@ def _arch(num_layers: int = 30, num_kv_heads: int = 3, head_dim: int = 64) -> Ar
 def test_bytes_per_token_per_kv_dtype() -> None:
     arch = _arch()
     values = 2 * 30 * 3 * 64  # K and V, every layer and kv head
-    assert bytes_per_token(arch, "float32") == 4 * values == 46080
-    assert bytes_per_token(arch, "bfloat16") == bytes_per_token(arch, "float16") == 23040
-    assert bytes_per_token(arch, "fp8_e4m3", "static") == values == 11520
+    assert bytes_per_token(arch, KVFormat.of("float32")) == 4 * values == 46080
+    assert (
+        bytes_per_token(arch, KVFormat.of("bfloat16"))
+        == bytes_per_token(arch, KVFormat.of("float16"))
+        == 23040
+    )
+    assert bytes_per_token(arch, KVFormat.of("fp8_e4m3", "static")) == values == 11520
     # One int8 exponent per (token, kv head, K/V, layer): 1 byte per 64 values.
-    assert bytes_per_token(arch, "fp8_e4m3", "dynamic") == values + 2 * 30 * 3 == 11700
+    assert bytes_per_token(arch, KVFormat.of("fp8_e4m3", "dynamic")) == values + 2 * 30 * 3 == 11700
 
 
 def test_capacity_arithmetic_and_the_fp8_ratio() -> None:
     arch = _arch()
-    bf16 = kv_capacity(arch, 4 * GIB, 16, "bfloat16", None)
-    fp8 = kv_capacity(arch, 4 * GIB, 16, "fp8_e4m3", "dynamic")
+    bf16 = kv_capacity(arch, 4 * GIB, 16, KVFormat.of("bfloat16"))
+    fp8 = kv_capacity(arch, 4 * GIB, 16, KVFormat.of("fp8_e4m3", "dynamic"))
     assert bf16.num_pages == 4 * GIB // (23040 * 16) == 11650
     assert fp8.num_pages == 4 * GIB // (11700 * 16) == 22943
     assert (bf16.resident_tokens, fp8.resident_tokens) == (186400, 367088)
@@ -62,7 +67,7 @@ def test_capacity_arithmetic_and_the_fp8_ratio() -> None:
     assert fp8.max_requests(2048) == 22943 // 128 == 179
     assert fp8.max_requests(2049) == 22943 // 129  # a partial page still costs a whole one
     assert fp8.resident_tokens / bf16.resident_tokens >= 1.9
-    static = kv_capacity(arch, 4 * GIB, 16, "fp8_e4m3", "static")
+    static = kv_capacity(arch, 4 * GIB, 16, KVFormat.of("fp8_e4m3", "static"))
     assert static.resident_tokens / bf16.resident_tokens == pytest.approx(2.0, abs=1e-3)
 
 
@@ -70,8 +75,8 @@ def test_capacity_arithmetic_and_the_fp8_ratio() -> None:
 def test_default_model_fp8_holds_at_least_1_9x_bf16_tokens(smollm2_dir: Path) -> None:
     arch = ArchConfig.from_dir(smollm2_dir)
     for budget in (256 * 1024**2, 4 * GIB, 64 * GIB):
-        bf16 = kv_capacity(arch, budget, 16, "bfloat16", None)
-        fp8 = kv_capacity(arch, budget, 16, "fp8_e4m3", "dynamic")
+        bf16 = kv_capacity(arch, budget, 16, KVFormat.of("bfloat16"))
+        fp8 = kv_capacity(arch, budget, 16, KVFormat.of("fp8_e4m3", "dynamic"))
         assert fp8.resident_tokens / bf16.resident_tokens >= 1.9
 
 
@@ -79,13 +84,14 @@ def test_default_model_fp8_holds_at_least_1_9x_bf16_tokens(smollm2_dir: Path) ->
                                               ("fp8_e4m3", "static")])  # fmt: skip
 def test_allocated_tensors_fit_the_budget(kv_dtype: str, scales: str) -> None:
     arch, budget, page_size = _arch(4, 2, 32), 3_000_000, 8
-    num_pages = num_pages_for_budget(arch, page_size, kv_dtype, budget, scales)
-    caches = allocate_kv_caches(arch, num_pages, page_size, kv_dtype, torch.device("cpu"), scales)
+    kv_format = KVFormat.of(kv_dtype, scales)
+    num_pages = num_pages_for_budget(arch, page_size, kv_format, budget)
+    caches = allocate_kv_caches(arch, num_pages, page_size, kv_format, torch.device("cpu"))
     # Every byte the per-layer views cover (the huge-page region behind them is padded for
     # alignment, so storage sizes over-count by up to 2 MiB of untouched address space).
     views = [t for c in caches for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None]
     used = sum(t.numel() * t.element_size() for t in views if t.dim() > 0)
-    assert used == num_pages * page_size * bytes_per_token(arch, kv_dtype, scales) <= budget
+    assert used == num_pages * page_size * bytes_per_token(arch, kv_format) <= budget
 
 
 def test_capacity_command_prints_every_kv_dtype(
@@ -110,7 +116,7 @@ def test_fp8_pool_fills_to_its_resident_tokens(tiny_model_dir: Path) -> None:
     # buys 90 pages (plus change smaller than a page) = 360 resident tokens.
     page_size, prompt_len, budget = 4, 21, 90 * 544 + 500
     arch = ArchConfig.from_dir(tiny_model_dir)
-    capacity = kv_capacity(arch, budget, page_size, "fp8_e4m3", "dynamic")
+    capacity = kv_capacity(arch, budget, page_size, KVFormat.of("fp8_e4m3", "dynamic"))
     assert (capacity.num_pages, capacity.resident_tokens) == (90, 360)
     engine = LLMEngine.from_args(
         EngineArgs(model=str(tiny_model_dir), kv_cache_dtype="fp8_e4m3",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from densa.formats import int8_kv
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.kv_pages import allocate_kv_caches, bytes_per_token
 
@@ -49,14 +50,16 @@ def test_store_scatters_codes_and_scales_into_their_slots() -> None:
 
 def test_int8_holds_about_twice_bf16s_tokens(smollm2_dir) -> None:  # type: ignore[no-untyped-def]
     arch = ArchConfig.from_dir(smollm2_dir)
-    ratio = bytes_per_token(arch, "bfloat16") / bytes_per_token(arch, "int8")
+    ratio = bytes_per_token(arch, KVFormat.of("bfloat16")) / bytes_per_token(
+        arch, KVFormat.of("int8")
+    )
     assert ratio == 128 / 66  # per 64-value row: 64 codes + a 2-byte scale vs 128 bytes
     assert ratio >= 1.9
 
 
 def test_allocation_has_fp16_row_scales(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
     arch = ArchConfig.from_dir(tiny_model_dir)
-    caches = allocate_kv_caches(arch, 6, 4, "int8", torch.device("cpu"))
+    caches = allocate_kv_caches(arch, 6, 4, KVFormat.of("int8"), torch.device("cpu"))
     for cache in caches:
         assert cache.k.dtype == torch.int8 and cache.k.shape[:3] == (6, arch.num_kv_heads, 4)
         assert cache.k_scale is not None and cache.k_scale.dtype == torch.float16

@@ -60,5 +60,5 @@ def test_the_allocator_hands_every_layer_the_engine_format(tiny_model_dir) -> No
     from densa.model.arch import ArchConfig
 
     arch = ArchConfig.from_dir(tiny_model_dir)
-    caches = allocate_kv_caches(arch, 4, 4, "int8", torch.device("cpu"))
+    caches = allocate_kv_caches(arch, 4, 4, KVFormat.of("int8"), torch.device("cpu"))
     assert {c.kv_format for c in caches} == {KVFormat("int8", ROW)}

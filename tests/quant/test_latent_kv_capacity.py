@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from densa.cli import main
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.kv_layout import LatentKVCache
 from densa.model.kv_pages import allocate_kv_caches, bytes_per_token, kv_capacity, page_bytes
@@ -40,12 +41,12 @@ def deepseek_v3_shape(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_latent_bytes_per_token(deepseek_v3_shape: Path) -> None:
     arch = ArchConfig.from_dir(deepseek_v3_shape)
     assert arch.num_layers == 61 and arch.mla is not None and arch.mla.latent_dim == 576
-    assert bytes_per_token(arch, "bfloat16") == 61 * 576 * 2 == 70272
+    assert bytes_per_token(arch, KVFormat.of("bfloat16")) == 61 * 576 * 2 == 70272
     # One int8 power-of-two exponent per latent row: 577 bytes per layer.
-    assert bytes_per_token(arch, "fp8_e4m3", "dynamic") == 61 * 577 == 35197
-    assert bytes_per_token(arch, "fp8_e4m3", "static") == 61 * 576
-    bf16 = kv_capacity(arch, 64 * GIB, 64, "bfloat16", None)
-    fp8 = kv_capacity(arch, 64 * GIB, 64, "fp8_e4m3", "dynamic")
+    assert bytes_per_token(arch, KVFormat.of("fp8_e4m3", "dynamic")) == 61 * 577 == 35197
+    assert bytes_per_token(arch, KVFormat.of("fp8_e4m3", "static")) == 61 * 576
+    bf16 = kv_capacity(arch, 64 * GIB, 64, KVFormat.of("bfloat16"))
+    fp8 = kv_capacity(arch, 64 * GIB, 64, KVFormat.of("fp8_e4m3", "dynamic"))
     assert fp8.resident_tokens / bf16.resident_tokens >= 1.99  # goal 1.9x; FlashMLA's is 1.76x
 
 
@@ -62,12 +63,12 @@ def test_capacity_command_reports_the_latent(
 def test_latent_pages_are_allocated_filled_and_copied(tmp_path: Path, smollm2_dir: Path) -> None:
     model_dir = save_tiny("deepseek_v3", tmp_path, smollm2_dir)
     arch = ArchConfig.from_dir(model_dir)
-    caches = allocate_kv_caches(arch, 10, 4, "fp8_e4m3", torch.device("cpu"))
+    caches = allocate_kv_caches(arch, 10, 4, KVFormat.of("fp8_e4m3"), torch.device("cpu"))
     assert all(isinstance(c, LatentKVCache) for c in caches) and len(caches) == arch.num_layers
     cache = caches[0]
     assert cache.latent.shape == (10, 1, 4, 40) and cache.scale is not None
     allocated = sum(c.latent.nbytes + c.scale.nbytes for c in caches if c.scale is not None)
-    assert allocated == 10 * page_bytes(arch, 4, "fp8_e4m3")
+    assert allocated == 10 * page_bytes(arch, 4, KVFormat.of("fp8_e4m3"))
 
     # FP8 latent pages copy into an FP32 pool exactly (the real values travel, scales applied).
     source, dest = make_engine(model_dir, "fp8_e4m3"), make_engine(model_dir, "float32")
@@ -87,18 +88,18 @@ def test_sparse_attention_pages_count_the_index_keys() -> None:
     FP8 keys carry one scale per 128-value block (static latent scales or not)."""
     glm = ArchConfig.from_dir(FIXTURES / "glm-5.2")
     assert glm.dsa is not None and glm.dsa.num_full_layers == 21
-    assert bytes_per_token(glm, "bfloat16") == 78 * 576 * 2 + 21 * 128 * 2 == 95232
-    assert bytes_per_token(glm, "fp8_e4m3", "dynamic") == 78 * 577 + 21 * 129 == 47715
-    assert bytes_per_token(glm, "fp8_e4m3", "static") == 78 * 576 + 21 * 129
-    assert bytes_per_token(glm, "int8") == 78 * 578 + 21 * 130
+    assert bytes_per_token(glm, KVFormat.of("bfloat16")) == 78 * 576 * 2 + 21 * 128 * 2 == 95232
+    assert bytes_per_token(glm, KVFormat.of("fp8_e4m3", "dynamic")) == 78 * 577 + 21 * 129 == 47715
+    assert bytes_per_token(glm, KVFormat.of("fp8_e4m3", "static")) == 78 * 576 + 21 * 129
+    assert bytes_per_token(glm, KVFormat.of("int8")) == 78 * 578 + 21 * 130
     glm5 = ArchConfig.from_dir(FIXTURES / "glm-5")  # every layer runs its indexer
-    assert bytes_per_token(glm5, "bfloat16") == 78 * (576 + 128) * 2
+    assert bytes_per_token(glm5, KVFormat.of("bfloat16")) == 78 * (576 + 128) * 2
 
 
 def test_index_keys_are_allocated_in_the_same_pages(tmp_path: Path) -> None:
     model_dir = save_tiny("glm_moe_dsa", tmp_path)
     arch = ArchConfig.from_dir(model_dir)
-    caches = allocate_kv_caches(arch, 10, 4, "fp8_e4m3", torch.device("cpu"))
+    caches = allocate_kv_caches(arch, 10, 4, KVFormat.of("fp8_e4m3"), torch.device("cpu"))
     indexed = [i for i, c in enumerate(caches) if isinstance(c, LatentKVCache) and c.index]
     assert indexed == [0, 2]  # the full indexer layers; 1 and 3 reuse their choice
     index = caches[0].index  # type: ignore[union-attr]
@@ -111,13 +112,16 @@ def test_index_keys_are_allocated_in_the_same_pages(tmp_path: Path) -> None:
         allocated += cache.latent.nbytes + cache.scale.nbytes
         if cache.index is not None and cache.index.scale is not None:
             allocated += cache.index.keys.nbytes + cache.index.scale.nbytes
-    assert allocated == 10 * page_bytes(arch, 4, "fp8_e4m3")
+    assert allocated == 10 * page_bytes(arch, 4, KVFormat.of("fp8_e4m3"))
 
 
 def test_index_keys_in_a_dtype_of_their_own(tmp_path: Path, smollm2_dir: Path) -> None:
     """--index-kv-dtype: FP8 index keys beside float32 latents, sized and allocated so."""
     glm = ArchConfig.from_dir(FIXTURES / "glm-5.2")
-    assert bytes_per_token(glm, "bfloat16", index_kv_dtype="fp8_e4m3") == 78 * 1152 + 21 * 129
+    assert (
+        bytes_per_token(glm, KVFormat.of("bfloat16", index_dtype="fp8_e4m3"))
+        == 78 * 1152 + 21 * 129
+    )
     from densa.engine.llm_engine import LLMEngine
     from densa.setup.args import EngineArgs
 

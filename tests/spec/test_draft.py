@@ -14,6 +14,7 @@ import torch
 
 from densa.cache.integrity import IntegrityViolation, ViolationKind
 from densa.engine.llm import LLM
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention_backends import select_backend
 from densa.model.kv_pages import allocate_kv_caches
@@ -201,7 +202,7 @@ def test_the_bundled_smollm2_as_draft_proposes_its_greedy_continuation(smollm2_d
     # the draft runs them over pages of its own.
     arch = llm.engine.arch
     proposer = DraftModelProposer(
-        llm.engine.runner.model, allocate_kv_caches(arch, 32, PAGE_SIZE, "float32", CPU),
+        llm.engine.runner.model, allocate_kv_caches(arch, 32, PAGE_SIZE, KVFormat.of("float32"), CPU),
         PAGE_SIZE, select_backend("auto", CPU), CPU, 32, MAX_LEN, arch.vocab_size,
     )  # fmt: skip
     assert proposer.propose([SpecInput("s", prompt, K)]) == [ref[:K]]

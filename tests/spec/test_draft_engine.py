@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from densa.engine.llm import LLM
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.kv_pages import page_bytes
 from densa.sampling_params import SamplingParams
@@ -20,6 +21,7 @@ from tests.conftest import make_tiny_llama
 
 PAGE_SIZE = 8
 CPU = torch.device("cpu")
+FP32 = KVFormat.of("float32")
 ENGINE = dict(num_kv_pages=128, page_size=PAGE_SIZE, max_model_len=512)
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
@@ -91,8 +93,8 @@ def test_the_draft_kv_shares_the_budget(tiny_model_dir: Path, other_draft_dir: P
         model=str(tiny_model_dir), speculative_model=str(other_draft_dir),
         kv_cache_memory="1MiB", page_size=PAGE_SIZE, dtype="float32", max_model_len=64,
     )  # fmt: skip
-    per_page = page_bytes(arch, PAGE_SIZE, args.kv_format().name)
-    draft_per_page = page_bytes(ArchConfig.from_dir(other_draft_dir), PAGE_SIZE, "float32")
+    per_page = page_bytes(arch, PAGE_SIZE, args.kv_format())
+    draft_per_page = page_bytes(ArchConfig.from_dir(other_draft_dir), PAGE_SIZE, FP32)
     config, kv_format = args.resolve(arch, str(tiny_model_dir)), args.kv_format()
     draft_page = draft_kv_page_bytes(config.speculative, PAGE_SIZE, kv_format)
     assert draft_page == draft_per_page

@@ -18,7 +18,7 @@ from densa.formats.fp8_kv import (
     quantize_fp8_static,
 )
 from densa.formats.int8_kv import store_int8
-from densa.formats.kv_format import ROW, STATIC, KVFormat
+from densa.formats.kv_format import ROW, KVFormat
 
 
 # ---- storing ---------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def store_fp8(
     """
     if cache.dtype != FP8_DTYPE:
         raise TypeError(f"store_fp8 writes float8_e4m3fn caches, not {cache.dtype}")
-    static = (kv_format or KVFormat.of_tensors(cache, scale)).scales == STATIC
+    static = (kv_format or KVFormat.of_tensors(cache, scale)).has_layer_scales
     if scale is None:
         scale = torch.tensor(1.0)
     if cache.device.type == "cpu" and cache.is_contiguous():

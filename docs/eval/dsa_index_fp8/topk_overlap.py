@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionMetadata, CpuAttentionBackend, build_group
 from densa.model.dsa import Indexer
@@ -42,8 +43,9 @@ def main() -> None:
     cpu = torch.device("cpu")
     model = load_model(ns.model_dir, arch, "float32", ns.segment_len, cpu)
     pages = -(-ns.segment_len // PAGE)
-    caches = allocate_kv_caches(arch, pages, PAGE, "bfloat16", cpu)
-    shadow = allocate_kv_caches(arch, pages, PAGE, "bfloat16", cpu, index_kv_dtype="fp8_e4m3")
+    caches = allocate_kv_caches(arch, pages, PAGE, KVFormat.of("bfloat16"), cpu)
+    shadow_format = KVFormat.of("bfloat16", index_dtype="fp8_e4m3")
+    shadow = allocate_kv_caches(arch, pages, PAGE, shadow_format, cpu)
     shadow_of = {id(c.index): s.index for c, s in zip(caches, shadow, strict=True)
                  if isinstance(c, LatentKVCache) and c.index is not None}  # fmt: skip
     overlaps: list[float] = []  # this segment's overlap fractions
