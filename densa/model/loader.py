@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -56,7 +57,7 @@ from densa.model.runtime_weights import (
 )
 from densa.model.stacked_linear import prepare_stacked
 from densa.quant import gguf_blocks
-from densa.quant.weight_format import WeightFormat
+from densa.quant.weight_format import CheckpointFormat, WeightFormat
 from densa.utils.heap import keep_large_allocations_unmappable, return_free_heap
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
@@ -109,6 +110,69 @@ def check_fits(
     return needed
 
 
+@dataclass
+class LoadPlan:
+    """What `load_model` builds, decided once from the checkpoint's headers (no tensor read):
+    the model on the meta device with every layer swapped for the format it runs in, and where
+    its weights come from. The memory check measures it, `load_planned` fills it (once: the
+    meta model becomes the loaded one)."""
+
+    model_dir: Path
+    model: CausalLM  # on the meta device, tied
+    dtype: str
+    device: torch.device
+    weight_format: str
+    head_format: str
+    source: GGUFFile | None  # a converted GGUF file, read from the file itself
+    files: list[Path]  # else the safetensors files
+    stored: CheckpointFormat | None  # what the checkpoint says it stores
+    runtime: WeightFormat | None  # what the quantized layers run as
+    targets: set[str]  # the layers `runtime` quantizes
+    kept: dict[str, KeptLinear]  # the GGUF layers kept in their blocks
+    table: KeptEmbedding | None  # the GGUF embedding kept in its blocks
+    num_params: int
+    packed_savings: int  # bytes the formats save against dense weights of `dtype`
+
+    @property
+    def packed(self) -> str | None:
+        """The CPU kernels' format the linears are packed into after the load (None: not)."""
+        return self.weight_format if self.weight_format in PACKED_FORMATS else None
+
+
+def plan_load(
+    model_dir: Path,
+    arch: ArchConfig,
+    dtype: str,
+    max_position: int,
+    device: torch.device,
+    weight_format: str = "auto",
+    head_format: str = "dense",
+) -> LoadPlan:
+    """The load of `model_dir` in the runtime format `weight_format` selects, planned."""
+    torch_dtype = DTYPES[dtype]
+    source = GGUFFile.of_converted(model_dir)
+    files = [] if source is not None else safetensors_files(model_dir)
+    stored = read_stored_format(files) if files else None
+    runtime = runtime_format(stored, runtime_request(weight_format))
+    with meta_skeleton():
+        model = model_factory(arch.architecture)(arch, max_position, device).to(dtype=torch_dtype)
+        num_params = num_parameters(model)
+        kept = kept_linears(model, source, weight_format, head_format, device)
+        table = kept_embedding(model, source, arch, device)
+        targets = quantized_modules(model, stored, runtime)
+        if runtime is not None:
+            swap_quantized(model, targets, runtime)
+        # What the quantized layers (INT4, FP8, FP4) hold less than dense ones, and the GGUF
+        # layers kept in their blocks.
+        savings = num_params * torch_dtype.itemsize - _meta_bytes(model)
+        savings += _packed_savings(model, kept, table, torch_dtype)
+        swap_kept_linears(model, kept)
+        swap_kept_embedding(model, table)
+        model.tie_weights()
+    return LoadPlan(model_dir, model, dtype, device, weight_format, head_format, source, files,
+                    stored, runtime, targets, kept, table, num_params, savings)  # fmt: skip
+
+
 def load_model(
     model_dir: Path,
     arch: ArchConfig,
@@ -123,49 +187,35 @@ def load_model(
     w8a8 packs the output head too (tied or not). A converted GGUF file is read from the file
     itself, its linear layers kept in their blocks where the kernels run them
     (densa.model.gguf_loading)."""
-    torch_dtype = DTYPES[dtype]
+    plan = plan_load(model_dir, arch, dtype, max_position, device, weight_format, head_format)
+    return load_planned(plan)
+
+
+def load_planned(plan: LoadPlan) -> CausalLM:
+    """Allocate the planned model and fill it from the checkpoint (a plan loads once)."""
+    device, model_dir = plan.device, plan.model_dir
+    check_fits(plan.num_params, DTYPES[plan.dtype], device, plan.packed_savings)
     keep_large_allocations_unmappable()  # the load's temporaries must not stay in the heap
-    source = GGUFFile.of_converted(model_dir)
-    files = [] if source is not None else safetensors_files(model_dir)
-    stored = read_stored_format(files) if files else None
-    packed = weight_format if weight_format in PACKED_FORMATS else None
-    runtime = runtime_format(stored, runtime_request(weight_format))
-    factory = model_factory(arch.architecture)
-    # Build without initializing (meta device), then allocate and fill from the checkpoint.
-    with meta_skeleton():
-        model = factory(arch, max_position, device).to(dtype=torch_dtype)
-        num_params = num_parameters(model)
-        kept = kept_linears(model, source, weight_format, head_format, device)
-        table = kept_embedding(model, source, arch, device)
-        targets = quantized_modules(model, stored, runtime)
-        if runtime is not None:
-            swap_quantized(model, targets, runtime)
-        # What the quantized layers (INT4, FP8, FP4) hold less than dense ones, and the GGUF
-        # layers kept in their blocks.
-        savings = num_params * torch_dtype.itemsize - _meta_bytes(model)
-        savings += _packed_savings(model, kept, table, torch_dtype)
-        check_fits(num_params, torch_dtype, device, savings)
-        swap_kept_linears(model, kept)
-        swap_kept_embedding(model, table)
-    model = model.to_empty(device=device)
+    model = plan.model.to_empty(device=device)
     model.tie_weights()
     raw = (
-        gguf_checkpoint(source, model, BlockSink(model, kept, table))
-        if source is not None
-        else iter_checkpoint(files)
+        gguf_checkpoint(plan.source, model, BlockSink(model, plan.kept, plan.table))
+        if plan.source is not None
+        else iter_checkpoint(plan.files)
     )
-    _load_weights(model, model_dir, runtime_tensors(raw, model, stored, runtime, targets))
+    tensors = runtime_tensors(raw, model, plan.stored, plan.runtime, plan.targets)
+    _load_weights(model, model_dir, tensors)
     prepare_quantized(model)
-    _pack(model, packed, head_format)
+    _pack(model, plan.packed, plan.head_format)
     prepare_stacked(model)
     center_keys(model)
-    model.weight_format = _describe_weights(runtime, packed, head_format, kept)
+    model.weight_format = _describe_weights(plan.runtime, plan.packed, plan.head_format, plan.kept)
     if device.type == "cpu":
         rehome_on_huge_pages(model)  # streaming weights from huge pages is ~30% faster
         return_free_heap()
     logger.info(
         "loaded %s (%s parameters, %s compute, %s weights: %s resident)",
-        model_dir.name, f"{num_params:,}", dtype, model.weight_format,
+        model_dir.name, f"{plan.num_params:,}", plan.dtype, model.weight_format,
         format_bytes(resident_weight_bytes(model)),
     )  # fmt: skip
     return model.eval()

@@ -21,7 +21,7 @@ from densa.model.fused_decode import unsupported_reason
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import LayerCache
 from densa.model.kv_pages import allocate_kv_caches, page_bytes
-from densa.model.loader import auto_dtype, auto_formats, load_model, resolve_model_dir
+from densa.model.loader import auto_dtype, auto_formats, resolve_model_dir
 from densa.sched.stop import StopRule
 from densa.setup.args import EngineArgs, default_model_path
 from densa.setup.kv_sizing import (
@@ -31,8 +31,8 @@ from densa.setup.kv_sizing import (
     is_relative,
     resolve_num_pages,
 )
-from densa.setup.loading import load_decode_model, load_static_kv_scales, load_tokenizer
-from densa.setup.memory_plan import check_memory
+from densa.setup.loading import load_models, load_static_kv_scales, load_tokenizer, plan_loads
+from densa.setup.memory_plan import check_memory, loads_weights
 from densa.setup.proposers import DraftTarget, build_proposer, streamed_weight_bytes
 from densa.spec.proposer import Proposer
 from densa.text.tokenizer import Tokenizer
@@ -77,16 +77,13 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     fit = args.max_model_len is None  # the trained context, shortened to what the KV holds
     # A fixed size is checked before the slow load; a share of free memory only after it.
     sized = None if is_relative(config.cache) else _num_pages(config, arch, kv_format, device, fit)
-    check_memory(config, source.model_dir, arch, kv_format, fit_context=fit)  # or refuses
+    loads = plan_loads(config.model, source.model_dir, arch, device)  # measured, then loaded
+    check_memory(config, source.model_dir, arch, kv_format, fit_context=fit,
+                 weights=loads_weights(loads))  # or refuses  # fmt: skip
     logger.info("loading the model %s", config.model.model)
     tokenizer = load_tokenizer(source.model_dir, arch.eos_token_ids)
     _release(tokenizer)  # before the weights arrive: the load's peak does not hold it either
-    model_config = config.model
-    model = load_model(
-        source.model_dir, arch, model_config.dtype, model_config.max_model_len, device,
-        model_config.weight_format, model_config.head_format,
-    )  # fmt: skip
-    decode_model = load_decode_model(model_config, arch, source.model_dir, device)
+    model, decode_model = load_models(loads)
     num_pages, budget = sized or _num_pages(config, arch, kv_format, device, fit)
     config = config.sized(num_pages, tokenizer.eos_token_ids)
     if fit:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.interface import CausalLM
 from densa.model.linear import resident_weight_bytes
-from densa.model.loader import load_model, resolve_model_dir
+from densa.model.loader import LoadPlan, load_planned, plan_load, resolve_model_dir
 from densa.text.tokenizer import Tokenizer, TokenizerLoadError
 from densa.utils.logging import get_logger
 from densa.utils.sizes import format_bytes
@@ -28,27 +29,30 @@ def load_tokenizer(model_dir: Path, eos_token_ids: tuple[int, ...]) -> Tokenizer
         raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
 
 
-def load_decode_model(
-    config: ModelConfig, arch: ArchConfig, model_dir: Path, device: torch.device
-) -> CausalLM | None:
-    """The decode-phase weight set (phase-aware formats), or None when decode shares `model`'s.
+@dataclass(frozen=True)
+class ModelLoads:
+    """The weight loads an engine makes, planned once: the memory check measures them, then
+    they load (`load_models`)."""
 
-    It must be the same model (same shapes): its layers write into and read from the same KV
-    cache as the prefill weights'. Costs its resident weight bytes on top of the prefill set's.
-    """
-    max_len = config.max_model_len
+    model: LoadPlan
+    decode_model: LoadPlan | None = None  # phase-aware formats: the decode-phase weight set
+
+
+def plan_loads(
+    config: ModelConfig, model_dir: Path, arch: ArchConfig, device: torch.device
+) -> ModelLoads:
+    """The model's load, and the decode-phase weight set's where the formats are phase-aware.
+
+    The decode set must be the same model (same shapes): its layers write into and read from
+    the same KV cache as the prefill weights'. Costs its resident weight bytes on top of the
+    prefill set's."""
+    dtype, max_len, head = config.dtype, config.max_model_len, config.head_format
+    model = plan_load(model_dir, arch, dtype, max_len, device, config.weight_format, head)
     if config.decode_weight_format is not None:
-        model = load_model(
-            model_dir, arch, config.dtype, max_len, device, config.decode_weight_format,
-            config.head_format,
-        )  # fmt: skip
-        logger.info(
-            "phase-aware weights: decode runs through a %s copy (%s more resident memory)",
-            config.decode_weight_format, format_bytes(resident_weight_bytes(model)),
-        )  # fmt: skip
-        return model
+        fmt = config.decode_weight_format
+        return ModelLoads(model, plan_load(model_dir, arch, dtype, max_len, device, fmt, head))
     if config.decode_model is None:
-        return None
+        return ModelLoads(model)
     decode_dir = resolve_model_dir(config.decode_model)
     decode_arch = ArchConfig.from_dir(decode_dir)
     if not same_shapes(arch, decode_arch):
@@ -56,14 +60,22 @@ def load_decode_model(
             f"--decode-model {config.decode_model} is not the same model as --model "
             "(its layer shapes differ); it must be a checkpoint of the same weights"
         )
-    model = load_model(
-        decode_dir, decode_arch, config.dtype, max_len, device, "auto", config.head_format
-    )
+    decode = plan_load(decode_dir, decode_arch, dtype, max_len, device, "auto", head)
+    return ModelLoads(model, decode)
+
+
+def load_models(loads: ModelLoads) -> tuple[CausalLM, CausalLM | None]:
+    """The planned weight sets, loaded: the model, and the decode-phase set (or None)."""
+    model = load_planned(loads.model)
+    if loads.decode_model is None:
+        return model, None
+    decode_model = load_planned(loads.decode_model)
     logger.info(
-        "phase-aware weights: decode runs through %s (%s more resident weight memory)",
-        decode_dir.name, format_bytes(resident_weight_bytes(model)),
+        "phase-aware weights: decode runs through %s weights of %s (%s more resident memory)",
+        decode_model.weight_format, loads.decode_model.model_dir.name,
+        format_bytes(resident_weight_bytes(decode_model)),
     )  # fmt: skip
-    return model
+    return model, decode_model
 
 
 def same_shapes(a: ArchConfig, b: ArchConfig) -> bool:

@@ -6,15 +6,16 @@ would fit, not minutes later in the kernel's OOM killer.
            + max(the load's transient,  KV cache + activations)
            + RUNTIME_ALLOWANCE
 
-The weights are planned as `load_model` plans them (on the meta device, from the GGUF header's
-tensor types or the safetensors metadata, no tensor read): GGUF layers kept in their blocks,
-the other linears packed from float32 into a packed `--weight-format`, the output head in its
-format, everything else in the compute dtype. The load's transient is whichever is larger of
-(a) the dense copies of the layers packed only once all are loaded, plus the largest tensor
-dequantized to float32 twice (the decoded array and the model's row-order copy), and (b) the
-huge-page copy `rehome_on_huge_pages` makes of every weight at once (CPU). The KV cache is the
-budget the builder will allocate, resolved the same way; KV pages and activations only exist
-after the load, so they compete with the transient, not add to it.
+The weights are measured on the load's own plan (`loader.plan_load`, made once by the builder
+and then loaded: a meta-device model from the GGUF header's tensor types or the safetensors
+metadata, no tensor read): GGUF layers kept in their blocks, the other linears packed from
+float32 into a packed `--weight-format`, the output head in its format, everything else in the
+compute dtype. The load's transient is whichever is larger of (a) the dense copies of the layers
+packed only once all are loaded, plus the largest tensor dequantized to float32 twice (the
+decoded array and the model's row-order copy), and (b) the huge-page copy `rehome_on_huge_pages`
+makes of every weight at once (CPU). The KV cache is the budget the builder will allocate,
+resolved the same way; KV pages and activations only exist after the load, so they compete with
+the transient, not add to it.
 
 Lives in setup/ (not model/) because it needs the KV sizing (worker/) and the whole config.
 Skipped with --skip-memory-check or DENSA_SKIP_MEMORY_CHECK=1, and off the CPU (a GPU's weights
@@ -42,29 +43,16 @@ from densa.formats.kv_format import KVFormat
 from densa.kernels.cpu import native, qgemm
 from densa.kernels.cpu.prefill_attention import KEY_BLOCK
 from densa.model.arch import ArchConfig, ModelLoadError
-from densa.model.checkpoint_files import read_stored_format, safetensors_files
-from densa.model.gguf import GGUFFile
-from densa.model.gguf_loading import swap_kept_embedding, swap_kept_linears
 from densa.model.interface import CausalLM
 from densa.model.kv_pages import page_bytes
-from densa.model.loader import (  # the loader's own planning steps: the plan cannot drift
-    DTYPES,
-    HEAD_FROM_BLOCKS,
-    kept_embedding,
-    kept_linears,
-    resolve_model_dir,
-)
-from densa.model.packed_linear import PACKED_FORMATS, packed_bytes
+from densa.model.loader import HEAD_FROM_BLOCKS, LoadPlan, plan_load  # the loader's own plan
+from densa.model.packed_linear import packed_bytes
 from densa.model.quant_targets import OUTPUT_HEAD
-from densa.model.registry import meta_skeleton, model_factory
 from densa.model.runtime_weights import (
     quantizable_linears,
-    quantized_modules,
-    runtime_format,
-    runtime_request,
-    swap_quantized,
 )
 from densa.setup.kv_sizing import auto_kv_pages, is_relative
+from densa.setup.loading import ModelLoads, plan_loads
 from densa.utils.sizes import format_bytes
 
 # What a serving process grows by besides weights, KV pages and activations: the mmapped GGUF
@@ -131,20 +119,14 @@ def plan_weights(
     head_format: str,
 ) -> WeightPlan:
     """The bytes `load_model(model_dir, ...)` will hold, from headers only (a meta model)."""
-    source = GGUFFile.of_converted(model_dir)
-    files = [] if source is not None else safetensors_files(model_dir)
-    stored = read_stored_format(files) if files else None
-    packed = weight_format if weight_format in PACKED_FORMATS else None
-    runtime = runtime_format(stored, runtime_request(weight_format))
-    with meta_skeleton():
-        model = model_factory(arch.architecture)(arch, max_len, device).to(dtype=DTYPES[dtype])
-        kept = kept_linears(model, source, weight_format, head_format, device)
-        targets = quantized_modules(model, stored, runtime)
-        if runtime is not None:
-            swap_quantized(model, targets, runtime)
-        swap_kept_linears(model, kept)
-        swap_kept_embedding(model, kept_embedding(model, source, arch, device))
-        model.tie_weights()
+    return planned_weights(
+        plan_load(model_dir, arch, dtype, max_len, device, weight_format, head_format)
+    )
+
+
+def planned_weights(load: LoadPlan) -> WeightPlan:
+    """The bytes the planned load will hold, and its transient on top."""
+    model, packed, head_format = load.model, load.packed, load.head_format
     tensors = _unique_tensors(model)
     resident = sum(_nbytes(t) for t in tensors)
     repack = _repacked_bytes(model, packed) if packed else 0
@@ -152,9 +134,10 @@ def plan_weights(
     largest = max((t.numel() for t in tensors), default=0) * _FLOAT32
     final = resident - repack + head
     transient = repack + 2 * largest
-    if device.type == "cpu":
+    if load.device.type == "cpu":
         transient = max(transient, final)  # rehome_on_huge_pages copies every weight at once
-    linear = packed or (runtime.describe() if runtime is not None else dtype)
+    runtime = load.runtime
+    linear = packed or (runtime.describe() if runtime is not None else load.dtype)
     describe = linear if head_format == "dense" else f"{linear}, head {head_format}"
     return WeightPlan(final, transient, describe)
 
@@ -252,11 +235,15 @@ def plan_memory(
     kv_format: KVFormat,
     available: int,
     fit_context: bool = False,
+    weights: WeightPlan | None = None,
 ) -> MemoryPlan:
     """What serving `model_dir` with this config needs at its peak. `fit_context`: the
     default max_model_len, shortened to what the budget holds, so one request of the model's
-    whole context is no floor on the KV cache."""
-    weights = plan_all_weights(config.model, model_dir, arch, torch.device(config.device.device))
+    whole context is no floor on the KV cache. `weights`: of the loads the builder planned
+    (None: planned here)."""
+    if weights is None:
+        device = torch.device(config.device.device)
+        weights = plan_all_weights(config.model, model_dir, arch, device)
     host_tier = host_tier_bytes(config.tiers.specs)
     free_after = available - weights.resident_bytes - RUNTIME_ALLOWANCE - host_tier
     kv = planned_kv_bytes(config.cache, config.scheduler, arch, kv_format, free_after)
@@ -277,18 +264,12 @@ def plan_all_weights(
     model: ModelConfig, model_dir: Path, arch: ArchConfig, device: torch.device
 ) -> WeightPlan:
     """The prefill weights, plus the decode-phase set where the formats are phase-aware."""
-    dtype, max_len, head = model.dtype, model.max_model_len, model.head_format
-    weights = plan_weights(model_dir, arch, dtype, max_len, device, model.weight_format, head)
-    if model.decode_weight_format is not None:
-        weights += plan_weights(
-            model_dir, arch, dtype, max_len, device, model.decode_weight_format, head
-        )
-    elif model.decode_model is not None:
-        decode_dir = resolve_model_dir(model.decode_model)
-        weights += plan_weights(
-            decode_dir, ArchConfig.from_dir(decode_dir), dtype, max_len, device, "auto", head
-        )
-    return weights
+    return loads_weights(plan_loads(model, model_dir, arch, device))
+
+
+def loads_weights(loads: ModelLoads) -> WeightPlan:
+    weights = planned_weights(loads.model)
+    return weights if loads.decode_model is None else weights + planned_weights(loads.decode_model)
 
 
 # ---- what is available -------------------------------------------------------------------------
@@ -329,6 +310,7 @@ def check_memory(
     kv_format: KVFormat,
     available: Callable[[], Available] = available_memory,
     fit_context: bool = False,
+    weights: WeightPlan | None = None,
 ) -> MemoryPlan | None:
     """Refuse (ModelLoadError, one line) before loading when the plan cannot fit; the plan
     otherwise (None when skipped: --skip-memory-check, DENSA_SKIP_MEMORY_CHECK=1, not a CPU)."""
@@ -336,7 +318,7 @@ def check_memory(
     if skip or config.device.device != "cpu":
         return None
     free = available()
-    plan = plan_memory(config, model_dir, arch, kv_format, free.num_bytes, fit_context)
+    plan = plan_memory(config, model_dir, arch, kv_format, free.num_bytes, fit_context, weights)
     if plan.needed_bytes > free.num_bytes:
         fits = "; ".join(would_fit(config, model_dir, arch, kv_format, plan, free))
         raise ModelLoadError(

@@ -4,7 +4,7 @@ the command line shows exactly those, and parses back into the same EngineArgs."
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import pytest
@@ -14,12 +14,24 @@ from densa.config import (
     DTYPE_CHOICES,
     KV_CACHE_DTYPES,
     WEIGHT_FORMATS,
+    CacheConfig,
     DeviceConfig,
     DisaggConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
     TiersConfig,
 )
 from densa.model.arch import ArchConfig
 from densa.setup.args import EngineArgs
+from densa.setup.options import ENGINE, option_of, parsed_values
+
+SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+            "speculative": SpeculativeConfig, "device": DeviceConfig, "disagg": DisaggConfig,
+            "tiers": TiersConfig, ENGINE: EngineConfig}  # fmt: skip
+# Config fields no option sets: filled in once the KV cache is sized and the tokenizer loaded.
+SIZED_LATER = {("cache", "num_pages"), ("scheduler", "eos_token_ids")}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,3 +104,64 @@ def test_the_proposer_cost_option_replaces_the_estimate() -> None:
     assert estimated is not None and estimated.cost_per_token == 0.0  # ngram's own estimate
     with pytest.raises(ValueError, match="proposer-cost"):
         SpeculativeConfig(proposer_cost=-1.0)
+
+
+def test_every_field_is_one_option_and_every_config_field_comes_from_one() -> None:
+    """One declaration per option: each EngineArgs field is exactly one command-line option and
+    lands in config fields that exist; every config field is some option's (or sized later)."""
+    actions = [a for a in _parser()._actions if a.option_strings != ["-h", "--help"]]
+    assert sorted(a.dest for a in actions) == sorted(f.name for f in fields(EngineArgs))
+    landed: list[tuple[str, str]] = []
+    for f in fields(EngineArgs):
+        for section, config_class in SECTIONS.items():
+            names = option_of(f).config_names(f.name, section)
+            landed += [(section, name) for name in names]
+            unknown = set(names) - {c.name for c in fields(config_class)}
+            assert not unknown, f"EngineArgs.{f.name} lands in no field {unknown} of {section}"
+        assert option_of(f).to, f"EngineArgs.{f.name} lands nowhere in the config"
+    wanted = {
+        (section, c.name)
+        for section, config_class in SECTIONS.items()
+        for c in fields(config_class)
+        if not (config_class is EngineConfig and c.name in SECTIONS)
+    }
+    assert len(landed) == len(set(landed)), "two options set one config field"
+    assert set(landed) | SIZED_LATER == wanted
+
+
+def test_the_parser_defaults_are_the_dataclass_defaults() -> None:
+    assert parsed_values(EngineArgs, _parser().parse_args([])) == asdict(EngineArgs())
+
+
+def test_help_lists_every_option() -> None:
+    text = _parser().format_help()
+    flags = [a.option_strings for a in _parser()._actions]
+    assert len(flags) == len(fields(EngineArgs)) + 1  # and -h / --help
+    for strings in flags:
+        for flag in strings:
+            assert flag in text
+    assert "--kv-tier TIER" in text and "--no-cuda-graphs" in text
+    assert "--kv-integrity {on,off}" in text and "--served-model-name NAME [NAME ...]" in text
+
+
+def test_a_command_line_reaches_the_frozen_config(tiny_model_dir: Path) -> None:
+    argv = ["--model", str(tiny_model_dir), "--served-model-name", "tiny", "alias",
+            "--dtype", "float32", "--max-model-len", "64", "--kv-cache-memory", "1GiB",
+            "--num-kv-pages", "40", "--kv-cache-dtype", "int8", "--kv-integrity", "off",
+            "--no-enable-prefix-caching", "--max-num-seqs", "3", "--seed", "7",
+            "--no-fused-decode", "--role", "prefill", "--cluster-secret-file", "/s",
+            "--kv-tier", "disk:/var/kv:1GiB", "--kv-tier", "host:1GiB",
+            "--kv-tier-password-file", "/p", "--skip-memory-check",
+            "--speculative-method", "ngram", "--num-speculative-tokens", "2"]  # fmt: skip
+    args = EngineArgs.from_cli(_parser().parse_args(argv))
+    config = args.resolve(ArchConfig.from_dir(tiny_model_dir), str(tiny_model_dir))
+    model, cache, scheduler = config.model, config.cache, config.scheduler
+    assert (model.served_model_name, model.dtype, model.seed) == ("tiny", "float32", 7)
+    assert model.max_model_len == scheduler.max_model_len == 64
+    assert (cache.memory, cache.exact_num_pages, cache.kv_cache_dtype) == ("1GiB", 40, "int8")
+    assert (cache.kv_integrity, cache.enable_prefix_caching) == (False, False)
+    assert (scheduler.max_num_seqs, config.device.fused_decode) == (3, False)
+    assert config.disagg == DisaggConfig("prefill", cluster_secret_file="/s")
+    assert config.tiers == TiersConfig(("disk:/var/kv:1GiB", "host:1GiB"), "/s", "/p")
+    assert config.speculative == SpeculativeConfig("ngram", num_tokens=2)
+    assert config.skip_memory_check
