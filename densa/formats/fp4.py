@@ -1,7 +1,7 @@
 """FP4 (E2M1) weights with block scales, as MXFP4 and NVFP4 checkpoints ship them: the storage
 layout, the reference dequantization and round-to-nearest quantizers, shared by the kernels
 that read them (densa/kernels/cpu/qgemm.py, densa/kernels/triton/fp4_linear.py) and the
-loaders and quantizers that write them (densa/quant/fp4_weights.py, densa/quant/shipped_fp4.py).
+loaders and quantizers that write them (densa/quant/fp4_weights.py and the shipped-format loader).
 
 Element (OCP Microscaling Formats spec v1.0, sec. 5.3.3): E2M1, 1 sign, 2 exponent (bias 1),
 1 mantissa bit, no Inf or NaN. The 16 codes:

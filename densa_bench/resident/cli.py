@@ -90,7 +90,16 @@ def _resident(ns: argparse.Namespace) -> int:
     config = json.loads((hf_dir / "config.json").read_text())
     threads = ns.threads or usable_cpus()
     # A session is session_len tokens: its prompt, then OUTPUT_TOKENS generated.
-    texts = _session_texts(lambada_passages(), tokenizer, ns.session_len - OUTPUT_TOKENS - 4, 48)
+    passages, texts = lambada_passages(), []
+
+    def texts_for(count: int) -> list[str]:
+        """The first `count` sessions' texts (the same texts for every engine), made as needed:
+        a budget may hold more sessions than any fixed list."""
+        if len(texts) < count:
+            length = ns.session_len - OUTPUT_TOKENS - 4
+            texts[:] = _session_texts(passages, tokenizer, length, count)
+        return texts[:count]
+
     log_dir = ns.out / "logs"
     results = []
     for kv in ns.densa_formats:
@@ -100,7 +109,7 @@ def _resident(ns: argparse.Namespace) -> int:
         )
         results.append(
             _measure(
-                spec, f"densa {kv}", kv, texts[: computed + ns.extra_sessions], computed, log_dir
+                spec, f"densa {kv}", kv, texts_for(computed + ns.extra_sessions), computed, log_dir
             )
         )
         _write(results, ns, budget)
@@ -115,7 +124,7 @@ def _resident(ns: argparse.Namespace) -> int:
         )
         spec = _llama_spec(llama, gguf, kv, slots, ns.session_len, threads)
         result = _measure(
-            spec, f"llama.cpp {kv}", kv, texts[: slots + ns.extra_sessions], slots, log_dir
+            spec, f"llama.cpp {kv}", kv, texts_for(slots + ns.extra_sessions), slots, log_dir
         )
         result.kv_buffer_bytes = kv_bytes
         results.append(result)
