@@ -90,7 +90,7 @@ def _resident(ns: argparse.Namespace) -> int:
     config = json.loads((hf_dir / "config.json").read_text())
     threads = ns.threads or usable_cpus()
     # A session is session_len tokens: its prompt, then OUTPUT_TOKENS generated.
-    passages, texts = lambada_passages(), []
+    passages, texts = lambada_passages(), list[str]()
 
     def texts_for(count: int) -> list[str]:
         """The first `count` sessions' texts (the same texts for every engine), made as needed:
