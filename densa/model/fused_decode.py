@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from densa.kernels.cpu import native
+from densa.kernels.cpu.prefill_attention import fp8_table
 from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, attend_stored
 from densa.model.linear import Linear
 from densa.model.packed_linear import PackedLinear, ShardedPackedLinear
@@ -38,11 +39,6 @@ ProjectionSpec = (
     tuple[int, torch.Tensor, torch.Tensor | None, int, int]
     | tuple[list[ShardSpec], torch.Tensor | None, int, int]
 )
-
-
-def fp8_table() -> torch.Tensor:
-    """float32 value of each e4m3fn code (the fused kernel's scalar tails widen fp8 through it)."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 def projection_spec(module: nn.Module) -> ProjectionSpec:

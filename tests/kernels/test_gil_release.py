@@ -117,7 +117,7 @@ class _DecoderCase:
     MAX_ROWS = 32768  # one KV page (one slot) per row
 
     def __init__(self) -> None:
-        from densa.model.fused_decode import fp8_table
+        from densa.kernels.cpu.prefill_attention import fp8_table
 
         ext = native.load()
         assert ext is not None

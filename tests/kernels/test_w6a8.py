@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from densa.kernels.cpu import native, qgemm
-from densa.model.fused_decode import fp8_table
+from densa.kernels.cpu.prefill_attention import fp8_table
 from densa.model.packed_linear import (
     PackedLinear,
     ShardedPackedLinear,

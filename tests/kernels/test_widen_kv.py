@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from densa.kernels.cpu import native
-from densa.model.fused_decode import fp8_table
+from densa.kernels.cpu.prefill_attention import fp8_table
 from densa.utils.cpu import cpu_flags
 
 pytestmark = pytest.mark.skipif(not native.is_available(), reason="no C++ kernels here")

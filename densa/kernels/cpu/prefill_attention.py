@@ -63,7 +63,7 @@ def paged_prefill_attention(
         out: torch.Tensor = ext.prefill_attention(
             query.float().contiguous(), k_cache, k_scale, v_cache, v_scale,
             page_table.int().contiguous(), seq_lens.int().contiguous(),
-            query_lens.int().contiguous(), float(sm_scale), new_k, new_v, _fp8_table(),
+            query_lens.int().contiguous(), float(sm_scale), new_k, new_v, fp8_table(),
             native.isa(),
         )  # fmt: skip
         return out
@@ -95,8 +95,9 @@ def _fresh(new_kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, tor
 
 
 @functools.cache
-def _fp8_table() -> torch.Tensor:
-    """float32 value of each e4m3fn code (the kernels' scalar tails widen fp8 through it)."""
+def fp8_table() -> torch.Tensor:
+    """float32 value of each e4m3fn code (the C++ kernels' scalar tails, prefill and the fused
+    decode step, widen fp8 through it)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     return codes.view(torch.float8_e4m3fn).float()
 
