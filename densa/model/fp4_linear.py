@@ -25,12 +25,9 @@ from torch import nn
 from densa.formats import fp4
 from densa.kernels.cpu import native, qgemm
 from densa.kernels.cpu.grouped_linear import ExpertSegments
+from densa.model.frozen import frozen_parameter as _frozen
 from densa.model.packed_linear import PackedLinear
 from densa.quant.weight_format import WeightFormat
-
-
-def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
 def dequantize_parts(

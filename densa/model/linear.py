@@ -19,6 +19,7 @@ from densa.kernels.cpu import linear as cpu_linear
 from densa.kernels.cpu.fp8_linear import fp8_linear
 from densa.kernels.cpu.int4_linear import cpu_int4_linear, pack_for_cpu
 from densa.model.fp4_linear import Fp4Linear
+from densa.model.frozen import frozen_parameter as _frozen
 from densa.quant.weight_format import WeightFormat
 
 
@@ -41,10 +42,6 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         has_bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={has_bias}"
-
-
-def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
 class Int4Linear(nn.Module):

@@ -25,11 +25,8 @@ from densa.kernels.cpu.fp8_linear import fp8_linear
 from densa.kernels.cpu.grouped_linear import ExpertSegments, grouped_linear
 from densa.kernels.cpu.int4_linear import cpu_int4_linear, pack_for_cpu
 from densa.model.fp4_linear import StackedFp4Linear
+from densa.model.frozen import frozen_parameter as _frozen
 from densa.quant.weight_format import WeightFormat
-
-
-def _frozen(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
 class StackedLinear(nn.Module):
