@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from densa.kernels.cpu import native
-from densa.kernels.cpu.prefill_attention import fp8_table
 from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache, attend_stored
 from densa.model.linear import Linear
 from densa.model.packed_linear import PackedLinear, ShardedPackedLinear
@@ -136,7 +135,7 @@ class FusedDecoder:
             table = torch.empty(0, cfg.hidden_size)
         self._decoder: Any = ext.Decoder(
             shape, native.isa(), table.detach(),
-            model.norm.weight.detach(), model.rotary.cos, model.rotary.sin, fp8_table(),
+            model.norm.weight.detach(), model.rotary.cos, model.rotary.sin, native.fp8_table(),
         )  # fmt: skip
         for layer, cache in zip(model.layers, kv_caches, strict=True):
             attn, mlp = layer.self_attn, layer.mlp

@@ -117,7 +117,6 @@ class _DecoderCase:
     MAX_ROWS = 32768  # one KV page (one slot) per row
 
     def __init__(self) -> None:
-        from densa.kernels.cpu.prefill_attention import fp8_table
 
         ext = native.load()
         assert ext is not None
@@ -130,7 +129,7 @@ class _DecoderCase:
         shape = (h, self.INTER, self.HEADS, self.KV_HEADS, d, 1e-5)
         cos, sin = torch.ones(64, d), torch.zeros(64, d)
         self.decoder = ext.Decoder(
-            shape, native.isa(), rand(self.VOCAB, h), torch.ones(h), cos, sin, fp8_table()
+            shape, native.isa(), rand(self.VOCAB, h), torch.ones(h), cos, sin, native.fp8_table()
         )
         self.num_pages = self.MAX_ROWS
         qkv_out = (self.HEADS + 2 * self.KV_HEADS) * d

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from densa.kernels.cpu import native, qgemm
-from densa.kernels.cpu.prefill_attention import fp8_table
 from densa.model.packed_linear import (
     PackedLinear,
     ShardedPackedLinear,
@@ -229,7 +228,7 @@ def _decoder(isa: str, qkv: tuple) -> object:
     inter = 128
     decoder = ext.Decoder(
         (HIDDEN, inter, HEADS, KV_HEADS, HEAD_DIM, 1e-5), isa, torch.randn(10, HIDDEN),
-        torch.ones(HIDDEN), torch.ones(16, HEAD_DIM), torch.zeros(16, HEAD_DIM), fp8_table(),
+        torch.ones(HIDDEN), torch.ones(16, HEAD_DIM), torch.zeros(16, HEAD_DIM), native.fp8_table(),
     )  # fmt: skip
 
     def dense(out: int, inp: int) -> tuple:

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from densa.kernels.cpu import native
-from densa.kernels.cpu.prefill_attention import fp8_table
 from densa.utils.cpu import cpu_flags
 
 pytestmark = pytest.mark.skipif(not native.is_available(), reason="no C++ kernels here")
@@ -23,7 +22,7 @@ SCALE = 0.375
 def _widen(raw: torch.Tensor, dtype: int, isa: str) -> torch.Tensor:
     ext = native.load()
     assert ext is not None
-    return ext.widen_kv(raw.contiguous(), dtype, SCALE, fp8_table(), isa)
+    return ext.widen_kv(raw.contiguous(), dtype, SCALE, native.fp8_table(), isa)
 
 
 @pytest.mark.parametrize("isa", PATHS)

@@ -118,6 +118,14 @@ def isa() -> str:
     return str(module.best_isa())
 
 
+@functools.cache
+def fp8_table() -> torch.Tensor:
+    """float32 value of each e4m3fn code: the extension's scalar tails (prefill attention, the
+    fused decode step, widen_kv) widen fp8 through it."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return codes.view(torch.float8_e4m3fn).float()
+
+
 if __name__ == "__main__":  # scripts/setup.sh: build ahead of time so serving starts at once
     ext = load()
     print(f"densa C++ kernels: {'built' if ext else 'unavailable'}; path: {isa() or '-'}")

@@ -16,8 +16,6 @@ Layout, scales and GQA follow `paged_attention_reference`, which both are tested
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from densa.formats.fp8_kv import EXPONENT_SCALE_DTYPE
@@ -63,7 +61,7 @@ def paged_prefill_attention(
         out: torch.Tensor = ext.prefill_attention(
             query.float().contiguous(), k_cache, k_scale, v_cache, v_scale,
             page_table.int().contiguous(), seq_lens.int().contiguous(),
-            query_lens.int().contiguous(), float(sm_scale), new_k, new_v, fp8_table(),
+            query_lens.int().contiguous(), float(sm_scale), new_k, new_v, native.fp8_table(),
             native.isa(),
         )  # fmt: skip
         return out
@@ -92,14 +90,6 @@ def _native_reads(query: torch.Tensor, cache: torch.Tensor, scale: torch.Tensor 
 
 def _fresh(new_kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return new_kv[0].float().contiguous(), new_kv[1].float().contiguous()
-
-
-@functools.cache
-def fp8_table() -> torch.Tensor:
-    """float32 value of each e4m3fn code (the C++ kernels' scalar tails, prefill and the fused
-    decode step, widen fp8 through it)."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    return codes.view(torch.float8_e4m3fn).float()
 
 
 def tiled_prefill_attention(
