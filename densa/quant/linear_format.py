@@ -23,6 +23,9 @@ comparing names:
 
 A LinearFormat is a `StrEnum`: it prints, compares and serializes as its option value, so the
 CLI's choices, log lines, fingerprints and the frozen config read exactly as the strings did.
+The CLI's choices stay the string tuple densa.config.WEIGHT_FORMATS (the CLI imports no torch;
+this module does, through WeightFormat); tests/quant/test_linear_format.py holds it equal to
+`offered()`.
 """
 
 from __future__ import annotations
