@@ -1,6 +1,8 @@
-"""KV formats are values: sizing and allocation take one KVFormat, never its parts as strings,
+"""Formats are values. KV: sizing and allocation take one KVFormat, never its parts as strings,
 and outside its module a KVFormat is made only by its named constructors (`of`, `of_cache`,
-`from_wire`, `of_tensors`), so there is one place that turns names into a format."""
+`from_wire`, `of_tensors`), so there is one place that turns names into a format. Weights: what
+`--weight-format` selects is a LinearFormat (densa.quant.linear_format), asked through its
+methods; no module compares a weight format with the option's names."""
 
 from __future__ import annotations
 
@@ -10,6 +12,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted([*(ROOT / "densa").rglob("*.py"), *(ROOT / "densa_bench").rglob("*.py")])
 FORMAT_MODULE = ROOT / "densa" / "formats" / "kv_format.py"
+LINEAR_FORMAT_MODULE = ROOT / "densa" / "quant" / "linear_format.py"
+# The frozen config validates the option's strings before any value exists: densa.config sits
+# below densa.quant (the value's module), so it checks them against its tuple of choices, which
+# tests/quant/test_linear_format.py holds equal to LinearFormat.offered().
+VALIDATES_STRINGS = {ROOT / "densa" / "config.py"}
+# Names that hold the option's string (or a tuple of them) where the value used to be compared.
+FORMAT_NAME_TUPLES = {"WEIGHT_FORMATS", "WEIGHTS_FROM_BLOCKS", "PACKED_FORMATS"}
 # densa.model.kv_pages: each takes (arch, ..., kv_format: KVFormat, ...).
 SIZED_BY_FORMAT = {"page_bytes", "bytes_per_token", "value_bytes_per_token",
                    "scale_bytes_per_token", "num_pages_for_budget", "allocate_kv_caches",
@@ -47,3 +56,35 @@ def test_a_kv_format_is_made_through_its_named_constructors() -> None:
         if isinstance(call.func, ast.Name) and call.func.id == "KVFormat"
     ]
     assert not offenders, "use KVFormat.of / of_cache / from_wire:\n" + "\n".join(offenders)
+
+
+def _mentions_weight_format(node: ast.AST) -> bool:
+    """`weight_format`, `config.weight_format`, `decode_weight_format`, ... anywhere inside."""
+    for sub in ast.walk(node):
+        name = sub.id if isinstance(sub, ast.Name) else getattr(sub, "attr", None)
+        if isinstance(name, str) and name.endswith("weight_format"):
+            return True
+    return False
+
+
+def _is_format_name(node: ast.AST) -> bool:
+    """A string constant, a tuple of them, or one of the modules' tuples of option names."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_is_format_name(e.value if isinstance(e, ast.Starred) else e) for e in node.elts)
+    return isinstance(node, ast.Name) and node.id in FORMAT_NAME_TUPLES
+
+
+def test_weight_formats_are_not_compared_by_name_outside_their_module() -> None:
+    offenders = []
+    for path in SOURCES:
+        if path == LINEAR_FORMAT_MODULE or path in VALIDATES_STRINGS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            if any(map(_mentions_weight_format, operands)) and any(map(_is_format_name, operands)):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "ask the LinearFormat (is_auto, packed, ...):\n" + "\n".join(offenders)

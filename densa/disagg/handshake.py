@@ -18,7 +18,7 @@ import msgspec
 from densa.disagg.messages import PageFormat, PeerModel
 from densa.formats.kv_format import KVFormat
 from densa.ipc.messages import TokenizerFiles
-from densa.model.kv_layout import INDEX_BLOCK
+from densa.model.kv_layout import INDEX_BLOCK, KVGeometry
 
 
 def tokenizer_digest(files: TokenizerFiles) -> str:
@@ -53,18 +53,20 @@ def is_landable(page: PageFormat) -> bool:
 
 
 def expected_page_bytes(architecture: dict[str, Any], page: PageFormat) -> int:
-    """Bytes of one page of `page`'s format for this model (what the peer must announce).
+    """Bytes of one page of `page`'s format for this model (what the peer must announce), by
+    the arithmetic that sizes our own pages (KVGeometry.page_bytes, as kv_pages.page_bytes).
     Raises ValueError for a format densa does not serve."""
     kv_format = KVFormat.from_wire(page.kv_dtype, page.kv_scales)
+    return signature_geometry(architecture).page_bytes(page.page_size, kv_format)
+
+
+def signature_geometry(architecture: dict[str, Any]) -> KVGeometry:
+    """The pages' geometry read off a model's signature (ArchConfig.signature): a peer's
+    signature is a dict, not an ArchConfig, so its layout is read from what it holds (latent
+    when it has "mla", index keys when it has "dsa") rather than from the registry."""
     layers, parts, heads, dim = page_geometry(architecture)
-    row_bytes = dim * kv_format.value_bytes() + kv_format.scale_bytes_per_row()
-    total = parts * layers * heads * row_bytes
     index = index_geometry(architecture)
-    if index is not None:  # sparse attention: index keys in the same pages, block scales
-        keys = kv_format.index_keys()
-        layers, _, heads, dim = index
-        total += layers * heads * (dim * keys.value_bytes() + keys.scale_bytes_per_row())
-    return total * page.page_size
+    return KVGeometry(layers, parts, heads, dim, None if index is None else KVGeometry(*index))
 
 
 def page_geometry(architecture: dict[str, Any]) -> tuple[Any, Any, Any, Any]:

@@ -37,7 +37,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from densa.config import WEIGHTS_FROM_BLOCKS
 from densa.kernels.cpu import qgemm
 from densa.model.arch import ModelLoadError
 from densa.model.gguf import GGUFFile
@@ -52,14 +51,17 @@ from densa.model.packed_linear import (
 from densa.model.quantized_embedding import GGUFEmbedding
 from densa.model.weight_loading import GATE_UP_FUSED, QKV_FUSED, fused_target
 from densa.quant import gguf_blocks
+from densa.quant.linear_format import LinearFormat
 from densa.utils.sizes import format_bytes
 
 _SPLIT_FORMATS = {"w5": "w5a8", "w5m": "w5ma8", "w6": "w6a8", "w6m": "w6ma8"}
-_FAMILY_FORMATS = {  # weight_format -> kernel family -> packed format, in preference order
-    WEIGHTS_FROM_BLOCKS: {"w4": "w4a8", **_SPLIT_FORMATS, "w8": "w8"},
-    "w4a8": {"w4": "w4a8", **_SPLIT_FORMATS, "w8": "w8a8"},
-    "w8a8": {"w8": "w8a8", **_SPLIT_FORMATS, "w4": "w4a8"},
-    "w8": {"w8": "w8", **_SPLIT_FORMATS, "w4": "w4a8"},
+# LinearFormat -> kernel family -> packed kernel format, in preference order; a format not
+# listed keeps no blocks (the table in the module's docstring).
+_FAMILY_FORMATS: dict[LinearFormat, dict[str, str]] = {
+    LinearFormat.BLOCKS: {"w4": "w4a8", **_SPLIT_FORMATS, "w8": "w8"},
+    LinearFormat.W4A8: {"w4": "w4a8", **_SPLIT_FORMATS, "w8": "w8a8"},
+    LinearFormat.W8A8: {"w8": "w8a8", **_SPLIT_FORMATS, "w4": "w4a8"},
+    LinearFormat.W8: {"w8": "w8", **_SPLIT_FORMATS, "w4": "w4a8"},
 }
 # What each packed format's pack function takes after (codes, d), of a block decoder's groups:
 # a per-group min (m) and/or sub-block scales (sc).
@@ -94,7 +96,10 @@ class KeptLinear:
 
 
 def plan_kept_linears(
-    model: CausalLM, layouts: dict[str, tuple[str, int]], targets: set[str], weight_format: str
+    model: CausalLM,
+    layouts: dict[str, tuple[str, int]],
+    targets: set[str],
+    weight_format: LinearFormat,
 ) -> dict[str, KeptLinear]:
     """Module name -> how it keeps its blocks, for the `targets` (quantizable linears) whose
     GGUF tensors (HF name -> (type name, rows)) allow it under `weight_format`."""
@@ -183,7 +188,7 @@ def dequantized_types(
     return sorted(found, key=lambda t: t.file_bytes - t.float_bytes)
 
 
-def dequantized_message(found: list[DequantizedType], weight_format: str) -> str | None:
+def dequantized_message(found: list[DequantizedType], weight_format: LinearFormat) -> str | None:
     """The loader's one warning about `found`, or None (nothing found, or `weight_format`
     keeps no blocks at all: dense was asked)."""
     if not found or weight_format not in _FAMILY_FORMATS:
@@ -198,7 +203,7 @@ def dequantized_message(found: list[DequantizedType], weight_format: str) -> str
     extra = sum(kind.float_bytes - kind.file_bytes for kind in found)
     after = (
         f"they stay float32, {format_bytes(extra)} more than their blocks"
-        if weight_format == WEIGHTS_FROM_BLOCKS
+        if weight_format.is_gguf_blocks
         else f"{weight_format} then re-quantizes them from float32 (not the file's values)"
     )
     return (

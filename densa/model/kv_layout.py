@@ -54,6 +54,29 @@ class KVGeometry:
     def values_per_token(self) -> int:
         return self.rows_per_token * self.head_dim
 
+    # The page arithmetic, once: densa.model.kv_pages sizes a model's pages with these, and the
+    # P/D handshake sizes a peer's pages with them from the peer's signature (same formulas).
+    def value_bytes_per_token(self, kv_format: KVFormat) -> int:
+        """Bytes of one token's values across all layers, the index keys (in
+        `kv_format.index_keys()`) included."""
+        values = self.values_per_token * kv_format.value_bytes()
+        if self.index is None:
+            return values
+        return values + self.index.values_per_token * kv_format.index_keys().value_bytes()
+
+    def scale_bytes_per_token(self, kv_format: KVFormat) -> int:
+        """Bytes the scales add to one token: one per [head_dim] row (FP8 dynamic, INT8), and
+        the index keys' block scales."""
+        scales = self.rows_per_token * kv_format.scale_bytes_per_row()
+        if self.index is None:
+            return scales
+        return scales + self.index.rows_per_token * kv_format.index_keys().scale_bytes_per_row()
+
+    def page_bytes(self, page_size: int, kv_format: KVFormat) -> int:
+        """Bytes of one page across all layers: values and scales of `page_size` tokens."""
+        per_token = self.value_bytes_per_token(kv_format) + self.scale_bytes_per_token(kv_format)
+        return per_token * page_size
+
 
 @dataclass
 class IndexKeyCache:

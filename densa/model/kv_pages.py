@@ -46,21 +46,13 @@ def kv_geometry(arch: ArchConfig) -> KVGeometry:
 def value_bytes_per_token(arch: ArchConfig, kv_format: KVFormat) -> int:
     """Bytes of one cached token's values across all layers (K and V, or the latent, and the
     index keys of sparse attention, in `kv_format.index_keys()`)."""
-    geo = kv_geometry(arch)
-    values = geo.values_per_token * kv_format.value_bytes()
-    if geo.index is None:
-        return values
-    return values + geo.index.values_per_token * kv_format.index_keys().value_bytes()
+    return kv_geometry(arch).value_bytes_per_token(kv_format)
 
 
 def scale_bytes_per_token(arch: ArchConfig, kv_format: KVFormat) -> int:
     """Bytes the scales add to one cached token: one per [head_dim] row of the values (FP8
     dynamic, INT8), and the index keys' block scales (0 without sparse attention)."""
-    geo = kv_geometry(arch)
-    scales = geo.rows_per_token * kv_format.scale_bytes_per_row()
-    if geo.index is None:
-        return scales
-    return scales + geo.index.rows_per_token * kv_format.index_keys().scale_bytes_per_row()
+    return kv_geometry(arch).scale_bytes_per_token(kv_format)
 
 
 def bytes_per_token(arch: ArchConfig, kv_format: KVFormat) -> int:
@@ -70,7 +62,7 @@ def bytes_per_token(arch: ArchConfig, kv_format: KVFormat) -> int:
 
 def page_bytes(arch: ArchConfig, page_size: int, kv_format: KVFormat) -> int:
     """Bytes of one page across all layers (K and V, scales and index keys included)."""
-    return bytes_per_token(arch, kv_format) * page_size
+    return kv_geometry(arch).page_bytes(page_size, kv_format)
 
 
 def num_pages_for_budget(

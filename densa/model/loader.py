@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from densa.config import HEAD_FROM_BLOCKS, WEIGHTS_FROM_BLOCKS
+from densa.config import HEAD_FROM_BLOCKS
 from densa.kernels.cpu import native
 from densa.memory import rehome_on_huge_pages
 from densa.model.arch import ArchConfig, ModelLoadError
@@ -39,11 +39,7 @@ from densa.model.gguf_loading import (
 from densa.model.interface import CausalLM
 from densa.model.key_centering import center_keys
 from densa.model.linear import prepare_quantized, resident_weight_bytes
-from densa.model.packed_linear import (
-    PACKED_FORMATS,
-    PackedFormatUnavailable,
-    pack_linears,
-)
+from densa.model.packed_linear import PackedFormatUnavailable, pack_linears
 from densa.model.quant_targets import OUTPUT_HEAD
 from densa.model.quantized_embedding import GGUFEmbedding
 from densa.model.registry import meta_skeleton, model_factory
@@ -51,12 +47,12 @@ from densa.model.runtime_weights import (
     quantizable_linears,
     quantized_modules,
     runtime_format,
-    runtime_request,
     runtime_tensors,
     swap_quantized,
 )
 from densa.model.stacked_linear import prepare_stacked
 from densa.quant import gguf_blocks
+from densa.quant.linear_format import LinearFormat
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
 from densa.utils.heap import keep_large_allocations_unmappable, return_free_heap
 from densa.utils.logging import get_logger
@@ -121,7 +117,7 @@ class LoadPlan:
     model: CausalLM  # on the meta device, tied
     dtype: str
     device: torch.device
-    weight_format: str
+    weight_format: LinearFormat
     head_format: str
     source: GGUFFile | None  # a converted GGUF file, read from the file itself
     files: list[Path]  # else the safetensors files
@@ -136,7 +132,7 @@ class LoadPlan:
     @property
     def packed(self) -> str | None:
         """The CPU kernels' format the linears are packed into after the load (None: not)."""
-        return self.weight_format if self.weight_format in PACKED_FORMATS else None
+        return self.weight_format.packed
 
 
 def plan_load(
@@ -145,19 +141,20 @@ def plan_load(
     dtype: str,
     max_position: int,
     device: torch.device,
-    weight_format: str = "auto",
+    weight_format: str | LinearFormat = LinearFormat.AUTO,
     head_format: str = "dense",
 ) -> LoadPlan:
     """The load of `model_dir` in the runtime format `weight_format` selects, planned."""
+    fmt = LinearFormat.of(weight_format)  # an option value as given (tests, benchmarks)
     torch_dtype = DTYPES[dtype]
     source = GGUFFile.of_converted(model_dir)
     files = [] if source is not None else safetensors_files(model_dir)
     stored = read_stored_format(files) if files else None
-    runtime = runtime_format(stored, runtime_request(weight_format))
+    runtime = runtime_format(stored, fmt)
     with meta_skeleton():
         model = model_factory(arch.architecture)(arch, max_position, device).to(dtype=torch_dtype)
         num_params = num_parameters(model)
-        kept = kept_linears(model, source, weight_format, head_format, device)
+        kept = kept_linears(model, source, fmt, head_format, device)
         table = kept_embedding(model, source, arch, device)
         targets = quantized_modules(model, stored, runtime)
         if runtime is not None:
@@ -169,7 +166,7 @@ def plan_load(
         swap_kept_linears(model, kept)
         swap_kept_embedding(model, table)
         model.tie_weights()
-    return LoadPlan(model_dir, model, dtype, device, weight_format, head_format, source, files,
+    return LoadPlan(model_dir, model, dtype, device, fmt, head_format, source, files,
                     stored, runtime, targets, kept, table, num_params, savings)  # fmt: skip
 
 
@@ -179,7 +176,7 @@ def load_model(
     dtype: str,
     max_position: int,
     device: torch.device,
-    weight_format: str = "auto",
+    weight_format: str | LinearFormat = LinearFormat.AUTO,
     head_format: str = "dense",
 ) -> CausalLM:
     """Build the model and load its weights in the runtime format `weight_format` selects; the
@@ -234,7 +231,7 @@ def _load_weights(
 def kept_linears(
     model: CausalLM,
     source: GGUFFile | None,
-    weight_format: str,
+    weight_format: LinearFormat,
     head_format: str,
     device: torch.device,
 ) -> dict[str, KeptLinear]:
@@ -247,7 +244,7 @@ def kept_linears(
     layouts = source.layouts()
     kept = plan_kept_linears(model, layouts, targets, weight_format)
     if head_format == HEAD_FROM_BLOCKS and OUTPUT_HEAD not in kept:
-        head_only = plan_kept_linears(model, layouts, {OUTPUT_HEAD}, WEIGHTS_FROM_BLOCKS)
+        head_only = plan_kept_linears(model, layouts, {OUTPUT_HEAD}, LinearFormat.BLOCKS)
         kept.update(head_only)  # the head's own family even when the linears were asked dense
     found = dequantized_types(model, layouts, targets, kept)
     message = dequantized_message(found, weight_format)
@@ -323,23 +320,24 @@ def _describe_weights(
 # did).
 # An untied head keeps its blocks the same way (HEAD_FROM_BLOCKS); a head tied to a Q8_0
 # embedding is packed as w8 from it.
-AUTO_LINEAR = {"Q4_0": "w4a8", "Q4_1": "w4a8"}
+AUTO_LINEAR = {"Q4_0": LinearFormat.W4A8, "Q4_1": LinearFormat.W4A8}
 AUTO_HEAD = {"Q8_0": "w8"}
 
 
 def auto_formats(
-    model_path: str, model_dir: Path, weight_format: str, head_format: str
-) -> tuple[str, str]:
+    model_path: str, model_dir: Path, weight_format: str | LinearFormat, head_format: str
+) -> tuple[LinearFormat, str]:
     """Resolve `auto` (see AUTO_LINEAR): GGUF files run from their blocks on the C++ kernels
     where they are built; everything else loads as its checkpoint says (dense for HF
     directories). Returns (weights, head)."""
     stored = stored_quantization(model_dir) if str(model_path).endswith(".gguf") else {}
     kernels = native.is_available()
-    if weight_format == "auto" and kernels and stored:
-        weight_format = AUTO_LINEAR.get(str(stored.get("linear")), WEIGHTS_FROM_BLOCKS)
+    weights = LinearFormat.of(weight_format)  # parsed here: the option enters the engine here
+    if weights.is_auto and kernels and stored:
+        weights = AUTO_LINEAR.get(str(stored.get("linear")), LinearFormat.BLOCKS)
     if head_format == "auto":
         head_format = _auto_head(model_dir, stored) if kernels else "dense"
-    return weight_format, head_format
+    return weights, head_format
 
 
 def auto_dtype(model_path: str, model_dir: Path, dtype: str) -> str:

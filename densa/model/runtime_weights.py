@@ -10,51 +10,37 @@ from dataclasses import replace
 
 import torch
 
-from densa.config import WEIGHTS_FROM_BLOCKS
 from densa.model.arch import ModelLoadError
 from densa.model.interface import CausalLM
 from densa.model.linear import quantize_linears
-from densa.model.packed_linear import PACKED_FORMATS
 from densa.model.quant_targets import QuantScope, quantization_targets
 from densa.model.stacked_linear import StackedLinear, quantize_stacked
 from densa.quant.checkpoint import Converted, Quantized, group_parts
+from densa.quant.linear_format import LinearFormat
 from densa.quant.quantizer import make_quantizer
 from densa.quant.shipped import convert_shipped
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
 
-# What `--weight-format int4|fp8` applies to a dense checkpoint at load time.
-ON_THE_FLY_FORMATS = {
-    "int4": WeightFormat("int4", group_size=128, symmetric=True),
-    "fp8": WeightFormat("fp8", block_size=128),
-    "mxfp4": WeightFormat("mxfp4"),
-    "nvfp4": WeightFormat("nvfp4"),
-    "mxfp4a8": WeightFormat("mxfp4", activations="int8"),
-    "nvfp4a8": WeightFormat("nvfp4", activations="int8"),
-}
 
-
-def runtime_request(weight_format: str) -> str:
-    """What runtime_format is asked: packed formats and a GGUF's own blocks load the rest of
-    the checkpoint dense (packed afterwards, or kept dense)."""
-    if weight_format in PACKED_FORMATS or weight_format == WEIGHTS_FROM_BLOCKS:
-        return "dense"
-    return weight_format
-
-
-def runtime_format(stored: CheckpointFormat | None, weight_format: str) -> WeightFormat | None:
-    """The format the linear layers run from (None = dense), given what the checkpoint stores."""
-    if weight_format == "dense":
+def runtime_format(
+    stored: CheckpointFormat | None, weight_format: LinearFormat
+) -> WeightFormat | None:
+    """The format the linear layers run from (None = dense), given what the checkpoint stores.
+    Packed formats and a GGUF's own blocks load the rest of the checkpoint dense (packed
+    afterwards, or kept dense)."""
+    if weight_format.loads_dense_first:
         return None
-    if weight_format == "auto":
+    if weight_format.is_auto:
         if stored is not None and stored.format.is_fp4:  # the int8 kernels (weights.md, FP4)
             return replace(stored.format, activations="int8")
         return stored.format if stored is not None else None
+    asked = weight_format.on_the_fly
+    assert asked is not None  # every choice that neither loads dense first nor is auto
     if stored is None:
-        return ON_THE_FLY_FORMATS[weight_format]
-    asked = ON_THE_FLY_FORMATS[weight_format]
+        return asked
     if asked.is_fp4 and stored.format.kind == asked.kind:  # how FP4 weights run: the choice
         return replace(stored.format, activations=asked.activations)
-    if stored.format.kind != weight_format:
+    if stored.format.kind != asked.kind:
         raise ModelLoadError(
             f"the checkpoint stores {stored.format.describe()} weights, not {weight_format}; "
             "use --weight-format auto (or dense), or re-quantize it with densa quantize"

@@ -51,6 +51,7 @@ from densa.model.quant_targets import OUTPUT_HEAD
 from densa.model.runtime_weights import (
     quantizable_linears,
 )
+from densa.quant.linear_format import LinearFormat
 from densa.setup.kv_sizing import auto_kv_pages, is_relative
 from densa.setup.loading import ModelLoads, plan_loads
 from densa.utils.sizes import format_bytes
@@ -115,7 +116,7 @@ def plan_weights(
     dtype: str,
     max_len: int,
     device: torch.device,
-    weight_format: str,
+    weight_format: str | LinearFormat,
     head_format: str,
 ) -> WeightPlan:
     """The bytes `load_model(model_dir, ...)` will hold, from headers only (a meta model)."""
@@ -352,12 +353,13 @@ def would_fit(
         tokens = max(kv_room, 0) // page * cache.page_size
         if cache.page_size <= tokens < max_len:
             fits.append(f"--max-model-len {tokens} (with a KV cache of that many tokens)")
-    if model.weight_format != "w4a8" and native.is_available():
+    w4a8 = LinearFormat.W4A8  # the 4-bit format the CPU kernels run, offered when not asked
+    if LinearFormat.of(model.weight_format) is not w4a8 and native.is_available():
         device = torch.device(config.device.device)
-        w4 = plan_weights(model_dir, arch, model.dtype, max_len, device, "w4a8", model.head_format)
+        w4 = plan_weights(model_dir, arch, model.dtype, max_len, device, w4a8, model.head_format)
         kv = _one_request_bytes(config, page) if is_relative(cache) else plan.kv_bytes
         if MemoryPlan(w4, kv, plan.activation_bytes).needed_bytes <= free.num_bytes:
-            fits.append(f"--weight-format w4a8 (weights {format_bytes(w4.resident_bytes)})")
+            fits.append(f"--weight-format {w4a8} (weights {format_bytes(w4.resident_bytes)})")
     return fits
 
 

@@ -14,7 +14,7 @@ from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionBackend
 from densa.model.linear import resident_weight_bytes
 from densa.model.loader import resolve_model_dir
-from densa.model.packed_linear import PACKED_FORMATS
+from densa.quant.linear_format import LinearFormat
 from densa.spec.draft import DraftModelProposer, DraftSpec, draft_kv_format, load_draft_proposer
 from densa.spec.lookup_first import LookupFirstProposer
 from densa.spec.mtp import load_mtp_proposer
@@ -108,7 +108,7 @@ def build_draft_proposer(model: str, num_tokens: int, target: DraftTarget) -> Dr
     config, cache = target.model, target.cache
     spec = DraftSpec(
         model, cache.page_size, cache.num_pages, config.max_model_len + num_tokens, config.dtype,
-        weight_format=config.weight_format if config.weight_format in PACKED_FORMATS else "auto",
+        weight_format=LinearFormat.of(config.weight_format).for_draft(),
         kv_format=draft_kv_format(target.kv_format),
     )  # fmt: skip
     return load_draft_proposer(spec, target.arch, target.tokenizer, target.backend, target.device)

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from densa.config import CacheConfig
+from densa.disagg.handshake import expected_page_bytes
+from densa.disagg.messages import PageFormat
 from densa.formats.kv_format import DYNAMIC, NO_SCALES, ROW, STATIC, KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.kv_pages import page_bytes
@@ -96,3 +99,15 @@ def test_scale_capabilities_and_index_keys() -> None:
     assert KVFormat.of("int8", index_dtype="float32").index_keys() == KVFormat("float32")
     with pytest.raises(ValueError, match="index key dtype"):
         KVFormat("bfloat16", index_dtype="fp4")
+
+
+@pytest.mark.parametrize("layout", sorted(PAGE_BYTES))
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_the_handshake_sizes_a_peers_pages_as_page_bytes(layout: str, name: str) -> None:
+    # A peer announces its signature (a dict) and its format's wire form; what it must announce
+    # is what page_bytes gives that model, by the same arithmetic (KVGeometry.page_bytes).
+    arch, fmt = _arch(layout), FORMATS[name]
+    page = PageFormat(*fmt.wire_form, PAGE_SIZE, 0)
+    signature = msgspec.to_builtins(arch.signature())  # as the wire carries it
+    assert expected_page_bytes(signature, page) == page_bytes(arch, PAGE_SIZE, fmt)
+    assert expected_page_bytes(signature, page) == PAGE_BYTES[layout][name]
