@@ -88,3 +88,53 @@ def test_weight_formats_are_not_compared_by_name_outside_their_module() -> None:
             if any(map(_mentions_weight_format, operands)) and any(map(_is_format_name, operands)):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
     assert not offenders, "ask the LinearFormat (is_auto, packed, ...):\n" + "\n".join(offenders)
+
+
+# The FP4 schemes' names (densa.formats.fp4.FP4_SCHEME_NAMES); spelled here so that the scan does
+# not depend on the module it checks.
+FP4_NAMES = {"mxfp4", "nvfp4"}
+
+
+def _names_fp4_scheme(node: ast.AST) -> bool:
+    """A string constant naming an FP4 scheme, or a tuple holding one."""
+    if isinstance(node, ast.Constant):
+        return node.value in FP4_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_fp4_scheme(e) for e in node.elts)
+    return False
+
+
+def _tests_fp4_name(node: ast.AST) -> bool:
+    """`x == "nvfp4"`, `kind in ("mxfp4", ...)`, `name.startswith("nvfp4")`."""
+    if isinstance(node, ast.Compare):
+        return any(map(_names_fp4_scheme, [node.left, *node.comparators]))
+    return (
+        isinstance(node, ast.Call)
+        and _called_name(node) in ("startswith", "endswith")
+        and any(map(_names_fp4_scheme, node.args))
+    )
+
+
+def _fp4_name_tests(tree: ast.AST) -> list[ast.AST]:
+    return [node for node in ast.walk(tree) if _tests_fp4_name(node)]
+
+
+def test_fp4_schemes_are_not_told_apart_by_name() -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}: {ast.unparse(node)}"
+        for path in SOURCES
+        for node in _fp4_name_tests(ast.parse(path.read_text()))
+    ]
+    assert not offenders, "ask the Fp4Scheme (group, has_tensor_scale, ...):\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_scan_sees_fp4_name_compares() -> None:
+    caught = _fp4_name_tests(ast.parse(
+        'a = kind == "mxfp4"\nb = k in ("int4", "nvfp4")\nc = f.startswith("nvfp4")\n'
+        'd = kind == "int4"\ne = scheme == Fp4Scheme.NVFP4\n'
+    ))  # fmt: skip
+    assert [ast.unparse(n) for n in caught] == [
+        "kind == 'mxfp4'", "k in ('int4', 'nvfp4')", "f.startswith('nvfp4')"
+    ]  # fmt: skip
