@@ -28,11 +28,19 @@ concatenate row by row):
                     to float32, in this order, as ModelOpt computes it
                     (compressed-tensors divides by its global scale instead: `divide=True`)
 
+What differs between the two is one value, `Fp4Scheme.MXFP4` / `Fp4Scheme.NVFP4` (group, scale
+encoding, the tensor scale, bits per weight, the producers' names for it, its quantizer and
+reference): callers ask it instead of comparing names, which are parsed once at the edges
+(`Fp4Scheme.named` for WeightFormat.kind and the options, `of_compressed_tensors`).
+
 transformers' gpt-oss reader (integrations/mxfp4.py) computes ldexp(e2m1, s - 127), which
 gives Inf (or 0 for a zero code) for s = 0xFF where the spec says NaN; densa follows the spec.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -182,10 +190,74 @@ def quantize_nvfp4(
     return pack_fp4(codes.flatten(-2)), block, t
 
 
-def fp4_bits_per_weight(kind: str) -> float:
-    """Stored bits per weight: 4 + 8 / group (NVFP4's per-tensor scale aside)."""
-    return 4 + 8 / (MXFP4_GROUP if kind == "mxfp4" else NVFP4_GROUP)
+# (qweight, scales, the tensor's float32 scale: None for a scheme without one)
+Fp4Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
-def groups_of(kind: str) -> int:
-    return MXFP4_GROUP if kind == "mxfp4" else NVFP4_GROUP
+# ---- the two schemes, as values -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Fp4Scheme:
+    """What differs between MXFP4 and NVFP4, held once: callers ask the scheme (its group, its
+    scale bytes, whether a tensor scale exists, its quantizer and reference) instead of comparing
+    names. The names are for the edges only: WeightFormat.kind in checkpoint metadata, the
+    options, and the producers' configs (`named`, `of_compressed_tensors`) parse them."""
+
+    MXFP4: ClassVar[Fp4Scheme]
+    NVFP4: ClassVar[Fp4Scheme]
+
+    name: str  # densa's name: WeightFormat.kind, `--weight-format`, `densa quantize --weights`
+    group: int  # inputs sharing one scale byte
+    scale_encoding: str  # how a scale byte reads: "e8m0" (a power of two) or "e4m3"
+    has_tensor_scale: bool  # a float32 per tensor (densa keeps it per row) times the block scales
+    # compressed-tensors' names: quantization_config.format and the weights' strategy
+    compressed_tensors_format: str
+    compressed_tensors_strategy: str
+    modelopt_algo: str | None  # ModelOpt's quant_algo (None: ModelOpt does not ship it)
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Stored bits per weight: 4 + 8 / group (NVFP4's per-tensor scale aside)."""
+        return 4 + 8 / self.group
+
+    def quantize(self, weight: torch.Tensor) -> Fp4Parts:
+        """[N, K] float -> (qweight, scales, the tensor's float32 scale or None), by round to
+        nearest."""
+        if self.has_tensor_scale:
+            return quantize_nvfp4(weight)
+        return (*quantize_mxfp4(weight), None)
+
+    def dequantize(
+        self, qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The reference: qweight [..., K/2], scales [..., K/g] (and NVFP4's tensor scale, per
+        row or per tensor) -> [..., K] float32."""
+        if not self.has_tensor_scale:
+            return dequantize_mxfp4(qweight, scales)
+        if tensor_scale is None:
+            raise ValueError(f"{self.name} weights need their tensor scale")
+        return dequantize_nvfp4(qweight, scales, tensor_scale)
+
+    def describe(self, suffix: str = "") -> str:
+        """'mxfp4 (e2m1, e8m0 scale per 32)': for logs and reports (`suffix` inside the
+        parentheses)."""
+        tensor = ", fp32 per tensor" if self.has_tensor_scale else ""
+        return f"{self.name} (e2m1, {self.scale_encoding} scale per {self.group}{tensor}{suffix})"
+
+    @classmethod
+    def named(cls, name: str) -> Fp4Scheme | None:
+        """The scheme densa's name (a WeightFormat kind) stands for; None for other kinds."""
+        return _SCHEMES.get(name)
+
+    @classmethod
+    def of_compressed_tensors(cls, format_name: str | None) -> Fp4Scheme | None:
+        """The scheme a compressed-tensors `format` names, or None for other formats."""
+        return next((s for s in _SCHEMES.values() if s.compressed_tensors_format == format_name),
+                    None)  # fmt: skip
+
+
+Fp4Scheme.MXFP4 = Fp4Scheme("mxfp4", MXFP4_GROUP, "e8m0", False, "mxfp4-pack-quantized",
+                            "group", None)  # fmt: skip
+Fp4Scheme.NVFP4 = Fp4Scheme("nvfp4", NVFP4_GROUP, "e4m3", True, "nvfp4-pack-quantized",
+                            "tensor_group", "NVFP4")  # fmt: skip
+_SCHEMES = {s.name: s for s in (Fp4Scheme.MXFP4, Fp4Scheme.NVFP4)}
+FP4_SCHEME_NAMES = tuple(_SCHEMES)

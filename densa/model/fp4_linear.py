@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from densa.formats import fp4
+from densa.formats.fp4 import Fp4Scheme
 from densa.kernels.cpu import native, qgemm
 from densa.kernels.cpu.grouped_linear import ExpertSegments
 from densa.model.frozen import frozen_parameter as _frozen
@@ -30,14 +30,11 @@ from densa.model.packed_linear import PackedLinear
 from densa.quant.weight_format import WeightFormat
 
 
-def dequantize_parts(
-    qweight: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None, kind: str
-) -> torch.Tensor:
-    """The reference: float32 weights from the runtime parts."""
-    if kind == "mxfp4":
-        return fp4.dequantize_mxfp4(qweight, scales)
-    assert tensor_scale is not None
-    return fp4.dequantize_nvfp4(qweight, scales, tensor_scale)
+def scheme_of(fmt: WeightFormat) -> Fp4Scheme:
+    """The FP4 scheme of a layer's format (ValueError for a format that is not FP4)."""
+    if fmt.fp4 is None:
+        raise ValueError(f"an FP4 layer cannot hold {fmt.describe()} weights")
+    return fmt.fp4
 
 
 def can_pack(device: torch.device, in_features: int, out_features: int) -> bool:
@@ -53,7 +50,7 @@ def pack(
 ) -> qgemm.PackedWeight:
     """The kernels' blocks, for the weight-only kernel or (activations "int8") the int8 one."""
     int8 = fmt.activations == "int8"
-    if fmt.kind == "mxfp4":
+    if not scheme_of(fmt).has_tensor_scale:  # MXFP4: the E8M0 scales are all there is
         return qgemm.pack_mxfp4(qweight, scales, native.isa(), int8)
     assert tensor_scale is not None
     return qgemm.pack_nvfp4(qweight, scales, tensor_scale, native.isa(), int8)
@@ -64,14 +61,14 @@ def _triton_linear(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     tensor_scale: torch.Tensor | None,
-    kind: str,
+    scheme: Fp4Scheme,
     bias: torch.Tensor | None,
 ) -> torch.Tensor | None:
     from densa.kernels.triton import fp4_linear as triton_fp4  # imports Triton: only on a GPU
 
     if not triton_fp4.is_available():
         return None
-    return triton_fp4.fp4_linear_triton(x, qweight, scales, tensor_scale, kind, bias)
+    return triton_fp4.fp4_linear_triton(x, qweight, scales, tensor_scale, scheme, bias)
 
 
 class Fp4Linear(nn.Module):
@@ -84,12 +81,14 @@ class Fp4Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
-        group = fp4.groups_of(fmt.kind)
-        if in_features % group:
-            raise ValueError(f"{fmt.kind} needs in_features divisible by {group}: {in_features}")
+        self.scheme = scheme = scheme_of(fmt)
+        if in_features % scheme.group:
+            raise ValueError(
+                f"{scheme.name} needs in_features divisible by {scheme.group}: {in_features}"
+            )
         self.qweight = _frozen((out_features, in_features // 2), torch.uint8)
-        self.scales = _frozen((out_features, in_features // group), torch.uint8)
-        nv = fmt.kind == "nvfp4"
+        self.scales = _frozen((out_features, in_features // scheme.group), torch.uint8)
+        nv = scheme.has_tensor_scale
         self.tensor_scale = _frozen((out_features,), torch.float32) if nv else None
         self.bias = _frozen((out_features,), dtype) if bias else None
 
@@ -98,17 +97,17 @@ class Fp4Linear(nn.Module):
         if not can_pack(self.qweight.device, self.in_features, self.out_features):
             return None
         weight = pack(self.qweight, self.scales, self.tensor_scale, self.fmt)
-        name = self.fmt.kind + ("a8" if self.fmt.activations == "int8" else "")
+        name = self.scheme.name + ("a8" if self.fmt.activations == "int8" else "")
         return PackedLinear(name, weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             out = _triton_linear(
-                x, self.qweight, self.scales, self.tensor_scale, self.fmt.kind, self.bias
+                x, self.qweight, self.scales, self.tensor_scale, self.scheme, self.bias
             )
             if out is not None:
                 return out
-        weight = dequantize_parts(self.qweight, self.scales, self.tensor_scale, self.fmt.kind)
+        weight = self.scheme.dequantize(self.qweight, self.scales, self.tensor_scale)
         return F.linear(x, weight.to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
@@ -131,12 +130,11 @@ class StackedFp4Linear(nn.Module):
         self.num_experts, self.in_features, self.out_features, self.fmt = (
             num_experts, in_features, out_features, fmt,
         )  # fmt: skip
-        group = fp4.groups_of(fmt.kind)
+        self.scheme = scheme = scheme_of(fmt)
         rows = (num_experts, out_features)
         self.qweight = _frozen((*rows, in_features // 2), torch.uint8)
-        self.scales = _frozen((*rows, in_features // group), torch.uint8)
-        nv = fmt.kind == "nvfp4"
-        self.tensor_scale = _frozen(rows, torch.float32) if nv else None
+        self.scales = _frozen((*rows, in_features // scheme.group), torch.uint8)
+        self.tensor_scale = _frozen(rows, torch.float32) if scheme.has_tensor_scale else None
         self.bits = 0  # the kernels' format code once packed
 
     def prepare(self) -> None:
@@ -169,12 +167,10 @@ class StackedFp4Linear(nn.Module):
             return qgemm.quantized_linear(x, packed).to(x.dtype)
         t = None if self.tensor_scale is None else self.tensor_scale[expert]
         if x.is_cuda:
-            out = _triton_linear(
-                x, self.qweight[expert], self.scales[expert], t, self.fmt.kind, None
-            )
+            out = _triton_linear(x, self.qweight[expert], self.scales[expert], t, self.scheme, None)
             if out is not None:
                 return out
-        weight = dequantize_parts(self.qweight[expert], self.scales[expert], t, self.fmt.kind)
+        weight = self.scheme.dequantize(self.qweight[expert], self.scales[expert], t)
         return F.linear(x, weight.to(x.dtype))
 
     def extra_repr(self) -> str:

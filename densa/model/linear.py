@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from densa.formats.fp4 import FP4_SCHEME_NAMES
 from densa.formats.int4 import dequantize_int4
 from densa.kernels.cpu import linear as cpu_linear
 from densa.kernels.cpu.fp8_linear import fp8_linear
@@ -144,8 +145,7 @@ class Fp8Linear(nn.Module):
 _QUANTIZED: dict[str, type[Int4Linear] | type[Fp8Linear] | type[Fp4Linear]] = {
     "int4": Int4Linear,
     "fp8": Fp8Linear,
-    "mxfp4": Fp4Linear,
-    "nvfp4": Fp4Linear,
+    **dict.fromkeys(FP4_SCHEME_NAMES, Fp4Linear),  # one layer type for every FP4 scheme
 }
 
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import psutil
 import torch
 
-from densa.config import HEAD_FROM_BLOCKS
 from densa.kernels.cpu import native
 from densa.memory import rehome_on_huge_pages
 from densa.model.arch import ArchConfig, ModelLoadError
@@ -52,7 +51,7 @@ from densa.model.runtime_weights import (
 )
 from densa.model.stacked_linear import prepare_stacked
 from densa.quant import gguf_blocks
-from densa.quant.linear_format import LinearFormat
+from densa.quant.linear_format import HeadFormat, LinearFormat
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
 from densa.utils.heap import keep_large_allocations_unmappable, return_free_heap
 from densa.utils.logging import get_logger
@@ -118,7 +117,7 @@ class LoadPlan:
     dtype: str
     device: torch.device
     weight_format: LinearFormat
-    head_format: str
+    head_format: HeadFormat
     source: GGUFFile | None  # a converted GGUF file, read from the file itself
     files: list[Path]  # else the safetensors files
     stored: CheckpointFormat | None  # what the checkpoint says it stores
@@ -142,10 +141,11 @@ def plan_load(
     max_position: int,
     device: torch.device,
     weight_format: str | LinearFormat = LinearFormat.AUTO,
-    head_format: str = "dense",
+    head_format: str | HeadFormat = HeadFormat.DENSE,
 ) -> LoadPlan:
     """The load of `model_dir` in the runtime format `weight_format` selects, planned."""
     fmt = LinearFormat.of(weight_format)  # an option value as given (tests, benchmarks)
+    head = _resolved_head(head_format)
     torch_dtype = DTYPES[dtype]
     source = GGUFFile.of_converted(model_dir)
     files = [] if source is not None else safetensors_files(model_dir)
@@ -154,7 +154,7 @@ def plan_load(
     with meta_skeleton():
         model = model_factory(arch.architecture)(arch, max_position, device).to(dtype=torch_dtype)
         num_params = num_parameters(model)
-        kept = kept_linears(model, source, fmt, head_format, device)
+        kept = kept_linears(model, source, fmt, head, device)
         table = kept_embedding(model, source, arch, device)
         targets = quantized_modules(model, stored, runtime)
         if runtime is not None:
@@ -166,7 +166,7 @@ def plan_load(
         swap_kept_linears(model, kept)
         swap_kept_embedding(model, table)
         model.tie_weights()
-    return LoadPlan(model_dir, model, dtype, device, fmt, head_format, source, files,
+    return LoadPlan(model_dir, model, dtype, device, fmt, head, source, files,
                     stored, runtime, targets, kept, table, num_params, savings)  # fmt: skip
 
 
@@ -177,7 +177,7 @@ def load_model(
     max_position: int,
     device: torch.device,
     weight_format: str | LinearFormat = LinearFormat.AUTO,
-    head_format: str = "dense",
+    head_format: str | HeadFormat = HeadFormat.DENSE,
 ) -> CausalLM:
     """Build the model and load its weights in the runtime format `weight_format` selects; the
     packed CPU formats (w4a8, w8a8) are made from the loaded dense weights, and `head_format`
@@ -232,7 +232,7 @@ def kept_linears(
     model: CausalLM,
     source: GGUFFile | None,
     weight_format: LinearFormat,
-    head_format: str,
+    head_format: HeadFormat,
     device: torch.device,
 ) -> dict[str, KeptLinear]:
     """The GGUF linear layers (and, with head format `blocks`, the output head) that keep
@@ -240,10 +240,10 @@ def kept_linears(
     load as float32 instead."""
     if source is None or device.type != "cpu" or not native.is_available():
         return {}
-    targets = quantizable_linears(model, include_head=head_format == HEAD_FROM_BLOCKS)
+    targets = quantizable_linears(model, include_head=head_format.is_gguf_blocks)
     layouts = source.layouts()
     kept = plan_kept_linears(model, layouts, targets, weight_format)
-    if head_format == HEAD_FROM_BLOCKS and OUTPUT_HEAD not in kept:
+    if head_format.is_gguf_blocks and OUTPUT_HEAD not in kept:
         head_only = plan_kept_linears(model, layouts, {OUTPUT_HEAD}, LinearFormat.BLOCKS)
         kept.update(head_only)  # the head's own family even when the linears were asked dense
     found = dequantized_types(model, layouts, targets, kept)
@@ -281,35 +281,44 @@ def _packed_savings(
     return saved
 
 
-def _pack(model: CausalLM, weight_format: str | None, head_format: str) -> None:
+def _pack(model: CausalLM, weight_format: str | None, head_format: HeadFormat) -> None:
     """Pack the linear layers (and the output head) into the CPU kernels' formats, if asked."""
     try:
         if weight_format is not None:
             skipped = pack_linears(model, quantizable_linears(model), weight_format)
             if skipped:
                 logger.info("%d linear layers stay dense (shape does not tile)", len(skipped))
-        from_blocks = head_format == HEAD_FROM_BLOCKS
-        if (
-            not from_blocks
-            and head_format != "dense"
-            and pack_linears(model, {OUTPUT_HEAD}, head_format)
-        ):
-            raise ModelLoadError(f"the output head's shape does not fit {head_format}")
+        head = head_format.packed
+        if head is not None and pack_linears(model, {OUTPUT_HEAD}, head):
+            raise ModelLoadError(f"the output head's shape does not fit {head}")
     except PackedFormatUnavailable as exc:
         raise ModelLoadError(str(exc)) from exc
 
 
 def _describe_weights(
-    runtime: WeightFormat | None, packed: str | None, head: str, kept: dict[str, KeptLinear]
+    runtime: WeightFormat | None, packed: str | None, head: HeadFormat, kept: dict[str, KeptLinear]
 ) -> str:
     linear = runtime.describe() if runtime is not None else packed or "dense"
     if kept:
         counts = Counter(k.fmt for name, k in kept.items() if name != OUTPUT_HEAD)
         blocks = ", ".join(f"{n} {fmt}" for fmt, n in sorted(counts.items()))
         linear = f"GGUF blocks ({blocks} layers), others {linear}"
-    if head == HEAD_FROM_BLOCKS:
-        head = f"{kept[OUTPUT_HEAD].fmt} (GGUF blocks)" if OUTPUT_HEAD in kept else "dense"
-    return linear if head == "dense" else f"{linear}, output head {head}"
+    described = _describe_head(head, kept)
+    return linear if described is None else f"{linear}, output head {described}"
+
+
+def _describe_head(head: HeadFormat, kept: dict[str, KeptLinear]) -> str | None:
+    """The head's format where it is not dense as loaded (None where it is)."""
+    if head.is_gguf_blocks:
+        return f"{kept[OUTPUT_HEAD].fmt} (GGUF blocks)" if OUTPUT_HEAD in kept else None
+    return head.packed
+
+
+def _resolved_head(head_format: str | HeadFormat) -> HeadFormat:
+    head = HeadFormat.of(head_format)  # an option value as given (tests, benchmarks)
+    if head.is_auto:
+        raise ValueError("head format auto is resolved per checkpoint first (auto_formats)")
+    return head
 
 
 # How `auto` runs a GGUF file on the C++ kernels. Every linear layer whose block type the kernels
@@ -318,15 +327,18 @@ def _describe_weights(
 # `blocks`, gguf_loading), others load dense, with one warning naming their types; a file whose
 # layers are mostly Q4_0/Q4_1 also packs those others as w4a8 (what SmolLM2's Q4_1 file always
 # did).
-# An untied head keeps its blocks the same way (HEAD_FROM_BLOCKS); a head tied to a Q8_0
+# An untied head keeps its blocks the same way (HeadFormat.BLOCKS); a head tied to a Q8_0
 # embedding is packed as w8 from it.
 AUTO_LINEAR = {"Q4_0": LinearFormat.W4A8, "Q4_1": LinearFormat.W4A8}
-AUTO_HEAD = {"Q8_0": "w8"}
+AUTO_HEAD = {"Q8_0": HeadFormat.W8}
 
 
 def auto_formats(
-    model_path: str, model_dir: Path, weight_format: str | LinearFormat, head_format: str
-) -> tuple[LinearFormat, str]:
+    model_path: str,
+    model_dir: Path,
+    weight_format: str | LinearFormat,
+    head_format: str | HeadFormat,
+) -> tuple[LinearFormat, HeadFormat]:
     """Resolve `auto` (see AUTO_LINEAR): GGUF files run from their blocks on the C++ kernels
     where they are built; everything else loads as its checkpoint says (dense for HF
     directories). Returns (weights, head)."""
@@ -335,9 +347,10 @@ def auto_formats(
     weights = LinearFormat.of(weight_format)  # parsed here: the option enters the engine here
     if weights.is_auto and kernels and stored:
         weights = AUTO_LINEAR.get(str(stored.get("linear")), LinearFormat.BLOCKS)
-    if head_format == "auto":
-        head_format = _auto_head(model_dir, stored) if kernels else "dense"
-    return weights, head_format
+    head = HeadFormat.of(head_format)
+    if head.is_auto:
+        head = _auto_head(model_dir, stored) if kernels else HeadFormat.DENSE
+    return weights, head
 
 
 def auto_dtype(model_path: str, model_dir: Path, dtype: str) -> str:
@@ -354,11 +367,11 @@ def auto_dtype(model_path: str, model_dir: Path, dtype: str) -> str:
     return "bfloat16" if stored == "bfloat16" else "float32"
 
 
-def _auto_head(model_dir: Path, stored: dict[str, str | None]) -> str:
+def _auto_head(model_dir: Path, stored: dict[str, str | None]) -> HeadFormat:
     head = stored.get("head")
     if head is None:
-        return "dense"
+        return HeadFormat.DENSE
     tied = json.loads((model_dir / "config.json").read_text()).get("tie_word_embeddings", False)
     if not tied and gguf_blocks.common_family([head]) is not None:
-        return HEAD_FROM_BLOCKS
-    return AUTO_HEAD.get(head, "dense")
+        return HeadFormat.BLOCKS
+    return AUTO_HEAD.get(head, HeadFormat.DENSE)

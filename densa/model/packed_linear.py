@@ -88,6 +88,7 @@ class PackedFormat:
     pack: Callable[..., qgemm.PackedWeight]  # (*parts, isa) -> blocks for this machine
     reference: Callable[..., torch.Tensor]  # (x, *parts) -> what the kernel computes, float64
     dequantize: Callable[..., torch.Tensor]  # (*parts) -> the stored weight, float32 [N, K]
+    row_trailer_bytes: int = 0  # after the blocks, per output row (NVFP4: its float32 scale)
 
 
 _W8 = (qgemm.quantize_w8, qgemm.pack_w8, qgemm.w8a8_reference, qgemm.dequantize_w8)
@@ -101,6 +102,7 @@ _MXFP4A8 = (quantize_mxfp4, qgemm.pack_mxfp4, qgemm.mxfp4a8_reference, fp4.dequa
 _NVFP4A8 = (quantize_nvfp4, qgemm.pack_nvfp4, qgemm.nvfp4a8_reference, fp4.dequantize_nvfp4)
 _MXFP4 = (quantize_mxfp4, qgemm.pack_mxfp4_float, qgemm.mxfp4_float_reference,
           fp4.dequantize_mxfp4)  # fmt: skip
+_TENSOR_SCALE = 4  # bytes: NVFP4's float32 tensor scale, one per row after the blocks
 _NVFP4 = (quantize_nvfp4, qgemm.pack_nvfp4_float, qgemm.nvfp4_float_reference,
           fp4.dequantize_nvfp4)  # fmt: skip
 PACKED = {
@@ -114,9 +116,9 @@ PACKED = {
         PackedFormat("w5a8", 5, 384, False, *_W5),
         PackedFormat("w5ma8", qgemm.W5_MIN, 416, False, *_W5M),
         PackedFormat("mxfp4", qgemm.MXFP4, 272, False, *_MXFP4),
-        PackedFormat("nvfp4", qgemm.NVFP4, 288, False, *_NVFP4),
+        PackedFormat("nvfp4", qgemm.NVFP4, 288, False, *_NVFP4, _TENSOR_SCALE),
         PackedFormat("mxfp4a8", qgemm.MXFP4A8, 272, False, *_MXFP4A8),
-        PackedFormat("nvfp4a8", qgemm.NVFP4A8, 288, False, *_NVFP4A8),
+        PackedFormat("nvfp4a8", qgemm.NVFP4A8, 288, False, *_NVFP4A8, _TENSOR_SCALE),
     )
 }
 PACKED_FORMATS = tuple(name for name, f in PACKED.items() if f.offered)  # --weight-format's
@@ -232,8 +234,8 @@ def packed_bytes(fmt: str, out_features: int, in_features: int) -> int:
     """Bytes of a [out, in] weight in a packed format: one block per 16 rows x 32 inputs (and
     NVFP4's float32 tensor scale per row after them)."""
     blocks = (out_features // qgemm.PANEL) * (in_features // qgemm.GROUP)
-    trailer = 4 * out_features if fmt.startswith("nvfp4") else 0
-    return blocks * packed_format(fmt).block_bytes + trailer
+    packed = packed_format(fmt)
+    return blocks * packed.block_bytes + packed.row_trailer_bytes * out_features
 
 
 def _pack(fmt: str, weight: torch.Tensor, isa: str) -> qgemm.PackedWeight:

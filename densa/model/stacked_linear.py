@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from densa.formats.fp4 import FP4_SCHEME_NAMES
 from densa.formats.int4 import dequantize_int4
 from densa.kernels.cpu.fp8_linear import fp8_linear
 from densa.kernels.cpu.grouped_linear import ExpertSegments, grouped_linear
@@ -154,8 +155,7 @@ class StackedFp8Linear(nn.Module):
 _QUANTIZED: dict[str, type[StackedInt4Linear] | type[StackedFp8Linear] | type[StackedFp4Linear]] = {
     "int4": StackedInt4Linear,
     "fp8": StackedFp8Linear,
-    "mxfp4": StackedFp4Linear,
-    "nvfp4": StackedFp4Linear,
+    **dict.fromkeys(FP4_SCHEME_NAMES, StackedFp4Linear),  # one layer type for every FP4 scheme
 }
 
 

@@ -17,39 +17,36 @@ from __future__ import annotations
 
 import torch
 
-from densa.formats import fp4
+from densa.formats.fp4 import Fp4Scheme
 
 Parts = dict[str, torch.Tensor]
 
 
-def quantize(weight: torch.Tensor, kind: str) -> Parts:
+def quantize(weight: torch.Tensor, scheme: Fp4Scheme) -> Parts:
     """[N, K] float -> stored parts, by round-to-nearest (K must be a multiple of the group)."""
-    group = fp4.groups_of(kind)
-    if weight.shape[-1] % group:
+    if weight.shape[-1] % scheme.group:
         raise ValueError(
-            f"{kind} needs in_features divisible by {group}; this weight has {weight.shape[-1]}"
+            f"{scheme.name} needs in_features divisible by {scheme.group}; this weight has "
+            f"{weight.shape[-1]}"
         )
-    if kind == "mxfp4":
-        qweight, scales = fp4.quantize_mxfp4(weight)
-        return {"qweight": qweight, "scales": scales}
-    qweight, scales, t = fp4.quantize_nvfp4(weight)
-    return {"qweight": qweight, "scales": scales, "tensor_scale": t.reshape(1)}
+    qweight, scales, t = scheme.quantize(weight)
+    parts = {"qweight": qweight, "scales": scales}
+    if t is not None:
+        parts["tensor_scale"] = t.reshape(1)
+    return parts
 
 
-def to_runtime(parts: Parts, kind: str) -> Parts:
+def to_runtime(parts: Parts, scheme: Fp4Scheme) -> Parts:
     """Stored parts (2-D or stacked) -> the layers' parts: NVFP4's tensor scale per row."""
     runtime = {"qweight": parts["qweight"], "scales": parts["scales"].view(torch.uint8)}
-    if kind == "nvfp4":
+    if scheme.has_tensor_scale:
         rows = parts["qweight"].shape[:-1]  # [N] or [E, N]
         scale = parts["tensor_scale"].float()
         runtime["tensor_scale"] = scale.reshape(*rows[:-1], -1).expand(rows).contiguous()
     return runtime
 
 
-def dequantize(parts: Parts, kind: str) -> torch.Tensor:
+def dequantize(parts: Parts, scheme: Fp4Scheme) -> torch.Tensor:
     """Stored or runtime parts -> [N, K] (or [E, N, K]) float32."""
-    scales = parts["scales"].view(torch.uint8)
-    if kind == "mxfp4":
-        return fp4.dequantize_mxfp4(parts["qweight"], scales)
-    runtime = to_runtime(parts, kind)
-    return fp4.dequantize_nvfp4(runtime["qweight"], scales, runtime["tensor_scale"])
+    runtime = to_runtime(parts, scheme)
+    return scheme.dequantize(runtime["qweight"], runtime["scales"], runtime.get("tensor_scale"))

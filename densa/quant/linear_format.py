@@ -26,13 +26,17 @@ CLI's choices, log lines, fingerprints and the frozen config read exactly as the
 The CLI's choices stay the string tuple densa.config.WEIGHT_FORMATS (the CLI imports no torch;
 this module does, through WeightFormat); tests/quant/test_linear_format.py holds it equal to
 `offered()`.
+
+HeadFormat is the same for `--head-format`, the output head's format: as loaded (dense), packed
+for the CPU kernels (w8a8, w8), a GGUF file's own blocks (blocks, what `auto` resolves an untied
+head to where the kernels run them), or auto (resolved per checkpoint: loader.auto_formats).
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-from densa.config import WEIGHTS_FROM_BLOCKS
+from densa.config import HEAD_FROM_BLOCKS, WEIGHTS_FROM_BLOCKS
 from densa.quant.weight_format import WeightFormat
 
 
@@ -113,3 +117,43 @@ _ON_THE_FLY = {
 # The packed formats users may ask for (packed_linear.PACKED_FORMATS; the others a PackedLinear
 # holds come only from GGUF blocks or FP4 checkpoints).
 _PACKED = (LinearFormat.W4A8, LinearFormat.W8A8, LinearFormat.W8)
+
+
+class HeadFormat(StrEnum):
+    AUTO = "auto"
+    DENSE = "dense"
+    W8A8 = "w8a8"
+    W8 = "w8"
+    BLOCKS = HEAD_FROM_BLOCKS
+
+    @classmethod
+    def of(cls, value: str | HeadFormat) -> HeadFormat:
+        """The format an option value names; ValueError with the choices for any other."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"head format must be one of {cls.offered()}, got {value!r}") from None
+
+    @classmethod
+    def offered(cls) -> tuple[str, ...]:
+        """The values `--head-format` offers (densa.config.HEAD_FORMATS, in its order)."""
+        return tuple(f.value for f in cls if f is not cls.BLOCKS)
+
+    @property
+    def packed(self) -> str | None:
+        """The CPU kernels' format the loaded head is packed into (a tied head gets a packed
+        copy, the embedding stays), or None: the head stays as it loaded."""
+        return self.value if self in (HeadFormat.W8A8, HeadFormat.W8) else None
+
+    @property
+    def is_dense(self) -> bool:
+        return self is HeadFormat.DENSE
+
+    @property
+    def is_auto(self) -> bool:
+        return self is HeadFormat.AUTO
+
+    @property
+    def is_gguf_blocks(self) -> bool:
+        """The head keeps its GGUF blocks (swapped in when the load is planned, not packed)."""
+        return self is HeadFormat.BLOCKS

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from densa.formats.fp4 import FP4_SCHEME_NAMES
 from densa.quant import fp4_weights, fp8_weights, int4
 from densa.quant.weight_format import WeightFormat
 
@@ -122,7 +123,9 @@ class Fp4Quantizer:
     """MXFP4 / NVFP4 (e2m1 codes with block scales), round-to-nearest (densa.quant.fp4_weights)."""
 
     def __init__(self, fmt: WeightFormat) -> None:
-        self.fmt = fmt
+        if fmt.fp4 is None:
+            raise ValueError(f"{fmt.kind} is not an FP4 format")
+        self.fmt, self.scheme = fmt, fmt.fp4
 
     @property
     def needs_calibration(self) -> bool:
@@ -131,13 +134,13 @@ class Fp4Quantizer:
     def quantize(self, weight: torch.Tensor, hessian: torch.Tensor | None = None) -> Parts:
         if is_stacked(weight):
             return per_expert(lambda e: self.quantize(weight[e]), weight.shape[0])
-        return fp4_weights.quantize(weight, self.fmt.kind)
+        return fp4_weights.quantize(weight, self.scheme)
 
     def to_runtime(self, parts: Parts) -> Parts:
-        return fp4_weights.to_runtime(parts, self.fmt.kind)
+        return fp4_weights.to_runtime(parts, self.scheme)
 
     def dequantize(self, parts: Parts, in_features: int) -> torch.Tensor:
-        return fp4_weights.dequantize(parts, self.fmt.kind)
+        return fp4_weights.dequantize(parts, self.scheme)
 
 
 def _expert(parts: Parts, expert: int) -> Parts:
@@ -147,8 +150,7 @@ def _expert(parts: Parts, expert: int) -> Parts:
 _QUANTIZERS: dict[str, type[Int4Quantizer] | type[Fp8Quantizer] | type[Fp4Quantizer]] = {
     "int4": Int4Quantizer,
     "fp8": Fp8Quantizer,
-    "mxfp4": Fp4Quantizer,
-    "nvfp4": Fp4Quantizer,
+    **dict.fromkeys(FP4_SCHEME_NAMES, Fp4Quantizer),  # one quantizer for every FP4 scheme
 }
 
 

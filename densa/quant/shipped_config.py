@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from densa.formats.fp4 import Fp4Scheme
 from densa.quant.weight_format import WeightFormat
 
 
@@ -166,8 +167,9 @@ def _parse_compressed(config: dict[str, Any], scale_dtype: str) -> ShippedSpec:
         return _compressed_fp8(args_where, weights)
     if fmt_name == "pack-quantized":
         return _compressed_int4(args_where, weights, scale_dtype)
-    if fmt_name in ("mxfp4-pack-quantized", "nvfp4-pack-quantized"):
-        return _compressed_fp4(args_where, weights, fmt_name.partition("-")[0])
+    scheme = Fp4Scheme.of_compressed_tensors(fmt_name)
+    if scheme is not None:
+        return _compressed_fp4(args_where, weights, scheme)
     raise UnsupportedCheckpoint(
         f"compressed-tensors format {fmt_name!r} is not supported (densa reads float-quantized "
         "FP8, pack-quantized INT4, mxfp4-pack-quantized and nvfp4-pack-quantized)"
@@ -217,18 +219,17 @@ def _compressed_int4(where: str, weights: dict[str, Any], scale_dtype: str) -> S
 _FP4_DROPPED = frozenset({"input_scale"})  # activation scales of the producer's FP4 kernels
 
 
-def _compressed_fp4(where: str, weights: dict[str, Any], kind: str) -> ShippedSpec:
+def _compressed_fp4(where: str, weights: dict[str, Any], scheme: Fp4Scheme) -> ShippedSpec:
     _require(where, "type", weights.get("type"), ["float"])
     _require(where, "num_bits", weights.get("num_bits"), [4])
     _require(where, "symmetric", weights.get("symmetric", True), [True])
-    group, strategy = (32, "group") if kind == "mxfp4" else (16, "tensor_group")
-    _require(where, "group_size", weights.get("group_size"), [group])
-    _require(where, "strategy", weights.get("strategy"), [strategy])
+    _require(where, "group_size", weights.get("group_size"), [scheme.group])
+    _require(where, "strategy", weights.get("strategy"), [scheme.compressed_tensors_strategy])
     parts = {"packed": "weight_packed", "scale": "weight_scale"}
-    if kind == "nvfp4":
+    if scheme.has_tensor_scale:
         parts["global_scale"] = "weight_global_scale"
     parts["input_scale"] = "input_global_scale"
-    return ShippedSpec(f"ct-{kind}", WeightFormat(kind), "weight_packed", parts,
+    return ShippedSpec(f"ct-{scheme.name}", WeightFormat(scheme.name), "weight_packed", parts,
                        optional=_FP4_DROPPED)  # fmt: skip
 
 
@@ -237,7 +238,8 @@ def _parse_mxfp4(config: dict[str, Any], scale_dtype: str) -> ShippedSpec:
     integrations/mxfp4.py reads the same tensors)."""
     _check_keys("quantization_config", config, {"quant_method"}, _MXFP4_INFO)
     parts = {"blocks": "_blocks", "scales": "_scales"}
-    return ShippedSpec("mxfp4-blocks", WeightFormat("mxfp4"), "_blocks", parts, separator="")
+    fmt = WeightFormat(Fp4Scheme.MXFP4.name)
+    return ShippedSpec("mxfp4-blocks", fmt, "_blocks", parts, separator="")
 
 
 def _parse_modelopt(config: dict[str, Any], scale_dtype: str) -> ShippedSpec:
@@ -246,14 +248,15 @@ def _parse_modelopt(config: dict[str, Any], scale_dtype: str) -> ShippedSpec:
     where = "quantization_config"
     used = {"quant_method", "quant_algo", "group_size", "kv_cache_quant_algo", "kv_cache_scheme"}
     _check_keys(where, config, used, _MODELOPT_INFO)
-    _require(where, "quant_algo", config.get("quant_algo"), ["NVFP4"])
-    _require(where, "group_size", config.get("group_size", 16), [16])
+    nvfp4 = Fp4Scheme.NVFP4
+    _require(where, "quant_algo", config.get("quant_algo"), [nvfp4.modelopt_algo])
+    _require(where, "group_size", config.get("group_size", nvfp4.group), [nvfp4.group])
     for key in ("kv_cache_quant_algo", "kv_cache_scheme"):
         if config.get(key):
             raise UnsupportedCheckpoint(f"{where}.{key} is set; densa does not apply it")
     parts = {"packed": "weight", "scale": "weight_scale", "scale_2": "weight_scale_2",
              "input_scale": "input_scale"}  # fmt: skip
-    return ShippedSpec("modelopt-nvfp4", WeightFormat("nvfp4"), "weight_scale_2", parts,
+    return ShippedSpec("modelopt-nvfp4", WeightFormat(nvfp4.name), "weight_scale_2", parts,
                        optional=_FP4_DROPPED)  # fmt: skip
 
 

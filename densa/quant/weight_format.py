@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 
+from densa.formats.fp4 import FP4_SCHEME_NAMES, Fp4Scheme
+
 METADATA_KEY = "densa.weights"
 FORMAT_VERSION = 1
-WEIGHT_KINDS = ("int4", "fp8", "mxfp4", "nvfp4")
-FP4_KINDS = ("mxfp4", "nvfp4")  # e2m1 codes with block scales (densa.formats.fp4)
+# The FP4 kinds are the names of densa.formats.fp4's schemes (e2m1 codes with block scales).
+WEIGHT_KINDS = ("int4", "fp8", *FP4_SCHEME_NAMES)
 INT4_GROUP_SIZES = (32, 64, 128)
 # float32 holds what the 16-bit dtypes cannot: a shipped checkpoint's integer zero point times
 # its scale (densa.quant.shipped), exactly.
@@ -37,7 +39,8 @@ class WeightFormat:
     """How every quantized linear weight of one checkpoint is stored."""
 
     # "int4" (weight-only, group-wise), "fp8" (e4m3 with block scales), "mxfp4" (e2m1, an E8M0
-    # scale per 32 inputs) or "nvfp4" (e2m1, an e4m3 scale per 16 and a float32 per tensor)
+    # scale per 32 inputs) or "nvfp4" (e2m1, an e4m3 scale per 16 and a float32 per tensor).
+    # The name as stored in the metadata; an FP4 kind is asked through its scheme (`fp4`).
     kind: str
     group_size: int = 128  # int4: input columns sharing one scale (and offset)
     symmetric: bool = True  # int4: w = (q - 8) * s; asymmetric adds a per-group offset z
@@ -63,7 +66,7 @@ class WeightFormat:
             raise ValueError(f"activations must be float or int8, got {self.activations!r}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-        if self.kind in ("fp8", *FP4_KINDS) and self.method != "rtn":
+        if (self.kind == "fp8" or self.is_fp4) and self.method != "rtn":
             raise ValueError(
                 f"{self.kind} weights are quantized by round-to-nearest only (--method rtn)"
             )
@@ -77,16 +80,18 @@ class WeightFormat:
         return replace(self, activations="float")
 
     @property
+    def fp4(self) -> Fp4Scheme | None:
+        """The FP4 scheme the kind names (what differs between MXFP4 and NVFP4), else None."""
+        return Fp4Scheme.named(self.kind)
+
+    @property
     def is_fp4(self) -> bool:
-        return self.kind in FP4_KINDS
+        return self.fp4 is not None
 
     def describe(self) -> str:
         """'int4 g128 sym (gptq)' / 'fp8 e4m3 128x128 blocks': for logs and reports."""
-        acts = ", int8 activations" if self.activations == "int8" else ""
-        if self.kind == "mxfp4":
-            return f"mxfp4 (e2m1, e8m0 scale per 32{acts})"
-        if self.kind == "nvfp4":
-            return f"nvfp4 (e2m1, e4m3 scale per 16, fp32 per tensor{acts})"
+        if self.fp4 is not None:
+            return self.fp4.describe(", int8 activations" if self.activations == "int8" else "")
         if self.kind == "fp8":
             return f"fp8 e4m3 {self.block_size}x{self.block_size} blocks"
         symmetry = "sym" if self.symmetric else "asym"

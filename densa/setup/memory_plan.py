@@ -45,13 +45,13 @@ from densa.kernels.cpu.prefill_attention import KEY_BLOCK
 from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.interface import CausalLM
 from densa.model.kv_pages import page_bytes
-from densa.model.loader import HEAD_FROM_BLOCKS, LoadPlan, plan_load  # the loader's own plan
+from densa.model.loader import LoadPlan, plan_load  # the loader's own plan
 from densa.model.packed_linear import packed_bytes
 from densa.model.quant_targets import OUTPUT_HEAD
 from densa.model.runtime_weights import (
     quantizable_linears,
 )
-from densa.quant.linear_format import LinearFormat
+from densa.quant.linear_format import HeadFormat, LinearFormat
 from densa.setup.kv_sizing import auto_kv_pages, is_relative
 from densa.setup.loading import ModelLoads, plan_loads
 from densa.utils.sizes import format_bytes
@@ -117,7 +117,7 @@ def plan_weights(
     max_len: int,
     device: torch.device,
     weight_format: str | LinearFormat,
-    head_format: str,
+    head_format: str | HeadFormat,
 ) -> WeightPlan:
     """The bytes `load_model(model_dir, ...)` will hold, from headers only (a meta model)."""
     return planned_weights(
@@ -139,7 +139,7 @@ def planned_weights(load: LoadPlan) -> WeightPlan:
         transient = max(transient, final)  # rehome_on_huge_pages copies every weight at once
     runtime = load.runtime
     linear = packed or (runtime.describe() if runtime is not None else load.dtype)
-    describe = linear if head_format == "dense" else f"{linear}, head {head_format}"
+    describe = linear if head_format.is_dense else f"{linear}, head {head_format}"
     return WeightPlan(final, transient, describe)
 
 
@@ -178,13 +178,13 @@ def _repacked_bytes(model: CausalLM, fmt: str) -> int:
     return saved
 
 
-def _head_bytes(model: CausalLM, head_format: str) -> int:
+def _head_bytes(model: CausalLM, head_format: HeadFormat) -> int:
     """What packing the output head changes: a tied head adds its packed copy (the embedding
     stays), an untied one replaces its dense weight."""
-    if head_format in ("dense", HEAD_FROM_BLOCKS):  # blocks: swapped in the meta model already
+    if head_format.packed is None:  # dense, or GGUF blocks: swapped in the meta model already
         return 0
     head = model.get_submodule(OUTPUT_HEAD)
-    sizes = _dense_and_packed(head, head_format)
+    sizes = _dense_and_packed(head, head_format.packed)
     if sizes is None:
         return 0
     embeddings = [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)]

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from densa.formats.fp4 import Fp4Scheme
 from densa.kernels.cpu import native, qgemm
 from densa.kernels.cpu.int4_linear import cpu_int4_linear, pack_for_cpu
 from densa_bench.common.hardware import describe_hardware
@@ -48,6 +49,19 @@ def _packed_nibbles(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
 
 
+def _fp4_weight(
+    scheme: Fp4Scheme, int8: bool, n: int, k: int, gen: torch.Generator
+) -> qgemm.PackedWeight:
+    """Random FP4 codes and scale bytes in the scheme's layout, packed for the C++ kernels."""
+    isa, shape = native.isa(), (n, k // scheme.group)
+    if not scheme.has_tensor_scale:
+        scales = torch.randint(118, 124, shape, generator=gen, dtype=torch.uint8)
+        return qgemm.pack_mxfp4(_packed_nibbles(n, k, gen), scales, isa, int8)
+    scales = torch.randint(0x30, 0x50, shape, generator=gen, dtype=torch.uint8)
+    t = torch.full((n,), 1e-3)
+    return qgemm.pack_nvfp4(_packed_nibbles(n, k, gen), scales, t, isa, int8)
+
+
 def make_layer(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[Matmul, int]:
     """A matmul over an [n, k] weight in `fmt`, and its resident bytes."""
     isa = native.isa()
@@ -55,15 +69,9 @@ def make_layer(fmt: str, n: int, k: int, gen: torch.Generator) -> tuple[Matmul, 
         d = (torch.rand(n, k // 32, generator=gen) * 1e-2).half().float()
         packed = qgemm.pack_w4(_codes(n, k, gen), d, -8 * d, isa)
         return (lambda x: qgemm.quantized_linear(x, packed)), packed.blocks.numel()
-    int8 = fmt.endswith("a8")
-    if fmt.startswith("mxfp4"):
-        scales = torch.randint(118, 124, (n, k // 32), generator=gen, dtype=torch.uint8)
-        packed = qgemm.pack_mxfp4(_packed_nibbles(n, k, gen), scales, isa, int8)
-        return (lambda x: qgemm.quantized_linear(x, packed)), packed.blocks.numel()
-    if fmt.startswith("nvfp4"):
-        scales = torch.randint(0x30, 0x50, (n, k // 16), generator=gen, dtype=torch.uint8)
-        t = torch.full((n,), 1e-3)
-        packed = qgemm.pack_nvfp4(_packed_nibbles(n, k, gen), scales, t, isa, int8)
+    scheme = Fp4Scheme.named(fmt.removesuffix("a8"))  # mxfp4, mxfp4a8, nvfp4, nvfp4a8
+    if scheme is not None:
+        packed = _fp4_weight(scheme, fmt.endswith("a8"), n, k, gen)
         return (lambda x: qgemm.quantized_linear(x, packed)), packed.blocks.numel()
     scales = (torch.rand(n, k // 128, generator=gen) * 1e-2).to(torch.bfloat16)
     pack = pack_for_cpu(_packed_nibbles(n, k, gen), scales, None, 128, k)

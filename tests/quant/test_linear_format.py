@@ -1,6 +1,7 @@
 """LinearFormat, what `--weight-format` selects, answers what its callers ask: whether it
 quantizes at load (and into what), which packed CPU format it makes, whether the checkpoint's
-quantized layers load dense first, what a draft runs in; and it reads as the option's string."""
+quantized layers load dense first, what a draft runs in; and it reads as the option's string.
+HeadFormat, what `--head-format` selects, the same for the output head."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import json
 
 import pytest
 
-from densa.config import WEIGHT_FORMATS, WEIGHTS_FROM_BLOCKS
+from densa.config import HEAD_FORMATS, HEAD_FROM_BLOCKS, WEIGHT_FORMATS, WEIGHTS_FROM_BLOCKS
 from densa.model.packed_linear import PACKED_FORMATS
 from densa.model.runtime_weights import runtime_format
-from densa.quant.linear_format import LinearFormat
+from densa.quant.linear_format import HeadFormat, LinearFormat
 from densa.quant.weight_format import CheckpointFormat, WeightFormat
 
 F = LinearFormat
@@ -69,3 +70,23 @@ def test_the_runtime_format_of_each_choice_over_what_a_checkpoint_stores() -> No
         runtime_format(int4, F.FP8)
     with pytest.raises(RuntimeError, match="not nvfp4a8"):
         runtime_format(mxfp4, F.NVFP4A8)
+
+
+def test_the_head_format_is_parsed_from_the_options_strings_and_reads_as_them() -> None:
+    H = HeadFormat
+    assert H.offered() == HEAD_FORMATS  # --help lists the same choices, in the same order
+    assert H.of("w8") is H.W8 and H.of(H.W8) is H.W8 and H.of(HEAD_FROM_BLOCKS) is H.BLOCKS
+    assert f"{H.W8A8}" == "w8a8" == H.W8A8
+    with pytest.raises(ValueError, match="head format must be one of"):
+        H.of("w4a8")  # a linear format, not a head one
+
+
+def test_what_each_head_format_packs_and_is() -> None:
+    H = HeadFormat
+    assert {h.value: h.packed for h in H} == {
+        "auto": None, "dense": None, "w8a8": "w8a8", "w8": "w8", "blocks": None
+    }  # fmt: skip
+    assert all(h.packed in PACKED_FORMATS for h in H if h.packed is not None)
+    assert [h for h in H if h.is_dense] == [H.DENSE]
+    assert [h for h in H if h.is_auto] == [H.AUTO]
+    assert [h for h in H if h.is_gguf_blocks] == [H.BLOCKS]

@@ -32,6 +32,7 @@ from densa.openai.protocol import ChatCompletionRequest, CompletionRequest
 from .support import MODEL_NAME, RunningServer, engine_client, running_server
 
 MAX_LEN = 64
+HOSTILE_WORKERS = 4  # hostile requests in flight at once, beside the victims
 # Raw JSON text, so values json.dumps would refuse (infinity via 1e400) or rewrite get through.
 HOSTILE = ['"a\\ud800b"', "null", "1e-45", "-1e-320", "1e308", "-1e308", "1e400", "18446744073709551617",
            "-9223372036854775809", '"' + "x" * 200_000 + '"', "[]", "{}", "true"]  # fmt: skip
@@ -144,16 +145,22 @@ def test_hostile_fields_never_cost_other_clients_anything(fuzz_server: RunningSe
                     mismatches.append(f"victim {idx}: {got!r} != {references[idx]!r}")
                 rounds[idx] += 1
 
+    # One client for every hostile request (its pool keeps a connection per worker): making a
+    # client per request cost more than the server's answer (an SSL context each, ~1300 times).
+    hostile_client = httpx.Client(limits=httpx.Limits(max_connections=HOSTILE_WORKERS))
+
     def hostile(case: tuple[str, str]) -> tuple[str, int, dict[str, Any] | None]:
         path, text = case[:2]
         headers = {"content-type": "application/json"}
-        with httpx.Client() as client:
-            response = client.post(base + path, content=text.encode(), headers=headers, timeout=60)
+        response = hostile_client.post(
+            base + path, content=text.encode(), headers=headers, timeout=60
+        )
         error = None if response.status_code == 200 else response.json()["error"]
         return text[:160], response.status_code, error
 
     id_cases = token_id_cases(fuzz_server.app.state.densa.served.vocab_size)
-    with concurrent.futures.ThreadPoolExecutor(len(VICTIMS) + 4) as pool:
+    workers = len(VICTIMS) + HOSTILE_WORKERS
+    with hostile_client, concurrent.futures.ThreadPoolExecutor(workers) as pool:
         victims = [pool.submit(victim, i) for i in range(len(VICTIMS))]
         results = list(pool.map(hostile, cases()))
         id_results = list(pool.map(hostile, id_cases))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from densa.formats.fp4 import Fp4Scheme
 from densa.kernels.triton.common import interpreting, or_dummy, require_triton, triton
 
 BLOCK_K = 32  # inputs per step
@@ -103,7 +104,7 @@ def fp4_linear_triton(
     qweight: torch.Tensor,
     scales: torch.Tensor,
     tensor_scale: torch.Tensor | None,
-    kind: str,
+    scheme: Fp4Scheme,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[M, K] x FP4 [N, K] -> [M, N] in x's dtype (K a multiple of 32)."""
@@ -113,7 +114,7 @@ def fp4_linear_triton(
     out_features = qweight.shape[0]
     if in_features % BLOCK_K:
         raise ValueError(f"the FP4 Triton kernel needs K % {BLOCK_K} == 0, not {in_features}")
-    nvfp4 = kind == "nvfp4"
+    nvfp4 = scheme == Fp4Scheme.NVFP4  # the kernel has two paths: MXFP4 and NVFP4
     scales = scales.contiguous().view(torch.uint8)
     t = tensor_scale.float().contiguous() if tensor_scale is not None else None
     block_m = 16 if num_rows <= 16 else 32 if num_rows <= 32 else 64
