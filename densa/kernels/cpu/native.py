@@ -38,6 +38,7 @@ _SOURCE_NAMES = (
     "w8float.cpp",
     "decoder.cpp",
     "prefill_attention.cpp",
+    "delta_rule.cpp",
 )
 _HEADER_NAMES = (
     "qgemm.h",
@@ -45,6 +46,8 @@ _HEADER_NAMES = (
     "vec.h",
     "prefill_attention.h",
     "prefill_attention_body.inc",
+    "delta_rule.h",
+    "delta_rule_body.inc",
 )
 SOURCES = [CSRC / name for name in _SOURCE_NAMES]
 HEADERS = [CSRC / name for name in _HEADER_NAMES]

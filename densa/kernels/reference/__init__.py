@@ -8,4 +8,5 @@
     quantized linear         next to each CPU kernel, in plain torch: int4_linear_ref,
                              fp8_linear_ref, grouped_linear_ref, qgemm's *_reference
     integrity check          integrity.mismatching_rows, the torch tag check the engine runs
+    delta-rule decode        delta_rule.delta_rule_decode_reference (and _steps: T tokens)
 """

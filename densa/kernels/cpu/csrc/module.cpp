@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "decoder.h"
+#include "delta_rule.h"
 #include "prefill_attention.h"
 #include "qgemm.h"
 #include "vec.h"
@@ -503,6 +504,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("prefill_attention", &prefill_attention_op, Release(),
              "q, k, k_scale, v, v_scale, page_table, seq_lens, query_lens, sm_scale, new_k, "
              "new_v, fp8 table, isa -> tiled causal prefill attention [T, H, D]");
+  module.def("delta_rule_steps", &delta_rule_steps, Release(),
+             "state_pool [slots, H, Dk, Dv] (updated in place), slot_ids [B], q, k [B, T, H, Dk], "
+             "v [B, T, H, Dv], log_decay [B, T, H(, Dk)], beta [B, T, H], isa -> out [B, T, H, Dv]");
   module.def("context_splits", &context_splits,
              "items, threads, longest context -> parts per (sequence, kv head) at decode");
   module.def("pack_w8float", &pack_w8float, Release(),
