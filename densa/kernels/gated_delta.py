@@ -74,6 +74,7 @@ def chunked_delta_rule(
     them (in place). q, k [T, H, Dk]; v [T, H, Dv]; log_decay, beta [T, H]. Returns o [T, H, Dv]
     float32. Padding to whole chunks uses k = 0, beta = 0, g = 0: padded tokens write nothing."""
     num_tokens = q.shape[0]
+    chunk = min(chunk, num_tokens)  # exact for any size: a short prompt chunk pads nothing
     pad = (-num_tokens) % chunk
     q, k, v = (F.pad(x.float(), (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
     log_decay, beta = (F.pad(x.float(), (0, 0, 0, pad)) for x in (log_decay, beta))
