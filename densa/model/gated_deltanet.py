@@ -204,3 +204,22 @@ class GatedDeltaNet(nn.Module):
         conv_out = causal_conv(mixed.t().unsqueeze(0), window, self.conv1d.weight[:, 0])
         q, k, v = self.heads(conv_out[0].t())  # [T, Hv, D]
         return chunked_delta_rule(q, k, v, log_decay, beta, cache.recurrent[run.slot])
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's layout of the same layer: q|k|v (already the conv's channel order), z, b and a
+    each from their own projection instead of Qwen3-Next's two per-key-head grouped ones."""
+
+    def __init__(self, hidden_size: int, cfg: LinearAttentionConfig, eps: float) -> None:
+        super().__init__(hidden_size, cfg, eps)
+        del self.in_proj_qkvz, self.in_proj_ba
+        self.in_proj_qkv = Linear(hidden_size, cfg.conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden_size, cfg.value_dim, bias=False)
+        self.in_proj_b = Linear(hidden_size, cfg.num_value_heads, bias=False)
+        self.in_proj_a = Linear(hidden_size, cfg.num_value_heads, bias=False)
+
+    def split_projections(
+        self, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        z = self.in_proj_z(hidden).view(hidden.shape[0], self.cfg.num_value_heads, -1)
+        return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)

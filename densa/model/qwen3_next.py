@@ -1,4 +1,4 @@
-"""Qwen3-Next (transformers `qwen3_next`): a hybrid of Gated DeltaNet and gated full attention.
+"""Qwen3-Next and Qwen3.5 (`qwen3_next`, `qwen3_5`): Gated DeltaNet beside gated full attention.
 
     layer_types   linear_attention x3, full_attention, repeated (Qwen3-Next-80B: 48 layers)
     linear        Gated DeltaNet (densa.model.gated_deltanet): a fixed-size state per request
@@ -23,13 +23,23 @@ from torch import nn
 from densa.model.arch import ArchConfig
 from densa.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache
 from densa.model.family_config import LinearAttentionConfig, MoEConfig
-from densa.model.gated_deltanet import GatedDeltaNet, LinearStateCache, StateBatch
+from densa.model.gated_deltanet import (
+    GatedDeltaNet,
+    LinearStateCache,
+    SplitGatedDeltaNet,
+    StateBatch,
+)
 from densa.model.gemma3 import GemmaRMSNorm as ZeroCentredRMSNorm  # the same (1 + w) norm
 from densa.model.interface import CausalLM
 from densa.model.layers import GatedMLP, RotaryEmbedding
 from densa.model.linear import Linear
 from densa.model.local_attention import paged_attention_in_window
-from densa.model.moe import SparseMoeBlock, route_softmax, stack_experts
+from densa.model.moe import (
+    SparseMoeBlock,
+    route_softmax,
+    route_softmax_normalized,
+    stack_experts,
+)
 from densa.model.weight_loading import GATE_UP_FUSED, QKV_FUSED, FusedWeightLoader
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -79,16 +89,23 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, layer_idx: int, linear: LinearAttentionConfig) -> None:
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        layer_idx: int,
+        linear: LinearAttentionConfig,
+        deltanet: type[GatedDeltaNet],
+        mlp: nn.Module,  # [T, hidden] -> [T, hidden]: dense or mixture of experts
+    ) -> None:
         super().__init__()
         self.is_linear = linear.is_linear_layer(layer_idx)
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg.hidden_size, linear, cfg.rms_norm_eps)
+            self.linear_attn = deltanet(cfg.hidden_size, linear, cfg.rms_norm_eps)
         else:
             self.self_attn = GatedAttention(cfg)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = _mlp(cfg, layer_idx)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -107,15 +124,11 @@ class Qwen3NextDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-def _mlp(cfg: ArchConfig, layer_idx: int) -> nn.Module:
-    if cfg.moe is not None and cfg.moe.is_moe_layer(layer_idx):
-        return SparseMoeBlock(
-            cfg.hidden_size, cfg.moe, cfg.hidden_act, route_softmax, shared_gate=True
-        )
-    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-
-
 class Qwen3NextForCausalLM(CausalLM):
+    deltanet: type[GatedDeltaNet] = GatedDeltaNet  # how the family lays out the layer's inputs
+    # Qwen3-Next renormalizes the top-k weights when norm_topk_prob says so (it does)
+    route = staticmethod(route_softmax)
+
     def __init__(self, cfg: ArchConfig, max_position: int, device: torch.device) -> None:
         super().__init__()
         if cfg.linear is None:
@@ -130,7 +143,8 @@ class Qwen3NextForCausalLM(CausalLM):
             cfg.rotary_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device=device
         )
         self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(cfg, i, cfg.linear) for i in range(cfg.num_layers)
+            Qwen3NextDecoderLayer(cfg, i, cfg.linear, self.deltanet, self.make_mlp(cfg, i))
+            for i in range(cfg.num_layers)
         )
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -138,6 +152,12 @@ class Qwen3NextForCausalLM(CausalLM):
             QKV_FUSED | GATE_UP_FUSED, (2 * cfg.q_size, cfg.kv_size, cfg.kv_size),
             tied_head=cfg.tie_word_embeddings,
         )  # fmt: skip
+
+    def make_mlp(self, cfg: ArchConfig, layer_idx: int) -> nn.Module:
+        if cfg.moe is not None and cfg.moe.is_moe_layer(layer_idx):
+            route = type(self).route
+            return SparseMoeBlock(cfg.hidden_size, cfg.moe, cfg.hidden_act, route, shared_gate=True)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
@@ -173,3 +193,18 @@ class Qwen3NextForCausalLM(CausalLM):
         if self.moe_cfg is None:
             return tensors
         return stack_experts(tensors, self.moe_cfg.num_experts)
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 (text; transformers `qwen3_5_text`): the same stack with the DeltaNet's inputs
+    from separate projections, and dense MLPs. Its multimodal RoPE
+    (mrope) gives text, whose three position streams are equal, plain RoPE on the rotary part."""
+
+    deltanet = SplitGatedDeltaNet
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE (text; `qwen3_5_moe_text`): experts in every layer, whose top-k weights are
+    always renormalized (its config has no norm_topk_prob: the router always does it)."""
+
+    route = staticmethod(route_softmax_normalized)

@@ -28,7 +28,11 @@ from densa.model.kv_layout import (
 )
 from densa.model.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from densa.model.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
-from densa.model.qwen3_next import Qwen3NextForCausalLM
+from densa.model.qwen3_next import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3NextForCausalLM,
+)
 
 ModelFactory = Callable[[ArchConfig, int, torch.device], CausalLM]
 
@@ -90,6 +94,8 @@ register_model("GlmMoeDsaForCausalLM", GlmMoeDsaForCausalLM, SparseLatentKVLayou
 register_model("GptOssForCausalLM", GptOssForCausalLM)  # sinks, sliding layers, MXFP4 experts
 # Gated DeltaNet + gated full attention: pages for the full layers, state slots for the others.
 register_model("Qwen3NextForCausalLM", Qwen3NextForCausalLM, HybridKVLayout())
+register_model("Qwen3_5ForCausalLM", Qwen3_5ForCausalLM, HybridKVLayout())  # text, dense
+register_model("Qwen3_5MoeForCausalLM", Qwen3_5MoeForCausalLM, HybridKVLayout())  # text, MoE
 
 
 # The init functions the modules' reset_parameters call (nn.Linear, nn.Embedding, ...).

@@ -1,4 +1,4 @@
-"""Qwen3-Next (Gated DeltaNet + gated full attention) against transformers on a tiny random model:
+"""Qwen3-Next and Qwen3.5 (Gated DeltaNet + gated full attention) against transformers, tiny random:
 greedy tokens of several requests batched together (decodes beside prefill chunks), with the
 prompts prefilled in chunks of 1, 7, 64 tokens or whole, each request in its own state slot
 (slots start full of garbage: a prompt's first chunk must start from zeros)."""
@@ -41,9 +41,12 @@ class Seq:
         return self.prompt + self.out
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]], list[list[int]]]:
-    model_dir = save_tiny("qwen3_next", tmp_path_factory.mktemp("qwen3-next"), seed=2)
+@pytest.fixture(scope="module", params=["qwen3_next"])
+def case(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[list[int]], list[list[int]]]:
+    family = request.param
+    model_dir = save_tiny(family, tmp_path_factory.mktemp(family), seed=2)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in PROMPT_LENS]
     prompts.append(prompts[1][:SHORT])
@@ -137,7 +140,12 @@ def _densa_greedy(model_dir: Path, prompts: list[list[int]], chunk: int) -> list
     return [s.out for s in seqs]
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+# Qwen3.5 shares the stack: one chunked and one whole-prompt run each.
+RUNS = [("qwen3_next", c) for c in (1, 7, 64, 1000)]
+RUNS += [(family, c) for family in ("qwen3_5", "qwen3_5_moe") for c in (7, 1000)]
+
+
+@pytest.mark.parametrize(("case", "chunk"), RUNS, indirect=["case"])
 def test_greedy_tokens_equal_transformers_batched_and_chunked(case, chunk: int) -> None:  # type: ignore[no-untyped-def]
     model_dir, prompts, want = case
     picked = [0, 1, 2] if chunk >= 64 else [0, 3, 2]
