@@ -175,6 +175,42 @@ def gpt_oss() -> Any:
     return config
 
 
+def qwen3_next() -> Any:
+    """Three Gated DeltaNet layers then one gated full-attention layer (partial RoPE, 25%),
+    2 key heads serving 4 value heads, 4 experts (top 2) with a gated shared expert."""
+    from transformers import Qwen3NextConfig
+
+    settings = _common(
+        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    )  # fmt: skip
+    return Qwen3NextConfig(**settings)
+
+
+def _qwen3_5(**extra: Any) -> dict[str, Any]:
+    return _common(
+        num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, **extra,
+    )  # fmt: skip
+
+
+def qwen3_5() -> Any:
+    """Qwen3.5 text: Qwen3-Next's stack with separate DeltaNet projections, dense MLPs."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**_qwen3_5())
+
+
+def qwen3_5_moe() -> Any:
+    """Qwen3.5-MoE text: every layer's MLP 4 experts (top 2) and a gated shared expert."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=32)  # fmt: skip
+    return Qwen3_5MoeTextConfig(**_qwen3_5(**moe))
+
+
 CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3": qwen3,
     "gemma3": gemma3,
@@ -186,6 +222,9 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "deepseek_v32": deepseek_v32,
     "glm_moe_dsa": glm_moe_dsa,
     "gpt_oss": gpt_oss,
+    "qwen3_next": qwen3_next,
+    "qwen3_5": qwen3_5,
+    "qwen3_5_moe": qwen3_5_moe,
 }
 # Multimodal configs, saved with their own model class (not AutoModelForCausalLM's).
 MULTIMODAL: dict[str, Callable[[], Any]] = {"kimi_k25": kimi_k25}

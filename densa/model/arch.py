@@ -9,9 +9,11 @@ from typing import Any
 
 from densa.model.family_config import (
     DSAConfig,
+    LinearAttentionConfig,
     MLAConfig,
     MoEConfig,
     read_dsa,
+    read_linear_attention,
     read_mla,
     read_moe,
 )
@@ -54,6 +56,10 @@ class ArchConfig:
     dsa: DSAConfig | None = None  # sparse attention's indexer (DeepSeek-V3.2, GLM-5)
     # gpt-oss's clamped SwiGLU: (alpha, limit) of g * sigmoid(alpha g), g and u clamped to limit
     swiglu: tuple[float, float] | None = None
+    # Gated DeltaNet layers beside the full-attention ones (Qwen3-Next, Qwen3.5): hybrid models
+    linear: LinearAttentionConfig | None = None
+    # RoPE rotates only the first rotary_fraction of each head (Qwen3-Next: 0.25)
+    rotary_fraction: float = 1.0
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -90,6 +96,8 @@ class ArchConfig:
             mla=mla,
             dsa=read_dsa(cfg, num_layers),
             swiglu=_swiglu(cfg),
+            linear=read_linear_attention(cfg, num_layers),
+            rotary_fraction=_rotary_fraction(cfg),
         )
 
     @classmethod
@@ -105,6 +113,11 @@ class ArchConfig:
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"cannot read {config_path}: {exc!r}") from exc
         return replace(arch, eos_token_ids=arch.eos_token_ids + _generation_eos(model_dir, arch))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading values of each q/k head that RoPE rotates (all of them but in Qwen3-Next)."""
+        return int(self.head_dim * self.rotary_fraction)
 
     @property
     def q_size(self) -> int:
@@ -123,7 +136,10 @@ class ArchConfig:
         keys = ("architecture", "vocab_size", "hidden_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "rope_theta", "max_position_embeddings")  # fmt: skip
         signature: dict[str, Any] = {key: getattr(self, key) for key in keys}
-        for part in ("moe", "mla", "dsa"):  # routing, latent and index key shapes must match
+        # routing, latent, index key and linear-state shapes must match; "linear" only where
+        # set, so the signatures (and fingerprints) of the other families stay as they were
+        parts = ("moe", "mla", "dsa") + (("linear",) if self.linear is not None else ())
+        for part in parts:
             value = getattr(self, part)
             # tuples as lists: as a peer's signature reads after msgpack (the handshake compares)
             fields = {} if value is None else asdict(value)
@@ -173,6 +189,11 @@ def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
         return None
     kind = scaling.get("rope_type") or scaling.get("type") or "default"
     return None if kind == "default" else dict(scaling, rope_type=kind)
+
+
+def _rotary_fraction(cfg: dict[str, Any]) -> float:
+    params = _global_rope_params(cfg)
+    return float(cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 1.0)
 
 
 def _local_rope_theta(cfg: dict[str, Any]) -> float | None:

@@ -81,6 +81,9 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] int64: slot within that page
     decode: AttentionGroup | None
     prefill: AttentionGroup | None
+    # Hybrid models: each request's state slot ([num decodes + num prefills] int64, in row
+    # order), read and written by the linear-attention layers (densa.model.gated_deltanet)
+    state_slot_ids: torch.Tensor | None = None
 
 
 def build_group(

@@ -196,3 +196,61 @@ def _full_indexer_layers(cfg: dict[str, Any], num_layers: int) -> tuple[bool, ..
     if not full[0]:
         raise ValueError(f"{field_name}[0] is 'shared': the first layer has no top-k to reuse")
     return full
+
+
+LINEAR_LAYER = "linear_attention"  # layer_types' name for a Gated DeltaNet layer
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (Qwen3-Next, Qwen3.5): the layers of `layer_types` marked
+    linear_attention keep a fixed-size state per request instead of K/V pages: a conv window of
+    conv_kernel - 1 inputs over conv_dim channels, and per value head a [key_head_dim,
+    value_head_dim] recurrent state."""
+
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads: a q/k head serves several value heads
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int  # the causal short conv's width (4)
+    linear_layers: tuple[bool, ...]  # which layers are Gated DeltaNet (the rest full attention)
+
+    def __post_init__(self) -> None:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.linear_layers)
+
+    def is_linear_layer(self, layer_idx: int) -> bool:
+        return self.linear_layers[layer_idx]
+
+
+def read_linear_attention(cfg: dict[str, Any], num_layers: int) -> LinearAttentionConfig | None:
+    types = cfg.get("layer_types")
+    if not cfg.get("linear_num_value_heads") or not types or LINEAR_LAYER not in types:
+        return None
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
+    return LinearAttentionConfig(
+        num_key_heads=int(cfg["linear_num_key_heads"]),
+        num_value_heads=int(cfg["linear_num_value_heads"]),
+        key_head_dim=int(cfg["linear_key_head_dim"]),
+        value_head_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg["linear_conv_kernel_dim"]),
+        linear_layers=tuple(kind == LINEAR_LAYER for kind in types),
+    )

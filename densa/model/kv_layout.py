@@ -31,6 +31,7 @@ import torch
 from densa.formats.kv_format import KVFormat
 from densa.model.arch import ArchConfig
 from densa.model.attention import LayerKVCache
+from densa.model.family_config import LinearAttentionConfig
 
 CachePart = tuple[torch.Tensor, torch.Tensor | None]  # (page values, their FP8 scales or None)
 INDEX_BLOCK = 128  # values of an index key under one scale (DeepSeek-V3.2's FP8 block)
@@ -196,3 +197,42 @@ def scratch_caches(
         )
         for _ in range(geo.num_layers)
     ]
+
+
+@dataclass(frozen=True)
+class StateGeometry:
+    """What one request keeps per linear-attention layer, whatever its length (hybrid models):
+    a conv window of conv_values (compute dtype) and a recurrent state of recurrent_values
+    (float32: the recurrence accumulates over the whole history)."""
+
+    num_layers: int
+    conv_values: int  # conv_dim * (conv_kernel - 1)
+    recurrent_values: int  # Hv * Dk * Dv
+
+    def slot_bytes(self, dtype_bytes: int) -> int:
+        """Bytes of one request's state slot across all linear layers."""
+        return self.num_layers * (self.conv_values * dtype_bytes + self.recurrent_values * 4)
+
+
+class HybridKVLayout(DenseKVLayout):
+    """Gated DeltaNet + full attention (Qwen3-Next, Qwen3.5): K/V pages for the full-attention
+    layers only, and a fixed-size state slot per request for the linear ones."""
+
+    name = "hybrid"
+
+    def geometry(self, arch: ArchConfig) -> KVGeometry:
+        linear = _linear_settings(arch)
+        num_full = arch.num_layers - linear.num_linear_layers
+        return KVGeometry(num_full, 2, arch.num_kv_heads, arch.head_dim)
+
+    def state_geometry(self, arch: ArchConfig) -> StateGeometry:
+        linear = _linear_settings(arch)
+        recurrent = linear.num_value_heads * linear.key_head_dim * linear.value_head_dim
+        conv = linear.conv_dim * (linear.conv_kernel - 1)
+        return StateGeometry(linear.num_linear_layers, conv, recurrent)
+
+
+def _linear_settings(arch: ArchConfig) -> LinearAttentionConfig:
+    if arch.linear is None:
+        raise ValueError(f"{arch.architecture} has no linear-attention (Gated DeltaNet) settings")
+    return arch.linear

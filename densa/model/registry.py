@@ -21,12 +21,18 @@ from densa.model.gpt_oss import GptOssForCausalLM
 from densa.model.interface import CausalLM
 from densa.model.kv_layout import (
     DenseKVLayout,
+    HybridKVLayout,
     KVLayout,
     LatentKVLayout,
     SparseLatentKVLayout,
 )
 from densa.model.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from densa.model.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from densa.model.qwen3_next import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3NextForCausalLM,
+)
 
 ModelFactory = Callable[[ArchConfig, int, torch.device], CausalLM]
 
@@ -86,6 +92,10 @@ for _name in ("KimiK25ForConditionalGeneration", "Kimi_K25ForConditionalGenerati
 register_model("DeepseekV32ForCausalLM", DeepseekV32ForCausalLM, SparseLatentKVLayout())
 register_model("GlmMoeDsaForCausalLM", GlmMoeDsaForCausalLM, SparseLatentKVLayout())
 register_model("GptOssForCausalLM", GptOssForCausalLM)  # sinks, sliding layers, MXFP4 experts
+# Gated DeltaNet + gated full attention: pages for the full layers, state slots for the others.
+register_model("Qwen3NextForCausalLM", Qwen3NextForCausalLM, HybridKVLayout())
+register_model("Qwen3_5ForCausalLM", Qwen3_5ForCausalLM, HybridKVLayout())  # text, dense
+register_model("Qwen3_5MoeForCausalLM", Qwen3_5MoeForCausalLM, HybridKVLayout())  # text, MoE
 
 
 # The init functions the modules' reset_parameters call (nn.Linear, nn.Embedding, ...).

@@ -13,7 +13,7 @@ import torch
 from densa.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from densa.formats.kv_format import KVFormat
 from densa.kernels.cpu import native
-from densa.model.arch import ArchConfig
+from densa.model.arch import ArchConfig, ModelLoadError
 from densa.model.attention import AttentionBackend, LayerKVCache
 from densa.model.attention_backends import select_backend
 from densa.model.fused_decode import enable_fused_decode as enable_fused
@@ -68,10 +68,22 @@ class ModelSource:
     kv_format: KVFormat  # KVFormat.of_cache(config.cache): sizing and allocation take it
 
 
+def _refuse_hybrid(arch: ArchConfig) -> None:
+    """Hybrid models (Gated DeltaNet layers) run in densa's model layer, but the engine does not
+    yet give each request a state slot (issue 40, point 2): refuse before any loading."""
+    if arch.linear is not None:
+        raise ModelLoadError(
+            f"{arch.architecture} is a hybrid model (linear-attention layers with per-request "
+            "state); densa's engine cannot serve it yet: the state slots in the memory manager "
+            "are not built (issue 40)"
+        )
+
+
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     args.check()
     source = locate_model(_without_prefix_caching_for_mtp(args))
     config, arch, kv_format = source.config, source.arch, source.kv_format
+    _refuse_hybrid(arch)
     device = torch.device(config.device.device)
     static_scales = load_static_kv_scales(config.cache, kv_format, arch, device)  # fails fast
     fit = args.max_model_len is None  # the trained context, shortened to what the KV holds
