@@ -7,11 +7,11 @@ l2-normalized and q scaled by Dk ** -0.5:
     S = S + k_t (beta_t (v_t - S^T k_t))^T    the delta rule: write only what S mispredicts
     o_t = S^T q_t
 
-Decode runs that step once per request (`delta_rule_decode`, over a pool of state slots; the
-C++ kernel in densa.kernels.cpu.delta_rule implements the same contract). Prefill runs a whole
-chunk of a prompt at once in the chunked (WY) form: within a chunk of C tokens, with
-G_t = g_1 + ... + g_t (the decay from the chunk's start to t) and u_t = beta_t (v_t - S_{t-1}^T k_t)
-after decay, the u's solve one unit-lower-triangular system
+Decode runs that step once per request over a pool of state slots: that is
+`densa.kernels.cpu.delta_rule.delta_rule_decode` (the C++ kernel, with its torch fallback).
+Prefill runs a whole chunk of a prompt at once in the chunked (WY) form: within a chunk of C
+tokens, with G_t = g_1 + ... + g_t (the decay from the chunk's start to t) and
+u_t = beta_t (v_t - S_{t-1}^T k_t) after decay, the u's solve one unit-lower-triangular system
 
     u_t + sum_{s<t} beta_t exp(G_t - G_s) (k_t . k_s) u_s = beta_t (v_t - exp(G_t) S0^T k_t)
 
@@ -35,30 +35,6 @@ CHUNK = 64  # tokens per triangular solve: the matmul sizes Qwen3-Next's referen
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim (the form the reference library uses)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def delta_rule_decode(
-    state_pool: torch.Tensor,
-    slot_ids: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_decay: torch.Tensor,
-    beta: torch.Tensor,
-) -> torch.Tensor:
-    """One token for each of B requests; their states are `state_pool[slot_ids]`, updated in
-    place. state_pool [num_slots, H, Dk, Dv] float32; slot_ids [B] int64; q, k [B, H, Dk];
-    v [B, H, Dv]; log_decay [B, H] or [B, H, Dk]; beta [B, H]. Returns o [B, H, Dv] (float32)."""
-    state = state_pool.index_select(0, slot_ids)  # [B, H, Dk, Dv]
-    decay = log_decay.float().exp()
-    decay = decay[..., None, None] if decay.dim() == 2 else decay[..., None]
-    state = state * decay
-    k, q = k.float(), q.float()
-    predicted = torch.einsum("bhk,bhkv->bhv", k, state)
-    delta = beta.float()[..., None] * (v.float() - predicted)  # [B, H, Dv]
-    state = state + k[..., None] * delta[..., None, :]
-    state_pool.index_copy_(0, slot_ids, state)
-    return torch.einsum("bhk,bhkv->bhv", q, state)
 
 
 def chunked_delta_rule(

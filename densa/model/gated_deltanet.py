@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from densa.kernels.cpu.delta_rule import delta_rule_decode
 from densa.kernels.gated_delta import (
     causal_conv,
     chunked_delta_rule,
-    delta_rule_decode,
     l2_normalize,
 )
 from densa.model.attention import AttentionMetadata

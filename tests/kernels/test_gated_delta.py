@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from densa.kernels.cpu.delta_rule import delta_rule_decode
 from densa.kernels.gated_delta import (
     causal_conv,
     chunked_delta_rule,
-    delta_rule_decode,
     l2_normalize,
 )
 
