@@ -226,6 +226,10 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen3_5": qwen3_5,
     "qwen3_5_moe": qwen3_5_moe,
 }
+# Hybrid linear-attention families: the engine refuses them until their state slots exist (issue
+# 40), and their layers need a state cache, so the paged-KV family tests leave them to
+# tests/model/test_qwen3_next.py.
+HYBRID = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_moe"})
 # Multimodal configs, saved with their own model class (not AutoModelForCausalLM's).
 MULTIMODAL: dict[str, Callable[[], Any]] = {"kimi_k25": kimi_k25}
 

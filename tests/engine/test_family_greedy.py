@@ -12,14 +12,14 @@ from densa.engine.llm_engine import LLMEngine
 from densa.sampling_params import SamplingParams
 from densa.setup.args import EngineArgs
 from densa.text.tokenizer import Tokenizer
-from tests.tiny_families import CONFIGS, save_tiny
+from tests.tiny_families import CONFIGS, HYBRID, save_tiny
 
 from .reference import ReferenceGeneration, first_divergence, hf_greedy, run_with_invariants
 
 # deepseek_v3_yarn differs from deepseek_v3 only in its RoPE table and query projection, which
 # the logits tests (tests/model/test_moe_families.py) cover; the engine path is the same. The
 # sparse-attention families have their own, longer prompts: tests/engine/test_sparse_greedy.py.
-FAMILIES = sorted(set(CONFIGS) - {"deepseek_v3_yarn", "deepseek_v32", "glm_moe_dsa"})
+FAMILIES = sorted(set(CONFIGS) - HYBRID - {"deepseek_v3_yarn", "deepseek_v32", "glm_moe_dsa"})
 
 TEXTS = [
     "The capital of France is",
